@@ -1,0 +1,19 @@
+"""Prometheus metric names: the one list shared by the server (which exports them), the operator's
+autoscaler (which reads them) and docs/metrics.md. No imports, so the operator can use it without JAX."""
+
+PREFIX = "capstan_"
+
+REQUESTS_RUNNING = PREFIX + "requests_running"  # gauge: sequences in the running batch
+REQUESTS_WAITING = PREFIX + "requests_waiting"  # gauge: requests queued, not yet scheduled
+KV_CACHE_USAGE = PREFIX + "kv_cache_usage_ratio"  # gauge 0..1: used KV pages / all KV pages
+KV_PAGES_FREE = PREFIX + "kv_pages_free"  # gauge
+KV_PAGES_TOTAL = PREFIX + "kv_pages_total"  # gauge
+PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queried_tokens"  # counter (_total): prompt tokens looked up
+PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hit_tokens"  # counter (_total): prompt tokens found cached
+PREEMPTIONS = PREFIX + "preemptions"  # counter (_total)
+PROMPT_TOKENS = PREFIX + "prompt_tokens"  # counter (_total)
+GENERATION_TOKENS = PREFIX + "generation_tokens"  # counter (_total)
+REQUESTS_FINISHED = PREFIX + "requests_finished"  # counter (_total), label finish_reason
+TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"  # histogram
+INTER_TOKEN_LATENCY = PREFIX + "inter_token_latency_seconds"  # histogram
+E2E_REQUEST_LATENCY = PREFIX + "e2e_request_latency_seconds"  # histogram
