@@ -1,0 +1,19 @@
+"""AttentionMetadata: where each token of a ragged step sits in the paged KV cache."""
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+# A slot index past any cache: scatters with mode="drop" ignore it, so padding tokens write nothing.
+INVALID_SLOT = jnp.iinfo(jnp.int32).max
+
+
+class AttentionMetadata(eqx.Module):
+    """One step's flat token batch: T tokens (padded to a bucket) from S sequences (padded to the maximum)."""
+
+    positions: jax.Array  # [T] int32: position of each token in its sequence
+    slot_mapping: jax.Array  # [T] int32: page * page_size + offset where its K/V go; INVALID_SLOT for padding
+    token_seq: jax.Array  # [T] int32: row of block_tables that the token belongs to
+    block_tables: jax.Array  # [S, max_pages_per_seq] int32: the pages of each sequence, in order
+    seq_lens: jax.Array  # [S] int32: tokens in the cache for each sequence after this step (0 for padding)

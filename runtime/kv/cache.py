@@ -1,0 +1,27 @@
+"""KVCache: the device-side page pool, one K and one V array for all layers."""
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+class KVCache(eqx.Module):
+    """k, v: [layers, num_pages * page_size, kv_heads, head_dim]; page p holds slots p*page_size ... +page_size-1."""
+
+    k: jax.Array
+    v: jax.Array
+    page_size: int = eqx.field(static=True)
+
+    @staticmethod
+    def allocate(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+        shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1] // self.page_size
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * page_size * kv_heads * head_dim * jnp.dtype(dtype).itemsize

@@ -1,0 +1,113 @@
+"""Building blocks shared by the model families: named axes, RMSNorm, attention over the paged cache, gated MLP.
+
+Every weight is a haliax NamedArray whose first axis is `Layers` while stacked; hax.scan peels it off."""
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+from .. import compat  # noqa: F401  (haliax needs jax.core.is_constant_dim on JAX 0.11)
+from ..attention import AttentionMetadata, paged_attention, write_kv
+from .config import ModelConfig
+from .rope import apply_rotary
+
+Token = hax.Axis("token", 0)  # placeholder size; the real size comes from the step's batch
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAxes:
+    Layers: hax.Axis
+    Embed: hax.Axis
+    Vocab: hax.Axis
+    Mlp: hax.Axis
+    KVHeads: hax.Axis
+    QPerKV: hax.Axis
+    HeadSize: hax.Axis
+
+    @staticmethod
+    def of(cfg: ModelConfig) -> "ModelAxes":
+        return ModelAxes(
+            Layers=hax.Axis("layers", cfg.num_layers),
+            Embed=hax.Axis("embed", cfg.hidden_size),
+            Vocab=hax.Axis("vocab", cfg.vocab_size),
+            Mlp=hax.Axis("mlp", cfg.intermediate_size),
+            KVHeads=hax.Axis("kv_heads", cfg.num_kv_heads),
+            QPerKV=hax.Axis("q_per_kv", cfg.queries_per_kv),
+            HeadSize=hax.Axis("head_size", cfg.head_dim),
+        )
+
+
+def rms_norm(x: NamedArray, weight: NamedArray, axis: hax.Axis, eps: float, one_plus: bool) -> NamedArray:
+    """RMSNorm in float32. one_plus: Gemma's (1 + w) scale, cast after; else Llama's w * cast(normed)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * hax.rsqrt(hax.mean(x32 * x32, axis=axis) + eps)
+    if one_plus:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
+
+
+class Attention(eqx.Module):
+    q_proj: NamedArray  # [KVHeads, QPerKV, HeadSize, Embed]
+    k_proj: NamedArray  # [KVHeads, HeadSize, Embed]
+    v_proj: NamedArray  # [KVHeads, HeadSize, Embed]
+    o_proj: NamedArray  # [Embed, KVHeads, QPerKV, HeadSize]
+    q_bias: NamedArray | None
+    k_bias: NamedArray | None
+    v_bias: NamedArray | None
+    q_norm: NamedArray | None  # [HeadSize]
+    k_norm: NamedArray | None
+
+    def __call__(self, x: NamedArray, layer: jax.Array, cos: jax.Array, sin: jax.Array, window: jax.Array,
+                 k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
+                 ax: ModelAxes, page_size: int):
+        q = hax.dot(x, self.q_proj, axis=ax.Embed)
+        k = hax.dot(x, self.k_proj, axis=ax.Embed)
+        v = hax.dot(x, self.v_proj, axis=ax.Embed)
+        if self.q_bias is not None:
+            q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
+        gemma = cfg.family == "gemma3"
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, ax.HeadSize, cfg.rms_norm_eps, one_plus=gemma)
+            k = rms_norm(k, self.k_norm, ax.HeadSize, cfg.rms_norm_eps, one_plus=gemma)
+        q_arr = apply_rotary(q.rearrange((Token.name, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
+        k_arr = apply_rotary(k.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array, cos, sin)
+        v_arr = v.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array
+        k_cache = write_kv(k_cache, layer, meta.slot_mapping, k_arr)
+        v_cache = write_kv(v_cache, layer, meta.slot_mapping, v_arr)
+        out = paged_attention(q_arr, k_cache[layer], v_cache[layer], meta, page_size=page_size,
+                              scale=cfg.attention_scale, window=window, softcap=cfg.attn_logit_softcapping)
+        out = hax.named(out, (q.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
+        y = hax.dot(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
+        return y, k_cache, v_cache
+
+
+class GatedMLP(eqx.Module):
+    gate_proj: NamedArray  # [Mlp, Embed]
+    up_proj: NamedArray  # [Mlp, Embed]
+    down_proj: NamedArray  # [Embed, Mlp]
+
+    def __call__(self, x: NamedArray, cfg: ModelConfig, ax: ModelAxes) -> NamedArray:
+        gate = hax.dot(x, self.gate_proj, axis=ax.Embed)
+        up = hax.dot(x, self.up_proj, axis=ax.Embed)
+        if cfg.activation == "gelu_pytorch_tanh":
+            act = hax.nn.gelu(gate, approximate=True)
+        else:
+            act = hax.nn.silu(gate)
+        return hax.dot(act * up, self.down_proj, axis=ax.Mlp)
+
+
+def embed(tokens: jax.Array, embedding: NamedArray, ax: ModelAxes) -> NamedArray:
+    return hax.named(embedding.array[tokens], (Token.resize(tokens.shape[0]), ax.Embed))
+
+
+def lm_logits(hidden: NamedArray, head: NamedArray, ax: ModelAxes, softcap: float | None) -> NamedArray:
+    """Next-token logits in float32 for hidden[..., Embed]; head is [Vocab, Embed]."""
+    logits = hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32).astype(jnp.float32)
+    if softcap:
+        logits = hax.tanh(logits / softcap) * softcap
+    return logits

@@ -1,0 +1,122 @@
+"""Load a Hugging Face checkpoint folder (or build random weights of a named shape) into a DecoderModel."""
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from safetensors import safe_open
+
+from .config import ModelConfig, UnsupportedModelError
+from .decoder import DecoderModel, layer_schedule
+from .gemma3 import GEMMA3_BLOCK_WEIGHTS, Gemma3Block
+from .layers import Attention, GatedMLP, ModelAxes
+from .llama import LLAMA_BLOCK_WEIGHTS, LlamaBlock
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# A tensor source: (Hugging Face name, expected shape) -> array of that shape.
+TensorSource = Callable[[str, tuple[int, ...]], jax.Array]
+
+
+def parse_dtype(name: str):
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> DecoderModel:
+    """A checkpoint folder with config.json and model.safetensors or sharded safetensors with their index."""
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path)
+    return build_model(cfg, _safetensors_source(path), parse_dtype(dtype))
+
+
+def random_model(cfg: ModelConfig, dtype: str = "bfloat16", seed: int = 0) -> DecoderModel:
+    """Random weights of the right shapes, made on the device (benchmarks need no download)."""
+    base = jax.random.PRNGKey(seed)
+
+    def source(name: str, shape: tuple[int, ...]) -> jax.Array:
+        if name.endswith("norm.weight"):
+            return jnp.ones(shape, jnp.float32) if "gemma" not in cfg.family else jnp.zeros(shape, jnp.float32)
+        key = jax.random.fold_in(base, zlib.crc32(name.encode()))
+        return 0.02 * jax.random.normal(key, shape, parse_dtype(dtype))
+
+    return build_model(cfg, source, parse_dtype(dtype))
+
+
+def _safetensors_source(path: Path) -> TensorSource:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="flax") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise UnsupportedModelError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    handles: dict[str, object] = {}
+
+    def source(name: str, shape: tuple[int, ...]) -> jax.Array:
+        if name not in weight_map:
+            raise UnsupportedModelError(f"{path}: checkpoint has no tensor {name}")
+        file = weight_map[name]
+        if file not in handles:
+            handles[file] = safe_open(path / file, framework="flax")
+        tensor = handles[file].get_tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise UnsupportedModelError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
+        return tensor
+
+    return source
+
+
+def build_model(cfg: ModelConfig, source: TensorSource, dtype) -> DecoderModel:
+    ax = ModelAxes.of(cfg)
+    E, D, KVH, G, I = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv, cfg.intermediate_size
+    gemma = cfg.family == "gemma3"
+
+    def stacked(suffix: str, shape: tuple[int, ...], axes: tuple[hax.Axis, ...], reshape=None):
+        per_layer = []
+        for i in range(cfg.num_layers):
+            t = source(f"model.layers.{i}.{suffix}", shape).astype(dtype)
+            per_layer.append(t.reshape(reshape) if reshape else t)
+        return hax.named(jnp.stack(per_layer), (ax.Layers,) + axes)
+
+    attn = Attention(
+        q_proj=stacked("self_attn.q_proj.weight", (KVH * G * D, E), (ax.KVHeads, ax.QPerKV, ax.HeadSize, ax.Embed),
+                       (KVH, G, D, E)),
+        k_proj=stacked("self_attn.k_proj.weight", (KVH * D, E), (ax.KVHeads, ax.HeadSize, ax.Embed), (KVH, D, E)),
+        v_proj=stacked("self_attn.v_proj.weight", (KVH * D, E), (ax.KVHeads, ax.HeadSize, ax.Embed), (KVH, D, E)),
+        o_proj=stacked("self_attn.o_proj.weight", (E, KVH * G * D), (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize),
+                       (E, KVH, G, D)),
+        q_bias=stacked("self_attn.q_proj.bias", (KVH * G * D,), (ax.KVHeads, ax.QPerKV, ax.HeadSize), (KVH, G, D))
+        if cfg.attention_bias else None,
+        k_bias=stacked("self_attn.k_proj.bias", (KVH * D,), (ax.KVHeads, ax.HeadSize), (KVH, D))
+        if cfg.attention_bias else None,
+        v_bias=stacked("self_attn.v_proj.bias", (KVH * D,), (ax.KVHeads, ax.HeadSize), (KVH, D))
+        if cfg.attention_bias else None,
+        q_norm=stacked("self_attn.q_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
+        k_norm=stacked("self_attn.k_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
+    )
+    mlp = GatedMLP(
+        gate_proj=stacked("mlp.gate_proj.weight", (I, E), (ax.Mlp, ax.Embed)),
+        up_proj=stacked("mlp.up_proj.weight", (I, E), (ax.Mlp, ax.Embed)),
+        down_proj=stacked("mlp.down_proj.weight", (E, I), (ax.Embed, ax.Mlp)),
+    )
+    names = GEMMA3_BLOCK_WEIGHTS if gemma else LLAMA_BLOCK_WEIGHTS
+    norms = {field: stacked(hf_name, (E,), (ax.Embed,)) for field, hf_name in names.items()}
+    block = (Gemma3Block if gemma else LlamaBlock)(attn=attn, mlp=mlp, **norms)
+
+    vocab_shape = (cfg.vocab_size, E)
+    embedding = hax.named(source("model.embed_tokens.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
+    if cfg.tie_word_embeddings:
+        lm_head = embedding
+    else:
+        lm_head = hax.named(source("lm_head.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
+    final_norm = hax.named(source("model.norm.weight", (E,)).astype(dtype), (ax.Embed,))
+    inv_freq, layer_rope, layer_window = layer_schedule(cfg)
+    return DecoderModel(cfg=cfg, ax=ax, embedding=embedding, layers=block, final_norm=final_norm, lm_head=lm_head,
+                        inv_freq=inv_freq, layer_rope=layer_rope, layer_window=layer_window)
