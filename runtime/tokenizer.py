@@ -90,7 +90,8 @@ def _normalise_content(message: dict) -> dict:
         return message
     kinds = {part.get("type") for part in content}
     if kinds - {"text"}:
-        raise ValueError(f"message content parts of type {sorted(kinds - {'text'})} are not supported; send text parts only")
+        unsupported = sorted(kinds - {"text"})
+        raise ValueError(f"message content parts of type {unsupported} are not supported; send text parts only")
     return {**message, "content": "".join(part["text"] for part in content)}
 
 
@@ -122,18 +123,22 @@ class Tokenizer:
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"checkpoint at {path} has no tokenizer.json; only fast (tokenizers) checkpoints are supported")
+            raise FileNotFoundError(
+                f"checkpoint at {path} has no tokenizer.json; only fast (tokenizers) checkpoints are supported"
+            )
         backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         special = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         if "add_bos_token" in config or "add_eos_token" in config:
-            backend.post_processor = _bos_eos_processor(
-                backend, special["bos_token"] if config.get("add_bos_token") else None,
-                special["eos_token"] if config.get("add_eos_token") else None,
-            )
+            bos = special["bos_token"] if config.get("add_bos_token") else None
+            eos = special["eos_token"] if config.get("add_eos_token") else None
+            backend.post_processor = _bos_eos_processor(backend, bos, eos)
         template_file = path / "chat_template.jinja"
         # Like transformers 5, a chat_template.jinja file wins over tokenizer_config.json.
-        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else _default_template(config.get("chat_template"))
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        else:
+            template = _default_template(config.get("chat_template"))
         model_config = _read_json(path / "config.json")
         extra_eos = (
             _as_ids(_read_json(path / "generation_config.json").get("eos_token_id"))

@@ -54,7 +54,7 @@ def test_multibyte_text_streams_whole_characters(tok):
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_random_ids_stream_equals_whole_decode(tok, skip_special_tokens):
     rng = random.Random(1234)
-    specials = sorted(tok.eos_token_ids | {i for i in (tok.bos_token_id, tok.pad_token_id) if i is not None})
+    specials = sorted(tok.special_token_ids | {tok.vocab_size + 3})  # models may pad their vocabulary
     pieces = tok.encode(MULTIBYTE, add_special_tokens=False)
     for _ in range(200):
         ids = []

@@ -59,8 +59,11 @@ def test_special_token_ids():
     assert qwen.id_to_piece(511) == "<|im_end|>"
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "generation_config.json")
+
+
 def copy_checkpoint(name: str, dest: Path, drop: tuple[str, ...] = ()) -> Path:
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "generation_config.json"):
+    for f in TOKENIZER_FILES:
         if f not in drop:
             (dest / f).write_bytes((GOLDEN / name / f).read_bytes())
     return dest

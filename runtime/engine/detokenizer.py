@@ -54,11 +54,14 @@ class IncrementalDetokenizer:
 
     def _may_join_next_bytes(self, token_id: int) -> bool:
         """A run of byte-fallback pieces that turns out invalid UTF-8 decodes to U+FFFD as a whole, even
-        its ASCII bytes, so it is final only once a visible non-byte token ends it (skipped specials don't)."""
+        its ASCII bytes, so it is final only once a visible non-byte token ends it."""
         if not self.tokenizer.byte_fallback_ids:
             return False
-        skipped = self.skip_special_tokens and token_id in self.tokenizer.special_token_ids
-        return skipped or token_id in self.tokenizer.byte_fallback_ids
+        # Skipped specials and ids past the tokenizer's vocabulary (padded embeddings) decode to nothing.
+        invisible = (self.skip_special_tokens and token_id in self.tokenizer.special_token_ids) or (
+            self.tokenizer.id_to_piece(token_id) is None
+        )
+        return invisible or token_id in self.tokenizer.byte_fallback_ids
 
     def flush(self) -> str:
         """At the end of generation, return any held-back text, incomplete characters included."""
