@@ -1,0 +1,35 @@
+"""EngineConfig: every engine default in one place (the CLI and the offline LLM API map onto it)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    model: str = str(DEFAULT_MODEL)  # checkpoint folder, or hf://org/name[@revision]
+    dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped at 8192
+    max_num_seqs: int = 32  # sequences in one step (the padded batch size)
+    max_num_batched_tokens: int = 512  # token budget of one step (largest bucket)
+    page_size: int = 16
+    num_pages: int | None = None  # None: from kv_memory_fraction of free device memory (or 512 MiB on CPU)
+    kv_memory_fraction: float = 0.6
+    enable_prefix_caching: bool = True
+    max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
+    seed: int = 0  # seeds unseeded requests' random streams
+    warmup: bool = True  # compile every step shape before serving
+    tokenizer: str | None = None  # defaults to the model folder
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2, got {self.num_pages}")
+        if not 0.0 < self.kv_memory_fraction <= 0.95:
+            raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")

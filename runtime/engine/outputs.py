@@ -1,0 +1,42 @@
+"""What the engine returns, in vLLM's shape: RequestOutput holding one CompletionOutput per choice."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str
+
+
+# One position's log-probabilities: the chosen token first, then the top-N alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """Cumulative in LLM.generate(); in AsyncLLM.generate() each yield carries only the new text/tokens (a delta)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
