@@ -28,6 +28,24 @@ def parse_dtype(name: str):
     return DTYPES[name]
 
 
+def resolve_checkpoint(model: str | Path) -> Path:
+    """A local folder as is; hf://org/name[@revision] downloaded (or found in the cache) via huggingface_hub."""
+    text = str(model)
+    if text.startswith("hf://"):
+        repo, _, revision = text[len("hf://"):].partition("@")
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(repo, revision=revision or None,
+                                          allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+        except Exception as e:  # no network, no such repo, gated: say which and why
+            raise UnsupportedModelError(f"model {text}: download failed: {type(e).__name__}: {e}") from None
+    path = Path(text)
+    if not path.is_dir():
+        raise UnsupportedModelError(f"model {text}: no such checkpoint folder (or use hf://org/name)")
+    return path
+
+
 def load_model(path: str | Path, dtype: str = "float32") -> DecoderModel:
     """A checkpoint folder with config.json and model.safetensors or sharded safetensors with their index."""
     path = Path(path)

@@ -1,0 +1,122 @@
+"""BatchBuilder: turns the scheduler's chunks into the padded host arrays of one step."""
+from __future__ import annotations
+
+import bisect
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..attention import INVALID_SLOT, AttentionMetadata
+from .sampler import SamplingBatch
+from .scheduler import ScheduledChunk
+from .sampling_params import MAX_LOGIT_BIAS
+from .step import StepInputs
+
+MAX_BANNED = 48  # eos ids + stop_token_ids banned while below min_tokens
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Powers of two from `smallest`, ending exactly at max_tokens: each is one compiled program."""
+    buckets, b = [], smallest
+    while b < max_tokens:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_tokens]
+
+
+def row_key_data(seed: int, index: int) -> tuple[int, int]:
+    """A choice's 64-bit threefry key from its request's seed and its index among the n choices."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+class BatchBuilder:
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int, max_model_len: int,
+                 vocab_size: int, eos_token_ids: frozenset[int]):
+        self.S = max_num_seqs
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.page_size = page_size
+        self.max_pages = -(-max_model_len // page_size)
+        self.H = max_model_len
+        self.V = vocab_size
+        self.eos = sorted(eos_token_ids)
+        self._no_history = jnp.full((self.S, self.H), vocab_size, jnp.int32)  # stays on device: no per-step copy
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+    def build(self, chunks: list[ScheduledChunk], bucket: int | None = None) -> StepInputs:
+        """bucket forces the padded token count (warm-up compiles each one with an empty batch)."""
+        S, V, page = self.S, self.V, self.page_size
+        T = bucket or self.bucket_for(sum(c.num_tokens for c in chunks) or 1)
+        tokens = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slots = np.full(T, INVALID_SLOT, np.int32)
+        token_seq = np.zeros(T, np.int32)
+        targets = np.zeros(T, np.int32)
+        block_tables = np.zeros((S, self.max_pages), np.int32)
+        seq_lens = np.zeros(S, np.int32)
+        sample_index = np.zeros(S, np.int32)
+        f = {name: np.zeros(S, np.float32) for name in ("temperature", "top_p", "min_p", "presence", "frequency")}
+        f["top_p"][:] = 1.0
+        repetition = np.ones(S, np.float32)
+        top_k = np.zeros(S, np.int32)
+        key_data = np.zeros((S, 2), np.uint32)
+        sample_pos = np.zeros(S, np.int32)
+        bias_ids = np.full((S, MAX_LOGIT_BIAS), V, np.int32)
+        bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+        banned = np.full((S, MAX_BANNED), V, np.int32)
+        prompt_lens = np.zeros(S, np.int32)
+        history = None
+        want_prompt = any_filter = want_logprobs = False
+        t = 0
+        for r, c in enumerate(chunks):
+            seq, p = c.seq, c.seq.params
+            n, start = c.num_tokens, c.start
+            pos = np.arange(start, start + n)
+            tokens[t:t + n] = seq.token_ids[start:start + n]
+            positions[t:t + n] = pos
+            pages = np.asarray(seq.pages, np.int32)
+            slots[t:t + n] = pages[pos // page] * page + pos % page
+            token_seq[t:t + n] = r
+            block_tables[r, :len(pages)] = pages
+            seq_lens[r] = start + n
+            sample_index[r] = t + n - 1
+            if p.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                want_prompt = True
+                nxt = np.minimum(pos + 1, seq.num_tokens - 1)
+                targets[t:t + n] = np.asarray(seq.token_ids)[nxt]
+            t += n
+            f["temperature"][r] = p.temperature
+            f["top_p"][r], f["min_p"][r] = p.top_p, p.min_p
+            top_k[r] = max(p.top_k, 0)
+            any_filter |= p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+            want_logprobs |= p.logprobs is not None
+            key_data[r] = row_key_data(seq.seed, seq.index)
+            sample_pos[r] = seq.num_tokens
+            if p.logit_bias:
+                ids = list(p.logit_bias)
+                bias_ids[r, :len(ids)] = ids
+                bias_values[r, :len(ids)] = [p.logit_bias[i] for i in ids]
+            if seq.num_output < p.min_tokens:
+                ban = sorted(set(self.eos) | set(p.stop_token_ids or []))[:MAX_BANNED]
+                banned[r, :len(ban)] = ban
+            if p.uses_penalties:
+                if history is None:
+                    history = np.full((S, self.H), V, np.int32)
+                history[r, :seq.num_tokens] = seq.token_ids
+                prompt_lens[r] = len(seq.prompt_ids)
+                f["presence"][r], f["frequency"][r] = p.presence_penalty, p.frequency_penalty
+                repetition[r] = p.repetition_penalty
+        meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
+                                 block_tables=block_tables, seq_lens=seq_lens)
+        sampling = SamplingBatch(
+            temperature=f["temperature"], top_k=top_k, top_p=f["top_p"], min_p=f["min_p"],
+            presence_penalty=f["presence"], frequency_penalty=f["frequency"], repetition_penalty=repetition,
+            key_data=key_data, position=sample_pos, bias_ids=bias_ids, bias_values=bias_values, banned_ids=banned,
+            history=self._no_history if history is None else history, prompt_lens=prompt_lens,
+            any_penalty=np.bool_(history is not None), any_filter=np.bool_(any_filter),
+            want_logprobs=np.bool_(want_logprobs))
+        return StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, sampling=sampling,
+                          prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))

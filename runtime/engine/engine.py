@@ -1,0 +1,270 @@
+"""LLMEngine: requests in, one step at a time: schedule (host), run the jitted step (device), apply results."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+
+from ..config import EngineConfig
+from ..kv.cache import KVCache
+from ..kv.page_pool import PagePool
+from ..models.loader import load_model, parse_dtype, resolve_checkpoint
+from ..tokenizer import Tokenizer
+from .batch import BatchBuilder
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from .sampling_params import InvalidRequestError, SamplingParams
+from .scheduler import ScheduledChunk, Scheduler
+from .sequence import Sequence
+from .step import StepOutputs, step_fn
+from .stop_strings import StopStringMatcher
+
+log = logging.getLogger("capstan.engine")
+CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
+
+
+@dataclasses.dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None):
+        config.validate()
+        self.config = config
+        path = resolve_checkpoint(config.model)
+        dtype = config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+        self.dtype = parse_dtype(dtype)
+        self.model = model if model is not None else load_model(path, dtype)
+        cfg = self.model.cfg
+        self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.tokenizer or path)
+        self.model_name = path.name if hasattr(path, "name") else str(path)
+        if config.max_model_len is None:
+            config.max_model_len = min(cfg.max_position_embeddings, 8192)
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(cfg.eos_token_ids))
+        num_pages = config.num_pages or self._pages_that_fit()
+        config.num_pages = num_pages
+        self.kv = KVCache.allocate(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
+                                   self.dtype)
+        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.builder = BatchBuilder(max_num_seqs=config.max_num_seqs,
+                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                    page_size=config.page_size, max_model_len=self.max_model_len,
+                                    vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.compile_seconds = 0.0
+
+    def _pages_that_fit(self) -> int:
+        cfg, c = self.model.cfg, self.config
+        per_page = KVCache.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        useful = c.max_num_seqs * -(-self.max_model_len // c.page_size) + 1  # more than this is never used
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * c.kv_memory_fraction
+        else:
+            budget = CPU_KV_BYTES
+        return int(max(2, min(useful, budget // per_page)))
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        params.validate(vocab_size=self.model.cfg.vocab_size, max_n=self.config.max_num_seqs)
+        if isinstance(prompt, str):
+            prompt_text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            prompt_text, ids = None, list(prompt)
+            if any(not 0 <= t < self.model.cfg.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt: token ids must be in [0, {self.model.cfg.vocab_size})", "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty", "prompt")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"prompt: this model's maximum context length is {limit} tokens, and the prompt has {len(ids)} "
+                f"tokens (at least one token must remain for the output)", "prompt")
+        room = limit - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens: this model's maximum context length is {limit} tokens; the prompt has {len(ids)}, so "
+                f"max_tokens can be at most {room}, got {params.max_tokens}", "max_tokens")
+        max_tokens = params.max_tokens or room
+        pages_needed = -(-(len(ids) + max_tokens) // self.config.page_size)
+        if pages_needed > self.pool.num_pages:
+            raise InvalidRequestError(
+                f"max_tokens: prompt plus output need {pages_needed} KV pages, the pool has {self.pool.num_pages}",
+                "max_tokens")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 63))
+        now = time.monotonic()
+        seqs = [Sequence(request_id=request_id, index=i, prompt_ids=ids, params=params, seed=seed, arrival=now,
+                         detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                         stop_matcher=StopStringMatcher(params.stop or []), max_tokens=max_tokens)
+                for i in range(params.n)]
+        seqs[0].pending_forks = seqs[1:]
+        self.requests[request_id] = seqs
+        self.prompts[request_id] = (prompt_text, ids)
+        self.prompt_tokens += len(ids)
+        self.scheduler.add(seqs[0])
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return None
+        for seq in seqs:
+            if not seq.finished:
+                self._finish(seq, "abort")
+        return self._collect(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(running=len(s.running), waiting=len(s.waiting), kv_pages_used=self.pool.num_used,
+                           kv_pages_total=self.pool.num_pages, prefix_cache_queried_tokens=s.prefix_queried_tokens,
+                           prefix_cache_hit_tokens=s.prefix_hit_tokens, preemptions=s.num_preemptions,
+                           prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compiles every token bucket now, so no request ever waits for XLA."""
+        start = time.monotonic()
+        log.info("compiling %d step shapes (token buckets %s)", len(self.builder.buckets), self.builder.buckets)
+        for bucket in self.builder.buckets:
+            inputs = self.builder.build([], bucket=bucket)
+            self.kv, out = step_fn(self.model, self.kv, inputs)
+            jax.block_until_ready(out)
+        self.compile_seconds = time.monotonic() - start
+        log.info("compilation done in %.1f s", self.compile_seconds)
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        inputs = self.builder.build(chunks)
+        self.kv, out = step_fn(self.model, self.kv, inputs)
+        out = jax.device_get(out)
+        touched = []
+        t = 0
+        for r, c in enumerate(chunks):
+            seq = c.seq
+            seq.num_computed = c.start + c.num_tokens
+            self.scheduler.register_full_pages(seq)
+            if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                self._add_prompt_logprobs(seq, c, out, t)
+            t += c.num_tokens
+            if c.samples and not seq.finished:
+                if seq.pending_forks:
+                    self._fork(seq)
+                self._append_token(seq, r, out)
+            touched.append(seq.request_id)
+        return [o for rid in dict.fromkeys(touched) if (o := self._collect(rid)) is not None]
+
+    def _fork(self, parent: Sequence) -> None:
+        """Choices 1..n-1 start from the parent's computed prompt pages, shared by reference count."""
+        page = self.config.page_size
+        shared = (len(parent.prompt_ids) - 1) // page  # leave at least one prompt token for the child to compute
+        for child in reversed(parent.pending_forks):
+            child.pages = parent.pages[:shared]
+            child.page_hashes = parent.page_hashes[:shared]
+            self.pool.share(child.pages)
+            child.num_computed = child.num_cached_tokens = shared * page
+            child.prompt_logprobs_done = True
+            self.scheduler.add(child, front=True)
+        parent.pending_forks = []
+
+    def _append_token(self, seq: Sequence, row: int, out: StepOutputs) -> None:
+        s, p = out.sampled, seq.params
+        token = int(s.tokens[row])
+        seq.token_ids.append(token)
+        seq.new_token_ids.append(token)
+        self.generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if p.logprobs is not None:
+            seq.new_logprobs.append(self._position_logprobs(token, float(s.logprob[row]), int(s.rank[row]),
+                                                            s.top_ids[row], s.top_logprobs[row], p.logprobs))
+        if token in (p.stop_token_ids or ()):
+            return self._finish(seq, "stop", stop_reason=token)
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return self._finish(seq, "stop")
+        text, stopped = seq.stop_matcher.feed(seq.detokenizer.add(token))
+        seq.new_text += text
+        if stopped:
+            return self._finish(seq, "stop", stop_reason=seq.stop_matcher.stop)
+        if seq.num_output >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        if reason != "stop" or stop_reason is None or isinstance(stop_reason, int):
+            text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
+            seq.new_text += text + ("" if stopped else seq.stop_matcher.flush())
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        for child in seq.pending_forks:  # the parent ended before its prefill did (an abort): so do they
+            self._finish(child, "abort")
+        seq.pending_forks = []
+        self.scheduler.finish(seq)
+
+    def _position_logprobs(self, token, logprob, rank, top_ids, top_lps, n) -> PositionLogprobs:
+        entry = {token: Logprob(logprob, rank, self.tokenizer.decode([token], skip_special_tokens=False))}
+        for i in range(n):
+            tid = int(top_ids[i])
+            if tid not in entry:
+                entry[tid] = Logprob(float(top_lps[i]), i + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
+        return entry
+
+    def _add_prompt_logprobs(self, seq: Sequence, c: ScheduledChunk, out: StepOutputs, t0: int) -> None:
+        pl, n = out.prompt, seq.params.prompt_logprobs
+        if c.start == 0:
+            seq.prompt_logprobs = [None]  # the first prompt token has no context
+        last_prompt = len(seq.prompt_ids) - 1
+        for i in range(c.num_tokens):
+            pos = c.start + i
+            if pos >= last_prompt:
+                break
+            target = seq.token_ids[pos + 1]
+            seq.prompt_logprobs.append(self._position_logprobs(
+                target, float(pl.logprob[t0 + i]), int(pl.rank[t0 + i]), pl.top_ids[t0 + i], pl.top_logprobs[t0 + i], n))
+        if c.start + c.num_tokens >= len(seq.prompt_ids):
+            seq.prompt_logprobs_done = True
+
+    def _collect(self, request_id: str) -> RequestOutput | None:
+        """The request's news since the last collection, as a delta RequestOutput; drops finished requests."""
+        seqs = self.requests[request_id]
+        outputs, prompt_lp = [], None
+        for seq in seqs:
+            if seq.new_token_ids or seq.new_text or (seq.finish_reason and not seq.reported_finish):
+                outputs.append(CompletionOutput(
+                    index=seq.index, text=seq.new_text, token_ids=seq.new_token_ids,
+                    logprobs=seq.new_logprobs if seq.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                seq.new_text, seq.new_token_ids, seq.new_logprobs = "", [], []
+                seq.reported_finish = seq.finish_reason is not None
+            if seq.index == 0 and seq.prompt_logprobs_done and seq.prompt_logprobs and not seq.prompt_logprobs_sent:
+                prompt_lp, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        if not outputs and prompt_lp is None:
+            return None
+        finished = all(s.finished for s in seqs)
+        text, ids = self.prompts[request_id]
+        if finished:
+            del self.requests[request_id], self.prompts[request_id]
+        return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids, outputs=outputs,
+                             finished=finished, prompt_logprobs=prompt_lp, num_cached_tokens=seqs[0].num_cached_tokens)
+

@@ -1,0 +1,97 @@
+"""On-device sampling for a padded batch of S rows: processors, then greedy or seeded Gumbel-max sampling.
+
+Order as in vLLM: logit_bias and min_tokens bans, penalties, temperature, top-k / top-p / min-p, sample.
+Logprobs are of the model's raw distribution. A row's random key depends only on its seed and the position
+it samples, so a seeded request draws the same tokens alone or in any batch."""
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .sampling_params import MAX_LOGPROBS
+
+
+class SamplingBatch(eqx.Module):
+    temperature: jax.Array  # [S] f32; 0 = greedy
+    top_k: jax.Array  # [S] i32; 0 = off
+    top_p: jax.Array  # [S] f32
+    min_p: jax.Array  # [S] f32
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    repetition_penalty: jax.Array  # [S] f32
+    key_data: jax.Array  # [S, 2] u32: the row's threefry key before folding in the position
+    position: jax.Array  # [S] i32: position of the token being sampled
+    bias_ids: jax.Array  # [S, B] i32, vocab_size = unused
+    bias_values: jax.Array  # [S, B] f32
+    banned_ids: jax.Array  # [S, E] i32: ids forbidden this step (eos/stop ids below min_tokens); vocab_size = unused
+    history: jax.Array  # [S, H] i32: prompt then output tokens, vocab_size = unused (read only with penalties)
+    prompt_lens: jax.Array  # [S] i32: history[:, :prompt_len] is the prompt
+    any_penalty: jax.Array  # [] bool
+    any_filter: jax.Array  # [] bool: some row uses top-k, top-p or min-p
+    want_logprobs: jax.Array  # [] bool
+
+
+class SampleResult(eqx.Module):
+    tokens: jax.Array  # [S] i32
+    logprob: jax.Array  # [S] f32: raw log-probability of the chosen token
+    rank: jax.Array  # [S] i32: 1 + number of tokens more likely than it
+    top_ids: jax.Array  # [S, MAX_LOGPROBS] i32
+    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
+
+
+def sample(logits: jax.Array, b: SamplingBatch) -> SampleResult:
+    S, V = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(S)[:, None]
+    x = logits.at[rows, b.bias_ids].add(b.bias_values, mode="drop")
+    x = x.at[rows, b.banned_ids].set(-jnp.inf, mode="drop")
+    x = jax.lax.cond(b.any_penalty, _apply_penalties, lambda x, b: x, x, b)
+    greedy = b.temperature == 0.0
+    x = x / jnp.where(greedy, 1.0, b.temperature)[:, None]
+    x = jax.lax.cond(b.any_filter, _apply_filters, lambda x, b: x, x, b)
+    keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    sampled = jnp.argmax(x + gumbel, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+
+    def with_logprobs(lp):
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1)
+        return rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
+
+    def without(lp):
+        return (jnp.ones((S,), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+
+    rank, top_ids, top_lp = jax.lax.cond(b.want_logprobs, with_logprobs, without, raw_logprobs)
+    return SampleResult(tokens, chosen, rank, top_ids, top_lp)
+
+
+def _apply_penalties(x: jax.Array, b: SamplingBatch) -> jax.Array:
+    S, V = x.shape
+    rows = jnp.arange(S)[:, None]
+    is_output = jnp.arange(b.history.shape[1])[None, :] >= b.prompt_lens[:, None]
+    out_counts = jnp.zeros((S, V), jnp.float32).at[rows, b.history].add(is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((S, V), jnp.bool_).at[rows, b.history].set(True, mode="drop")
+    rep = b.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    x = x - b.frequency_penalty[:, None] * out_counts
+    return x - b.presence_penalty[:, None] * (out_counts > 0)
+
+
+def _apply_filters(x: jax.Array, b: SamplingBatch) -> jax.Array:
+    S, V = x.shape
+    ordered = jnp.sort(x, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    ordered = jnp.where(jnp.arange(V)[None, :] < k[:, None], ordered, -jnp.inf)  # top-p renormalises after top-k
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    in_top_p = before < b.top_p[:, None]
+    pth = jnp.min(jnp.where(in_top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(kth, pth)
+    min_p_floor = ordered[:, :1] + jnp.log(jnp.maximum(b.min_p, 1e-30))[:, None]  # p >= min_p * p_max
+    threshold = jnp.where(b.min_p[:, None] > 0, jnp.maximum(threshold, min_p_floor), threshold)
+    return jnp.where(x >= threshold, x, -jnp.inf)

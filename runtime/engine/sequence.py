@@ -1,0 +1,72 @@
+"""Sequence: one choice of one request as the scheduler sees it: its tokens, its pages, how far it is computed."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from ..kv.page_pool import PageHash
+from .detokenizer import IncrementalDetokenizer
+from .outputs import PositionLogprobs
+from .sampling_params import SamplingParams
+from .stop_strings import StopStringMatcher
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n choices
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's seed, or one drawn for it
+    arrival: float
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    max_tokens: int  # resolved against the context length
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt then output
+    pages: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[PageHash] = dataclasses.field(default_factory=list)  # of the full pages, in order
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens that the prefix cache supplied
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    pending_forks: list["Sequence"] = dataclasses.field(default_factory=list)  # choices 1..n-1, until prefill ends
+    prompt_logprobs_done: bool = False
+    # produced since the owner last collected them
+    new_text: str = ""
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    new_logprobs: list[PositionLogprobs] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
+    reported_finish: bool = False
+    prompt_logprobs_sent: bool = False
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

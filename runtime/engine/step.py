@@ -1,0 +1,63 @@
+"""The jitted step: one ragged batch of prefill chunks and decode tokens through the model, then sampling.
+
+Shapes are static: T tokens padded to a bucket, S sequence rows padded to max_num_seqs, so XLA compiles one
+program per bucket, at warm-up. Logits are computed only at each sampling row's last token, unless some
+request asked for prompt logprobs."""
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ..attention import AttentionMetadata
+from ..kv.cache import KVCache
+from ..models.decoder import DecoderModel
+from .sampler import SampleResult, SamplingBatch, sample
+from .sampling_params import MAX_LOGPROBS
+
+
+class StepInputs(eqx.Module):
+    tokens: jax.Array  # [T] i32
+    meta: AttentionMetadata
+    sample_index: jax.Array  # [S] i32: index into tokens of each row's last token
+    sampling: SamplingBatch
+    prompt_targets: jax.Array  # [T] i32: the token after each prompt token (for prompt logprobs)
+    want_prompt_logprobs: jax.Array  # [] bool
+
+
+class PromptLogprobs(eqx.Module):
+    logprob: jax.Array  # [T] f32 of prompt_targets
+    rank: jax.Array  # [T] i32
+    top_ids: jax.Array  # [T, MAX_LOGPROBS] i32
+    top_logprobs: jax.Array  # [T, MAX_LOGPROBS] f32
+
+
+class StepOutputs(eqx.Module):
+    sampled: SampleResult
+    prompt: PromptLogprobs
+
+
+def run_step(model: DecoderModel, kv: KVCache, x: StepInputs) -> tuple[KVCache, StepOutputs]:
+    hidden, kv = model(x.tokens, x.meta, kv)
+    last = hidden["token", x.sample_index]  # [S, Embed] (the axis keeps its name)
+    logits = model.logits(last).array
+    sampled = sample(logits, x.sampling)
+    T = x.tokens.shape[0]
+
+    def prompt_logprobs(h):
+        lp = jax.nn.log_softmax(model.logits(h).array, axis=-1)
+        chosen = jnp.take_along_axis(lp, x.prompt_targets[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        rank = (1 + jnp.sum(lp > chosen[:, None], axis=-1)).astype(jnp.int32)
+        return PromptLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_lp)
+
+    def none(h):
+        return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.ones((T,), jnp.int32),
+                              jnp.zeros((T, MAX_LOGPROBS), jnp.int32), jnp.zeros((T, MAX_LOGPROBS), jnp.float32))
+
+    prompt = jax.lax.cond(x.want_prompt_logprobs, prompt_logprobs, none, hidden)
+    return kv, StepOutputs(sampled, prompt)
+
+
+# The KV cache is donated: XLA updates the pages in place instead of copying the pool every step.
+step_fn = jax.jit(run_step, donate_argnums=(1,))

@@ -1,0 +1,108 @@
+"""PagePool: the host-side bookkeeping of KV pages: free list, reference counts and the prefix cache.
+
+A full page of prompt or output tokens is named by a chained hash (its tokens plus the hash of the page
+before it), so identical prefixes map to identical pages. A page whose last reference goes away keeps its
+hash and waits in an LRU list: a later request with the same prefix revives it, and allocation evicts the
+least recently used one only when no never-hashed page is free."""
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+PageHash = bytes
+
+
+def page_hash(parent: PageHash | None, tokens: Sequence[int]) -> PageHash:
+    # A cryptographic hash, so one tenant cannot craft a prompt that collides with another's cached pages.
+    data = (parent or b"") + np.asarray(tokens, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class OutOfPagesError(Exception):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_pages
+        self._free: collections.deque[int] = collections.deque(range(num_pages))  # unreferenced and unhashed
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced, hashed; LRU first
+        self._hash_of: dict[int, PageHash] = {}
+        self._page_of: dict[PageHash, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Pages that an allocation can take now (free or evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    def allocate(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise OutOfPagesError(f"need {count} pages, {self.num_free} free")
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._hash_of.pop(page)]
+            self.ref_count[page] = 1
+            pages.append(page)
+        return pages
+
+    def share(self, pages: Sequence[int]) -> None:
+        """Adds a reference to pages already held (n > 1 choices share their prompt's pages)."""
+        for page in pages:
+            assert self.ref_count[page] > 0, f"page {page} is not held"
+            self.ref_count[page] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            assert self.ref_count[page] > 0, f"page {page} released twice"
+            self.ref_count[page] -= 1
+            if self.ref_count[page] == 0:
+                if page in self._hash_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[list[int], list[PageHash]]:
+        """The longest run of cached full pages that prefixes `tokens`, referenced for the caller.
+
+        At least one token is always left uncached, since the step must compute it to sample."""
+        if not self.enable_prefix_caching:
+            return [], []
+        pages, hashes, parent = [], [], None
+        for start in range(0, len(tokens) - 1 - (len(tokens) - 1) % self.page_size, self.page_size):
+            h = page_hash(parent, tokens[start:start + self.page_size])
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            if self.ref_count[page] == 0:
+                del self._evictable[page]
+            self.ref_count[page] += 1
+            pages.append(page)
+            hashes.append(h)
+            parent = h
+        return pages, hashes
+
+    def register(self, page: int, h: PageHash) -> None:
+        """Names a page that now holds a full page of computed tokens, so later prefixes can find it."""
+        if not self.enable_prefix_caching or h in self._page_of or page in self._hash_of:
+            return
+        self._hash_of[page] = h
+        self._page_of[h] = page
+
+    def check_all_free(self) -> None:
+        """For tests and drain: every page is unreferenced."""
+        held = [p for p, c in enumerate(self.ref_count) if c]
+        assert not held, f"pages still held: {held[:10]}"
