@@ -19,7 +19,6 @@ class EngineConfig:
     kv_memory_fraction: float = 0.6
     enable_prefix_caching: bool = True
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
-    seed: int = 0  # seeds unseeded requests' random streams
     warmup: bool = True  # compile every step shape before serving
     tokenizer: str | None = None  # defaults to the model folder
 

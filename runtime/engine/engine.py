@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 
 import jax
@@ -65,8 +66,6 @@ class LLMEngine:
                                     page_size=config.page_size, max_model_len=self.max_model_len,
                                     vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
-        self.prompts: dict[str, tuple[str | None, list[int]]] = {}
-        self._rng = np.random.default_rng(config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.compile_seconds = 0.0
@@ -84,8 +83,10 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self.enqueue(self.prepare(request_id, prompt, params))
+
+    def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
+        """Validates and tokenizes a request without touching engine state (safe from any thread)."""
         params.validate(vocab_size=self.model.cfg.vocab_size, max_n=self.config.max_num_seqs)
         if isinstance(prompt, str):
             prompt_text, ids = prompt, self.tokenizer.encode(prompt)
@@ -111,16 +112,21 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_tokens: prompt plus output need {pages_needed} KV pages, the pool has {self.pool.num_pages}",
                 "max_tokens")
-        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 63))
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
         now = time.monotonic()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=ids, params=params, seed=seed, arrival=now,
                          detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                         stop_matcher=StopStringMatcher(params.stop or []), max_tokens=max_tokens)
+                         stop_matcher=StopStringMatcher(params.stop or []), max_tokens=max_tokens, prompt_text=prompt_text)
                 for i in range(params.n)]
         seqs[0].pending_forks = seqs[1:]
+        return seqs
+
+    def enqueue(self, seqs: list[Sequence]) -> None:
+        request_id = seqs[0].request_id
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self.requests[request_id] = seqs
-        self.prompts[request_id] = (prompt_text, ids)
-        self.prompt_tokens += len(ids)
+        self.prompt_tokens += len(seqs[0].prompt_ids)
         self.scheduler.add(seqs[0])
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -262,9 +268,8 @@ class LLMEngine:
         if not outputs and prompt_lp is None:
             return None
         finished = all(s.finished for s in seqs)
-        text, ids = self.prompts[request_id]
         if finished:
-            del self.requests[request_id], self.prompts[request_id]
-        return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids, outputs=outputs,
+            del self.requests[request_id]
+        return RequestOutput(request_id=request_id, prompt=seqs[0].prompt_text, prompt_token_ids=seqs[0].prompt_ids, outputs=outputs,
                              finished=finished, prompt_logprobs=prompt_lp, num_cached_tokens=seqs[0].num_cached_tokens)
 

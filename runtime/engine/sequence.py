@@ -28,6 +28,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
     max_tokens: int  # resolved against the context length
+    prompt_text: str | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt then output
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[PageHash] = dataclasses.field(default_factory=list)  # of the full pages, in order
