@@ -1,0 +1,202 @@
+"""The InferenceService resource (serving.capstan.dev/v1alpha1): the one source of the CRD schema.
+
+Field names are the YAML's camelCase; `x-kubernetes-validations` carry the CEL rules that the API
+server checks, so a nonsensical spec is refused at `kubectl apply` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from capstan.operator.accelerators import ACCELERATORS
+
+GROUP = "serving.capstan.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["csvc"]  # KServe owns `isvc`
+
+# hf://org/name[@revision], pvc://claim[/path], gs://bucket[/path], s3://bucket[/path]
+MODEL_URI_PATTERN = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+(@[A-Za-z0-9_./-]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
+    r"|gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/[^\s]*)?"
+    r"|s3://[a-z0-9][a-z0-9.-]*[a-z0-9](/[^\s]*)?)$"
+)
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+
+AcceleratorType = Literal[tuple(ACCELERATORS)]  # type: ignore[valid-type]
+
+
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    return {"rule": rule, "message": message} | ({"fieldPath": field_path} if field_path else {})
+
+
+class _Resource(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class ModelSpec(_Resource):
+    """Which checkpoint to serve and under which name."""
+
+    uri: str = Field(pattern=MODEL_URI_PATTERN, max_length=1024,
+                     description="hf://org/name[@revision], pvc://claim/path, gs://bucket/path or s3://bucket/path")
+    served_name: str | None = Field(None, max_length=256, description="model name clients send (default: the URI's name)")
+    tokenizer: str | None = Field(None, max_length=1024, description="tokenizer to use instead of the checkpoint's")
+
+
+class RuntimeSpec(_Resource):
+    """Engine settings, passed to `capstan serve` as its flags."""
+
+    max_model_len: int | None = Field(None, ge=16, le=1048576, description="longest prompt + completion, in tokens")
+    max_num_seqs: int | None = Field(None, ge=1, le=4096, description="sequences in one running batch")
+    page_size: int | None = Field(None, ge=1, le=1024, description="tokens per KV-cache page")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    extra_args: list[str] = Field(default_factory=list, max_length=64, description="appended to `capstan serve`")
+
+
+class AcceleratorSpec(_Resource):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        _cel("!self.type.startsWith('tpu-') || has(self.topology)",
+             "accelerator.topology is required for TPU accelerators (for example 2x4)", ".topology"),
+        _cel("self.type.startsWith('tpu-') || !has(self.topology)",
+             "accelerator.topology applies to TPU accelerators only", ".topology"),
+    ]})
+
+    type: AcceleratorType = Field("cpu", description="cpu, an NVIDIA GPU type or a TPU type")
+    count: int = Field(1, ge=1, le=64, description="devices per replica")
+    topology: str | None = Field(None, pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$", description="TPU slice topology")
+
+
+class AutoscalingSpec(_Resource):
+    """Scale on the pods' own load, smoothed so that replicas do not flap."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        _cel("self.metric != 'kvCacheUsage' || self.target <= 1.0",
+             "autoscaling.target is a ratio between 0 and 1 for the kvCacheUsage metric", ".target"),
+    ]})
+
+    metric: Literal["concurrentRequests", "kvCacheUsage"] = Field(
+        "concurrentRequests", description="concurrentRequests: running + waiting per replica; kvCacheUsage: used pages ratio")
+    target: float = Field(gt=0, description="the metric's value per replica to aim for")
+    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=86400)
+
+
+class SecretKeySelector(_Resource):
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253)
+
+
+class ModelCacheSpec(_Resource):
+    """A volume for downloaded weights and compilation caches, so that restarts do not download again."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        _cel("has(self.claimName) != has(self.size)",
+             "modelCache needs exactly one of claimName (an existing PVC) or size (a PVC the operator creates)"),
+    ]})
+
+    claim_name: str | None = Field(None, pattern=DNS_LABEL_PATTERN, max_length=253)
+    size: str | None = Field(None, pattern=QUANTITY_PATTERN, description="for example 100Gi")
+    storage_class_name: str | None = Field(None, max_length=253)
+    access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = "ReadWriteMany"
+
+
+class PodTemplateMetadata(_Resource):
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class PodTemplateOverrides(_Resource):
+    """Merged over the rendered pod: metadata maps merge, spec fields replace, containers merge by name."""
+
+    metadata: PodTemplateMetadata = Field(default_factory=PodTemplateMetadata)
+    spec: dict[str, Any] = Field(default_factory=dict)
+
+
+class InferenceServiceSpec(_Resource):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        _cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+             "spec.minReplicas must be less than or equal to spec.maxReplicas", ".minReplicas"),
+        _cel("!has(self.autoscaling) || has(self.maxReplicas)",
+             "spec.maxReplicas is required when spec.autoscaling is set", ".maxReplicas"),
+        _cel("!has(self.runtime) || !has(self.runtime.tensorParallelSize) || !has(self.accelerator)"
+             " || self.accelerator.type == 'cpu' || self.runtime.tensorParallelSize <= self.accelerator.count",
+             "spec.runtime.tensorParallelSize cannot exceed spec.accelerator.count", ".runtime.tensorParallelSize"),
+    ]})
+
+    model: ModelSpec
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec)
+    image: str | None = Field(None, max_length=1024, description="runtime image (default: the operator's)")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    resources: dict[str, Any] | None = Field(None, description="container resources (requests, limits)")
+    replicas: int = Field(1, ge=0, le=1000, description="replicas when autoscaling is off")
+    min_replicas: int | None = Field(None, ge=0, le=1000)
+    max_replicas: int | None = Field(None, ge=1, le=1000)
+    autoscaling: AutoscalingSpec | None = None
+    api_key_secret: SecretKeySelector | None = Field(None, description="keys clients must send (comma-separated)")
+    hf_token_secret: SecretKeySelector | None = Field(None, description="Hugging Face token for gated models")
+    model_cache: ModelCacheSpec | None = None
+    drain_timeout_seconds: int = Field(30, ge=0, le=3600, description="time in-flight requests get to finish")
+    startup_timeout_seconds: int = Field(1800, ge=30, le=86400, description="time for download and compilation")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+    pod_template: PodTemplateOverrides | None = None
+
+    def bounds(self) -> tuple[int, int]:
+        """The replica range the autoscaler moves within."""
+        low = self.min_replicas if self.min_replicas is not None else 1
+        return low, max(low, self.max_replicas if self.max_replicas is not None else max(low, self.replicas))
+
+
+class Condition(_Resource):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class ScaleRecommendation(_Resource):
+    time: float  # seconds since the epoch
+    replicas: int
+
+
+class AutoscalingStatus(_Resource):
+    desired_replicas: int | None = None
+    last_scale_time: str | None = None
+    last_decision: str | None = None
+    recommendations: list[ScaleRecommendation] = Field(default_factory=list)
+
+
+class InferenceServiceStatus(_Resource):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})  # kopf's bookkeeping
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    desired_replicas: int | None = None
+    selector: str | None = None
+    url: str | None = None
+    autoscaling: AutoscalingStatus | None = None
+
+
+class InferenceService(_Resource):
+    """The custom resource as a whole; `spec` is what users write, `status` what the operator reports."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    spec: InferenceServiceSpec
+    status: InferenceServiceStatus | None = None

@@ -1,0 +1,139 @@
+"""One reconciliation of one InferenceService: render, apply, observe, report. Level-triggered: it looks
+only at the resource and the cluster as they are now, so running it again (or after a restart of the
+operator) converges to the same objects."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pydantic
+
+from capstan.operator import api, autoscaler, render
+from capstan.operator.cluster_client import ClusterClient
+from capstan.operator.pod_metrics import PodAddresses, fetch_loads
+from capstan.operator.status import compute_status
+
+log = logging.getLogger(__name__)
+
+# (body, type "Normal"/"Warning", reason, message): how a reconciliation reports what it did.
+EventSink = Callable[[dict[str, Any], str, str, str], None]
+
+
+@dataclass
+class OperatorConfig:
+    default_image: str = "ghcr.io/capstan-dev/capstan:0.1.0"
+    resync_seconds: float = 10.0
+    pod_addresses: PodAddresses = field(default_factory=PodAddresses)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _current_replicas(spec: api.InferenceServiceSpec, status: dict[str, Any]) -> int:
+    """What the Deployment should run before this round's autoscaling decision."""
+    if spec.autoscaling is None:
+        return spec.replicas
+    low, high = spec.bounds()
+    decided = (status.get("autoscaling") or {}).get("desiredReplicas")
+    return min(max(decided if decided is not None else spec.replicas, low), high)
+
+
+class Reconciler:
+    def __init__(self, client: ClusterClient, config: OperatorConfig, emit: EventSink):
+        self.client, self.config, self.emit = client, config, emit
+
+    def reconcile(self, body: dict[str, Any], *, autoscale: bool) -> None:
+        meta, status = body["metadata"], body.get("status") or {}
+        name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
+        try:
+            spec = api.InferenceServiceSpec.model_validate(body.get("spec") or {})
+        except pydantic.ValidationError as error:  # the CRD refuses most of this; report the rest
+            self._report_invalid(body, generation, str(error))
+            return
+        if spec.image is None:
+            spec = spec.model_copy(update={"image": self.config.default_image})
+
+        replicas = _current_replicas(spec, status)
+        autoscaling_status = None
+        if autoscale and spec.autoscaling is not None:
+            replicas, autoscaling_status = self._autoscale(body, spec, status, replicas)
+
+        applied = {obj["kind"]: self.client.apply(obj) for obj in render.render_all(body, spec, replicas)}
+        self._prune_model_cache_claim(body, spec)
+        pods = self.client.list("Pod", namespace, render.selector_string(name))
+        new_status = compute_status(
+            name=name, namespace=namespace, generation=generation, spec=spec, desired=replicas,
+            deployment=applied["Deployment"], pods=pods, previous_conditions=status.get("conditions", []), now=_now(),
+        )
+        if autoscaling_status is not None:
+            new_status["autoscaling"] = autoscaling_status
+        elif spec.autoscaling is None and status.get("autoscaling"):
+            new_status["autoscaling"] = None  # merge patch: remove what no longer applies
+        self._report_transitions(body, status.get("conditions", []), new_status["conditions"])
+        if any(status.get(k) != v for k, v in new_status.items()):
+            self.client.patch_status(namespace, name, new_status)
+
+    def _autoscale(self, body: dict[str, Any], spec: api.InferenceServiceSpec, status: dict[str, Any],
+                   current: int) -> tuple[int, dict[str, Any]]:
+        assert spec.autoscaling is not None
+        meta = body["metadata"]
+        pods = [p for p in self.client.list("Pod", meta["namespace"], render.selector_string(meta["name"]))
+                if _is_ready(p)]
+        loads = fetch_loads(self.config.pod_addresses.resolve(pods))
+        previous = api.AutoscalingStatus.model_validate(status.get("autoscaling") or {})
+        decision = autoscaler.decide(spec.autoscaling, spec.bounds(), current, loads, previous.recommendations,
+                                     time.time())
+        last_scale_time = previous.last_scale_time
+        if decision.changes(current):
+            last_scale_time = _now()
+            self.emit(body, "Normal", "Scaled", decision.reason)
+            log.info("%s/%s: %s", meta["namespace"], meta["name"], decision.reason)
+        result = api.AutoscalingStatus(
+            desired_replicas=decision.replicas, last_scale_time=last_scale_time,
+            last_decision=decision.reason if decision.changes(current) else previous.last_decision or decision.reason,
+            recommendations=decision.recommendations,
+        )
+        return decision.replicas, result.model_dump(by_alias=True, exclude_none=True)
+
+    def _prune_model_cache_claim(self, body: dict[str, Any], spec: api.InferenceServiceSpec) -> None:
+        """Delete the cache PVC the operator created once the spec no longer asks for one."""
+        if spec.model_cache is not None and spec.model_cache.size is not None:
+            return
+        meta = body["metadata"]
+        claim = self.client.get("PersistentVolumeClaim", meta["namespace"], f"{meta['name']}-model-cache")
+        owners = (claim or {}).get("metadata", {}).get("ownerReferences", [])
+        if any(o.get("uid") == meta["uid"] for o in owners):
+            self.client.delete("PersistentVolumeClaim", meta["namespace"], claim["metadata"]["name"])
+            self.emit(body, "Normal", "Deleted", f"model cache claim {claim['metadata']['name']} is no longer requested")
+
+    def _report_transitions(self, body: dict[str, Any], before: list[dict[str, Any]],
+                            after: list[dict[str, Any]]) -> None:
+        old = {c["type"]: c for c in before}
+        for condition in after:
+            previous = old.get(condition["type"], {})
+            if (previous.get("status"), previous.get("reason")) == (condition["status"], condition["reason"]):
+                continue
+            if condition["type"] == "Degraded" and condition["status"] == "True":
+                self.emit(body, "Warning", condition["reason"], condition["message"])
+            elif condition["type"] == "Ready":
+                self.emit(body, "Normal" if condition["status"] == "True" else "Warning",
+                          condition["reason"], condition["message"])
+
+    def _report_invalid(self, body: dict[str, Any], generation: int, message: str) -> None:
+        meta = body["metadata"]
+        condition = {"type": "Degraded", "status": "True", "reason": "InvalidSpec", "message": message,
+                     "lastTransitionTime": _now(), "observedGeneration": generation}
+        self.emit(body, "Warning", "InvalidSpec", message)
+        self.client.patch_status(meta["namespace"], meta["name"],
+                                 {"observedGeneration": generation, "conditions": [condition]})
+
+
+def _is_ready(pod: dict[str, Any]) -> bool:
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
