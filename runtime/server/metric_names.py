@@ -10,6 +10,7 @@ KV_PAGES_FREE = PREFIX + "kv_pages_free"  # gauge
 KV_PAGES_TOTAL = PREFIX + "kv_pages_total"  # gauge
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queried_tokens"  # counter (_total): prompt tokens looked up
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hit_tokens"  # counter (_total): prompt tokens found cached
+PREFIX_CACHE_HIT_RATE = PREFIX + "prefix_cache_hit_rate"  # gauge 0..1: hit tokens / queried tokens since start
 PREEMPTIONS = PREFIX + "preemptions"  # counter (_total)
 PROMPT_TOKENS = PREFIX + "prompt_tokens"  # counter (_total)
 GENERATION_TOKENS = PREFIX + "generation_tokens"  # counter (_total)

@@ -1,0 +1,128 @@
+"""`capstan serve [MODEL]` (the OpenAI-compatible server) and `capstan generate` (one offline generation),
+with vLLM's flag names. MODEL is a checkpoint folder or hf://org/name[@revision]; none: the embedded default."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import DEFAULT_MODEL, EngineConfig
+
+log = logging.getLogger("capstan")
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    parser.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
+                        help="checkpoint folder or hf://org/name[@revision] (default: the embedded tiny model)")
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                        help="context length (default: the checkpoint's, capped at 8192)")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                        help="token budget of one step")
+    parser.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV-cache page")
+    parser.add_argument("--num-pages", type=int, default=d.num_pages,
+                        help="KV-cache pages (default: from --kv-memory-fraction of free device memory)")
+    parser.add_argument("--kv-memory-fraction", type=float, default=d.kv_memory_fraction)
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported for now")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip compiling every shape up front (first requests compile instead)")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported for now")
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
+        kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
+        warmup=args.warmup, max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
+    )
+    config.validate()
+    return config
+
+
+def default_served_name(model: str) -> str | None:
+    """org/name for hf:// (as the operator advertises it); None: the engine's name (the folder's)."""
+    if model.startswith("hf://"):
+        return model[len("hf://"):].split("@")[0]
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="capstan", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve MODEL over an OpenAI-compatible HTTP API")
+    _engine_flags(serve)
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names clients send as `model` (the first is the main one)")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="require this bearer key on /v1 (repeatable; also env CAPSTAN_API_KEY, comma-separated)")
+    serve.add_argument("--api-key-file", default=None, help="file with one API key a line (a mounted Secret)")
+    serve.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
+                       help="queued requests beyond this get HTTP 429")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM")
+    serve.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get HTTP 413")
+    serve.add_argument("--log-prompts", action="store_true", help="write prompts to the log (off: privacy)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    generate = commands.add_parser("generate", help="generate once, offline, and print the text")
+    _engine_flags(generate)
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .engine.async_llm import AsyncLLM
+    from .server.app import serve
+    from .server.auth import load_api_keys
+    from .server.body_limit import DEFAULT_MAX_BODY_BYTES
+
+    api_keys = load_api_keys(args.api_key, args.api_key_file)
+    config = _engine_config(args)
+    log.info("loading %s", args.model)
+    engine = AsyncLLM(config)
+    names = args.served_model_name or [default_served_name(args.model) or engine.model_name]
+    serve(engine, host=args.host, port=args.port, served_model_names=names, api_keys=api_keys,
+          drain_timeout=args.drain_timeout, log_prompts=args.log_prompts, log_level=args.log_level,
+          max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine.llm import LLM
+    from .engine.sampling_params import SamplingParams
+
+    config = _engine_config(args)
+    llm = LLM(**vars(config))
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    print(llm.generate(prompt, params)[0].outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _serve(args) if args.command == "serve" else _generate(args)
+    except (ValueError, FileNotFoundError) as e:  # a flag or a checkpoint the user can fix: no stack trace
+        print(f"capstan {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The FastAPI app over one AsyncLLM, and `serve()`, which runs it under uvicorn with the SIGTERM drain."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import uvicorn
+from fastapi import Depends, FastAPI
+
+from . import chat, completions, model_list, probes
+from .auth import APIKeyCheck
+from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from .context import ServerContext
+from .drain import Drain, DrainingServer, DrainMiddleware
+from .errors import install_error_handlers
+from .metrics import ServerMetrics
+from .tracing import make_tracer_provider
+
+log = logging.getLogger("capstan.server")
+
+
+def build_app(ctx: ServerContext, api_keys: list[str] | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        watch = asyncio.create_task(_log_warmup(ctx.engine))
+        yield
+        watch.cancel()
+
+    app = FastAPI(title="Capstan", description="OpenAI-compatible LLM server", version="0.1.0", lifespan=lifespan)
+    app.state.context = ctx
+    install_error_handlers(app)
+    guarded = [Depends(APIKeyCheck(api_keys or []))]
+    for router in (completions.router, chat.router, model_list.router):
+        app.include_router(router, dependencies=guarded)
+    app.include_router(probes.router)
+    app.add_middleware(DrainMiddleware, drain=ctx.drain)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # added last: runs first
+    return app
+
+
+def make_context(engine, served_model_names: list[str] | None = None, log_prompts: bool = False,
+                 tracer_provider=None) -> ServerContext:
+    names = served_model_names or [engine.model_name]
+    tracer = tracer_provider.get_tracer("capstan.server") if tracer_provider is not None else None
+    return ServerContext(engine=engine, served_model_names=names, metrics=ServerMetrics(engine), drain=Drain(),
+                         tracer=tracer, log_prompts=log_prompts)
+
+
+async def _log_warmup(engine) -> None:
+    """The engine compiles in its own thread; the log says when that ends, and how long it took."""
+    started = time.monotonic()
+    if not engine.is_ready():
+        log.info("warm-up: compiling the step function for every batch shape; /ready answers 503 until done")
+    while not engine.is_ready():
+        if not engine.is_alive():
+            log.error("the engine loop stopped during warm-up; see the errors above")
+            return
+        await asyncio.sleep(0.5)
+    log.info("warm-up compiled in %.1f s; ready to serve", time.monotonic() - started)
+
+
+def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_names: list[str] | None = None,
+          api_keys: list[str] | None = None, drain_timeout: float = 30.0, log_prompts: bool = False,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info") -> None:
+    """Serves until SIGTERM (drain, then exit) or SIGINT; shuts the engine down on the way out."""
+    provider = make_tracer_provider()
+    ctx = make_context(engine, served_model_names, log_prompts, provider)
+    app = build_app(ctx, api_keys, max_body_bytes)
+    # After a drain (or its timeout), give streams still open a moment, then cancel them (which aborts them).
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5)
+    server = DrainingServer(config, ctx.drain, drain_timeout)
+    auth = f"{len(api_keys)} API key(s)" if api_keys else "no API key (open)"
+    log.info("serving %s as %s on http://%s:%d with %s", engine.model_name, ", ".join(ctx.served_model_names),
+             host, port, auth)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+        if provider is not None:
+            provider.shutdown()

@@ -1,0 +1,48 @@
+"""API keys: from --api-key (repeatable), --api-key-file (one key a line, e.g. a mounted Secret) and the
+CAPSTAN_API_KEY env var (comma-separated). With any configured, every /v1 call needs `Authorization: Bearer`."""
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+
+from fastapi import Request
+
+from .errors import APIError
+
+ENV_VAR = "CAPSTAN_API_KEY"
+
+
+def load_api_keys(keys: list[str] | None = None, key_file: str | None = None, env: dict | None = None) -> list[str]:
+    env = os.environ if env is None else env
+    found = list(keys or [])
+    if key_file:
+        path = Path(key_file)
+        if not path.is_file():
+            raise ValueError(f"--api-key-file {key_file}: no such file")
+        found += path.read_text(encoding="utf-8").splitlines()
+    found += env.get(ENV_VAR, "").split(",")
+    unique = dict.fromkeys(k.strip() for k in found)  # keeps the order, drops repeats
+    return [k for k in unique if k]
+
+
+class APIKeyCheck:
+    """A FastAPI dependency: passes when no keys are configured or the bearer token matches one of them."""
+
+    def __init__(self, keys: list[str]):
+        self._keys = [k.encode() for k in keys]
+
+    async def __call__(self, request: Request) -> None:
+        if not self._keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError(401, "missing API key: send the header `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+        given = token.strip().encode()
+        # Compare against every key, without stopping early, so timing says nothing about which one matched.
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")

@@ -1,0 +1,102 @@
+"""POST /v1/chat/completions: messages rendered with the checkpoint's chat template, generation stopped
+at its end-of-turn token."""
+from __future__ import annotations
+
+import uuid
+
+import jinja2
+from fastapi import APIRouter, Depends, Request
+
+from ..engine.sampling_params import InvalidRequestError
+from .context import ServerContext, get_context
+from .generation import SSE_DONE, Generation, respond, sse
+from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
+
+router = APIRouter()
+
+# Tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Gemma, Phi); the ones that
+# are special tokens of the served tokenizer stop a chat turn even when the checkpoint's eos is another token.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS} & set(tokenizer.special_token_ids)
+    return sorted(ids | set(tokenizer.eos_token_ids))
+
+
+def render_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
+    messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                             **(body.chat_template_kwargs or {}))
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise InvalidRequestError(f"messages: the model's chat template refused them: {e}", "messages")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 ctx: ServerContext = Depends(get_context)):
+    model = ctx.resolve_model(body.model)
+    params = body.to_sampling_params()
+    tokenizer = ctx.engine.tokenizer
+    if not params.ignore_eos:
+        params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(end_of_turn_ids(tokenizer)))
+    prompt = render_prompt(body, tokenizer)
+    ctx.check_ready()
+    gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [prompt], params)
+    return await respond(request, gen, body.stream, lambda g: _events(g, body), lambda g: _response(g, body))
+
+
+
+def _logprobs(token_ids: list[int], positions: list, top_n: int) -> ChatLogprobs:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position[token_id]
+        top = sorted((lp for lp in position.values() if lp.rank <= top_n), key=lambda lp: lp.rank)
+        content.append(TokenLogprob(
+            token=chosen.decoded_token, logprob=chosen.logprob, bytes=list(chosen.decoded_token.encode()),
+            top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob, bytes=list(lp.decoded_token.encode()))
+                          for lp in top],
+        ))
+    return ChatLogprobs(content=content)
+
+
+def _response(gen: Generation, body: ChatCompletionRequest) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(index=c_index, message=AssistantMessage(content=choice.text), finish_reason=choice.finish_reason,
+                   logprobs=_logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0)
+                   if body.logprobs else None)
+        for c_index, choice in enumerate(gen.choices[0])
+    ]
+    return ChatCompletionResponse(id=gen.id, model=gen.model, choices=choices, usage=gen.usage())
+
+
+async def _events(gen: Generation, body: ChatCompletionRequest):
+    created = ChatCompletionResponse(id=gen.id, model=gen.model, choices=[]).created
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+
+    def chunk(choices: list[ChatChunkChoice]) -> str:
+        c = ChatCompletionChunk(id=gen.id, created=created, model=gen.model, choices=choices)
+        return sse(c.model_dump_json(exclude=exclude))
+
+    # OpenAI opens every choice with the role and empty content.
+    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                 for i in range(gen.params.n)])
+    async for _, out in gen.deltas():
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if body.logprobs and c.token_ids:
+                logprobs = _logprobs(c.token_ids, c.logprobs or [], body.top_logprobs or 0)
+            if c.text or logprobs or c.finish_reason:
+                choices.append(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text or None),
+                                               logprobs=logprobs, finish_reason=c.finish_reason))
+        if choices:
+            yield chunk(choices)
+    if include_usage:
+        c = ChatCompletionChunk(id=gen.id, created=created, model=gen.model, choices=[], usage=gen.usage())
+        yield sse(c.model_dump_json())
+    yield SSE_DONE

@@ -1,0 +1,45 @@
+"""ServerContext: what every route needs (engine, served names, metrics, drain, tracer), one per app."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from fastapi import Request
+
+from .drain import Drain
+from .errors import APIError, model_not_found
+from .metrics import ServerMetrics
+
+
+@dataclasses.dataclass
+class ServerContext:
+    engine: Any  # AsyncLLM (typed loosely so this module imports without JAX)
+    served_model_names: list[str]
+    metrics: ServerMetrics
+    drain: Drain
+    tracer: Any = None  # an OpenTelemetry tracer, or None when no OTLP endpoint is configured
+    log_prompts: bool = False
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The name to echo in the response; 404 for a model this server does not serve."""
+        if requested is None:
+            return self.model_name
+        if requested not in self.served_model_names:
+            raise model_not_found(requested)
+        return requested
+
+    def check_ready(self) -> None:
+        """Generation before warm-up would compile on the request path; clients should retry (probes gate it)."""
+        if not self.engine.is_ready():
+            raise APIError(503, "the model is still loading or compiling; retry when /ready answers 200",
+                           code="not_ready", headers={"Retry-After": "5"})
+
+
+def get_context(request: Request) -> ServerContext:
+    return request.app.state.context

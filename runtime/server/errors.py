@@ -1,0 +1,120 @@
+"""Every failure leaves the server as OpenAI's error body with OpenAI's status code; no stack trace in a body."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.async_llm import EngineDeadError, QueueFullError
+from ..engine.sampling_params import InvalidRequestError
+from .protocol import ErrorDetail, ErrorResponse
+
+log = logging.getLogger("capstan.server")
+
+RETRY_AFTER_SECONDS = 1  # queue full: the queue drains in about a step's time, so retry soon
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error a route raises on purpose: status, OpenAI type and code, the field at fault."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    detail = ErrorDetail(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def queue_full() -> APIError:
+    return APIError(429, "The server is at capacity: too many requests are waiting. Retry shortly.",
+                    code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def draining() -> APIError:
+    return APIError(503, "The server is shutting down and takes no new requests.", code="draining")
+
+
+def _field_path(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'; union branches like 'str' are dropped."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in str(part):
+            break  # pydantic names the union member it tried; the field is what the user knows
+        else:
+            path += f".{part}" if path else str(part)
+    return path or None
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+    param = _field_path(tuple(first.get("loc", ())))
+    if first.get("type") == "missing":
+        return error_response(400, f"{param}: field required", param=param)
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    return error_response(400, message, param=param)
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
+
+
+async def _on_invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+    return error_response(400, str(exc), param=exc.param)
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+
+async def _on_queue_full(request: Request, exc: Exception) -> JSONResponse:
+    return await _on_api_error(request, queue_full())
+
+
+async def _on_engine_dead(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "the engine has stopped; this pod will be restarted", code="engine_dead")
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error serving %s %s", request.method, request.url.path)
+    return error_response(500, "internal server error; the server log has the details")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(InvalidRequestError, _on_invalid_request)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(QueueFullError, _on_queue_full)
+    app.add_exception_handler(EngineDeadError, _on_engine_dead)
+    app.add_exception_handler(Exception, _on_unexpected)
