@@ -79,6 +79,8 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     if first.get("type") == "json_invalid":
         return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
     param = _field_path(tuple(first.get("loc", ())))
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        return error_response(400, "the request body must be a JSON object (send Content-Type: application/json)")
     if first.get("type") == "missing":
         return error_response(400, f"{param}: field required", param=param)
     message = f"{param}: {first['msg']}" if param else first["msg"]

@@ -1,0 +1,35 @@
+"""Fixtures: one engine on the tiny golden Qwen3 checkpoint for the whole session, served in-process on
+127.0.0.1 twice: open, and with API keys."""
+from __future__ import annotations
+
+import pytest
+
+from capstan.runtime.config import EngineConfig
+from servers import API_KEYS, CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ThreadServer
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from capstan.runtime.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM(EngineConfig(model=str(CHECKPOINT), **ENGINE_FLAGS))
+    assert llm.wait_ready(START_TIMEOUT), "warm-up did not finish"
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    """The open server: base URL of an app without API keys."""
+    from capstan.runtime.server.app import build_app, make_context
+
+    with ThreadServer(build_app(make_context(engine), max_body_bytes=64 * 1024)) as s:
+        yield s.url
+
+
+@pytest.fixture(scope="session")
+def keyed_server(engine):
+    from capstan.runtime.server.app import build_app, make_context
+
+    with ThreadServer(build_app(make_context(engine, ["served-name", MODEL]), api_keys=API_KEYS)) as s:
+        yield s.url
