@@ -65,15 +65,15 @@ class Generation:
         self._gens = [engine.generate(p, self.params, self.engine_id(i)) for i, p in enumerate(self.prompts)]
         try:
             firsts = await asyncio.gather(*(anext(g) for g in self._gens), return_exceptions=True)
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self.close(e)
             raise
         for i, first in enumerate(firsts):
             if isinstance(first, BaseException):
                 self._finished[i] = True  # its engine request never started or already ended
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if errors:
-            self.close()
+            self.close(errors[0])
             raise errors[0]
         self._firsts = firsts
         log.info("request %s: %s, %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s", self.id, self.operation,
@@ -133,7 +133,7 @@ class Generation:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         """Ends the request: aborts what is still running (freeing its pages), records metrics, ends the span."""
         if self._closed:
             return
@@ -144,7 +144,7 @@ class Generation:
                 self._timers[i].aborted(sum(c.finish_reason is None for c in self.choices[i]))
         reasons = [c.finish_reason or "abort" for per_prompt in self.choices for c in per_prompt]
         end_request_span(self._span, response_id=self.id, model=self.model, input_tokens=self.prompt_tokens,
-                         output_tokens=self.completion_tokens, finish_reasons=reasons)
+                         output_tokens=self.completion_tokens, finish_reasons=reasons, error=error)
         if self._firsts:
             log.info("request %s finished: %d completion tokens, finish_reason=%s, %.2f s", self.id,
                      self.completion_tokens, ",".join(sorted(set(reasons))), time.perf_counter() - self.arrival)

@@ -45,9 +45,14 @@ def start_request_span(tracer, operation: str, model: str, params):
 
 
 def end_request_span(span, *, response_id: str, model: str, input_tokens: int, output_tokens: int,
-                     finish_reasons: list[str]) -> None:
+                     finish_reasons: list[str], error: BaseException | None = None) -> None:
     if span is None:
         return
+    if error is not None:  # refused (400, 429) or failed: the type only, as messages may quote the request
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attribute("error.type", type(error).__name__)
+        span.set_status(Status(StatusCode.ERROR))
     span.set_attributes({
         "gen_ai.response.id": response_id,
         "gen_ai.response.model": model,
