@@ -39,11 +39,14 @@ class ClusterClient:
 
     def _call(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
               content_type: str = "application/json") -> Any:
-        return self.api_client.call_api(
-            path, method, query_params=query or [], body=body,
+        serialized = self.api_client.param_serialize(
+            method=method, resource_path=path, query_params=query or [], body=body, auth_settings=["BearerToken"],
             header_params={"Accept": "application/json", "Content-Type": content_type},
-            auth_settings=["BearerToken"], response_type="object", _return_http_data_only=True,
         )
+        response = self.api_client.call_api(serialized[0], serialized[1], header_params=serialized[2],
+                                            body=serialized[3], _request_timeout=30)
+        response.read()
+        return self.api_client.response_deserialize(response, {"2XX": "object"}).data  # raises ApiException
 
     @staticmethod
     def _path(kind: str, namespace: str, name: str | None = None) -> str:

@@ -26,7 +26,13 @@ def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     reconciler: Reconciler | None = None
-    resource = dict(group=api.GROUP, version=api.VERSION, plural=api.PLURAL, registry=registry)
+    # Unexpected errors retry soon, not after kopf's default minute: the reconciliation is idempotent.
+    resource = dict(group=api.GROUP, version=api.VERSION, plural=api.PLURAL, registry=registry, backoff=5)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # Same credentials as our own client: the pod's service account, or $KUBECONFIG.
+        return kopf.login_via_client(**kwargs)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:

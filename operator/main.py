@@ -46,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper())
     kopf.configure(verbose=args.log_level == "debug")
+    logging.getLogger().setLevel(args.log_level.upper())
     config = OperatorConfig(
         default_image=args.default_image,
         resync_seconds=args.resync_seconds,
