@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import metric_names as names
@@ -17,6 +17,8 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+disable_created_metrics()  # no *_created series: they double the scrape and nothing here reads them
 
 
 class EngineCollector:
@@ -40,7 +42,7 @@ class EngineCollector:
             (names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queried_tokens),
             (names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens),
             (names.PREEMPTIONS, "Sequences preempted (recomputed later) when KV pages ran out.", s.preemptions),
-            (names.PROMPT_TOKENS, "Prompt tokens prefilled.", s.prompt_tokens),
+            (names.PROMPT_TOKENS, "Prompt tokens of requests admitted to the engine.", s.prompt_tokens),
             (names.GENERATION_TOKENS, "Tokens generated.", s.generation_tokens),
         ):
             yield CounterMetricFamily(name, doc, value=value)
