@@ -162,12 +162,24 @@ def test_image_pull_failure_is_reported_as_degraded(cluster, operator, namespace
     assert "registry.invalid/capstan:unpullable" in degraded["message"]
 
 
-def test_a_second_operator_replica_stands_by(cluster, operator, operator_kubeconfig, tmp_path):
+def test_a_second_operator_replica_stands_by_until_the_first_goes(cluster, operator, operator_kubeconfig,
+                                                                   namespace, tmp_path):
+    """kopf peering: replicas start paused; only the highest priority acts, the next takes over."""
     from conftest import OperatorProcess
 
-    standby = OperatorProcess(operator_kubeconfig, tmp_path).start("--priority=1")  # lower than start-time priority
+    standby = OperatorProcess(operator_kubeconfig, tmp_path).start("--priority=1")  # below start-time priorities
     try:
-        eventually("the standby pausing in favour of the active operator",
-                   lambda: "Pausing operations in favour of" in standby.log.read_text(), timeout=60)
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc_manifest("one", replicas=1))
+        eventually("the active operator serving", lambda: condition(
+            get(cluster, namespace, "inferenceservice", "one"), "Ready").get("status") == "True")
+        assert "Resuming operations" not in standby.log.read_text()
+        assert "on_change" not in standby.log.read_text()  # no handler ran in the standby
+
+        operator.stop()  # a graceful exit takes it out of the peering object
+        eventually("the standby taking over", lambda: "Resuming operations" in standby.log.read_text(), timeout=60)
+        cluster.kubectl("patch", "csvc", "one", "-n", namespace, "--type=merge", "-p", '{"spec": {"replicas": 2}}')
+        eventually("the former standby acting on a change", lambda: get(
+            cluster, namespace, "inferenceservice", "one")["status"].get("readyReplicas") == 2)
     finally:
         standby.stop()
+        operator.start()
