@@ -64,6 +64,9 @@ class Reconciler:
             replicas, autoscaling_status = self._autoscale(body, spec, status, replicas)
 
         applied = {obj["kind"]: self.client.apply(obj) for obj in render.render_all(body, spec, replicas)}
+        if status.get("observedGeneration") != generation:
+            self.emit(body, "Normal", "Applied",
+                      f"generation {generation}: applied {', '.join(applied)} ({replicas} replicas)")
         self._prune_model_cache_claim(body, spec)
         pods = self.client.list("Pod", namespace, render.selector_string(name))
         new_status = compute_status(

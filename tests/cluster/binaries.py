@@ -166,9 +166,15 @@ def _build_helm(work: Path, out: Path) -> None:
         work, "helm", f"module capstan.dev/testcluster/helm\n\ngo 1.26\n\nrequire helm.sh/helm/v3 {HELM_VERSION}\n"
     )
     (module / "tools.go").write_text('package tools\n\nimport _ "helm.sh/helm/v3/pkg/action"\n')
+    major, minor = KUBERNETES_VERSION.removeprefix("v").split(".")[:2]
     _build_single(module, out, "helm.sh/helm/v3/cmd/helm", "helm",
                   _ldflags(f"helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
-                           "helm.sh/helm/v3/internal/version.gitTreeState=clean"))
+                           "helm.sh/helm/v3/internal/version.gitTreeState=clean",
+                           # Offline (lint, template) Helm assumes this Kubernetes, not its default v1.20.
+                           f"helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor={major}",
+                           f"helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}",
+                           f"helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor={major}",
+                           f"helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor={minor}"))
 
 
 def _build_single(module: Path, out: Path, package: str, name: str, ldflags: str) -> None:

@@ -95,7 +95,7 @@ def test_inference_service_lifecycle(cluster, operator, namespace):
     assert "hf://Qwen/Qwen3-0.6B" in table and isvc["status"]["url"] in table
     events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector",
                              "involvedObject.kind=InferenceService", "-o", "json").stdout
-    assert "Serving" in events
+    assert "Serving" in events and "Applied" in events
 
     # A spec change rolls the pods without losing capacity.
     cluster.kubectl("patch", "csvc", "qwen3", "-n", namespace, "--type=merge",
@@ -183,3 +183,14 @@ def test_a_second_operator_replica_stands_by_until_the_first_goes(cluster, opera
     finally:
         standby.stop()
         operator.start()
+
+
+def test_chart_can_be_limited_to_namespaces(cluster):
+    rendered = cluster.helm("template", "capstan", str(Path(__file__).resolve().parents[2] / "charts" / "capstan"),
+                            "--namespace", "ops", "--set", "watchNamespaces={team-a,team-b}").stdout
+    documents = [d for d in yaml.safe_load_all(rendered) if d]
+    kinds = {(d["kind"], d["metadata"].get("namespace")) for d in documents}
+    assert {("Role", "team-a"), ("RoleBinding", "team-b"), ("KopfPeering", "team-a")} <= kinds
+    assert not any(d["kind"] in ("ClusterRole", "ClusterRoleBinding") for d in documents)
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    assert {"--namespace=team-a", "--namespace=team-b"} <= set(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
