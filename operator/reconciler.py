@@ -59,16 +59,16 @@ class Reconciler:
             spec = spec.model_copy(update={"image": self.config.default_image})
 
         replicas = _current_replicas(spec, status)
+        pods = self.client.list("Pod", namespace, render.selector_string(name))
         autoscaling_status = None
         if autoscale and spec.autoscaling is not None:
-            replicas, autoscaling_status = self._autoscale(body, spec, status, replicas)
+            replicas, autoscaling_status = self._autoscale(body, spec, status, replicas, pods)
 
         applied = {obj["kind"]: self.client.apply(obj) for obj in render.render_all(body, spec, replicas)}
         if status.get("observedGeneration") != generation:
             self.emit(body, "Normal", "Applied",
                       f"generation {generation}: applied {', '.join(applied)} ({replicas} replicas)")
         self._prune_model_cache_claim(body, spec)
-        pods = self.client.list("Pod", namespace, render.selector_string(name))
         new_status = compute_status(
             name=name, namespace=namespace, generation=generation, spec=spec, desired=replicas,
             deployment=applied["Deployment"], pods=pods, previous_conditions=status.get("conditions", []), now=_now(),
@@ -82,12 +82,10 @@ class Reconciler:
             self.client.patch_status(namespace, name, new_status)
 
     def _autoscale(self, body: dict[str, Any], spec: api.InferenceServiceSpec, status: dict[str, Any],
-                   current: int) -> tuple[int, dict[str, Any]]:
+                   current: int, pods: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         assert spec.autoscaling is not None
         meta = body["metadata"]
-        pods = [p for p in self.client.list("Pod", meta["namespace"], render.selector_string(meta["name"]))
-                if _is_ready(p)]
-        loads = fetch_loads(self.config.pod_addresses.resolve(pods))
+        loads = fetch_loads(self.config.pod_addresses.resolve([p for p in pods if _is_ready(p)]))
         previous = api.AutoscalingStatus.model_validate(status.get("autoscaling") or {})
         decision = autoscaler.decide(spec.autoscaling, spec.bounds(), current, loads, previous.recommendations,
                                      time.time())

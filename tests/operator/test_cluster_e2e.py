@@ -125,6 +125,11 @@ def test_inference_service_lifecycle(cluster, operator, namespace):
         assert len(owned(cluster, namespace, kind)) == 1, kind
     assert len(owned(cluster, namespace, "pods")) == 3
 
+    # Level-triggered: an owned object deleted by hand comes back.
+    uid = get(cluster, namespace, "service", "qwen3")["metadata"]["uid"]
+    cluster.kubectl("delete", "service", "qwen3", "-n", namespace)
+    eventually("the Service recreated", lambda: get(cluster, namespace, "service", "qwen3")["metadata"]["uid"] != uid)
+
     # Deleting the InferenceService leaves nothing behind.
     cluster.kubectl("delete", "csvc", "qwen3", "-n", namespace, "--wait=true", timeout=60)
 

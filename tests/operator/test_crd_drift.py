@@ -60,3 +60,14 @@ def test_model_uri_pattern_admits_the_documented_schemes_only():
     for uri in bad:
         with pytest.raises(ValueError):
             api.ModelSpec(uri=uri)
+
+
+def test_every_spec_field_is_documented():
+    spec = inference_service_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    reference = (REPO / "docs" / "inferenceservice.md").read_text()
+    for path, node in _walk(spec):
+        if path == "spec" or "properties" in node or path.endswith("[]"):
+            continue
+        field = path.removeprefix("spec.")
+        documented = [field[:i] for i in range(len(field), 0, -1) if i == len(field) or field[i] == "."]
+        assert any(f"`{p}`" in reference for p in documented), f"{field} is missing from docs/inferenceservice.md"
