@@ -4,6 +4,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -118,5 +119,6 @@ class BatchBuilder:
             history=self._no_history if history is None else history, prompt_lens=prompt_lens,
             any_penalty=np.bool_(history is not None), any_filter=np.bool_(any_filter),
             want_logprobs=np.bool_(want_logprobs))
-        return StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, sampling=sampling,
-                          prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))
+        inputs = StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, sampling=sampling,
+                            prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))
+        return jax.device_put(inputs)  # one transfer; and device arrays throughout, so jit sees one signature

@@ -57,7 +57,7 @@ def sample(logits: jax.Array, b: SamplingBatch) -> SampleResult:
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 
     def with_logprobs(lp):
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        top_lp, top_ids = top_logprobs(lp)
         rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1)
         return rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
 
@@ -95,3 +95,11 @@ def _apply_filters(x: jax.Array, b: SamplingBatch) -> jax.Array:
     min_p_floor = ordered[:, :1] + jnp.log(jnp.maximum(b.min_p, 1e-30))[:, None]  # p >= min_p * p_max
     threshold = jnp.where(b.min_p[:, None] > 0, jnp.maximum(threshold, min_p_floor), threshold)
     return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def top_logprobs(lp: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MAX_LOGPROBS most likely (logprob, id) per row; padded with -inf for vocabularies smaller than that."""
+    k = min(MAX_LOGPROBS, lp.shape[-1])
+    values, ids = jax.lax.top_k(lp, k)
+    pad = [(0, 0)] * (lp.ndim - 1) + [(0, MAX_LOGPROBS - k)]
+    return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids, pad)

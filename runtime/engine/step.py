@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
-from .sampler import SampleResult, SamplingBatch, sample
+from .sampler import SampleResult, SamplingBatch, sample, top_logprobs
 from .sampling_params import MAX_LOGPROBS
 
 
@@ -47,7 +47,7 @@ def run_step(model: DecoderModel, kv: KVCache, x: StepInputs) -> tuple[KVCache, 
     def prompt_logprobs(h):
         lp = jax.nn.log_softmax(model.logits(h).array, axis=-1)
         chosen = jnp.take_along_axis(lp, x.prompt_targets[:, None], axis=-1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        top_lp, top_ids = top_logprobs(lp)
         rank = (1 + jnp.sum(lp > chosen[:, None], axis=-1)).astype(jnp.int32)
         return PromptLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_lp)
 

@@ -1,0 +1,151 @@
+"""The engine's promises: no compilation after warm-up, prefix caching, preemption, aborts, stops, seeds, n > 1."""
+import numpy as np
+import pytest
+
+from capstan.runtime.engine.llm import LLM
+from capstan.runtime.engine.sampling_params import InvalidRequestError, SamplingParams
+from capstan.runtime.engine.step import step_fn
+
+from golden import GOLDEN
+
+MODEL = str(GOLDEN / "llama-s11")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, page_size=16)
+
+
+def random_prompts(rng, count, low=1, high=120):
+    return [rng.integers(10, 500, size=int(rng.integers(low, high))).tolist() for _ in range(count)]
+
+
+def test_a_hundred_random_requests_compile_nothing_after_warmup(llm):
+    rng = np.random.default_rng(1)
+    compiled = step_fn._cache_size()
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.uniform(0, 1.5)),
+                             top_k=int(rng.integers(0, 50)), top_p=float(rng.uniform(0.5, 1)), ignore_eos=True,
+                             logprobs=int(rng.integers(0, 3)) if rng.random() < 0.3 else None,
+                             presence_penalty=0.5 if rng.random() < 0.2 else 0.0) for _ in range(100)]
+    outs = llm.generate(random_prompts(rng, 100), params)
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert step_fn._cache_size() == compiled
+    llm.engine.pool.check_all_free()
+
+
+def test_shared_prefix_is_computed_once_and_changes_nothing(llm):
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(10, 500, size=100).tolist()
+    first, second = prefix + [11, 12, 13], prefix + [21, 22]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate(first, greedy)
+    cached = llm.generate(second, greedy)[0]
+    assert cached.num_cached_tokens == 96  # every full 16-token page of the shared 100 tokens
+    uncached = LLM(MODEL, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=16,
+                   enable_prefix_caching=False, warmup=False).generate(second, greedy)[0]
+    assert uncached.num_cached_tokens == 0
+    assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
+
+
+def test_three_hundred_requests_with_aborts_and_preemption_free_every_page():
+    llm = LLM(MODEL, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, page_size=4, num_pages=80)
+    engine, rng = llm.engine, np.random.default_rng(3)
+    prompts = random_prompts(rng, 300, 1, 60)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=int(rng.integers(1, 60)), ignore_eos=True,
+                                                      n=int(rng.choice([1, 1, 1, 2, 3]))))
+    finished, steps = {}, 0
+    while engine.has_unfinished() and steps < 5000:
+        for out in engine.step():
+            for o in out.outputs:
+                if o.finish_reason:
+                    finished[(out.request_id, o.index)] = o.finish_reason
+        if rng.random() < 0.1:
+            victim = f"r{int(rng.integers(0, 300))}"
+            out = engine.abort(victim)
+            for o in (out.outputs if out else []):
+                finished[(victim, o.index)] = o.finish_reason
+        steps += 1
+    assert not engine.has_unfinished()
+    assert set(finished.values()) <= {"length", "abort"} and "abort" in finished.values()
+    assert engine.scheduler.num_preemptions > 0
+    engine.pool.check_all_free()
+
+
+def test_a_seeded_request_is_the_same_alone_and_in_a_batch(llm):
+    rng = np.random.default_rng(4)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = llm.generate("The quick brown fox", seeded)[0].outputs[0].text
+    others = [SamplingParams(temperature=1.0, max_tokens=int(rng.integers(5, 30)), ignore_eos=True) for _ in range(16)]
+    batch = llm.generate(random_prompts(rng, 16) + ["The quick brown fox"], others + [seeded])
+    assert batch[-1].outputs[0].text == alone
+
+
+def test_stop_strings_are_held_back_and_never_emitted(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    text = llm.generate([5, 6, 7], greedy)[0].outputs[0].text
+    stop = text[10:13]
+    out = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                 stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(llm):
+    tokens = llm.generate([9, 8], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
+    out = llm.generate([9, 8], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[tokens[4]]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tokens[4]
+    assert out.token_ids == tokens[:tokens.index(tokens[4]) + 1]
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    forced = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5, logit_bias={eos: 100.0})
+    out = llm.generate([9, 8], forced)[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 6 and out.token_ids[-1] == eos
+    assert llm.generate([9, 8], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].finish_reason == "length"
+
+
+def test_n_choices_share_the_prompt_pages(llm):
+    engine = llm.engine
+    prompt = list(range(10, 80))  # 70 tokens: 4 full pages of 16 are shared
+    engine.add_request("fork", prompt, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=9, ignore_eos=True))
+    parent, *children = engine.requests["fork"]
+    outs = {}
+
+    def step():
+        for out in engine.step():
+            for o in out.outputs:
+                outs.setdefault(o.index, []).extend(o.token_ids)
+
+    while parent.pending_forks:  # the parent's prefill (two chunks of the 64-token budget); then it forks
+        step()
+    assert all(c.pages[:4] == parent.pages[:4] for c in children)
+    assert all(engine.pool.ref_count[p] == 3 for p in parent.pages[:4])
+    while engine.has_unfinished():
+        step()
+    assert sorted(outs) == [0, 1, 2] and all(len(t) == 8 for t in outs.values())
+    assert len({tuple(t) for t in outs.values()}) > 1  # independent random streams
+    engine.pool.check_all_free()
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    (list(range(300)), SamplingParams(), "prompt"),
+    ([1, 2], SamplingParams(max_tokens=255), "max_tokens"),
+    ([1, 2], SamplingParams(n=17), "n"),
+    ([1, 2], SamplingParams(temperature=-1), "temperature"),
+    ([1, 2], SamplingParams(top_p=0), "top_p"),
+    ([1, 2], SamplingParams(logprobs=21), "logprobs"),
+    ([1, 2], SamplingParams(logit_bias={10 ** 6: 1.0}), "logit_bias"),
+    ([], SamplingParams(), "prompt"),
+    ([1, 99999], SamplingParams(), "prompt"),
+])
+def test_bad_requests_are_refused_before_queueing(llm, prompt, params, param):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.add_request("bad", prompt, params)
+    assert e.value.param == param
+    assert "bad" not in llm.engine.requests
+
+
+def test_prompt_logprobs_cover_every_prompt_token(llm):
+    out = llm.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 5
+    assert all(6 + i in out.prompt_logprobs[1 + i] for i in range(4))
