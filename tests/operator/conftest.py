@@ -3,11 +3,7 @@ into it, and `capstan-operator` running as a local process under the chart's Ser
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -16,12 +12,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 
 from binaries import ensure_binaries  # noqa: E402
-from control_plane import ControlPlane, free_port, wait_for, write_kubeconfig  # noqa: E402
+from control_plane import ControlPlane, wait_for, write_kubeconfig  # noqa: E402
+from operator_process import RELEASE, OperatorProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "capstan"
 OPERATOR_NAMESPACE = "capstan-system"
-RELEASE = "capstan"  # the chart names its ServiceAccount and peering object after the release: "capstan"
 
 
 def pytest_collection_finish(session):
@@ -45,60 +41,6 @@ def chart(cluster):
     cluster.helm("install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
                  "--set", "resyncSeconds=2", "--wait", "--timeout", "90s")
     return RELEASE
-
-
-class OperatorProcess:
-    """`capstan-operator` as a local process, authenticated as the chart's ServiceAccount."""
-
-    def __init__(self, kubeconfig: Path, workdir: Path):
-        self.kubeconfig, self.workdir = kubeconfig, workdir
-        self.process: subprocess.Popen | None = None
-        self.starts = 0
-
-    @property
-    def log(self) -> Path:
-        return self.workdir / f"operator-{self.starts}.log"
-
-    def start(self, *extra_args: str) -> "OperatorProcess":
-        assert self.process is None, "already running"
-        self.starts += 1
-        port = free_port()
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "capstan.operator.main", f"--peering-name={RELEASE}", "--resync-seconds=1",
-             f"--liveness=http://127.0.0.1:{port}/healthz", "--default-image=capstan:e2e", *extra_args],
-            env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-        def live():
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
-                return response.status == 200
-
-        wait_for("operator liveness", live, timeout=60, process_log=self.log)
-        return self
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        self.process = None
-
-    def kill(self) -> None:
-        """An abrupt stop (no cleanup), as when a node dies under the operator's pod."""
-        assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
-        self.process = None
-
-    def restart(self, *extra_args: str) -> "OperatorProcess":
-        self.stop()
-        return self.start(*extra_args)
 
 
 @pytest.fixture(scope="session")

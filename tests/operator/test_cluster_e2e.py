@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from control_plane import wait_for
+from operator_process import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -170,8 +171,6 @@ def test_image_pull_failure_is_reported_as_degraded(cluster, operator, namespace
 def test_a_second_operator_replica_stands_by_until_the_first_goes(cluster, operator, operator_kubeconfig,
                                                                    namespace, tmp_path):
     """kopf peering: replicas start paused; only the highest priority acts, the next takes over."""
-    from conftest import OperatorProcess
-
     standby = OperatorProcess(operator_kubeconfig, tmp_path).start("--priority=1")  # below start-time priorities
     try:
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc_manifest("one", replicas=1))
