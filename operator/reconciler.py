@@ -121,9 +121,8 @@ class Reconciler:
                 continue
             if condition["type"] == "Degraded" and condition["status"] == "True":
                 self.emit(body, "Warning", condition["reason"], condition["message"])
-            elif condition["type"] == "Ready":
-                self.emit(body, "Normal" if condition["status"] == "True" else "Warning",
-                          condition["reason"], condition["message"])
+            elif condition["type"] == "Ready" and condition["reason"] in ("Serving", "Starting", "ScaledToZero"):
+                self.emit(body, "Normal", condition["reason"], condition["message"])  # problems: Degraded's event
 
     def _report_invalid(self, body: dict[str, Any], generation: int, message: str) -> None:
         meta = body["metadata"]

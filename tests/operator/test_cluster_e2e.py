@@ -160,12 +160,15 @@ def test_missing_accelerator_is_reported_as_degraded(cluster, operator, namespac
     assert "AcceleratorUnavailable" in warnings
 
 
-def test_image_pull_failure_is_reported_as_degraded(cluster, operator, namespace):
-    cluster.kubectl("apply", "-n", namespace, "-f", "-",
-                    input=isvc_manifest("typo", image="registry.invalid/capstan:unpullable"))
-    degraded = condition(_degraded(cluster, namespace, "typo"), "Degraded")
-    assert degraded["reason"] == "ImagePullFailed"
-    assert "registry.invalid/capstan:unpullable" in degraded["message"]
+@pytest.mark.parametrize(("image", "reason"), [
+    ("registry.invalid/capstan:unpullable", "ImagePullFailed"),
+    ("registry.invalid/capstan:crashing", "CrashLoop"),
+])
+def test_pod_failures_are_reported_as_degraded(cluster, operator, namespace, image, reason):
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc_manifest("failing", image=image))
+    degraded = condition(_degraded(cluster, namespace, "failing"), "Degraded")
+    assert degraded["reason"] == reason
+    assert ("capstan" in degraded["message"]) and (image in degraded["message"] or "exit code 1" in degraded["message"])
 
 
 def test_a_second_operator_replica_stands_by_until_the_first_goes(cluster, operator, operator_kubeconfig,
