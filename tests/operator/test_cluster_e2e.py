@@ -117,7 +117,7 @@ def test_inference_service_lifecycle(cluster, operator, namespace):
     assert len(owned(cluster, namespace, "replicasets")) == 2  # old one kept at 0 for rollback
 
     # Kill the operator mid-change; its successor converges, with no duplicate objects.
-    cluster.kubectl("patch", "csvc", "qwen3", "-n", namespace, "--type=merge", "-p", '{"spec": {"replicas": 3}}')
+    cluster.kubectl("scale", "csvc/qwen3", "-n", namespace, "--replicas=3")  # the scale subresource
     operator.kill()
     operator.start()
     eventually("3 ready replicas after the restart",
