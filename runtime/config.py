@@ -14,18 +14,23 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped at 8192
     max_num_seqs: int = 32  # sequences in one step (the padded batch size)
     max_num_batched_tokens: int = 512  # token budget of one step (largest bucket)
+    smallest_token_bucket: int = 16  # token buckets run from here by doubling to max_num_batched_tokens
     page_size: int = 16
     num_pages: int | None = None  # None: from kv_memory_fraction of free device memory (or 512 MiB on CPU)
     kv_memory_fraction: float = 0.6
     enable_prefix_caching: bool = True
+    decode_steps: int = 8  # decode steps per dispatch when every sequence is decoding (1: one step per dispatch)
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
     warmup: bool = True  # compile every step shape before serving
     tokenizer: str | None = None  # defaults to the model folder
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs}): one decode token per sequence")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 2:

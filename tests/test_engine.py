@@ -4,6 +4,7 @@ import pytest
 
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import InvalidRequestError, SamplingParams
+from capstan.runtime.engine.multi_step import decode_steps_fn
 from capstan.runtime.engine.step import step_fn
 
 from golden import GOLDEN
@@ -22,7 +23,7 @@ def random_prompts(rng, count, low=1, high=120):
 
 def test_a_hundred_random_requests_compile_nothing_after_warmup(llm):
     rng = np.random.default_rng(1)
-    compiled = step_fn._cache_size()
+    compiled = step_fn._cache_size(), decode_steps_fn._cache_size()
     params = [SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.uniform(0, 1.5)),
                              top_k=int(rng.integers(0, 50)), top_p=float(rng.uniform(0.5, 1)), ignore_eos=True,
                              logprobs=int(rng.integers(0, 3)) if rng.random() < 0.3 else None,
@@ -30,7 +31,7 @@ def test_a_hundred_random_requests_compile_nothing_after_warmup(llm):
     outs = llm.generate(random_prompts(rng, 100), params)
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert step_fn._cache_size() == compiled
+    assert (step_fn._cache_size(), decode_steps_fn._cache_size()) == compiled
     llm.engine.pool.check_all_free()
 
 
@@ -149,3 +150,13 @@ def test_prompt_logprobs_cover_every_prompt_token(llm):
     out = llm.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 5
     assert all(6 + i in out.prompt_logprobs[1 + i] for i in range(4))
+
+
+def test_multi_step_decoding_gives_the_single_step_tokens(llm):
+    single = LLM(MODEL, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, page_size=16, decode_steps=1)
+    rng = np.random.default_rng(5)
+    prompts = random_prompts(rng, 6)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=int(rng.integers(3, 30)), ignore_eos=True, logprobs=1)
+              for i in range(6)]
+    a, b = llm.generate(prompts, params), single.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

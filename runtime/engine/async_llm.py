@@ -60,7 +60,8 @@ class AsyncLLM:
         if not self.is_alive():
             raise EngineDeadError("the engine thread has stopped")
         seqs = self.engine.prepare(request_id, prompt, params)
-        if self._stats.waiting + self._commands.qsize() >= self.config.max_waiting:
+        free_slots = max(0, self.config.max_num_seqs - self._stats.running)
+        if self._stats.waiting + self._commands.qsize() - free_slots >= self.config.max_waiting:
             raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
         if request_id in self._streams:
             from .sampling_params import InvalidRequestError

@@ -34,9 +34,9 @@ def row_key_data(seed: int, index: int) -> tuple[int, int]:
 
 class BatchBuilder:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int, max_model_len: int,
-                 vocab_size: int, eos_token_ids: frozenset[int]):
+                 vocab_size: int, eos_token_ids: frozenset[int], smallest_bucket: int = 16):
         self.S = max_num_seqs
-        self.buckets = token_buckets(max_num_batched_tokens)
+        self.buckets = token_buckets(max_num_batched_tokens, min(smallest_bucket, max_num_batched_tokens))
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.H = max_model_len

@@ -7,9 +7,10 @@ import secrets
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ..config import EngineConfig
+from ..config import DEFAULT_MODEL, EngineConfig
 from ..kv.cache import KVCache
 from ..kv.page_pool import PagePool
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
@@ -20,6 +21,8 @@ from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence
+from .multi_step import decode_steps_fn
+from .sampler import SampleResult
 from .step import StepOutputs, step_fn
 from .stop_strings import StopStringMatcher
 
@@ -50,7 +53,7 @@ class LLMEngine:
         self.model = model if model is not None else load_model(path, dtype)
         cfg = self.model.cfg
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.tokenizer or path)
-        self.model_name = path.name if hasattr(path, "name") else str(path)
+        self.model_name = "capstan-default" if path.resolve() == DEFAULT_MODEL.resolve() else path.name
         if config.max_model_len is None:
             config.max_model_len = min(cfg.max_position_embeddings, 8192)
         self.max_model_len = config.max_model_len
@@ -64,7 +67,8 @@ class LLMEngine:
         self.builder = BatchBuilder(max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     page_size=config.page_size, max_model_len=self.max_model_len,
-                                    vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids)
+                                    vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
+                                    smallest_bucket=config.smallest_token_bucket)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -155,7 +159,14 @@ class LLMEngine:
         log.info("compiling %d step shapes (token buckets %s)", len(self.builder.buckets), self.builder.buckets)
         for bucket in self.builder.buckets:
             inputs = self.builder.build([], bucket=bucket)
-            self.kv, out = step_fn(self.model, self.kv, inputs)
+            with self._precision():
+                self.kv, out = step_fn(self.model, self.kv, inputs)
+            jax.block_until_ready(out)
+        if self.config.decode_steps > 1:
+            inputs = self.builder.build([], bucket=self.builder.S)
+            with self._precision():
+                self.kv, out = decode_steps_fn(self.model, self.kv, inputs, jnp.zeros(self.builder.S, jnp.int32),
+                                               num_steps=self.config.decode_steps)
             jax.block_until_ready(out)
         self.compile_seconds = time.monotonic() - start
         log.info("compilation done in %.1f s", self.compile_seconds)
@@ -164,8 +175,12 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        active = self._multi_step_plan(chunks)
+        if active is not None:
+            return self._decode_steps(chunks, active)
         inputs = self.builder.build(chunks)
-        self.kv, out = step_fn(self.model, self.kv, inputs)
+        with self._precision():
+            self.kv, out = step_fn(self.model, self.kv, inputs)
         out = jax.device_get(out)
         touched = []
         t = 0
@@ -179,9 +194,49 @@ class LLMEngine:
             if c.samples and not seq.finished:
                 if seq.pending_forks:
                     self._fork(seq)
-                self._append_token(seq, r, out)
+                self._append_token(seq, r, out.sampled)
             touched.append(seq.request_id)
         return [o for rid in dict.fromkeys(touched) if (o := self._collect(rid)) is not None]
+
+    def _precision(self):
+        # float32 means float32: no TF32 shortcuts in matmuls on GPUs (golden parity is to 1e-4)
+        return jax.default_matmul_precision("float32" if self.dtype == jnp.float32 else "default")
+
+    def _multi_step_plan(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""
+        k = self.config.decode_steps
+        if k <= 1 or len(chunks) > self.builder.S or self.scheduler.waiting and len(chunks) < self.builder.S:
+            return None
+        for c in chunks:
+            p = c.seq.params
+            if not (c.num_tokens == 1 and c.samples) or c.seq.pending_forks or p.uses_penalties \
+                    or c.seq.num_output < p.min_tokens or p.prompt_logprobs is not None and not c.seq.prompt_logprobs_done:
+                return None
+        active = [max(1, min(k, c.seq.max_tokens - c.seq.num_output, self.max_model_len - c.seq.num_tokens))
+                  for c in chunks]
+        for c, n in zip(chunks, active):
+            if not self.scheduler.reserve_ahead(c.seq, n):
+                return None
+        return active
+
+    def _decode_steps(self, chunks: list[ScheduledChunk], active: list[int]) -> list[RequestOutput]:
+        inputs = self.builder.build(chunks, bucket=self.builder.S)
+        rows = np.zeros(self.builder.S, np.int32)
+        rows[:len(active)] = active
+        with self._precision():
+            self.kv, out = decode_steps_fn(self.model, self.kv, inputs, jnp.asarray(rows),
+                                           num_steps=self.config.decode_steps)
+        out = jax.device_get(out)
+        for r, c in enumerate(chunks):
+            seq = c.seq
+            seq.num_computed = c.start + active[r]
+            for j in range(active[r]):
+                if seq.finished:
+                    break
+                self._append_token(seq, r, jax.tree_util.tree_map(lambda a: a[j], out))
+            if not seq.finished:
+                self.scheduler.register_full_pages(seq)
+        return [o for rid in dict.fromkeys(c.seq.request_id for c in chunks) if (o := self._collect(rid)) is not None]
 
     def _fork(self, parent: Sequence) -> None:
         """Choices 1..n-1 start from the parent's computed prompt pages, shared by reference count."""
@@ -196,8 +251,8 @@ class LLMEngine:
             self.scheduler.add(child, front=True)
         parent.pending_forks = []
 
-    def _append_token(self, seq: Sequence, row: int, out: StepOutputs) -> None:
-        s, p = out.sampled, seq.params
+    def _append_token(self, seq: Sequence, row: int, s: SampleResult) -> None:
+        p = seq.params
         token = int(s.tokens[row])
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
@@ -211,15 +266,18 @@ class LLMEngine:
             return self._finish(seq, "stop", stop_reason=token)
         if token in self.eos_token_ids and not p.ignore_eos:
             return self._finish(seq, "stop")
-        text, stopped = seq.stop_matcher.feed(seq.detokenizer.add(token))
-        seq.new_text += text
+        if not p.detokenize:
+            stopped = False
+        else:
+            text, stopped = seq.stop_matcher.feed(seq.detokenizer.add(token))
+            seq.new_text += text
         if stopped:
             return self._finish(seq, "stop", stop_reason=seq.stop_matcher.stop)
         if seq.num_output >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
-        if reason != "stop" or stop_reason is None or isinstance(stop_reason, int):
+        if seq.params.detokenize and (reason != "stop" or stop_reason is None or isinstance(stop_reason, int)):
             text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
             seq.new_text += text + ("" if stopped else seq.stop_matcher.flush())
         seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -36,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per generated token (0: only the chosen token's)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (benchmarks; clients that detokenize themselves)
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +77,8 @@ class SamplingParams:
                     bad("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
                 if not -100.0 <= bias <= 100.0:
                     bad("logit_bias", f"bias for token {token} must be between -100 and 100, got {bias}")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings need detokenize=true")
         if self.stop and len(self.stop) > MAX_STOP_STRINGS:
             bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if self.stop and any(not s for s in self.stop):

@@ -95,6 +95,10 @@ class Scheduler:
             seq.pages.extend(self.pool.allocate(need))
         return True
 
+    def reserve_ahead(self, seq: Sequence, n: int) -> bool:
+        """Pages for n tokens from seq.num_computed (a multi-step decode); never preempts."""
+        return self._reserve(seq, n, preempt=False)
+
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)

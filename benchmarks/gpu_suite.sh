@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
+# Run from the repo root with the haliax wheels in .whl/ (carried): bash benchmarks/gpu_suite.sh [parts...]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+mkdir -p /tmp/site/capstan && ln -sfn "$PWD/runtime" /tmp/site/capstan/runtime && ln -sfn "$PWD/operator" /tmp/site/capstan/operator
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+parts=${*:-parity prefill throughput peer}
+for part in $parts; do
+  echo "=== $part"
+  case $part in
+    parity) python3 -m pytest -q -p no:cacheprovider tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | tail -4 ;;
+    prefill) python3 benchmarks/prefill.py --shape llama-3.2-1b --tokens 2048 ;;
+    throughput) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
+        --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --single-stream-tokens 256 \
+        --json "$OUT/capstan-llama-3.2-1b.json" 2>&1 | grep -v Warning ;;
+    throughput8b) python3 benchmarks/throughput.py --shape llama-3-8b --requests 1 --prompt-len 256 --output-len 16 \
+        --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
+        --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep -v Warning ;;
+    peer) python3 benchmarks/peer_transformers.py --json "$OUT/transformers-llama-3.2-1b.json" ;;
+  esac
+done

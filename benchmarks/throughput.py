@@ -1,0 +1,96 @@
+"""Offline throughput of Capstan's engine on a named shape with random weights (no download).
+
+python benchmarks/throughput.py --shape tiny --requests 64 --prompt-len 64 --output-len 64
+prints output tokens/s, prefill tokens/s, compile time and peak KV pages; --json writes them too."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import shape_config  # noqa: E402
+
+from capstan.runtime.config import EngineConfig  # noqa: E402
+from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
+from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
+from capstan.runtime.models.loader import random_model  # noqa: E402
+
+
+def run(engine: LLMEngine, prompts, params) -> dict:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params)
+    start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        steps += 1
+        peak_pages = max(peak_pages, engine.pool.num_used)
+        out_tokens += sum(len(o.token_ids) for r in outs for o in r.outputs)
+        if first_decode is None and not engine.scheduler.waiting and all(
+                not s.in_prefill for s in engine.scheduler.running):
+            first_decode = time.perf_counter()
+    end = time.perf_counter()
+    prefill_s = (first_decode or end) - start
+    return {"seconds": end - start, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / (end - start),
+            "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "steps": steps, "peak_kv_pages": peak_pages}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--smallest-bucket", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--single-stream-tokens", type=int, default=0, help="also time one stream's decode")
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args(argv)
+    dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    cfg = shape_config(a.shape)
+    t0 = time.perf_counter()
+    model = random_model(cfg, dtype)
+    jax.block_until_ready(model)
+    load_s = time.perf_counter() - t0
+    max_len = a.prompt_len + max(a.output_len, a.single_stream_tokens) + 1
+    def engine_for(max_num_seqs: int, max_tokens: int) -> LLMEngine:
+        e = LLMEngine(EngineConfig(dtype=dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_tokens, page_size=a.page_size,
+                                   smallest_token_bucket=a.smallest_bucket, decode_steps=a.decode_steps,
+                                   enable_prefix_caching=False), model=model)
+        e.warmup()
+        return e
+
+    engine = engine_for(a.max_num_seqs, a.max_num_batched_tokens)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(a.requests)]
+    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    run(engine, prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    figures = {"shape": a.shape, "dtype": dtype, "device": str(jax.devices()[0].device_kind),
+               "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
+               "weights_init_s": load_s, "compile_s": engine.compile_seconds, **run(engine, prompts, params)}
+    if a.single_stream_tokens:
+        one = SamplingParams(max_tokens=a.single_stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+        del engine  # its KV pool; one stream gets an engine of one row so it pays for no padding rows
+        single = engine_for(1, max(a.prompt_len, a.smallest_bucket))
+        run(single, prompts[1:2], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+        r = run(single, prompts[:1], one)
+        figures["single_stream_ms_per_token"] = 1000 * r["seconds"] / a.single_stream_tokens
+    for k, v in figures.items():
+        print(f"{k:>28}: {v:.4g}" if isinstance(v, float) else f"{k:>28}: {v}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
