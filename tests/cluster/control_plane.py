@@ -178,7 +178,7 @@ class ControlPlane:
                 os.killpg(process.pid, signal.SIGTERM)
         for _, process in reversed(self.processes):
             try:
-                process.wait(timeout=15)
+                process.wait(timeout=5)  # a throwaway cluster: no need to wait for a graceful drain
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=15)
