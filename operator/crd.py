@@ -108,6 +108,12 @@ def inference_service_crd() -> dict[str, Any]:
                     "type": "object",
                     "description": "A model served behind an OpenAI-compatible endpoint by Capstan's runtime.",
                     "required": ["spec"],
+                    "x-kubernetes-validations": [{
+                        "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')"
+                                " && size(self.metadata.name) <= 63",
+                        "message": "metadata.name must be a DNS label (lowercase letters, digits and '-', starting"
+                                   " with a letter, at most 63 characters): it also names the Service",
+                    }],
                     "properties": {
                         "apiVersion": {"type": "string"},
                         "kind": {"type": "string"},

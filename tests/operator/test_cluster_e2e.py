@@ -63,6 +63,11 @@ def test_api_server_refuses_nonsense_naming_the_field(cluster, chart, namespace,
     assert field in result.stderr and words in result.stderr, result.stderr
 
 
+def test_api_server_refuses_a_name_that_cannot_name_a_service(cluster, chart, namespace):
+    result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc_manifest("7b-model"), check=False)
+    assert result.returncode != 0 and "metadata.name must be a DNS label" in result.stderr, result.stderr
+
+
 def test_inference_service_lifecycle(cluster, operator, namespace):
     cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "qwen3-l4.yaml"))
     isvc = get(cluster, namespace, "inferenceservice", "qwen3")
