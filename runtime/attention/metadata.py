@@ -17,3 +17,4 @@ class AttentionMetadata(eqx.Module):
     token_seq: jax.Array  # [T] int32: row of block_tables that the token belongs to
     block_tables: jax.Array  # [S, max_pages_per_seq] int32: the pages of each sequence, in order
     seq_lens: jax.Array  # [S] int32: tokens in the cache for each sequence after this step (0 for padding)
+    decode: bool = eqx.field(static=True, default=False)  # token r is row r's only token (decode kernels apply)

@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..attention import INVALID_SLOT
+from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from .sampler import SampleResult, sample
@@ -28,8 +28,8 @@ def run_decode_steps(model: DecoderModel, kv: KVCache, x: StepInputs, active: ja
         pages = meta.block_tables[rows, jnp.minimum(positions // page, meta.block_tables.shape[1] - 1)]
         writes = (j < active) & (meta.seq_lens > 0)
         slots = jnp.where(writes, pages * page + positions % page, INVALID_SLOT)
-        step_meta = eqx.tree_at(lambda m: (m.positions, m.slot_mapping, m.seq_lens), meta,
-                                (positions, slots, meta.seq_lens + j))
+        step_meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=meta.token_seq,
+                                      block_tables=meta.block_tables, seq_lens=meta.seq_lens + j, decode=True)
         hidden, kv = model(tokens, step_meta, kv)
         sampling = eqx.tree_at(lambda s: s.position, x.sampling, x.sampling.position + j)
         result = sample(model.logits(hidden).array, sampling)

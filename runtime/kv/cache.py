@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 
 class KVCache(eqx.Module):
-    """k, v: [layers, num_pages * page_size, kv_heads, head_dim]; page p holds slots p*page_size ... +page_size-1."""
+    """k, v: [layers, kv_heads, num_pages, page_size, head_dim]: each head's pages contiguous, as kernels read them."""
 
     k: jax.Array
     v: jax.Array
@@ -15,12 +15,12 @@ class KVCache(eqx.Module):
 
     @staticmethod
     def allocate(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
+        shape = (num_layers, kv_heads, num_pages, page_size, head_dim)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_size)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1] // self.page_size
+        return self.k.shape[2]
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:
