@@ -107,7 +107,6 @@ def batch_phase(model, args) -> dict:
             log(f"[batch] {run}: {seconds:.2f} s, {tokens} tokens ({failed} failed), {tokens / seconds:.1f} tok/s")
             if tokens != args.requests * args.output_len:
                 log(f"[batch] WARNING: expected {args.requests * args.output_len} tokens from {args.requests} requests")
-        out["attn_implementation_during"] = model.config._attn_implementation
     finally:
         if hasattr(model, "destroy_cached_continuous_batching_manager"):
             model.destroy_cached_continuous_batching_manager()
