@@ -5,12 +5,14 @@ operator) converges to the same objects."""
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pydantic
+from kubernetes.client.exceptions import ApiException
 
 from capstan.operator import api, autoscaler, render
 from capstan.operator.cluster_client import ClusterClient
@@ -53,7 +55,7 @@ class Reconciler:
         try:
             spec = api.InferenceServiceSpec.model_validate(body.get("spec") or {})
         except pydantic.ValidationError as error:  # the CRD refuses most of this; report the rest
-            self._report_invalid(body, generation, str(error))
+            self._report_invalid(body, generation, "InvalidSpec", str(error))
             return
         if spec.image is None:
             spec = spec.model_copy(update={"image": self.config.default_image})
@@ -64,7 +66,14 @@ class Reconciler:
         if autoscale and spec.autoscaling is not None:
             replicas, autoscaling_status = self._autoscale(body, spec, status, replicas, pods)
 
-        applied = {obj["kind"]: self.client.apply(obj) for obj in render.render_all(body, spec, replicas)}
+        try:
+            applied = {obj["kind"]: self.client.apply(obj) for obj in render.render_all(body, spec, replicas)}
+        except ApiException as error:
+            if error.status not in (400, 422):
+                raise
+            # The API server refused what the spec rendered to (e.g. a podTemplate override): the user must act.
+            self._report_invalid(body, generation, "InvalidPodTemplate", _api_message(error))
+            return
         if status.get("observedGeneration") != generation:
             self.emit(body, "Normal", "Applied",
                       f"generation {generation}: applied {', '.join(applied)} ({replicas} replicas)")
@@ -124,16 +133,28 @@ class Reconciler:
             elif condition["type"] == "Ready" and condition["reason"] in ("Serving", "Starting", "ScaledToZero"):
                 self.emit(body, "Normal", condition["reason"], condition["message"])  # problems: Degraded's event
 
-    def _report_invalid(self, body: dict[str, Any], generation: int, message: str) -> None:
-        meta = body["metadata"]
-        condition = {"type": "Degraded", "status": "True", "reason": "InvalidSpec", "message": message,
-                     "lastTransitionTime": _now(), "observedGeneration": generation}
-        self.emit(body, "Warning", "InvalidSpec", message)
+    def _report_invalid(self, body: dict[str, Any], generation: int, reason: str, message: str) -> None:
+        meta, status = body["metadata"], body.get("status") or {}
+        degraded = next((c for c in status.get("conditions", []) if c["type"] == "Degraded"), {})
+        if (degraded.get("reason"), degraded.get("message"), status.get("observedGeneration")) == \
+                (reason, message, generation):
+            return  # already reported
+        conditions = [c for c in status.get("conditions", []) if c["type"] != "Degraded"]
+        conditions.append({"type": "Degraded", "status": "True", "reason": reason, "message": message,
+                           "lastTransitionTime": _now(), "observedGeneration": generation})
+        self.emit(body, "Warning", reason, message)
         self.client.patch_status(meta["namespace"], meta["name"],
-                                 {"observedGeneration": generation, "conditions": [condition]})
+                                 {"observedGeneration": generation, "conditions": conditions})
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:
     if pod["metadata"].get("deletionTimestamp"):
         return False
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def _api_message(error: ApiException) -> str:
+    try:
+        return json.loads(error.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return f"{error.status} {error.reason}"

@@ -29,7 +29,7 @@ class ServeProcess:
         self.log = log
         self.process = subprocess.Popen(
             [sys.executable, "-m", "capstan.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--max-num-seqs", "2", "--drain-timeout", "1"],
+             "--served-model-name", "tiny", "--max-num-seqs", "2", "--drain-timeout", "1"],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
@@ -65,7 +65,7 @@ class Load:
         with httpx.Client(base_url=f"http://{address}", timeout=120) as client:
             while not self.stopping.is_set():
                 response = client.post("/v1/completions", json={
-                    "model": "default_model", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 1.0})
+                    "model": "tiny", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 1.0})
                 response.raise_for_status()
                 self.completed += 1
 

@@ -176,6 +176,13 @@ def test_pod_failures_are_reported_as_degraded(cluster, operator, namespace, ima
     assert ("capstan" in degraded["message"]) and (image in degraded["message"] or "exit code 1" in degraded["message"])
 
 
+def test_a_pod_template_the_api_server_refuses_is_reported(cluster, operator, namespace):
+    manifest = isvc_manifest("override", podTemplate={"spec": {"restartPolicy": "Never"}})
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest)
+    degraded = condition(_degraded(cluster, namespace, "override"), "Degraded")
+    assert degraded["reason"] == "InvalidPodTemplate" and "restartPolicy" in degraded["message"]
+
+
 def test_a_second_operator_replica_stands_by_until_the_first_goes(cluster, operator, operator_kubeconfig,
                                                                    namespace, tmp_path):
     """kopf peering: replicas start paused; only the highest priority acts, the next takes over."""
