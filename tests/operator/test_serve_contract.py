@@ -1,0 +1,41 @@
+"""The contract between the operator and the runtime: the command line the operator renders is one
+that `capstan serve` accepts, meaning what the spec says."""
+
+import pytest
+
+from capstan.operator import api, render
+from capstan.runtime.cli import build_parser
+
+OWNER = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}}
+
+
+def serve_arguments(**spec):
+    spec = api.InferenceServiceSpec.model_validate({"image": "capstan:test", **spec})
+    container = render.render_deployment(OWNER, spec, replicas=1)["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["capstan", "serve"]
+    parsed, unknown = build_parser().parse_known_args(["serve", *container["args"]])
+    assert unknown == [], f"capstan serve does not know {unknown}"
+    return parsed
+
+
+def test_rendered_command_line_is_accepted_and_means_the_spec():
+    parsed = serve_arguments(
+        model={"uri": "hf://Qwen/Qwen3-0.6B@main", "servedName": "qwen"},
+        runtime={"maxModelLen": 4096, "maxNumSeqs": 32, "pageSize": 16, "dtype": "bfloat16",
+                 "tensorParallelSize": 2, "extraArgs": ["--max-waiting", "64"]},
+        accelerator={"type": "nvidia-l4", "count": 2}, drainTimeoutSeconds=45)
+    assert parsed.model == "hf://Qwen/Qwen3-0.6B@main"
+    assert (parsed.host, parsed.port) == ("0.0.0.0", render.SERVER_PORT)
+    assert parsed.served_model_name == ["qwen"]
+    assert (parsed.max_model_len, parsed.max_num_seqs, parsed.page_size) == (4096, 32, 16)
+    assert (parsed.dtype, parsed.tensor_parallel_size, parsed.drain_timeout) == ("bfloat16", 2, 45)
+    assert parsed.max_waiting == 64
+
+
+def test_local_model_paths_are_accepted():
+    assert serve_arguments(model={"uri": "pvc://weights/llama"}).model == "/mnt/models/llama"
+
+
+@pytest.mark.xfail(strict=True, reason="capstan serve has no --tokenizer flag yet (spec.model.tokenizer)")
+def test_tokenizer_override_is_accepted():
+    assert serve_arguments(model={"uri": "hf://org/m", "tokenizer": "hf://org/tok"}).tokenizer == "hf://org/tok"
