@@ -29,9 +29,9 @@ def random_decode_batch(seed, S=5, KVH=2, G=4, D=64, page=16, pages_per_seq=10, 
     return q, k, v, meta
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_pallas_decode_kernel_matches_the_reference(seed):
-    q, k, v, meta = random_decode_batch(seed)
+@pytest.mark.parametrize("seed, pages_per_seq", [(0, 10), (1, 3), (2, 40)])  # 40: contexts split across blocks
+def test_pallas_decode_kernel_matches_the_reference(seed, pages_per_seq):
+    q, k, v, meta = random_decode_batch(seed, pages_per_seq=pages_per_seq)
     want = paged_attention(q, k, v, meta, scale=0.125)
     got = decode_attention(q, k, v, meta, scale=0.125, interpret=True)
     live = np.asarray(meta.seq_lens) > 0

@@ -11,7 +11,8 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as p
 
 from .metadata import AttentionMetadata
 
-K_SPLITS = 8  # partitions of the page list reduced at the end; block tables are padded to a multiple
+PAGES_PER_BLOCK = 8  # pages loaded per inner iteration of the kernel (128 keys with 16-token pages)
+ENOUGH_PROGRAMS = 1024  # with this many (sequence, kv head) pairs the GPU is full without splitting contexts
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *,
@@ -19,13 +20,14 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta:
     """q[S, KVH, G, D] (row r is sequence r's only token); caches [KVH, pages, page_size, D] of one layer."""
     S, KVH, G, D = q.shape
     tables = meta.block_tables
-    pad = -tables.shape[1] % K_SPLITS
-    if pad:
+    # split long contexts across blocks (flash-decoding) only when the batch alone cannot fill the GPU
+    k_splits = 1 if S * KVH >= ENOUGH_PROGRAMS else max(1, min(8, tables.shape[1] // PAGES_PER_BLOCK))
+    pages_per_block = min(PAGES_PER_BLOCK, -(-tables.shape[1] // k_splits))
+    pad = -tables.shape[1] % (k_splits * pages_per_block)
+    if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
-    per_split = tables.shape[1] // K_SPLITS
-    pages_per_block = next(b for b in (8, 4, 2, 1) if per_split % b == 0)
     lengths = jnp.where(meta.seq_lens > 0, meta.positions + 1, 0)  # keys 0..position; padding rows see none
     out = pallas_paged_attention((q * scale).reshape(S, KVH * G, D), k_cache, v_cache, tables, lengths,
-                                 block_h=max(16, G), pages_per_compute_block=pages_per_block, k_splits=K_SPLITS,
+                                 block_h=max(16, G), pages_per_compute_block=pages_per_block, k_splits=k_splits,
                                  interpret=interpret)
     return out.reshape(S, KVH, G, D)

@@ -51,8 +51,12 @@ def sample(logits: jax.Array, b: SamplingBatch) -> SampleResult:
     x = x / jnp.where(greedy, 1.0, b.temperature)[:, None]
     x = jax.lax.cond(b.any_filter, _apply_filters, lambda x, b: x, x, b)
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-    sampled = jnp.argmax(x + gumbel, axis=-1)
+
+    def draw(x):
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+        return jnp.argmax(x + gumbel, axis=-1)
+
+    sampled = jax.lax.cond(jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw, x)  # no noise for all-greedy
     tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 

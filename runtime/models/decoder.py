@@ -47,7 +47,8 @@ class DecoderModel(eqx.Module):
             return (h, k_cache, v_cache), None
 
         xs = (self.layers, jnp.arange(cfg.num_layers), self.layer_rope, self.layer_window)
-        (x, k, v), _ = hax.scan(step, ax.Layers)((x, kv.k, kv.v), xs)
+        # unrolled: no loop control between layers, and XLA may fuse across them
+        (x, k, v), _ = hax.scan(step, ax.Layers, unroll=cfg.num_layers)((x, kv.k, kv.v), xs)
         x = rms_norm(x, self.final_norm, ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
         return x, KVCache(k, v, kv.page_size)
 
