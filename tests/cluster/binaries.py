@@ -9,6 +9,7 @@ wrapper module that pins each staging module `k8s.io/X v0.0.0` to its published 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -50,6 +51,13 @@ def ensure_binaries(log=print) -> ClusterBinaries:
     """Return the folder holding all binaries, building the missing ones first."""
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
+    with (folder / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two test runs at once: one builds, the other waits and reuses
+        _build_missing(folder, log)
+    return ClusterBinaries(folder)
+
+
+def _build_missing(folder: Path, log) -> None:
     work = folder / "build"
     builds = [
         (KUBE_COMMANDS, _build_kubernetes),
@@ -65,7 +73,6 @@ def ensure_binaries(log=print) -> ClusterBinaries:
         build(work, folder)
         log(f"built {', '.join(names)} in {time.monotonic() - started:.0f}s")
     shutil.rmtree(work, ignore_errors=True)
-    return ClusterBinaries(folder)
 
 
 def _go(args: list[str], cwd: Path) -> None:
@@ -89,7 +96,6 @@ def _ldflags(*stamps: str) -> str:
 
 
 def _build(module: Path, out: Path, packages: list[str], ldflags: str) -> None:
-    _go(["mod", "download"], module)
     partial = out / ".partial"
     partial.mkdir(exist_ok=True)
     _go(["build", "-mod=mod", *GO_FLAGS, "-ldflags", ldflags, "-o", f"{partial}/", *packages], module)
@@ -103,12 +109,12 @@ def _staging_modules(go_mod_text: str) -> list[str]:
 
 
 def _build_kubernetes(work: Path, out: Path) -> None:
-    _go(["mod", "download", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"], work if work.exists() else _mk(work))
+    work.mkdir(parents=True, exist_ok=True)
     mod_path = subprocess.run(
         ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"],
         cwd=work, check=True, capture_output=True, text=True, env={**os.environ, **GO_ENV},
     ).stdout
-    go_mod_file = re.search(r'"GoMod":\s*"([^"]+)"', mod_path).group(1)
+    go_mod_file = re.search(r'"GoMod":\s*"([^"]+)"', mod_path).group(1)  # k8s.io/kubernetes's own go.mod
     staging = _staging_modules(Path(go_mod_file).read_text())
     published = "v0." + KUBERNETES_VERSION.removeprefix("v1.")
     lines = [
@@ -178,15 +184,9 @@ def _build_helm(work: Path, out: Path) -> None:
 
 
 def _build_single(module: Path, out: Path, package: str, name: str, ldflags: str) -> None:
-    _go(["mod", "download"], module)
     partial = out / f".{name}.partial"
     _go(["build", "-mod=mod", *GO_FLAGS, "-ldflags", ldflags, "-o", str(partial), package], module)
     partial.replace(out / name)
-
-
-def _mk(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 if __name__ == "__main__":
