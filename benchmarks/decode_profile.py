@@ -1,0 +1,100 @@
+"""Where a decode step's time goes, on a named shape with random weights (GPU diagnostic).
+
+python benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256
+Times, per row count: the weight matmuls alone (the bandwidth floor XLA reaches), one model forward with the
+decode kernel and with the reference attention, the sampler, and one step of the multi-step decode."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import shape_config  # noqa: E402
+
+from capstan.runtime.config import EngineConfig  # noqa: E402
+from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
+from capstan.runtime.engine.multi_step import decode_steps_fn  # noqa: E402
+from capstan.runtime.engine.sampler import sample  # noqa: E402
+from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
+from capstan.runtime.models.loader import random_model  # noqa: E402
+
+
+def timed(fn, *args, repeats=20):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--context", type=int, default=512)
+    a = ap.parse_args()
+    cfg = shape_config(a.shape)
+    model = random_model(cfg, "bfloat16")
+    layers = model.layers
+
+    @jax.jit
+    def matmuls_only(x):
+        for i in range(cfg.num_layers):
+            w = jax.tree_util.tree_map(lambda t: t.array[i] if hasattr(t, "array") else t, layers,
+                                       is_leaf=lambda t: hasattr(t, "array"))
+            a = w.attn
+            h = jnp.einsum("te,kgde->tkgd", x, a.q_proj).reshape(x.shape[0], -1).sum() * 0
+            h = h + jnp.einsum("te,kde->tkd", x, a.k_proj).sum() * 0 + jnp.einsum("te,kde->tkd", x, a.v_proj).sum() * 0
+            o = jnp.einsum("tkgd,ekgd->te", jnp.zeros((x.shape[0],) + a.o_proj.shape[1:], x.dtype), a.o_proj)
+            g = jnp.einsum("te,me->tm", x, w.mlp.gate_proj) * jnp.einsum("te,me->tm", x, w.mlp.up_proj)
+            x = x + o + jnp.einsum("tm,em->te", g, w.mlp.down_proj) + h.astype(x.dtype)
+        return jnp.einsum("te,ve->tv", x, model.lm_head.array)
+
+    for rows in a.rows:
+        engine = LLMEngine(EngineConfig(dtype="bfloat16", max_model_len=a.context + 64, max_num_seqs=rows,
+                                        max_num_batched_tokens=max(rows, 512), decode_steps=1,
+                                        enable_prefix_caching=False, warmup=False), model=model)
+        rng = np.random.default_rng(0)
+        params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0, detokenize=False)
+        for r in range(rows):
+            engine.add_request(f"p{r}", rng.integers(0, cfg.vocab_size, a.context).tolist(), params)
+        while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
+            engine.step()  # prefill everything: from here on every sequence decodes
+        chunks = engine.scheduler.schedule()
+        x = engine.builder.build(chunks, bucket=rows)
+        step = jax.jit(lambda m, kv, x: m(x.tokens, x.meta, kv)[0].array)
+        decode_meta = x.meta.__class__(**{**x.meta.__dict__, "decode": True})
+        xd = x.__class__(**{**x.__dict__, "meta": decode_meta})
+        logits = jnp.zeros((rows, cfg.vocab_size), jnp.float32)
+        results = {
+            "matmuls_only_ms": timed(matmuls_only, jnp.ones((rows, cfg.hidden_size), jnp.bfloat16)),
+            "forward_reference_ms": timed(step, model, engine.kv, x),
+            "sampler_ms": timed(jax.jit(sample), logits, x.sampling),
+        }
+        results["forward_decode_kernel_ms"] = timed(step, model, engine.kv, xd)
+        for c in chunks:
+            engine.scheduler.reserve_ahead(c.seq, 9)
+        active = jnp.full((rows,), 8, jnp.int32)
+        holder = [engine.kv]
+
+        def multi(_):
+            holder[0], out = decode_steps_fn(model, holder[0], x, active, num_steps=8)  # the cache is donated
+            return out.tokens
+
+        results["multi_step_ms_per_step"] = timed(multi, None, repeats=5) / 8
+        print(f"rows={rows} context={a.context} " + " ".join(f"{k}={v:.3f}" for k, v in results.items()), flush=True)
+        del engine
+
+
+if __name__ == "__main__":
+    main()
