@@ -27,36 +27,36 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* What the operator does in a namespace it serves: least privilege, checked by the cluster tests. */}}
+{{/* Exactly what the operator does in a namespace it serves; the cluster tests run it under these rules. */}}
 {{- define "capstan.namespacedRules" -}}
 - apiGroups: [serving.capstan.dev]
   resources: [inferenceservices]
-  verbs: [get, list, watch, patch, update]
+  verbs: [list, watch, patch]  # kopf watches them and keeps its bookkeeping in annotations
 - apiGroups: [serving.capstan.dev]
   resources: [inferenceservices/status]
-  verbs: [get, patch, update]
+  verbs: [patch]
 - apiGroups: [serving.capstan.dev]
   resources: [inferenceservices/finalizers]
-  verbs: [update]
+  verbs: [update]  # owner references that block deletion, where OwnerReferencesPermissionEnforcement is on
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, update]
+  verbs: [create, patch]  # server-side apply
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, patch, update]
+  verbs: [create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, update]
+  verbs: [create, patch]
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, create, patch, delete]  # the model cache claim it creates, and removes when no longer asked for
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
-- apiGroups: ["", events.k8s.io]
+  verbs: [list]  # status and autoscaling read the pods
+- apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 {{- end -}}
