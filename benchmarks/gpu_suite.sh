@@ -20,8 +20,7 @@ for part in $parts; do
     throughput8b) python3 benchmarks/throughput.py --shape llama-3-8b --requests 1 --prompt-len 256 --output-len 16 \
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
         --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep -v Warning ;;
-    profile) python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256 --context 384 2>&1 | grep rows=
-        python3 benchmarks/decode_profile.py --shape llama-3-8b --rows 1 --context 384 2>&1 | grep rows= ;;
+    profile) python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256 --context 384 2>&1 | grep rows= ;;
     peer) python3 benchmarks/peer_transformers.py --json "$OUT/transformers-llama-3.2-1b.json" ;;
   esac
 done

@@ -56,9 +56,9 @@ def test_reference_respects_causality_and_windows():
 
 
 def test_write_kv_scatters_to_pages_and_drops_padding():
-    cache = jnp.zeros((2, 3, 4, 8, 5))  # layers, kv heads, pages, page size, head dim
+    cache = jnp.zeros((3, 4, 8, 5))  # kv heads, pages, page size, head dim
     values = jnp.arange(2 * 3 * 5, dtype=jnp.float32).reshape(2, 3, 5) + 1
     slots = jnp.asarray([2 * 8 + 3, INVALID_SLOT], jnp.int32)
-    out = write_kv(cache, jnp.int32(1), slots, values, 8)
-    np.testing.assert_array_equal(out[1, :, 2, 3], values[0])
+    out = write_kv(cache, slots, values, 8)
+    np.testing.assert_array_equal(out[:, 2, 3], values[0])
     assert float(jnp.abs(out).sum()) == float(values[0].sum())

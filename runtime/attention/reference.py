@@ -7,11 +7,12 @@ import jax.numpy as jnp
 from .metadata import AttentionMetadata
 
 
-def write_kv(cache: jax.Array, layer: jax.Array, slots: jax.Array, values: jax.Array, page_size: int) -> jax.Array:
-    """cache[L, KVH, pages, page_size, D]; values[T, KVH, D] go to slots (page * page_size + offset) of `layer`.
+def write_kv(cache: jax.Array, slots: jax.Array, values: jax.Array, page_size: int) -> jax.Array:
+    """cache[KVH, pages, page_size, D] (one layer); values[T, KVH, D] go to slots (page * page_size + offset).
 
     INVALID_SLOT lands past the last page and is dropped."""
-    return cache.at[layer, :, slots // page_size, slots % page_size].set(values.astype(cache.dtype), mode="drop")
+    return cache.at[:, slots // page_size, slots % page_size].set(
+        jnp.swapaxes(values, 0, 1).astype(cache.dtype), mode="drop")
 
 
 def paged_attention(

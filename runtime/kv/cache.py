@@ -7,20 +7,22 @@ import jax.numpy as jnp
 
 
 class KVCache(eqx.Module):
-    """k, v: [layers, kv_heads, num_pages, page_size, head_dim]: each head's pages contiguous, as kernels read them."""
+    """k, v: one [kv_heads, num_pages, page_size, head_dim] array per layer (each head's pages contiguous, as
+    kernels read them; separate arrays so that a layer's update and read never copy the others)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     page_size: int = eqx.field(static=True)
 
     @staticmethod
     def allocate(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (num_layers, kv_heads, num_pages, page_size, head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_size)
+        shape = (kv_heads, num_pages, page_size, head_dim)
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                       tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), page_size)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:

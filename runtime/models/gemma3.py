@@ -18,11 +18,11 @@ class Gemma3Block(eqx.Module):
     mlp: GatedMLP
     post_mlp_norm: NamedArray
 
-    def __call__(self, x, layer, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes,
+    def __call__(self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes,
                  page_size: int):
         eps = cfg.rms_norm_eps
         h = rms_norm(x, self.input_norm, ax.Embed, eps, one_plus=True)
-        h, k_cache, v_cache = self.attn(h, layer, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size)
+        h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size)
         x = x + rms_norm(h, self.post_attn_norm, ax.Embed, eps, one_plus=True)
         h = self.mlp(rms_norm(x, self.pre_mlp_norm, ax.Embed, eps, one_plus=True), cfg, ax)
         return x + rms_norm(h, self.post_mlp_norm, ax.Embed, eps, one_plus=True), k_cache, v_cache

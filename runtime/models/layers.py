@@ -1,6 +1,6 @@
 """Building blocks shared by the model families: named axes, RMSNorm, attention over the paged cache, gated MLP.
 
-Every weight is a haliax NamedArray whose first axis is `Layers` while stacked; hax.scan peels it off."""
+Every weight is a haliax NamedArray; each layer's block holds its own."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +21,6 @@ Token = hax.Axis("token", 0)  # placeholder size; the real size comes from the s
 
 @dataclasses.dataclass(frozen=True)
 class ModelAxes:
-    Layers: hax.Axis
     Embed: hax.Axis
     Vocab: hax.Axis
     Mlp: hax.Axis
@@ -32,7 +31,6 @@ class ModelAxes:
     @staticmethod
     def of(cfg: ModelConfig) -> "ModelAxes":
         return ModelAxes(
-            Layers=hax.Axis("layers", cfg.num_layers),
             Embed=hax.Axis("embed", cfg.hidden_size),
             Vocab=hax.Axis("vocab", cfg.vocab_size),
             Mlp=hax.Axis("mlp", cfg.intermediate_size),
@@ -62,9 +60,10 @@ class Attention(eqx.Module):
     q_norm: NamedArray | None  # [HeadSize]
     k_norm: NamedArray | None
 
-    def __call__(self, x: NamedArray, layer: jax.Array, cos: jax.Array, sin: jax.Array, window: jax.Array,
+    def __call__(self, x: NamedArray, cos: jax.Array, sin: jax.Array, window: int | None,
                  k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
                  ax: ModelAxes, page_size: int):
+        """k_cache, v_cache: this layer's [KVHeads, pages, page_size, HeadSize]; returns (y, k_cache, v_cache)."""
         q = hax.dot(x, self.q_proj, axis=ax.Embed)
         k = hax.dot(x, self.k_proj, axis=ax.Embed)
         v = hax.dot(x, self.v_proj, axis=ax.Embed)
@@ -77,10 +76,10 @@ class Attention(eqx.Module):
         q_arr = apply_rotary(q.rearrange((Token.name, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
         k_arr = apply_rotary(k.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array, cos, sin)
         v_arr = v.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array
-        k_cache = write_kv(k_cache, layer, meta.slot_mapping, k_arr, page_size)
-        v_cache = write_kv(v_cache, layer, meta.slot_mapping, v_arr, page_size)
-        out = attend(q_arr, k_cache[layer], v_cache[layer], meta, scale=cfg.attention_scale, window=window,
-                     softcap=cfg.attn_logit_softcapping, sliding=cfg.sliding_window is not None)
+        k_cache = write_kv(k_cache, meta.slot_mapping, k_arr, page_size)
+        v_cache = write_kv(v_cache, meta.slot_mapping, v_arr, page_size)
+        out = attend(q_arr, k_cache, v_cache, meta, scale=cfg.attention_scale, window=window,
+                     softcap=cfg.attn_logit_softcapping)
         out = hax.named(out, (q.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
         y = hax.dot(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
         return y, k_cache, v_cache

@@ -14,10 +14,10 @@ class LlamaBlock(eqx.Module):
     post_attn_norm: NamedArray  # [Embed]
     mlp: GatedMLP
 
-    def __call__(self, x, layer, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes,
+    def __call__(self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes,
                  page_size: int):
         h = rms_norm(x, self.input_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
-        h, k_cache, v_cache = self.attn(h, layer, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size)
+        h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size)
         x = x + h
         h = rms_norm(x, self.post_attn_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
         return x + self.mlp(h, cfg, ax), k_cache, v_cache

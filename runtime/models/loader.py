@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from safetensors import safe_open
 
 from .config import ModelConfig, UnsupportedModelError
-from .decoder import DecoderModel, layer_schedule
+from .decoder import DecoderModel, rope_tables
 from .gemma3 import GEMMA3_BLOCK_WEIGHTS, Gemma3Block
 from .layers import Attention, GatedMLP, ModelAxes
 from .llama import LLAMA_BLOCK_WEIGHTS, LlamaBlock
@@ -96,37 +96,37 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype) -> DecoderModel:
     E, D, KVH, G, I = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv, cfg.intermediate_size
     gemma = cfg.family == "gemma3"
 
-    def stacked(suffix: str, shape: tuple[int, ...], axes: tuple[hax.Axis, ...], reshape=None):
-        per_layer = []
-        for i in range(cfg.num_layers):
+    def block(i: int):
+        def w(suffix: str, shape: tuple[int, ...], axes: tuple[hax.Axis, ...], reshape=None):
             t = source(f"model.layers.{i}.{suffix}", shape).astype(dtype)
-            per_layer.append(t.reshape(reshape) if reshape else t)
-        return hax.named(jnp.stack(per_layer), (ax.Layers,) + axes)
+            return hax.named(t.reshape(reshape) if reshape else t, axes)
 
-    attn = Attention(
-        q_proj=stacked("self_attn.q_proj.weight", (KVH * G * D, E), (ax.KVHeads, ax.QPerKV, ax.HeadSize, ax.Embed),
-                       (KVH, G, D, E)),
-        k_proj=stacked("self_attn.k_proj.weight", (KVH * D, E), (ax.KVHeads, ax.HeadSize, ax.Embed), (KVH, D, E)),
-        v_proj=stacked("self_attn.v_proj.weight", (KVH * D, E), (ax.KVHeads, ax.HeadSize, ax.Embed), (KVH, D, E)),
-        o_proj=stacked("self_attn.o_proj.weight", (E, KVH * G * D), (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize),
-                       (E, KVH, G, D)),
-        q_bias=stacked("self_attn.q_proj.bias", (KVH * G * D,), (ax.KVHeads, ax.QPerKV, ax.HeadSize), (KVH, G, D))
-        if cfg.attention_bias else None,
-        k_bias=stacked("self_attn.k_proj.bias", (KVH * D,), (ax.KVHeads, ax.HeadSize), (KVH, D))
-        if cfg.attention_bias else None,
-        v_bias=stacked("self_attn.v_proj.bias", (KVH * D,), (ax.KVHeads, ax.HeadSize), (KVH, D))
-        if cfg.attention_bias else None,
-        q_norm=stacked("self_attn.q_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
-        k_norm=stacked("self_attn.k_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
-    )
-    mlp = GatedMLP(
-        gate_proj=stacked("mlp.gate_proj.weight", (I, E), (ax.Mlp, ax.Embed)),
-        up_proj=stacked("mlp.up_proj.weight", (I, E), (ax.Mlp, ax.Embed)),
-        down_proj=stacked("mlp.down_proj.weight", (E, I), (ax.Embed, ax.Mlp)),
-    )
-    names = GEMMA3_BLOCK_WEIGHTS if gemma else LLAMA_BLOCK_WEIGHTS
-    norms = {field: stacked(hf_name, (E,), (ax.Embed,)) for field, hf_name in names.items()}
-    block = (Gemma3Block if gemma else LlamaBlock)(attn=attn, mlp=mlp, **norms)
+        attn = Attention(
+            q_proj=w("self_attn.q_proj.weight", (KVH * G * D, E), (ax.KVHeads, ax.QPerKV, ax.HeadSize, ax.Embed),
+                     (KVH, G, D, E)),
+            k_proj=w("self_attn.k_proj.weight", (KVH * D, E), (ax.KVHeads, ax.HeadSize, ax.Embed), (KVH, D, E)),
+            v_proj=w("self_attn.v_proj.weight", (KVH * D, E), (ax.KVHeads, ax.HeadSize, ax.Embed), (KVH, D, E)),
+            o_proj=w("self_attn.o_proj.weight", (E, KVH * G * D), (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize),
+                     (E, KVH, G, D)),
+            q_bias=w("self_attn.q_proj.bias", (KVH * G * D,), (ax.KVHeads, ax.QPerKV, ax.HeadSize), (KVH, G, D))
+            if cfg.attention_bias else None,
+            k_bias=w("self_attn.k_proj.bias", (KVH * D,), (ax.KVHeads, ax.HeadSize), (KVH, D))
+            if cfg.attention_bias else None,
+            v_bias=w("self_attn.v_proj.bias", (KVH * D,), (ax.KVHeads, ax.HeadSize), (KVH, D))
+            if cfg.attention_bias else None,
+            q_norm=w("self_attn.q_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
+            k_norm=w("self_attn.k_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
+        )
+        mlp = GatedMLP(
+            gate_proj=w("mlp.gate_proj.weight", (I, E), (ax.Mlp, ax.Embed)),
+            up_proj=w("mlp.up_proj.weight", (I, E), (ax.Mlp, ax.Embed)),
+            down_proj=w("mlp.down_proj.weight", (E, I), (ax.Embed, ax.Mlp)),
+        )
+        names = GEMMA3_BLOCK_WEIGHTS if gemma else LLAMA_BLOCK_WEIGHTS
+        norms = {field: w(hf_name, (E,), (ax.Embed,)) for field, hf_name in names.items()}
+        return (Gemma3Block if gemma else LlamaBlock)(attn=attn, mlp=mlp, **norms)
+
+    layers = tuple(block(i) for i in range(cfg.num_layers))
 
     vocab_shape = (cfg.vocab_size, E)
     embedding = hax.named(source("model.embed_tokens.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
@@ -135,6 +135,5 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype) -> DecoderModel:
     else:
         lm_head = hax.named(source("lm_head.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
     final_norm = hax.named(source("model.norm.weight", (E,)).astype(dtype), (ax.Embed,))
-    inv_freq, layer_rope, layer_window = layer_schedule(cfg)
-    return DecoderModel(cfg=cfg, ax=ax, embedding=embedding, layers=block, final_norm=final_norm, lm_head=lm_head,
-                        inv_freq=inv_freq, layer_rope=layer_rope, layer_window=layer_window)
+    return DecoderModel(cfg=cfg, ax=ax, embedding=embedding, layers=layers, final_norm=final_norm, lm_head=lm_head,
+                        inv_freq=rope_tables(cfg))
