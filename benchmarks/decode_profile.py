@@ -1,8 +1,8 @@
 """Where a decode step's time goes, on a named shape with random weights (GPU diagnostic).
 
 python benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256
-Times, per row count: the weight matmuls alone (the bandwidth floor XLA reaches), one model forward with the
-decode kernel and with the reference attention, the sampler, and one step of the multi-step decode."""
+Times, per row count: one model forward with the decode kernel and with the reference attention, the sampler,
+and one step of the multi-step decode."""
 from __future__ import annotations
 
 import argparse
@@ -45,20 +45,6 @@ def main() -> None:
     a = ap.parse_args()
     cfg = shape_config(a.shape)
     model = random_model(cfg, "bfloat16")
-    layers = model.layers
-
-    @jax.jit
-    def matmuls_only(x):
-        for i in range(cfg.num_layers):
-            w = jax.tree_util.tree_map(lambda t: t.array[i] if hasattr(t, "array") else t, layers,
-                                       is_leaf=lambda t: hasattr(t, "array"))
-            a = w.attn
-            h = jnp.einsum("te,kgde->tkgd", x, a.q_proj).reshape(x.shape[0], -1).sum() * 0
-            h = h + jnp.einsum("te,kde->tkd", x, a.k_proj).sum() * 0 + jnp.einsum("te,kde->tkd", x, a.v_proj).sum() * 0
-            o = jnp.einsum("tkgd,ekgd->te", jnp.zeros((x.shape[0],) + a.o_proj.shape[1:], x.dtype), a.o_proj)
-            g = jnp.einsum("te,me->tm", x, w.mlp.gate_proj) * jnp.einsum("te,me->tm", x, w.mlp.up_proj)
-            x = x + o + jnp.einsum("tm,em->te", g, w.mlp.down_proj) + h.astype(x.dtype)
-        return jnp.einsum("te,ve->tv", x, model.lm_head.array)
 
     for rows in a.rows:
         engine = LLMEngine(EngineConfig(dtype="bfloat16", max_model_len=a.context + 64, max_num_seqs=rows,
@@ -77,7 +63,6 @@ def main() -> None:
         xd = x.__class__(**{**x.__dict__, "meta": decode_meta})
         logits = jnp.zeros((rows, cfg.vocab_size), jnp.float32)
         results = {
-            "matmuls_only_ms": timed(matmuls_only, jnp.ones((rows, cfg.hidden_size), jnp.bfloat16)),
             "forward_reference_ms": timed(step, model, engine.kv, x),
             "sampler_ms": timed(jax.jit(sample), logits, x.sampling),
         }

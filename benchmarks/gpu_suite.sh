@@ -8,7 +8,7 @@ mkdir -p /tmp/site/capstan && ln -sfn "$PWD/runtime" /tmp/site/capstan/runtime &
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-parts=${*:-parity prefill throughput peer}
+parts=${*:-parity prefill throughput throughput8b peer}
 for part in $parts; do
   echo "=== $part"
   case $part in
@@ -21,6 +21,9 @@ for part in $parts; do
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
         --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep -v Warning ;;
     profile) python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256 --context 384 2>&1 | grep rows= ;;
-    peer) python3 benchmarks/peer_transformers.py --json "$OUT/transformers-llama-3.2-1b.json" ;;
+    peer) python3 benchmarks/peer_transformers.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
+        --single-tokens 256 --json "$OUT/transformers-llama-3.2-1b.json" 2>&1 | grep -v Warning | tail -25 ;;
+    peer8b) python3 benchmarks/peer_transformers.py --shape llama-3-8b --phases single --single-tokens 256 \
+        --json "$OUT/transformers-llama-3-8b.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
 done
