@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: setup test serve
+.PHONY: setup test serve cluster-binaries crds bench
 setup:  ## install Capstan and its test dependencies
 	$(PYTHON) -m pip install -q -e ".[dev]"
 
@@ -9,3 +9,12 @@ test:   ## the whole test suite (the cluster tests build their binaries once, th
 
 serve:  ## serve the embedded default model on 127.0.0.1:8000
 	capstan serve
+
+cluster-binaries:  ## build the operator tests' Kubernetes binaries once (Go >= 1.26; cached in ~/.cache/capstan/k8s-bin)
+	$(PYTHON) tests/cluster/binaries.py
+
+crds:  ## regenerate crds/ and charts/capstan/crds/ from operator/api.py
+	$(PYTHON) -m capstan.operator.crd
+
+bench:  ## offline throughput of the tiny shape on this machine
+	$(PYTHON) benchmarks/throughput.py --shape tiny
