@@ -28,6 +28,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported for now")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or hf://org/name (default: the model's)")
+    parser.add_argument("--decode-steps", type=int, default=d.decode_steps,
+                        help="decode steps per device dispatch when every sequence is decoding")
+    parser.add_argument("--smallest-token-bucket", type=int, default=d.smallest_token_bucket,
+                        help="smallest padded step size (each bucket up to --max-num-batched-tokens is compiled)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip compiling every shape up front (first requests compile instead)")
 
@@ -40,6 +45,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
         kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
         warmup=args.warmup, max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
+        tokenizer=args.tokenizer, decode_steps=args.decode_steps, smallest_token_bucket=args.smallest_token_bucket,
     )
     config.validate()
     return config

@@ -52,7 +52,8 @@ class LLMEngine:
         self.dtype = parse_dtype(dtype)
         self.model = model if model is not None else load_model(path, dtype)
         cfg = self.model.cfg
-        self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.tokenizer or path)
+        self.tokenizer = tokenizer or Tokenizer.from_pretrained(
+            resolve_checkpoint(config.tokenizer) if config.tokenizer else path)
         self.model_name = "capstan-default" if path.resolve() == DEFAULT_MODEL.resolve() else path.name
         if config.max_model_len is None:
             config.max_model_len = min(cfg.max_position_embeddings, 8192)

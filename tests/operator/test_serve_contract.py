@@ -36,6 +36,5 @@ def test_local_model_paths_are_accepted():
     assert serve_arguments(model={"uri": "pvc://weights/llama"}).model == "/mnt/models/llama"
 
 
-@pytest.mark.xfail(strict=True, reason="capstan serve has no --tokenizer flag yet (spec.model.tokenizer)")
 def test_tokenizer_override_is_accepted():
     assert serve_arguments(model={"uri": "hf://org/m", "tokenizer": "hf://org/tok"}).tokenizer == "hf://org/tok"

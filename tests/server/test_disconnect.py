@@ -6,7 +6,8 @@ import time
 import httpx
 import pytest
 
-from servers import MODEL
+from capstan.runtime.config import EngineConfig
+from servers import CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ThreadServer
 
 pytestmark = pytest.mark.slow
 LONG = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -46,9 +47,22 @@ def test_stream_disconnect_frees_pages(server):
     assert wait_pool_free(server)[ABORTED] == aborted + 1
 
 
-def test_non_streaming_disconnect_frees_pages(server):
-    aborted = wait_pool_free(server)[ABORTED]
-    body = {**LONG, "messages": [{"role": "user", "content": "a long answer please"}]}
+@pytest.fixture(scope="module")
+def slow_server():
+    """One decode step per dispatch and a long context: a 900-token answer lasts seconds, whatever the machine."""
+    from capstan.runtime.engine.async_llm import AsyncLLM
+    from capstan.runtime.server.app import build_app, make_context
+
+    engine = AsyncLLM(EngineConfig(model=str(CHECKPOINT), **{**ENGINE_FLAGS, "max_model_len": 1024}, decode_steps=1))
+    assert engine.wait_ready(START_TIMEOUT)
+    with ThreadServer(build_app(make_context(engine))) as s:
+        yield s.url
+    engine.shutdown()
+
+
+def test_non_streaming_disconnect_frees_pages(slow_server):
+    aborted = wait_pool_free(slow_server)[ABORTED]
+    body = {**LONG, "messages": [{"role": "user", "content": "a long answer please"}], "max_tokens": 900}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/chat/completions", json={**body, "max_tokens": 480}, timeout=0.5)
-    assert wait_pool_free(server)[ABORTED] == aborted + 1
+        httpx.post(f"{slow_server}/v1/chat/completions", json=body, timeout=0.5)
+    assert wait_pool_free(slow_server)[ABORTED] == aborted + 1

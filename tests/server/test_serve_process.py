@@ -57,8 +57,9 @@ def proc(otlp, tmp_path_factory):
     key_file.write_text("file-key\n")
     env = {"CAPSTAN_API_KEY": "env-key", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp.server_port}",
            "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    with ServeProcess("--max-num-seqs=1", "--max-waiting=1", "--drain-timeout=120", f"--api-key-file={key_file}",
-                      env=env) as p:
+    # one sequence at a time, one decode step per dispatch: a 300-token stream lasts long enough to queue behind
+    with ServeProcess("--max-num-seqs=1", "--max-waiting=1", "--drain-timeout=120",
+                      "--decode-steps=1", f"--api-key-file={key_file}", env=env) as p:
         yield p
 
 
@@ -132,7 +133,7 @@ def test_spans_are_exported_over_otlp(proc, otlp):
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(proc):
     first, second = {}, {}
-    threads = [threading.Thread(target=stream, args=(proc.url, r, 120)) for r in (first, second)]
+    threads = [threading.Thread(target=stream, args=(proc.url, r, 300)) for r in (first, second)]
     for t in threads:
         t.start()
     # One stream running, the other queued behind it (max-num-seqs=1): both are in flight.
