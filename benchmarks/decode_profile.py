@@ -67,6 +67,17 @@ def main() -> None:
             "sampler_ms": timed(jax.jit(sample), logits, x.sampling),
         }
         results["forward_decode_kernel_ms"] = timed(step, model, engine.kv, xd)
+        # leave-one-out variants (METHOD.md): the same forward without attention, without the K/V writes, without both
+        import capstan.runtime.models.layers as layers
+
+        real_attend, real_write = layers.attend, layers.write_kv
+        for name, attend, write in (("no_attention", lambda q, *a, **k: q, real_write),
+                                    ("no_kv_write", real_attend, lambda cache, *a: cache),
+                                    ("no_attention_no_kv_write", lambda q, *a, **k: q, lambda cache, *a: cache)):
+            layers.attend, layers.write_kv = attend, write
+            variant = jax.jit(lambda m, kv, x: m(x.tokens, x.meta, kv)[0].array)
+            results[f"forward_{name}_ms"] = timed(variant, model, engine.kv, xd)
+        layers.attend, layers.write_kv = real_attend, real_write
         for c in chunks:
             engine.scheduler.reserve_ahead(c.seq, 9)
         active = jnp.full((rows,), 8, jnp.int32)
