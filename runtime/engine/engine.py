@@ -195,7 +195,7 @@ class LLMEngine:
             if c.samples and not seq.finished:
                 if seq.pending_forks:
                     self._fork(seq)
-                self._append_token(seq, r, out.sampled)
+                self._append_token(seq, int(out.sampled.tokens[r]), out.sampled, r)
             touched.append(seq.request_id)
         return [o for rid in dict.fromkeys(touched) if (o := self._collect(rid)) is not None]
 
@@ -228,13 +228,14 @@ class LLMEngine:
             self.kv, out = decode_steps_fn(self.model, self.kv, inputs, jnp.asarray(rows),
                                            num_steps=self.config.decode_steps)
         out = jax.device_get(out)
+        tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
         for r, c in enumerate(chunks):
             seq = c.seq
             seq.num_computed = c.start + active[r]
             for j in range(active[r]):
                 if seq.finished:
                     break
-                self._append_token(seq, r, jax.tree_util.tree_map(lambda a: a[j], out))
+                self._append_token(seq, tokens[j][r], out, (j, r))
             if not seq.finished:
                 self.scheduler.register_full_pages(seq)
         return [o for rid in dict.fromkeys(c.seq.request_id for c in chunks) if (o := self._collect(rid)) is not None]
@@ -252,17 +253,17 @@ class LLMEngine:
             self.scheduler.add(child, front=True)
         parent.pending_forks = []
 
-    def _append_token(self, seq: Sequence, row: int, s: SampleResult) -> None:
+    def _append_token(self, seq: Sequence, token: int, s: SampleResult, at) -> None:
+        """Adds a sampled token; `at` indexes its logprob data in s (a row, or (step, row) for multi-step)."""
         p = seq.params
-        token = int(s.tokens[row])
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         self.generation_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if p.logprobs is not None:
-            seq.new_logprobs.append(self._position_logprobs(token, float(s.logprob[row]), int(s.rank[row]),
-                                                            s.top_ids[row], s.top_logprobs[row], p.logprobs))
+            seq.new_logprobs.append(self._position_logprobs(token, float(s.logprob[at]), int(s.rank[at]),
+                                                            s.top_ids[at], s.top_logprobs[at], p.logprobs))
         if token in (p.stop_token_ids or ()):
             return self._finish(seq, "stop", stop_reason=token)
         if token in self.eos_token_ids and not p.ignore_eos:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from ..kv.page_pool import PagePool
+from ..kv.page_pool import PagePool, page_hash
 from .sequence import Sequence, Status
 
 
@@ -120,8 +120,8 @@ class Scheduler:
 
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: name the pages it filled, so the prefix cache can share them."""
-        from ..kv.page_pool import page_hash
-
+        if not self.pool.enable_prefix_caching:
+            return
         page = self.pool.page_size
         for k in range(len(seq.page_hashes), seq.num_computed // page):
             parent = seq.page_hashes[-1] if seq.page_hashes else None
