@@ -62,35 +62,3 @@ def test_write_kv_scatters_to_pages_and_drops_padding():
     out = write_kv(cache, slots, values, 8)
     np.testing.assert_array_equal(out[:, 2, 3], values[0])
     assert float(jnp.abs(out).sum()) == float(values[0].sum())
-
-
-def test_pallas_flash_prefill_matches_the_reference_on_fresh_chunks():
-    from capstan.runtime.attention.gpu_prefill import fresh_prefill_attention
-
-    rng = np.random.default_rng(7)
-    KVH, G, D, page = 2, 4, 32, 8
-    lengths = [5, 11]  # two sequences starting at position 0, then 16 padding tokens
-    T = 32
-    token_seq = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slots = np.full(T, INVALID_SLOT, np.int32)
-    tables = np.zeros((3, 4), np.int32)
-    t = 0
-    for r, n in enumerate(lengths):
-        pages = np.arange(4) + 4 * r + 1
-        tables[r] = pages
-        token_seq[t:t + n], positions[t:t + n] = r, np.arange(n)
-        slots[t:t + n] = pages[np.arange(n) // page] * page + np.arange(n) % page
-        t += n
-    meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slots),
-                             token_seq=jnp.asarray(token_seq), block_tables=jnp.asarray(tables),
-                             seq_lens=jnp.asarray(lengths + [0], jnp.int32))
-    q = jnp.asarray(rng.normal(size=(T, KVH, G, D)), jnp.float32)
-    k_new = jnp.asarray(rng.normal(size=(T, KVH, D)), jnp.float32)
-    v_new = jnp.asarray(rng.normal(size=(T, KVH, D)), jnp.float32)
-    cache_k = write_kv(jnp.zeros((KVH, 9, page, D)), meta.slot_mapping, k_new, page)
-    cache_v = write_kv(jnp.zeros((KVH, 9, page, D)), meta.slot_mapping, v_new, page)
-    want = paged_attention(q, cache_k, cache_v, meta, scale=0.2)
-    got = fresh_prefill_attention(q, k_new, v_new, meta, scale=0.2, interpret=True)
-    real = sum(lengths)
-    assert rel_err(np.asarray(got)[:real], np.asarray(want)[:real]) < 1e-5

@@ -18,4 +18,3 @@ class AttentionMetadata(eqx.Module):
     block_tables: jax.Array  # [S, max_pages_per_seq] int32: the pages of each sequence, in order
     seq_lens: jax.Array  # [S] int32: tokens in the cache for each sequence after this step (0 for padding)
     decode: bool = eqx.field(static=True, default=False)  # token r is row r's only token (decode kernels apply)
-    fresh: jax.Array | None = None  # [] bool: every chunk starts its sequence, so no cached context is read

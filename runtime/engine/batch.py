@@ -111,8 +111,7 @@ class BatchBuilder:
                 f["presence"][r], f["frequency"][r] = p.presence_penalty, p.frequency_penalty
                 repetition[r] = p.repetition_penalty
         meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
-                                 block_tables=block_tables, seq_lens=seq_lens,
-                                 fresh=np.bool_(bool(chunks) and all(c.start == 0 for c in chunks)))
+                                 block_tables=block_tables, seq_lens=seq_lens)
         sampling = SamplingBatch(
             temperature=f["temperature"], top_k=top_k, top_p=f["top_p"], min_p=f["min_p"],
             presence_penalty=f["presence"], frequency_penalty=f["frequency"], repetition_penalty=repetition,

@@ -78,8 +78,8 @@ class Attention(eqx.Module):
         v_arr = v.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array
         k_cache = write_kv(k_cache, meta.slot_mapping, k_arr, page_size)
         v_cache = write_kv(v_cache, meta.slot_mapping, v_arr, page_size)
-        out = attend(q_arr, k_cache, v_cache, meta, k_new=k_arr, v_new=v_arr, scale=cfg.attention_scale,
-                     window=window, softcap=cfg.attn_logit_softcapping)
+        out = attend(q_arr, k_cache, v_cache, meta, scale=cfg.attention_scale, window=window,
+                     softcap=cfg.attn_logit_softcapping)
         out = hax.named(out, (q.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
         y = hax.dot(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
         return y, k_cache, v_cache
