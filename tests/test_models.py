@@ -90,3 +90,42 @@ def test_unknown_rope_scaling_type_is_refused_by_name():
 def test_missing_field_is_named():
     with pytest.raises(UnsupportedModelError, match="hidden_size"):
         ModelConfig.from_hf({"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 2})
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_weights(tmp_path):
+    """A checkpoint split into two safetensors shards with model.safetensors.index.json."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    source = GOLDEN / "llama-s11"
+    for f in source.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(source / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(tmp_path / file))
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    sharded, single = load_model(tmp_path), load_model(source)
+    np.testing.assert_array_equal(np.asarray(sharded.lm_head.array), np.asarray(single.lm_head.array))
+    np.testing.assert_array_equal(np.asarray(sharded.layers[2].mlp.down_proj.array),
+                                  np.asarray(single.layers[2].mlp.down_proj.array))
+
+
+def test_missing_tensor_is_named(tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    for f in (GOLDEN / "qwen2-s12").iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.q_proj.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="model.layers.1.self_attn.q_proj.bias"):
+        load_model(tmp_path)
