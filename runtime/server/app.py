@@ -7,10 +7,10 @@ import logging
 import time
 
 import uvicorn
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from . import chat, completions, model_list, probes
-from .auth import APIKeyCheck
+from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from .context import ServerContext
 from .drain import Drain, DrainingServer, DrainMiddleware
@@ -32,10 +32,9 @@ def build_app(ctx: ServerContext, api_keys: list[str] | None = None,
     app = FastAPI(title="Capstan", description="OpenAI-compatible LLM server", version="0.1.0", lifespan=lifespan)
     app.state.context = ctx
     install_error_handlers(app)
-    guarded = [Depends(APIKeyCheck(api_keys or []))]
-    for router in (completions.router, chat.router, model_list.router):
-        app.include_router(router, dependencies=guarded)
-    app.include_router(probes.router)
+    for router in (completions.router, chat.router, model_list.router, probes.router):
+        app.include_router(router)
+    app.add_middleware(APIKeyMiddleware, keys=api_keys or [])  # /v1 only: probes and /metrics stay open
     app.add_middleware(DrainMiddleware, drain=ctx.drain)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # added last: runs first
     return app

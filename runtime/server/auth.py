@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from .errors import APIError
+from .errors import APIError, error_response
 
 ENV_VAR = "CAPSTAN_API_KEY"
 
@@ -27,7 +27,7 @@ def load_api_keys(keys: list[str] | None = None, key_file: str | None = None, en
 
 
 class APIKeyCheck:
-    """A FastAPI dependency: passes when no keys are configured or the bearer token matches one of them."""
+    """Passes when no keys are configured or the bearer token matches one of them; raises APIError(401) else."""
 
     def __init__(self, keys: list[str]):
         self._keys = [k.encode() for k in keys]
@@ -46,3 +46,21 @@ class APIKeyCheck:
             matched |= hmac.compare_digest(given, key)
         if not matched:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+class APIKeyMiddleware:
+    """Checks the key of every /v1 request before anything reads its body, as OpenAI does: a request without
+    a valid key gets 401 even when its JSON is malformed. Plain ASGI, so streaming and disconnects pass through."""
+
+    def __init__(self, app, keys: list[str]):
+        self.app = app
+        self.check = APIKeyCheck(keys)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            try:
+                await self.check(Request(scope))
+            except APIError as e:
+                await error_response(e.status, e.message, code=e.code)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -99,6 +99,12 @@ def test_api_keys_guard_v1_but_not_probes(keyed_server):
         assert httpx.get(f"{keyed_server}{probe}").status_code == 200
 
 
+def test_the_key_is_checked_before_the_body_is_read(keyed_server):
+    r = httpx.post(f"{keyed_server}/v1/chat/completions", content=b"{not json",
+                   headers={"Content-Type": "application/json"})
+    assert error_of(r, 401)["code"] == "invalid_api_key"
+
+
 def test_openai_client_raises_its_typed_errors(keyed_server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="wrong", max_retries=0).models.list()
