@@ -53,9 +53,11 @@ def test_three_hundred_requests_with_aborts_and_preemption_free_every_page():
     llm = LLM(MODEL, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, page_size=4, num_pages=80)
     engine, rng = llm.engine, np.random.default_rng(3)
     prompts = random_prompts(rng, 300, 1, 60)
+    choices = set()
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=int(rng.integers(1, 60)), ignore_eos=True,
-                                                      n=int(rng.choice([1, 1, 1, 2, 3]))))
+        n = int(rng.choice([1, 1, 1, 2, 3]))
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=int(rng.integers(1, 60)), ignore_eos=True, n=n))
+        choices |= {(f"r{i}", k) for k in range(n)}
     finished, steps = {}, 0
     while engine.has_unfinished() and steps < 5000:
         for out in engine.step():
@@ -69,6 +71,7 @@ def test_three_hundred_requests_with_aborts_and_preemption_free_every_page():
                 finished[(victim, o.index)] = o.finish_reason
         steps += 1
     assert not engine.has_unfinished()
+    assert set(finished) == choices  # every choice of every request ended, and said how
     assert set(finished.values()) <= {"length", "abort"} and "abort" in finished.values()
     assert engine.scheduler.num_preemptions > 0
     engine.pool.check_all_free()
