@@ -1,5 +1,4 @@
 """Attention kernels against the reference on random inputs (the Pallas GPU kernel runs interpreted on CPU)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

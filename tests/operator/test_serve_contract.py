@@ -1,8 +1,6 @@
 """The contract between the operator and the runtime: the command line the operator renders is one
 that `capstan serve` accepts, meaning what the spec says."""
 
-import pytest
-
 from capstan.operator import api, render
 from capstan.runtime.cli import build_parser
 
