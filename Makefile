@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: setup test serve cluster-binaries crds bench
+.PHONY: setup test serve cluster-binaries crds bench gpu-wheels
 setup:  ## install Capstan and its test dependencies
 	$(PYTHON) -m pip install -q -e ".[dev]"
 
@@ -18,3 +18,7 @@ crds:  ## regenerate crds/ and charts/capstan/crds/ from operator/api.py
 
 bench:  ## offline throughput of the tiny shape on this machine
 	$(PYTHON) benchmarks/throughput.py --shape tiny
+
+gpu-wheels:  ## wheels the lent GPU machine lacks (Python 3.12 there), for benchmarks/gpu_suite.sh; carry .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl haliax==1.4.dev453 aqtp==0.9.0 jmp==0.0.4

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
-# Run from the repo root with the haliax wheels in .whl/ (carried): bash benchmarks/gpu_suite.sh [parts...]
+# Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
+#   bash benchmarks/gpu_suite.sh [parity prefill throughput throughput8b profile peer peer8b]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
