@@ -206,7 +206,7 @@ class LLMEngine:
     def _multi_step_plan(self, chunks: list[ScheduledChunk]) -> list[int] | None:
         """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""
         k = self.config.decode_steps
-        if k <= 1 or len(chunks) > self.builder.S or self.scheduler.waiting and len(chunks) < self.builder.S:
+        if k <= 1 or self.scheduler.waiting and len(chunks) < self.builder.S:  # admit waiting requests first
             return None
         for c in chunks:
             p = c.seq.params

@@ -20,10 +20,6 @@ class KVCache(eqx.Module):
         return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                        tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), page_size)
 
-    @property
-    def num_pages(self) -> int:
-        return self.k[0].shape[1]
-
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:
         return 2 * num_layers * page_size * kv_heads * head_dim * jnp.dtype(dtype).itemsize
