@@ -21,7 +21,7 @@ def batch(S=1, H=4, **kw):
         bias_ids=np.full((S, 2), V, np.int32), bias_values=np.zeros((S, 2), np.float32),
         banned_ids=np.full((S, 2), V, np.int32), history=np.full((S, H), V, np.int32),
         prompt_lens=np.zeros(S, np.int32), any_penalty=np.bool_(False), any_filter=np.bool_(False),
-        want_logprobs=np.bool_(True))
+        want_logprobs=np.bool_(True), plain_greedy=np.bool_(False))
     fields.update(kw)
     return SamplingBatch(**fields)
 
@@ -80,3 +80,14 @@ def test_a_rows_draw_depends_on_its_key_and_position_not_its_batch():
     together = sample(jnp.asarray(logits), batch(S=4, key_data=keys, position=np.full(4, 9, np.int32)))
     alone = sample(jnp.asarray(logits[:1]), batch(S=1, key_data=keys[:1], position=np.full(1, 9, np.int32)))
     assert int(together.tokens[0]) == int(alone.tokens[0])
+
+
+def test_plain_greedy_fast_path_matches_the_processed_path():
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(4, V)).astype(np.float32) * 3)
+    keys = np.array([row_key_data(i, 0) for i in range(4)], np.uint32)
+    slow = sample(logits, batch(S=4, temperature=np.zeros(4, np.float32), key_data=keys))
+    fast = sample(logits, batch(S=4, temperature=np.zeros(4, np.float32), key_data=keys, plain_greedy=np.bool_(True)))
+    assert np.asarray(fast.tokens).tolist() == np.asarray(jnp.argmax(logits, -1)).tolist()
+    for a, b in zip(jax.tree_util.tree_leaves(slow), jax.tree_util.tree_leaves(fast)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

@@ -70,7 +70,7 @@ class BatchBuilder:
         banned = np.full((S, MAX_BANNED), V, np.int32)
         prompt_lens = np.zeros(S, np.int32)
         history = None
-        want_prompt = any_filter = want_logprobs = False
+        want_prompt = any_filter = want_logprobs = processing = False
         t = 0
         for r, c in enumerate(chunks):
             seq, p = c.seq, c.seq.params
@@ -94,6 +94,7 @@ class BatchBuilder:
             top_k[r] = max(p.top_k, 0)
             any_filter |= p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
             want_logprobs |= p.logprobs is not None
+            processing |= p.temperature > 0.0 or bool(p.logit_bias) or seq.num_output < p.min_tokens
             key_data[r] = row_key_data(seq.seed, seq.index)
             sample_pos[r] = seq.num_tokens
             if p.logit_bias:
@@ -118,7 +119,8 @@ class BatchBuilder:
             key_data=key_data, position=sample_pos, bias_ids=bias_ids, bias_values=bias_values, banned_ids=banned,
             history=self._no_history if history is None else history, prompt_lens=prompt_lens,
             any_penalty=np.bool_(history is not None), any_filter=np.bool_(any_filter),
-            want_logprobs=np.bool_(want_logprobs))
+            want_logprobs=np.bool_(want_logprobs),
+            plain_greedy=np.bool_(not (processing or any_filter or history is not None)))
         inputs = StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, sampling=sampling,
                             prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))
         return jax.device_put(inputs)  # one transfer; and device arrays throughout, so jit sees one signature

@@ -30,6 +30,7 @@ class SamplingBatch(eqx.Module):
     any_penalty: jax.Array  # [] bool
     any_filter: jax.Array  # [] bool: some row uses top-k, top-p or min-p
     want_logprobs: jax.Array  # [] bool
+    plain_greedy: jax.Array  # [] bool: every row greedy without bias, bans or penalties: the argmax of the raw logits
 
 
 class SampleResult(eqx.Module):
@@ -42,7 +43,30 @@ class SampleResult(eqx.Module):
 
 def sample(logits: jax.Array, b: SamplingBatch) -> SampleResult:
     S, V = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # one reduction: log-probabilities are only materialised when asked
+    # a plain greedy batch (the common serving case) skips every processor: one argmax over the raw logits
+    tokens = jax.lax.cond(b.plain_greedy, lambda x, b: jnp.argmax(x, axis=-1).astype(jnp.int32), _processed_sample,
+                          logits, b)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
+
+    def with_logprobs(logits):
+        lp = logits - log_z[:, None]
+        top_lp, top_ids = top_logprobs(lp)
+        rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1)
+        return rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
+
+    def without(logits):
+        return (jnp.ones((S,), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+
+    rank, top_ids, top_lp = jax.lax.cond(b.want_logprobs, with_logprobs, without, logits)
+    return SampleResult(tokens, chosen, rank, top_ids, top_lp)
+
+
+def _processed_sample(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Bias, bans, penalties, temperature and filters, then greedy rows take the argmax and the rest draw."""
+    S, V = logits.shape
     rows = jnp.arange(S)[:, None]
     x = logits.at[rows, b.bias_ids].add(b.bias_values, mode="drop")
     x = x.at[rows, b.banned_ids].set(-jnp.inf, mode="drop")
@@ -54,23 +78,9 @@ def sample(logits: jax.Array, b: SamplingBatch) -> SampleResult:
 
     def draw(x):
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-        return jnp.argmax(x + gumbel, axis=-1)
+        return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x + gumbel, axis=-1))
 
-    sampled = jax.lax.cond(jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw, x)  # no noise for all-greedy
-    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-
-    def with_logprobs(lp):
-        top_lp, top_ids = top_logprobs(lp)
-        rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1)
-        return rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
-
-    def without(lp):
-        return (jnp.ones((S,), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
-
-    rank, top_ids, top_lp = jax.lax.cond(b.want_logprobs, with_logprobs, without, raw_logprobs)
-    return SampleResult(tokens, chosen, rank, top_ids, top_lp)
+    return jax.lax.cond(jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw, x).astype(jnp.int32)
 
 
 def _apply_penalties(x: jax.Array, b: SamplingBatch) -> jax.Array:
