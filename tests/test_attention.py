@@ -1,10 +1,14 @@
-"""Attention kernels against the reference on random inputs (the Pallas GPU kernel runs interpreted on CPU)."""
+"""Attention kernels against the reference on random inputs (the Pallas GPU kernels run interpreted on CPU)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, paged_attention, write_kv
 from capstan.runtime.attention.gpu_decode import decode_attention
+
+
+INTERPRET = jax.default_backend() != "gpu"  # compiled with Triton on a GPU
 
 
 def rel_err(a, b):
@@ -32,7 +36,7 @@ def random_decode_batch(seed, S=5, KVH=2, G=4, D=64, page=16, pages_per_seq=10, 
 def test_pallas_decode_kernel_matches_the_reference(seed, pages_per_seq):
     q, k, v, meta = random_decode_batch(seed, pages_per_seq=pages_per_seq)
     want = paged_attention(q, k, v, meta, scale=0.125)
-    got = decode_attention(q, k, v, meta, scale=0.125, interpret=True)
+    got = decode_attention(q, k, v, meta, scale=0.125, interpret=INTERPRET)
     live = np.asarray(meta.seq_lens) > 0
     assert np.isfinite(np.asarray(got)[live]).all()
     assert rel_err(np.asarray(got)[live], np.asarray(want)[live]) < 1e-5
@@ -61,3 +65,63 @@ def test_write_kv_scatters_to_pages_and_drops_padding():
     out = write_kv(cache, slots, values, 8)
     np.testing.assert_array_equal(out[:, 2, 3], values[0])
     assert float(jnp.abs(out).sum()) == float(values[0].sum())
+
+
+def random_ragged_batch(seed, chunks, KVH=2, G=4, D=64, page=16, pages_per_seq=12, T=None, dtype=jnp.float32):
+    """chunks: (start position, tokens) per sequence; start > 0 means cached context before the chunk."""
+    from capstan.runtime.attention import QUERY_BLOCK, max_query_blocks
+
+    rng = np.random.default_rng(seed)
+    S = len(chunks) + 1  # one padding row
+    num_pages = S * pages_per_seq + 3
+    k = jnp.asarray(rng.normal(size=(KVH, num_pages, page, D)), dtype)
+    v = jnp.asarray(rng.normal(size=(KVH, num_pages, page, D)), dtype)
+    tables = rng.permutation(num_pages)[:S * pages_per_seq].reshape(S, pages_per_seq).astype(np.int32)
+    n_tokens = sum(n for _, n in chunks)
+    T = T or n_tokens + 5  # padding tokens at the end
+    positions, token_seq = np.zeros(T, np.int32), np.zeros(T, np.int32)
+    seq_lens = np.zeros(S, np.int32)
+    blocks = np.zeros((max_query_blocks(T, S), 4), np.int32)
+    t = b = 0
+    for r, (start, n) in enumerate(chunks):
+        positions[t:t + n] = np.arange(start, start + n)
+        token_seq[t:t + n] = r
+        seq_lens[r] = start + n
+        for off in range(0, n, QUERY_BLOCK):
+            blocks[b] = (t + off, min(QUERY_BLOCK, n - off), r, start + off)
+            b += 1
+        t += n
+    meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.full(T, INVALID_SLOT, jnp.int32),
+                             token_seq=jnp.asarray(token_seq), block_tables=jnp.asarray(tables),
+                             seq_lens=jnp.asarray(seq_lens), query_blocks=jnp.asarray(blocks))
+    q = jnp.asarray(rng.normal(size=(T, KVH, G, D)), dtype)
+    return q, k, v, meta, n_tokens
+
+
+RAGGED = [(0, 70), (37, 1), (100, 29), (5, 1), (0, 3), (150, 40)]  # fresh prompts, decode rows, chunks after context
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 20}, {"softcap": 5.0}, {"G": 1, "D": 128}, {"G": 8, "KVH": 1}])
+def test_pallas_ragged_kernel_matches_the_reference(kw):
+    from capstan.runtime.attention.gpu_ragged import ragged_attention
+
+    attn = {k: kw.pop(k) for k in ("window", "softcap") if k in kw}
+    q, k, v, meta, n = random_ragged_batch(4, RAGGED, **kw)
+    want = np.asarray(paged_attention(q, k, v, meta, scale=0.125, **attn))[:n]
+    got = np.asarray(ragged_attention(q, k, v, meta, scale=0.125, interpret=INTERPRET, **attn))
+    assert np.isfinite(got).all() and not got[n:].any()  # padding tokens come back as zeros
+    assert rel_err(got[:n], want) < 1e-5
+
+
+def test_pallas_ragged_kernel_in_bfloat16_and_on_decode_batches():
+    from capstan.runtime.attention.gpu_ragged import ragged_attention
+
+    q, k, v, meta, n = random_ragged_batch(5, RAGGED, dtype=jnp.bfloat16)
+    want = np.asarray(paged_attention(q, k, v, meta, scale=0.125), np.float32)[:n]
+    assert rel_err(np.asarray(ragged_attention(q, k, v, meta, scale=0.125, interpret=INTERPRET), np.float32)[:n],
+                   want) < 2e-2  # bf16 inputs and probabilities: about 2**-8 relative per element
+    q, k, v, meta = random_decode_batch(6)  # no query blocks: built on the device from the decode rows
+    live = np.asarray(meta.seq_lens) > 0
+    want = np.asarray(paged_attention(q, k, v, meta, scale=0.125, window=33))[live]
+    got = np.asarray(ragged_attention(q, k, v, meta, scale=0.125, window=33, interpret=INTERPRET))[live]
+    assert rel_err(got, want) < 1e-5

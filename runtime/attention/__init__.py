@@ -1,18 +1,24 @@
 """Paged attention: the plain-XLA reference defines correctness; faster kernels are chosen by backend."""
 import jax
 
-from .metadata import INVALID_SLOT, AttentionMetadata
+from .metadata import INVALID_SLOT, QUERY_BLOCK, AttentionMetadata, max_query_blocks
 from .reference import paged_attention, write_kv
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window: int | None, softcap):
-    """Chooses the kernel at trace time: GPU decode batches of layers without a window or soft-capping take the
-    Pallas kernel; everything else (prefill chunks, CPU, sliding-window layers) the reference."""
-    if meta.decode and window is None and not softcap and jax.default_backend() == "gpu":
-        from .gpu_decode import decode_attention
+    """Chooses the kernel at trace time. On GPUs: decode batches of layers without a window or soft-capping take
+    JAX's Pallas decode kernel, every other step our ragged Pallas kernel (prefill chunks with their cached
+    context, mixed with decode tokens). Elsewhere, and for head sizes Triton cannot tile, the reference."""
+    if jax.default_backend() == "gpu":
+        from .gpu_ragged import ragged_attention, supported
 
-        return decode_attention(q, k_cache, v_cache, meta, scale=scale)
+        if meta.decode and window is None and not softcap:
+            from .gpu_decode import decode_attention
+
+            return decode_attention(q, k_cache, v_cache, meta, scale=scale)
+        if supported(q.shape[-1], k_cache.shape[2]):
+            return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None)
     return paged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
-__all__ = ["INVALID_SLOT", "AttentionMetadata", "attend", "paged_attention", "write_kv"]
+__all__ = ["INVALID_SLOT", "QUERY_BLOCK", "AttentionMetadata", "max_query_blocks", "attend", "paged_attention", "write_kv"]

@@ -7,6 +7,12 @@ import jax.numpy as jnp
 
 # A slot index past any cache: scatters with mode="drop" ignore it, so padding tokens write nothing.
 INVALID_SLOT = jnp.iinfo(jnp.int32).max
+QUERY_BLOCK = 64  # tokens of one sequence per query block of the ragged GPU kernel
+
+
+def max_query_blocks(num_tokens: int, max_rows: int) -> int:
+    """Blocks a step of num_tokens tokens in at most max_rows chunks can need: each chunk adds one partial block."""
+    return -(-num_tokens // QUERY_BLOCK) + min(max_rows, num_tokens)
 
 
 class AttentionMetadata(eqx.Module):
@@ -17,4 +23,7 @@ class AttentionMetadata(eqx.Module):
     token_seq: jax.Array  # [T] int32: row of block_tables that the token belongs to
     block_tables: jax.Array  # [S, max_pages_per_seq] int32: the pages of each sequence, in order
     seq_lens: jax.Array  # [S] int32: tokens in the cache for each sequence after this step (0 for padding)
+    # [NB, 4] int32 (first token, tokens, row, first position) per query block, num tokens 0 for unused ones;
+    # built by the batch builder for the ragged GPU kernel, None in multi-step decoding
+    query_blocks: jax.Array | None = None
     decode: bool = eqx.field(static=True, default=False)  # token r is row r's only token (decode kernels apply)

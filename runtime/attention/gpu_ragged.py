@@ -1,0 +1,117 @@
+"""Ragged paged attention on NVIDIA GPUs: one Pallas (Triton) kernel for steps that mix prefill chunks and decode
+tokens, reading every sequence's cached context in place.
+
+The step's tokens are cut into query blocks (up to QUERY_BLOCK consecutive tokens of one sequence, built on the
+host by the batch builder). A program takes one block and one query head, streams that sequence's pages from the
+cache with an online softmax, and stops at the block's last causal key; a sliding window also skips the pages
+before it. Nothing is gathered: the reference reads max_model_len keys for every token, this reads each
+sequence's context once per block. float32 runs its dots in IEEE float32 (no TF32), so golden parity holds."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .metadata import QUERY_BLOCK, AttentionMetadata
+
+PAGES_PER_BLOCK = 8  # pages per inner iteration: 128 keys with 16-token pages
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a row that sees nothing yet cannot make NaN
+
+
+def supported(head_dim: int, page_size: int) -> bool:
+    """Triton tiles need power-of-two sides of at least 16."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, page_size * PAGES_PER_BLOCK))
+
+
+def _kernel(blocks_ref, tables_ref, q_ref, k_ref, v_ref, _, o_ref, *, scale: float, window: int | None,
+            softcap: float | None, page_size: int, pages_per_block: int, query_block: int):
+    b = pl.program_id(0)
+    start, num, row, first_pos = blocks_ref[b, 0], blocks_ref[b, 1], blocks_ref[b, 2], blocks_ref[b, 3]
+    block_k = page_size * pages_per_block
+    precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+
+    @pl.when(num > 0)
+    def _():
+        q = q_ref[pl.ds(start, query_block), :]  # [QB, D]
+        q_pos = first_pos + jnp.arange(query_block)
+        end = first_pos + num  # keys 0 .. end-1 exist for this block's last token
+        lo = 0 if window is None else jnp.maximum(first_pos - window + 1, 0) // block_k
+        hi = pl.cdiv(end, block_k)
+
+        def body(i, carry):
+            o, m, l = carry
+            pages = tables_ref[row, pl.ds(i * pages_per_block, pages_per_block)]
+            k = k_ref[pages].reshape(block_k, -1)
+            v = v_ref[pages].reshape(block_k, -1)
+            s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [QB, BK] f32
+            if softcap:
+                s = jnp.tanh(s / softcap) * softcap
+            k_pos = i * block_k + jnp.arange(block_k)
+            visible = k_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                visible &= k_pos[None, :] > q_pos[:, None] - window
+            s = jnp.where(visible, s, MASKED)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            correction = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[:, None])
+            l = l * correction + p.sum(axis=-1)
+            o = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+            return o, m_new, l
+
+        D = q.shape[-1]
+        init = (jnp.zeros((query_block, D), jnp.float32), jnp.full((query_block,), MASKED, jnp.float32),
+                jnp.zeros((query_block,), jnp.float32))
+        o, _, l = jax.lax.fori_loop(lo, hi, body, init)
+        out = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+        rows = jnp.arange(query_block) < num
+        plgpu.store(o_ref.at[pl.ds(start, query_block), :], out, mask=rows[:, None])
+
+
+def decode_query_blocks(meta: AttentionMetadata) -> jax.Array:
+    """Query blocks of a decode batch (row r is token r), built on the device for multi-step decoding."""
+    S = meta.positions.shape[0]
+    rows = jnp.arange(S, dtype=jnp.int32)
+    return jnp.stack([rows, (meta.seq_lens > 0).astype(jnp.int32), rows, meta.positions], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "interpret"))
+def ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *,
+                     scale: float, window: int | None = None, softcap: float | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """q[T, KVH, G, D]; caches [KVH, pages, page_size, D] of one layer, already holding this step's K/V."""
+    T, KVH, G, D = q.shape
+    page_size = k_cache.shape[2]
+    blocks = meta.query_blocks if meta.query_blocks is not None else decode_query_blocks(meta)
+    query_block = QUERY_BLOCK if meta.query_blocks is not None else 16
+    tables = meta.block_tables
+    pad = -tables.shape[1] % PAGES_PER_BLOCK
+    if pad:  # the last iteration reads a whole block of table entries; the extra keys are masked
+        tables = jnp.pad(tables, ((0, 0), (0, pad)))
+    # query_block rows of slack after the last token: a block's load and store never leave the array
+    q_flat = jnp.pad(q.reshape(T, KVH * G, D), ((0, query_block), (0, 0), (0, 0)))
+    out = jnp.zeros_like(q_flat)  # tokens no block covers (padding) read as zeros
+    kernel = functools.partial(_kernel, scale=scale, window=window, softcap=softcap, page_size=page_size,
+                               pages_per_block=PAGES_PER_BLOCK, query_block=query_block)
+    whole = lambda *shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))  # noqa: E731
+    out = pl.pallas_call(
+        kernel,
+        grid=(blocks.shape[0], KVH * G),
+        in_specs=[
+            whole(*blocks.shape),
+            whole(*tables.shape),
+            pl.BlockSpec((T + query_block, None, D), lambda b, h: (0, h, 0)),
+            pl.BlockSpec((None, k_cache.shape[1], page_size, D), lambda b, h: (h // G, 0, 0, 0)),
+            pl.BlockSpec((None, v_cache.shape[1], page_size, D), lambda b, h: (h // G, 0, 0, 0)),
+            pl.BlockSpec((T + query_block, None, D), lambda b, h: (0, h, 0)),
+        ],
+        out_specs=pl.BlockSpec((T + query_block, None, D), lambda b, h: (0, h, 0)),
+        out_shape=jax.ShapeDtypeStruct(q_flat.shape, q.dtype),
+        input_output_aliases={5: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(blocks, tables, q_flat, k_cache, v_cache, out)
+    return out[:T].reshape(T, KVH, G, D)
