@@ -69,7 +69,7 @@ def test_write_kv_scatters_to_pages_and_drops_padding():
 
 def random_ragged_batch(seed, chunks, KVH=2, G=4, D=64, page=16, pages_per_seq=12, T=None, dtype=jnp.float32):
     """chunks: (start position, tokens) per sequence; start > 0 means cached context before the chunk."""
-    from capstan.runtime.attention import QUERY_BLOCK, max_query_blocks
+    from capstan.runtime.attention import query_blocks
 
     rng = np.random.default_rng(seed)
     S = len(chunks) + 1  # one padding row
@@ -81,16 +81,13 @@ def random_ragged_batch(seed, chunks, KVH=2, G=4, D=64, page=16, pages_per_seq=1
     T = T or n_tokens + 5  # padding tokens at the end
     positions, token_seq = np.zeros(T, np.int32), np.zeros(T, np.int32)
     seq_lens = np.zeros(S, np.int32)
-    blocks = np.zeros((max_query_blocks(T, S), 4), np.int32)
-    t = b = 0
+    t = 0
     for r, (start, n) in enumerate(chunks):
         positions[t:t + n] = np.arange(start, start + n)
         token_seq[t:t + n] = r
         seq_lens[r] = start + n
-        for off in range(0, n, QUERY_BLOCK):
-            blocks[b] = (t + off, min(QUERY_BLOCK, n - off), r, start + off)
-            b += 1
         t += n
+    blocks = query_blocks([(r, start, n) for r, (start, n) in enumerate(chunks)], T, S)
     meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.full(T, INVALID_SLOT, jnp.int32),
                              token_seq=jnp.asarray(token_seq), block_tables=jnp.asarray(tables),
                              seq_lens=jnp.asarray(seq_lens), query_blocks=jnp.asarray(blocks))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata
+from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, query_blocks
 from capstan.runtime.kv.cache import KVCache
 from capstan.runtime.models.config import ModelConfig, UnsupportedModelError
 from capstan.runtime.models.loader import load_model
@@ -36,7 +36,8 @@ def _run(model, kv, tokens, start, pages, bucket):
     pos[n:] = 0
     meta = AttentionMetadata(positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots),
                              token_seq=jnp.zeros(bucket, jnp.int32), block_tables=jnp.asarray([pages], jnp.int32),
-                             seq_lens=jnp.asarray([start + n], jnp.int32))
+                             seq_lens=jnp.asarray([start + n], jnp.int32),
+                             query_blocks=jnp.asarray(query_blocks([(0, start, n)], bucket, 1)))
     logits, kv = _forward(model, jnp.asarray(toks), meta, kv)
     return np.asarray(logits)[:n], kv
 

@@ -1,7 +1,7 @@
 """Paged attention: the plain-XLA reference defines correctness; faster kernels are chosen by backend."""
 import jax
 
-from .metadata import INVALID_SLOT, QUERY_BLOCK, AttentionMetadata, max_query_blocks
+from .metadata import INVALID_SLOT, QUERY_BLOCK, AttentionMetadata, max_query_blocks, query_blocks
 from .reference import paged_attention, write_kv
 
 
@@ -16,9 +16,9 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
             from .gpu_decode import decode_attention
 
             return decode_attention(q, k_cache, v_cache, meta, scale=scale)
-        if supported(q.shape[-1], k_cache.shape[2]):
+        if (meta.decode or meta.query_blocks is not None) and supported(q.shape[-1], k_cache.shape[2]):
             return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None)
     return paged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
-__all__ = ["INVALID_SLOT", "QUERY_BLOCK", "AttentionMetadata", "max_query_blocks", "attend", "paged_attention", "write_kv"]
+__all__ = ["INVALID_SLOT", "QUERY_BLOCK", "AttentionMetadata", "max_query_blocks", "query_blocks", "attend", "paged_attention", "write_kv"]

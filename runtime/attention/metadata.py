@@ -4,6 +4,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # A slot index past any cache: scatters with mode="drop" ignore it, so padding tokens write nothing.
 INVALID_SLOT = jnp.iinfo(jnp.int32).max
@@ -13,6 +14,18 @@ QUERY_BLOCK = 64  # tokens of one sequence per query block of the ragged GPU ker
 def max_query_blocks(num_tokens: int, max_rows: int) -> int:
     """Blocks a step of num_tokens tokens in at most max_rows chunks can need: each chunk adds one partial block."""
     return -(-num_tokens // QUERY_BLOCK) + min(max_rows, num_tokens)
+
+
+def query_blocks(chunks, num_tokens: int, max_rows: int) -> np.ndarray:
+    """The step's query blocks from its chunks, (row, first position, tokens) in token order."""
+    blocks = np.zeros((max_query_blocks(num_tokens, max_rows), 4), np.int32)
+    b = t = 0
+    for row, start, n in chunks:
+        for off in range(0, n, QUERY_BLOCK):
+            blocks[b] = (t + off, min(QUERY_BLOCK, n - off), row, start + off)
+            b += 1
+        t += n
+    return blocks
 
 
 class AttentionMetadata(eqx.Module):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..attention import INVALID_SLOT, QUERY_BLOCK, AttentionMetadata, max_query_blocks
+from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
 from .sampler import SamplingBatch
 from .scheduler import ScheduledChunk
 from .sampling_params import MAX_LOGIT_BIAS
@@ -69,8 +69,6 @@ class BatchBuilder:
         bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
         banned = np.full((S, MAX_BANNED), V, np.int32)
         prompt_lens = np.zeros(S, np.int32)
-        query_blocks = np.zeros((max_query_blocks(T, S), 4), np.int32)
-        b = 0
         history = None
         want_prompt = any_filter = want_logprobs = processing = False
         t = 0
@@ -86,9 +84,6 @@ class BatchBuilder:
             block_tables[r, :len(pages)] = pages
             seq_lens[r] = start + n
             sample_index[r] = t + n - 1
-            for off in range(0, n, QUERY_BLOCK):
-                query_blocks[b] = (t + off, min(QUERY_BLOCK, n - off), r, start + off)
-                b += 1
             if p.prompt_logprobs is not None and not seq.prompt_logprobs_done:
                 want_prompt = True
                 nxt = np.minimum(pos + 1, seq.num_tokens - 1)
@@ -116,8 +111,9 @@ class BatchBuilder:
                 prompt_lens[r] = len(seq.prompt_ids)
                 f["presence"][r], f["frequency"][r] = p.presence_penalty, p.frequency_penalty
                 repetition[r] = p.repetition_penalty
+        blocks = query_blocks([(r, c.start, c.num_tokens) for r, c in enumerate(chunks)], T, S)
         meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
-                                 block_tables=block_tables, seq_lens=seq_lens, query_blocks=query_blocks)
+                                 block_tables=block_tables, seq_lens=seq_lens, query_blocks=blocks)
         sampling = SamplingBatch(
             temperature=f["temperature"], top_k=top_k, top_p=f["top_p"], min_p=f["min_p"],
             presence_penalty=f["presence"], frequency_penalty=f["frequency"], repetition_penalty=repetition,
