@@ -26,6 +26,8 @@ class ModelAxes:
     Mlp: hax.Axis
     KVHeads: hax.Axis
     QPerKV: hax.Axis
+    QKV: hax.Axis  # per kv head: its QPerKV query heads, then its key head, then its value head
+    GateUp: hax.Axis  # the gate then the up projection of the MLP
     HeadSize: hax.Axis
 
     @staticmethod
@@ -36,6 +38,8 @@ class ModelAxes:
             Mlp=hax.Axis("mlp", cfg.intermediate_size),
             KVHeads=hax.Axis("kv_heads", cfg.num_kv_heads),
             QPerKV=hax.Axis("q_per_kv", cfg.queries_per_kv),
+            QKV=hax.Axis("qkv", cfg.queries_per_kv + 2),
+            GateUp=hax.Axis("gate_up", 2),
             HeadSize=hax.Axis("head_size", cfg.head_dim),
         )
 
@@ -50,13 +54,10 @@ def rms_norm(x: NamedArray, weight: NamedArray, axis: hax.Axis, eps: float, one_
 
 
 class Attention(eqx.Module):
-    q_proj: NamedArray  # [KVHeads, QPerKV, HeadSize, Embed]
-    k_proj: NamedArray  # [KVHeads, HeadSize, Embed]
-    v_proj: NamedArray  # [KVHeads, HeadSize, Embed]
+    # q, k and v projections fused into one weight: one matmul reads them all (fewer, fuller kernels when decoding)
+    qkv_proj: NamedArray  # [KVHeads, QKV, HeadSize, Embed]
     o_proj: NamedArray  # [Embed, KVHeads, QPerKV, HeadSize]
-    q_bias: NamedArray | None
-    k_bias: NamedArray | None
-    v_bias: NamedArray | None
+    qkv_bias: NamedArray | None  # [KVHeads, QKV, HeadSize]
     q_norm: NamedArray | None  # [HeadSize]
     k_norm: NamedArray | None
 
@@ -64,11 +65,12 @@ class Attention(eqx.Module):
                  k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
                  ax: ModelAxes, page_size: int):
         """k_cache, v_cache: this layer's [KVHeads, pages, page_size, HeadSize]; returns (y, k_cache, v_cache)."""
-        q = hax.dot(x, self.q_proj, axis=ax.Embed)
-        k = hax.dot(x, self.k_proj, axis=ax.Embed)
-        v = hax.dot(x, self.v_proj, axis=ax.Embed)
-        if self.q_bias is not None:
-            q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
+        qkv = hax.dot(x, self.qkv_proj, axis=ax.Embed)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        G = ax.QPerKV.size
+        q = qkv[ax.QKV.name, hax.dslice(0, G)].rename({ax.QKV.name: ax.QPerKV.name})
+        k, v = qkv[ax.QKV.name, G], qkv[ax.QKV.name, G + 1]
         gemma = cfg.family == "gemma3"
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, ax.HeadSize, cfg.rms_norm_eps, one_plus=gemma)
@@ -86,13 +88,12 @@ class Attention(eqx.Module):
 
 
 class GatedMLP(eqx.Module):
-    gate_proj: NamedArray  # [Mlp, Embed]
-    up_proj: NamedArray  # [Mlp, Embed]
+    gate_up_proj: NamedArray  # [GateUp, Mlp, Embed]: both projections in one matmul
     down_proj: NamedArray  # [Embed, Mlp]
 
     def __call__(self, x: NamedArray, cfg: ModelConfig, ax: ModelAxes) -> NamedArray:
-        gate = hax.dot(x, self.gate_proj, axis=ax.Embed)
-        up = hax.dot(x, self.up_proj, axis=ax.Embed)
+        gate_up = hax.dot(x, self.gate_up_proj, axis=ax.Embed)
+        gate, up = gate_up[ax.GateUp.name, 0], gate_up[ax.GateUp.name, 1]
         if cfg.activation == "gelu_pytorch_tanh":
             act = hax.nn.gelu(gate, approximate=True)
         else:

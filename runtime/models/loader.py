@@ -101,25 +101,24 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype) -> DecoderModel:
             t = source(f"model.layers.{i}.{suffix}", shape).astype(dtype)
             return hax.named(t.reshape(reshape) if reshape else t, axes)
 
+        def qkv(kind: str, shape_of, axes):
+            """q, k and v tensors of one kind (weight or bias) stacked per kv head along ax.QKV."""
+            parts = [source(f"model.layers.{i}.self_attn.{p}_proj.{kind}", shape_of(n)).astype(dtype)
+                     .reshape(KVH, n // KVH // D, D, *shape_of(n)[1:]) for p, n in
+                     (("q", KVH * G * D), ("k", KVH * D), ("v", KVH * D))]
+            return hax.named(jnp.concatenate(parts, axis=1), axes)
+
         attn = Attention(
-            q_proj=w("self_attn.q_proj.weight", (KVH * G * D, E), (ax.KVHeads, ax.QPerKV, ax.HeadSize, ax.Embed),
-                     (KVH, G, D, E)),
-            k_proj=w("self_attn.k_proj.weight", (KVH * D, E), (ax.KVHeads, ax.HeadSize, ax.Embed), (KVH, D, E)),
-            v_proj=w("self_attn.v_proj.weight", (KVH * D, E), (ax.KVHeads, ax.HeadSize, ax.Embed), (KVH, D, E)),
+            qkv_proj=qkv("weight", lambda n: (n, E), (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed)),
             o_proj=w("self_attn.o_proj.weight", (E, KVH * G * D), (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize),
                      (E, KVH, G, D)),
-            q_bias=w("self_attn.q_proj.bias", (KVH * G * D,), (ax.KVHeads, ax.QPerKV, ax.HeadSize), (KVH, G, D))
-            if cfg.attention_bias else None,
-            k_bias=w("self_attn.k_proj.bias", (KVH * D,), (ax.KVHeads, ax.HeadSize), (KVH, D))
-            if cfg.attention_bias else None,
-            v_bias=w("self_attn.v_proj.bias", (KVH * D,), (ax.KVHeads, ax.HeadSize), (KVH, D))
-            if cfg.attention_bias else None,
+            qkv_bias=qkv("bias", lambda n: (n,), (ax.KVHeads, ax.QKV, ax.HeadSize)) if cfg.attention_bias else None,
             q_norm=w("self_attn.q_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
             k_norm=w("self_attn.k_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
         )
+        gate_up = [source(f"model.layers.{i}.mlp.{p}_proj.weight", (I, E)).astype(dtype) for p in ("gate", "up")]
         mlp = GatedMLP(
-            gate_proj=w("mlp.gate_proj.weight", (I, E), (ax.Mlp, ax.Embed)),
-            up_proj=w("mlp.up_proj.weight", (I, E), (ax.Mlp, ax.Embed)),
+            gate_up_proj=hax.named(jnp.stack(gate_up), (ax.GateUp, ax.Mlp, ax.Embed)),
             down_proj=w("mlp.down_proj.weight", (E, I), (ax.Embed, ax.Mlp)),
         )
         names = GEMMA3_BLOCK_WEIGHTS if gemma else LLAMA_BLOCK_WEIGHTS
