@@ -37,7 +37,8 @@ def run(engine: LLMEngine, prompts, params) -> dict:
     end = time.perf_counter()
     prefill_s = (first_decode or end) - start
     return {"seconds": end - start, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / (end - start),
-            "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "steps": steps, "peak_kv_pages": peak_pages}
+            "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "prefill_phase_s": prefill_s,
+            "decode_phase_s": end - start - prefill_s, "steps": steps, "peak_kv_pages": peak_pages}
 
 
 def main(argv=None) -> dict:
