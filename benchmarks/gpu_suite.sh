@@ -13,7 +13,7 @@ parts=${*:-parity prefill throughput throughput8b peer}
 for part in $parts; do
   echo "=== $part"
   case $part in
-    parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | tail -4 ;;
+    parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
     prefill) python3 benchmarks/prefill.py --shape llama-3.2-1b --tokens 2048 ;;
     throughput) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --single-stream-tokens 256 \
