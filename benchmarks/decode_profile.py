@@ -57,7 +57,8 @@ def main() -> None:
         while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
             engine.step()  # prefill everything: from here on every sequence decodes
         chunks = engine.scheduler.schedule()
-        x = engine.builder.build(chunks, bucket=rows)
+        packed = engine.builder.build(chunks, bucket=rows)
+        x = packed.unpack()
         step = jax.jit(lambda m, kv, x: m(x.tokens, x.meta, kv)[0].array)
         decode_meta = x.meta.__class__(**{**x.meta.__dict__, "decode": True})
         xd = x.__class__(**{**x.__dict__, "meta": decode_meta})
@@ -84,7 +85,7 @@ def main() -> None:
         holder = [engine.kv]
 
         def multi(_):
-            holder[0], out = decode_steps_fn(model, holder[0], x, active, num_steps=8)  # the cache is donated
+            holder[0], out = decode_steps_fn(model, holder[0], packed, active, num_steps=8)  # the cache is donated
             return out.tokens
 
         results["multi_step_ms_per_step"] = timed(multi, None, repeats=5) / 8

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
+from .packing import Packed, pack
 from .sampler import SamplingBatch
 from .scheduler import ScheduledChunk
 from .sampling_params import MAX_LOGIT_BIAS
@@ -47,7 +48,7 @@ class BatchBuilder:
     def bucket_for(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
-    def build(self, chunks: list[ScheduledChunk], bucket: int | None = None) -> StepInputs:
+    def build(self, chunks: list[ScheduledChunk], bucket: int | None = None) -> Packed:
         """bucket forces the padded token count (warm-up compiles each one with an empty batch)."""
         S, V, page = self.S, self.V, self.page_size
         T = bucket or self.bucket_for(sum(c.num_tokens for c in chunks) or 1)
@@ -124,4 +125,4 @@ class BatchBuilder:
             plain_greedy=np.bool_(not (processing or any_filter or history is not None)))
         inputs = StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, sampling=sampling,
                             prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))
-        return jax.device_put(inputs)  # one transfer; and device arrays throughout, so jit sees one signature
+        return pack(inputs)  # a few transfers, and device arrays throughout, so jit sees one signature per bucket

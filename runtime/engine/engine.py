@@ -166,7 +166,7 @@ class LLMEngine:
         if self.config.decode_steps > 1:
             inputs = self.builder.build([], bucket=self.builder.S)
             with self._precision():
-                self.kv, out = decode_steps_fn(self.model, self.kv, inputs, jnp.zeros(self.builder.S, jnp.int32),
+                self.kv, out = decode_steps_fn(self.model, self.kv, inputs, np.zeros(self.builder.S, np.int32),
                                                num_steps=self.config.decode_steps)
             jax.block_until_ready(out)
         self.compile_seconds = time.monotonic() - start
@@ -225,7 +225,7 @@ class LLMEngine:
         rows = np.zeros(self.builder.S, np.int32)
         rows[:len(active)] = active
         with self._precision():
-            self.kv, out = decode_steps_fn(self.model, self.kv, inputs, jnp.asarray(rows),
+            self.kv, out = decode_steps_fn(self.model, self.kv, inputs, rows,
                                            num_steps=self.config.decode_steps)
         out = jax.device_get(out)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap

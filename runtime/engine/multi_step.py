@@ -12,13 +12,15 @@ import jax.numpy as jnp
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from .packing import Packed
 from .sampler import SampleResult, sample
 from .step import StepInputs
 
 
-def run_decode_steps(model: DecoderModel, kv: KVCache, x: StepInputs, active: jax.Array,
+def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: jax.Array,
                      num_steps: int) -> tuple[KVCache, SampleResult]:
-    """x holds one decode token per row (T == S); returns SampleResult with a leading [num_steps] axis."""
+    """packed holds one decode token per row (T == S); returns SampleResult with a leading [num_steps] axis."""
+    x: StepInputs = packed.unpack()
     meta, page = x.meta, kv.page_size
     rows = jnp.arange(x.tokens.shape[0])
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from .packing import Packed
 from .sampler import SampleResult, SamplingBatch, sample, top_logprobs
 from .sampling_params import MAX_LOGPROBS
 
@@ -37,7 +38,8 @@ class StepOutputs(eqx.Module):
     prompt: PromptLogprobs
 
 
-def run_step(model: DecoderModel, kv: KVCache, x: StepInputs) -> tuple[KVCache, StepOutputs]:
+def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:
+    x: StepInputs = packed.unpack()
     hidden, kv = model(x.tokens, x.meta, kv)
     last = hidden["token", x.sample_index]  # [S, Embed] (the axis keeps its name)
     logits = model.logits(last).array
