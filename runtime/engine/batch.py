@@ -119,7 +119,8 @@ class BatchBuilder:
             temperature=f["temperature"], top_k=top_k, top_p=f["top_p"], min_p=f["min_p"],
             presence_penalty=f["presence"], frequency_penalty=f["frequency"], repetition_penalty=repetition,
             key_data=key_data, position=sample_pos, bias_ids=bias_ids, bias_values=bias_values, banned_ids=banned,
-            history=self._no_history if history is None else history, prompt_lens=prompt_lens,
+            # history is a device array either way, so the packed layout (and the compiled step) is the same
+            history=self._no_history if history is None else jax.device_put(history), prompt_lens=prompt_lens,
             any_penalty=np.bool_(history is not None), any_filter=np.bool_(any_filter),
             want_logprobs=np.bool_(want_logprobs),
             plain_greedy=np.bool_(not (processing or any_filter or history is not None)))
