@@ -12,11 +12,13 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     if jax.default_backend() == "gpu":
         from .gpu_ragged import ragged_attention, supported
 
-        if meta.decode and window is None and not softcap:
-            from .gpu_decode import decode_attention
+        from .gpu_decode import decode_attention
+        from .gpu_decode import supported as decode_supported
 
+        if meta.decode and window is None and not softcap and decode_supported(
+                q.shape[0], q.shape[1], meta.block_tables.shape[1], k_cache.shape[2]):
             return decode_attention(q, k_cache, v_cache, meta, scale=scale)
-        if (meta.decode or meta.query_blocks is not None) and supported(q.shape[-1], k_cache.shape[2]):
+        if (meta.decode or meta.query_blocks is not None) and supported(q.shape[-1], k_cache.shape[2], q.dtype.itemsize):
             return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None)
     return paged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 

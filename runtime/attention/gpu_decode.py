@@ -15,14 +15,24 @@ PAGES_PER_BLOCK = 8  # pages loaded per inner iteration of the kernel (128 keys 
 ENOUGH_PROGRAMS = 1024  # with this many (sequence, kv head) pairs the GPU is full without splitting contexts
 
 
+def _layout(S: int, KVH: int, pages_per_seq: int) -> tuple[int, int]:
+    """(k_splits, pages_per_block): split long contexts across blocks (flash-decoding) only when the batch alone
+    cannot fill the GPU; Triton tiles have power-of-two sides, so a short context's block is rounded up."""
+    k_splits = 1 if S * KVH >= ENOUGH_PROGRAMS else max(1, min(8, pages_per_seq // PAGES_PER_BLOCK))
+    return k_splits, min(PAGES_PER_BLOCK, 1 << (-(-pages_per_seq // k_splits) - 1).bit_length())
+
+
+def supported(S: int, KVH: int, pages_per_seq: int, page_size: int) -> bool:
+    block_k = page_size * _layout(S, KVH, pages_per_seq)[1]
+    return block_k >= 16 and block_k & (block_k - 1) == 0
+
+
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *,
                      scale: float, interpret: bool = False) -> jax.Array:
     """q[S, KVH, G, D] (row r is sequence r's only token); caches [KVH, pages, page_size, D] of one layer."""
     S, KVH, G, D = q.shape
     tables = meta.block_tables
-    # split long contexts across blocks (flash-decoding) only when the batch alone cannot fill the GPU
-    k_splits = 1 if S * KVH >= ENOUGH_PROGRAMS else max(1, min(8, tables.shape[1] // PAGES_PER_BLOCK))
-    pages_per_block = min(PAGES_PER_BLOCK, -(-tables.shape[1] // k_splits))
+    k_splits, pages_per_block = _layout(S, KVH, tables.shape[1])
     pad = -tables.shape[1] % (k_splits * pages_per_block)
     if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))

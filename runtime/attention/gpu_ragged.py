@@ -17,13 +17,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from .metadata import QUERY_BLOCK, AttentionMetadata
 
-PAGES_PER_BLOCK = 8  # pages per inner iteration: 128 keys with 16-token pages
+MAX_BLOCK_K = 128  # keys per inner iteration
+TILE_BYTES = 32 * 1024  # per K or V tile: with double buffering, four of them stay within Hopper's shared memory
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a row that sees nothing yet cannot make NaN
 
 
-def supported(head_dim: int, page_size: int) -> bool:
+def pages_per_block(head_dim: int, page_size: int, itemsize: int) -> int:
+    """Pages per inner iteration: as many keys as fit a TILE_BYTES tile, up to MAX_BLOCK_K."""
+    keys = min(MAX_BLOCK_K, TILE_BYTES // (head_dim * itemsize))
+    return max(1, keys // page_size)
+
+
+def supported(head_dim: int, page_size: int, itemsize: int = 2) -> bool:
     """Triton tiles need power-of-two sides of at least 16."""
-    return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, page_size * PAGES_PER_BLOCK))
+    block_k = page_size * pages_per_block(head_dim, page_size, itemsize)
+    return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, block_k))
 
 
 def _kernel(blocks_ref, tables_ref, q_ref, k_ref, v_ref, _, o_ref, *, scale: float, window: int | None,
@@ -87,14 +95,15 @@ def ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta:
     blocks = meta.query_blocks if meta.query_blocks is not None else decode_query_blocks(meta)
     query_block = QUERY_BLOCK if meta.query_blocks is not None else 16
     tables = meta.block_tables
-    pad = -tables.shape[1] % PAGES_PER_BLOCK
+    ppb = pages_per_block(D, page_size, q.dtype.itemsize)
+    pad = -tables.shape[1] % ppb
     if pad:  # the last iteration reads a whole block of table entries; the extra keys are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     # query_block rows of slack after the last token: a block's load and store never leave the array
     q_flat = jnp.pad(q.reshape(T, KVH * G, D), ((0, query_block), (0, 0), (0, 0)))
     out = jnp.zeros_like(q_flat)  # tokens no block covers (padding) read as zeros
     kernel = functools.partial(_kernel, scale=scale, window=window, softcap=softcap, page_size=page_size,
-                               pages_per_block=PAGES_PER_BLOCK, query_block=query_block)
+                               pages_per_block=ppb, query_block=query_block)
     whole = lambda *shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
