@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--trace", help="also write a Perfetto trace of one multi-step dispatch per row count here")
     a = ap.parse_args()
     cfg = shape_config(a.shape)
     model = random_model(cfg, "bfloat16")
@@ -89,6 +90,9 @@ def main() -> None:
             return out.tokens
 
         results["multi_step_ms_per_step"] = timed(multi, None, repeats=5) / 8
+        if a.trace:  # kernel by kernel: summarise with benchmarks/trace_summary.py
+            with jax.profiler.trace(f"{a.trace}/rows{rows}", create_perfetto_trace=True):
+                jax.block_until_ready(multi(None))
         print(f"rows={rows} context={a.context} " + " ".join(f"{k}={v:.3f}" for k, v in results.items()), flush=True)
         del engine
 

@@ -1,0 +1,45 @@
+"""Summarises a Perfetto trace from `decode_profile.py --trace DIR`: GPU kernels by total time.
+
+python benchmarks/trace_summary.py DIR/rows1 [--top 30]"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace_dir")
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args()
+    path = next(Path(a.trace_dir).rglob("*.trace.json.gz"))
+    events = json.loads(gzip.decompress(path.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    pids = {e.get("pid"): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    total, count = collections.Counter(), collections.Counter()
+    span = [float("inf"), 0.0]
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        where = f"{pids.get(e.get('pid'), '')} {names.get((e.get('pid'), e.get('tid')), '')}"
+        if "GPU" not in where.upper() and "STREAM" not in where.upper():
+            continue
+        total[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+        span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e["dur"])]
+    if not total:
+        print("no GPU events; processes:", sorted(set(pids.values()))[:20])
+        return
+    busy = sum(total.values())
+    print(f"{path}: {sum(count.values())} GPU events, busy {busy / 1000:.3f} ms, span {(span[1] - span[0]) / 1000:.3f} ms")
+    for name, us in total.most_common(a.top):
+        print(f"{us / 1000:9.3f} ms {count[name]:6d}x  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
