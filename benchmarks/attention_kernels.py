@@ -32,7 +32,7 @@ def batch(chunks, *, KVH, G, D, page, max_len, dtype, decode=False, seed=0):
         positions=jnp.asarray(positions), slot_mapping=jnp.full(T, INVALID_SLOT, jnp.int32),
         token_seq=jnp.asarray(token_seq), block_tables=jnp.asarray(tables),
         seq_lens=jnp.asarray([s + n for s, n in chunks], jnp.int32), decode=decode,
-        query_blocks=None if decode else jnp.asarray(query_blocks([(r, s, n) for r, (s, n) in enumerate(chunks)], T, S)))
+        query_blocks=None if decode else jnp.asarray(query_blocks([(r, s, n) for r, (s, n) in enumerate(chunks)], T, S, G)))
     q = jnp.asarray(rng.normal(size=(T, KVH, G, D)), dtype)
     return q, k, v, meta
 

@@ -43,7 +43,7 @@ def main() -> None:
     kv = KVCache.allocate(cfg.num_layers, pages, page, cfg.num_kv_heads, cfg.head_dim, model.embedding.dtype)
     meta = AttentionMetadata(positions=jnp.arange(T, dtype=jnp.int32), slot_mapping=jnp.arange(T, dtype=jnp.int32),
                              token_seq=jnp.zeros(T, jnp.int32), block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
-                             seq_lens=jnp.asarray([T], jnp.int32), query_blocks=jnp.asarray(query_blocks([(0, 0, T)], T, 1)))
+                             seq_lens=jnp.asarray([T], jnp.int32), query_blocks=jnp.asarray(query_blocks([(0, 0, T)], T, 1, cfg.queries_per_kv)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, T), jnp.int32)
     t0 = time.perf_counter()
     logits, kv = prefill(model, tokens, meta, kv)

@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--smallest-bucket", type=int, default=16)
-    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps)
     ap.add_argument("--single-stream-tokens", type=int, default=0, help="also time one stream's decode")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)

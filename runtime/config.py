@@ -19,7 +19,7 @@ class EngineConfig:
     num_pages: int | None = None  # None: from kv_memory_fraction of free device memory (or 512 MiB on CPU)
     kv_memory_fraction: float = 0.6
     enable_prefix_caching: bool = True
-    decode_steps: int = 8  # decode steps per dispatch when every sequence is decoding (1: one step per dispatch)
+    decode_steps: int = 16  # decode steps per dispatch when every sequence is decoding (1: one step per dispatch)
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
     warmup: bool = True  # compile every step shape before serving
     tokenizer: str | None = None  # defaults to the model folder

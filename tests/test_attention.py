@@ -95,7 +95,7 @@ def random_ragged_batch(seed, chunks, KVH=2, G=4, D=64, page=16, pages_per_seq=1
         token_seq[t:t + n] = r
         seq_lens[r] = start + n
         t += n
-    blocks = query_blocks([(r, start, n) for r, (start, n) in enumerate(chunks)], T, S)
+    blocks = query_blocks([(r, start, n) for r, (start, n) in enumerate(chunks)], T, S, G)
     meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.full(T, INVALID_SLOT, jnp.int32),
                              token_seq=jnp.asarray(token_seq), block_tables=jnp.asarray(tables),
                              seq_lens=jnp.asarray(seq_lens), query_blocks=jnp.asarray(blocks))
@@ -106,7 +106,7 @@ def random_ragged_batch(seed, chunks, KVH=2, G=4, D=64, page=16, pages_per_seq=1
 RAGGED = [(0, 70), (37, 1), (100, 29), (5, 1), (0, 3), (150, 40)]  # fresh prompts, decode rows, chunks after context
 
 
-@pytest.mark.parametrize("kw", [{}, {"window": 20}, {"softcap": 5.0}, {"G": 1, "D": 128}, {"G": 8, "KVH": 1}])
+@pytest.mark.parametrize("kw", [{}, {"window": 20}, {"softcap": 5.0}, {"G": 1, "D": 128}, {"G": 8, "KVH": 1}, {"G": 3}])
 def test_pallas_ragged_kernel_matches_the_reference(kw):
     from capstan.runtime.attention.gpu_ragged import ragged_attention
 

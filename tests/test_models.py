@@ -37,7 +37,7 @@ def _run(model, kv, tokens, start, pages, bucket):
     meta = AttentionMetadata(positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots),
                              token_seq=jnp.zeros(bucket, jnp.int32), block_tables=jnp.asarray([pages], jnp.int32),
                              seq_lens=jnp.asarray([start + n], jnp.int32),
-                             query_blocks=jnp.asarray(query_blocks([(0, start, n)], bucket, 1)))
+                             query_blocks=jnp.asarray(query_blocks([(0, start, n)], bucket, 1, model.cfg.queries_per_kv)))
     logits, kv = _forward(model, jnp.asarray(toks), meta, kv)
     return np.asarray(logits)[:n], kv
 

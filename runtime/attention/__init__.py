@@ -1,7 +1,7 @@
 """Paged attention: the plain-XLA reference defines correctness; faster kernels are chosen by backend."""
 import jax
 
-from .metadata import INVALID_SLOT, QUERY_BLOCK, AttentionMetadata, max_query_blocks, query_blocks
+from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
 
 
@@ -23,4 +23,4 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     return paged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
-__all__ = ["INVALID_SLOT", "QUERY_BLOCK", "AttentionMetadata", "max_query_blocks", "query_blocks", "attend", "paged_attention", "write_kv"]
+__all__ = ["INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "paged_attention", "write_kv"]

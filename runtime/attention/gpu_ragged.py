@@ -1,10 +1,11 @@
 """Ragged paged attention on NVIDIA GPUs: one Pallas (Triton) kernel for steps that mix prefill chunks and decode
 tokens, reading every sequence's cached context in place.
 
-The step's tokens are cut into query blocks (up to QUERY_BLOCK consecutive tokens of one sequence, built on the
-host by the batch builder). A program takes one block and one query head, streams that sequence's pages from the
-cache with an online softmax, and stops at the block's last causal key; a sliding window also skips the pages
-before it. Nothing is gathered: the reference reads max_model_len keys for every token, this reads each
+The step's tokens are cut into query blocks (consecutive tokens of one sequence, built on the host by the batch
+builder). A program takes one block and one kv head with all its query heads (QUERY_ROWS rows of (token, head)),
+streams that sequence's pages from the cache once with an online softmax, and stops at the block's last causal
+key; a sliding window also skips the pages before it. A decode token is a block of one token: its program reads
+the context once for all its query heads, as a decode kernel does. Nothing is gathered: the reference reads max_model_len keys for every token, this reads each
 sequence's context once per block. float32 runs its dots in IEEE float32 (no TF32), so golden parity holds."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .metadata import QUERY_BLOCK, AttentionMetadata
+from .metadata import AttentionMetadata, padded_group, query_block_tokens
 
 MAX_BLOCK_K = 128  # keys per inner iteration
 TILE_BYTES = 32 * 1024  # per K or V tile: with double buffering, four of them stay within Hopper's shared memory
@@ -39,12 +40,14 @@ def _kernel(blocks_ref, tables_ref, q_ref, k_ref, v_ref, _, o_ref, *, scale: flo
     b = pl.program_id(0)
     start, num, row, first_pos = blocks_ref[b, 0], blocks_ref[b, 1], blocks_ref[b, 2], blocks_ref[b, 3]
     block_k = page_size * pages_per_block
+    G, D = q_ref.shape[-2:]
+    rows = query_block * G  # row i is token i // G, query head i % G
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
     @pl.when(num > 0)
     def _():
-        q = q_ref[pl.ds(start, query_block), :]  # [QB, D]
-        q_pos = first_pos + jnp.arange(query_block)
+        q = q_ref[pl.ds(start, query_block), :, :].reshape(rows, D)
+        q_pos = first_pos + jnp.arange(rows) // G
         end = first_pos + num  # keys 0 .. end-1 exist for this block's last token
         lo = 0 if window is None else jnp.maximum(first_pos - window + 1, 0) // block_k
         hi = pl.cdiv(end, block_k)
@@ -52,9 +55,9 @@ def _kernel(blocks_ref, tables_ref, q_ref, k_ref, v_ref, _, o_ref, *, scale: flo
         def body(i, carry):
             o, m, l = carry
             pages = tables_ref[row, pl.ds(i * pages_per_block, pages_per_block)]
-            k = k_ref[pages].reshape(block_k, -1)
-            v = v_ref[pages].reshape(block_k, -1)
-            s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [QB, BK] f32
+            k = k_ref[pages].reshape(block_k, D)
+            v = v_ref[pages].reshape(block_k, D)
+            s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, BK] f32
             if softcap:
                 s = jnp.tanh(s / softcap) * softcap
             k_pos = i * block_k + jnp.arange(block_k)
@@ -69,13 +72,12 @@ def _kernel(blocks_ref, tables_ref, q_ref, k_ref, v_ref, _, o_ref, *, scale: flo
             o = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
             return o, m_new, l
 
-        D = q.shape[-1]
-        init = (jnp.zeros((query_block, D), jnp.float32), jnp.full((query_block,), MASKED, jnp.float32),
-                jnp.zeros((query_block,), jnp.float32))
+        init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), MASKED, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
         o, _, l = jax.lax.fori_loop(lo, hi, body, init)
-        out = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
-        rows = jnp.arange(query_block) < num
-        plgpu.store(o_ref.at[pl.ds(start, query_block), :], out, mask=rows[:, None])
+        out = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype).reshape(query_block, G, D)
+        tokens = jnp.arange(query_block) < num
+        plgpu.store(o_ref.at[pl.ds(start, query_block), :, :], out, mask=tokens[:, None, None])
 
 
 def decode_query_blocks(meta: AttentionMetadata) -> jax.Array:
@@ -93,34 +95,37 @@ def ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta:
     T, KVH, G, D = q.shape
     page_size = k_cache.shape[2]
     blocks = meta.query_blocks if meta.query_blocks is not None else decode_query_blocks(meta)
-    query_block = QUERY_BLOCK if meta.query_blocks is not None else 16
+    query_block = query_block_tokens(G)
     tables = meta.block_tables
     ppb = pages_per_block(D, page_size, q.dtype.itemsize)
     pad = -tables.shape[1] % ppb
     if pad:  # the last iteration reads a whole block of table entries; the extra keys are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
-    # query_block rows of slack after the last token: a block's load and store never leave the array
-    q_flat = jnp.pad(q.reshape(T, KVH * G, D), ((0, query_block), (0, 0), (0, 0)))
-    out = jnp.zeros_like(q_flat)  # tokens no block covers (padding) read as zeros
+    # query_block tokens of slack after the last one (a block's load and store never leave the array), and the
+    # group of query heads padded to a power of two
+    Gp = padded_group(G)
+    q_padded = jnp.pad(q, ((0, query_block), (0, 0), (0, Gp - G), (0, 0)))
+    out = jnp.zeros_like(q_padded)  # tokens no block covers (padding) read as zeros
     kernel = functools.partial(_kernel, scale=scale, window=window, softcap=softcap, page_size=page_size,
                                pages_per_block=ppb, query_block=query_block)
     whole = lambda *shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))  # noqa: E731
+    per_kv_head = pl.BlockSpec((T + query_block, None, Gp, D), lambda b, h: (0, h, 0, 0))
     out = pl.pallas_call(
         kernel,
-        grid=(blocks.shape[0], KVH * G),
+        grid=(blocks.shape[0], KVH),
         in_specs=[
             whole(*blocks.shape),
             whole(*tables.shape),
-            pl.BlockSpec((T + query_block, None, D), lambda b, h: (0, h, 0)),
-            pl.BlockSpec((None, k_cache.shape[1], page_size, D), lambda b, h: (h // G, 0, 0, 0)),
-            pl.BlockSpec((None, v_cache.shape[1], page_size, D), lambda b, h: (h // G, 0, 0, 0)),
-            pl.BlockSpec((T + query_block, None, D), lambda b, h: (0, h, 0)),
+            per_kv_head,
+            pl.BlockSpec((None, k_cache.shape[1], page_size, D), lambda b, h: (h, 0, 0, 0)),
+            pl.BlockSpec((None, v_cache.shape[1], page_size, D), lambda b, h: (h, 0, 0, 0)),
+            per_kv_head,
         ],
-        out_specs=pl.BlockSpec((T + query_block, None, D), lambda b, h: (0, h, 0)),
-        out_shape=jax.ShapeDtypeStruct(q_flat.shape, q.dtype),
+        out_specs=per_kv_head,
+        out_shape=jax.ShapeDtypeStruct(q_padded.shape, q.dtype),
         input_output_aliases={5: 0},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(blocks, tables, q_flat, k_cache, v_cache, out)
-    return out[:T].reshape(T, KVH, G, D)
+    )(blocks, tables, q_padded, k_cache, v_cache, out)
+    return out[:T, :, :G]

@@ -8,21 +8,32 @@ import numpy as np
 
 # A slot index past any cache: scatters with mode="drop" ignore it, so padding tokens write nothing.
 INVALID_SLOT = jnp.iinfo(jnp.int32).max
-QUERY_BLOCK = 64  # tokens of one sequence per query block of the ragged GPU kernel
+QUERY_ROWS = 64  # (token, query head) rows per program of the ragged GPU kernel: one kv head's group of heads
 
 
-def max_query_blocks(num_tokens: int, max_rows: int) -> int:
+def padded_group(queries_per_kv: int) -> int:
+    """Query heads per kv head rounded up to a power of two (Triton tiles have power-of-two sides)."""
+    return 1 << (queries_per_kv - 1).bit_length()
+
+
+def query_block_tokens(queries_per_kv: int) -> int:
+    """Tokens of one sequence per query block: QUERY_ROWS rows with all of a kv head's query heads."""
+    return max(1, QUERY_ROWS // padded_group(queries_per_kv))
+
+
+def max_query_blocks(num_tokens: int, max_rows: int, queries_per_kv: int) -> int:
     """Blocks a step of num_tokens tokens in at most max_rows chunks can need: each chunk adds one partial block."""
-    return -(-num_tokens // QUERY_BLOCK) + min(max_rows, num_tokens)
+    return -(-num_tokens // query_block_tokens(queries_per_kv)) + min(max_rows, num_tokens)
 
 
-def query_blocks(chunks, num_tokens: int, max_rows: int) -> np.ndarray:
+def query_blocks(chunks, num_tokens: int, max_rows: int, queries_per_kv: int) -> np.ndarray:
     """The step's query blocks from its chunks, (row, first position, tokens) in token order."""
-    blocks = np.zeros((max_query_blocks(num_tokens, max_rows), 4), np.int32)
+    size = query_block_tokens(queries_per_kv)
+    blocks = np.zeros((max_query_blocks(num_tokens, max_rows, queries_per_kv), 4), np.int32)
     b = t = 0
     for row, start, n in chunks:
-        for off in range(0, n, QUERY_BLOCK):
-            blocks[b] = (t + off, min(QUERY_BLOCK, n - off), row, start + off)
+        for off in range(0, n, size):
+            blocks[b] = (t + off, min(size, n - off), row, start + off)
             b += 1
         t += n
     return blocks

@@ -35,8 +35,9 @@ def row_key_data(seed: int, index: int) -> tuple[int, int]:
 
 class BatchBuilder:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int, max_model_len: int,
-                 vocab_size: int, eos_token_ids: frozenset[int], smallest_bucket: int = 16):
+                 vocab_size: int, eos_token_ids: frozenset[int], smallest_bucket: int = 16, queries_per_kv: int = 1):
         self.S = max_num_seqs
+        self.queries_per_kv = queries_per_kv  # sizes the ragged kernel's query blocks
         self.buckets = token_buckets(max_num_batched_tokens, min(smallest_bucket, max_num_batched_tokens))
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
@@ -112,7 +113,7 @@ class BatchBuilder:
                 prompt_lens[r] = len(seq.prompt_ids)
                 f["presence"][r], f["frequency"][r] = p.presence_penalty, p.frequency_penalty
                 repetition[r] = p.repetition_penalty
-        blocks = query_blocks([(r, c.start, c.num_tokens) for r, c in enumerate(chunks)], T, S)
+        blocks = query_blocks([(r, c.start, c.num_tokens) for r, c in enumerate(chunks)], T, S, self.queries_per_kv)
         meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
                                  block_tables=block_tables, seq_lens=seq_lens, query_blocks=blocks)
         sampling = SamplingBatch(

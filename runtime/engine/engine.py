@@ -69,6 +69,7 @@ class LLMEngine:
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     page_size=config.page_size, max_model_len=self.max_model_len,
                                     vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
+                                    queries_per_kv=cfg.queries_per_kv,
                                     smallest_bucket=config.smallest_token_bucket)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompt_tokens = 0
