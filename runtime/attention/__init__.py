@@ -1,21 +1,23 @@
 """Paged attention: the plain-XLA reference defines correctness; faster kernels are chosen by backend."""
 import jax
+import jax.numpy as jnp
 
 from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window: int | None, softcap):
-    """Chooses the kernel at trace time. On GPUs: decode batches of layers without a window or soft-capping take
-    JAX's Pallas decode kernel, every other step our ragged Pallas kernel (prefill chunks with their cached
-    context, mixed with decode tokens). Elsewhere, and for head sizes Triton cannot tile, the reference."""
+    """Chooses the kernel at trace time. On GPUs: bf16 decode batches of layers without a window or soft-capping
+    take JAX's Pallas decode kernel (it splits long contexts across blocks), every other step our ragged Pallas
+    kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too, since JAX's
+    kernel multiplies in TF32). Elsewhere, and for head sizes Triton cannot tile, the reference."""
     if jax.default_backend() == "gpu":
         from .gpu_ragged import ragged_attention, supported
 
         from .gpu_decode import decode_attention
         from .gpu_decode import supported as decode_supported
 
-        if meta.decode and window is None and not softcap and decode_supported(
+        if meta.decode and window is None and not softcap and q.dtype != jnp.float32 and decode_supported(
                 q.shape[0], q.shape[1], meta.block_tables.shape[1], k_cache.shape[2]):
             return decode_attention(q, k_cache, v_cache, meta, scale=scale)
         if (meta.decode or meta.query_blocks is not None) and supported(q.shape[-1], k_cache.shape[2], q.dtype.itemsize):
