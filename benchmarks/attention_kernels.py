@@ -6,8 +6,6 @@ kernels' relative error against the reference. On CPU the kernels run interprete
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,7 @@ import numpy as np
 from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, paged_attention, query_blocks
 from capstan.runtime.attention.gpu_decode import decode_attention
 from capstan.runtime.attention.gpu_ragged import ragged_attention
+from timing import median_ms
 
 
 def batch(chunks, *, KVH, G, D, page, max_len, dtype, decode=False, seed=0):
@@ -37,14 +36,8 @@ def batch(chunks, *, KVH, G, D, page, max_len, dtype, decode=False, seed=0):
     return q, k, v, meta
 
 
-def timed(fn, *args, repeats=20 if jax.default_backend() == "gpu" else 1) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+def timed(fn, *args) -> float:
+    return median_ms(fn, *args, repeats=20 if jax.default_backend() == "gpu" else 1)  # interpreted on CPU: slow
 
 
 def rel_err(a, b) -> float:

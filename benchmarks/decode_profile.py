@@ -6,9 +6,7 @@ and one step of the multi-step decode."""
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -17,6 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
+from timing import median_ms as timed  # noqa: E402
 
 from capstan.runtime.config import EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
@@ -24,17 +23,6 @@ from capstan.runtime.engine.multi_step import decode_steps_fn  # noqa: E402
 from capstan.runtime.engine.sampler import sample  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
-
-
-def timed(fn, *args, repeats=20):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:
