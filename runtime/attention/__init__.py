@@ -12,10 +12,9 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too, since JAX's
     kernel multiplies in TF32). Elsewhere, and for head sizes Triton cannot tile, the reference."""
     if jax.default_backend() == "gpu":
-        from .gpu_ragged import ragged_attention, supported
-
         from .gpu_decode import decode_attention
         from .gpu_decode import supported as decode_supported
+        from .gpu_ragged import ragged_attention, supported
 
         if meta.decode and window is None and not softcap and q.dtype != jnp.float32 and decode_supported(
                 q.shape[0], q.shape[1], meta.block_tables.shape[1], k_cache.shape[2]):

@@ -5,8 +5,8 @@ The step's tokens are cut into query blocks (consecutive tokens of one sequence,
 builder). A program takes one block and one kv head with all its query heads (QUERY_ROWS rows of (token, head)),
 streams that sequence's pages from the cache once with an online softmax, and stops at the block's last causal
 key; a sliding window also skips the pages before it. A decode token is a block of one token: its program reads
-the context once for all its query heads, as a decode kernel does. Nothing is gathered: the reference reads max_model_len keys for every token, this reads each
-sequence's context once per block. float32 runs its dots in IEEE float32 (no TF32), so golden parity holds."""
+the context once for all its query heads, as a decode kernel does. Nothing is gathered (the reference reads
+max_model_len keys for every token). float32 runs its dots in IEEE float32 (no TF32), so golden parity holds."""
 from __future__ import annotations
 
 import functools
