@@ -10,6 +10,28 @@ from golden import CASES, GOLDEN, greedy_agreement_length, log_softmax, referenc
 
 @pytest.mark.parametrize("case", CASES)
 def test_golden_greedy_tokens_and_logprobs_in_a_mixed_batch(case):
+    check_golden_in_a_mixed_batch(case)
+
+
+@pytest.mark.parametrize("case", ["llama-s11", "gemma3-s14"])
+def test_golden_through_the_gpu_kernels_interpreted_on_cpu(case, monkeypatch):
+    """The GPU path's wiring, in CI: query blocks from the batch builder, the ragged kernel for prefill chunks,
+    mixed steps, Gemma-3's sliding windows and float32 decode (Pallas interpreted). llama-s11 is the sensitive
+    case (its attention scale x1.5 moves logprobs by 0.42); gemma3-s14's attention logits are near zero (x1.5 moves
+    them by 4e-5), so it shows the window path runs, while tests/test_attention.py checks windows' values."""
+    import jax
+
+    from capstan.runtime import attention
+
+    monkeypatch.setattr(attention, "KERNELS_INTERPRETED_ON_CPU", True)
+    jax.clear_caches()  # steps traced with the reference attention must be traced again
+    try:
+        check_golden_in_a_mixed_batch(case)
+    finally:
+        jax.clear_caches()
+
+
+def check_golden_in_a_mixed_batch(case):
     ref = reference(case)
     # pages of 4 tokens and a 48-token step budget: the 130-token prompt is prefilled in chunks across many pages
     llm = LLM(str(GOLDEN / case), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48, page_size=4,

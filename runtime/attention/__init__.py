@@ -6,21 +6,27 @@ from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
 
 
+# Tests set this to run the GPU kernels interpreted on CPU, so CI covers their wiring into the engine too.
+KERNELS_INTERPRETED_ON_CPU = False
+
+
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window: int | None, softcap):
     """Chooses the kernel at trace time. On GPUs: bf16 decode batches of layers without a window or soft-capping
     take JAX's Pallas decode kernel (it splits long contexts across blocks), every other step our ragged Pallas
     kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too, since JAX's
     kernel multiplies in TF32). Elsewhere, and for head sizes Triton cannot tile, the reference."""
-    if jax.default_backend() == "gpu":
+    interpret = jax.default_backend() != "gpu"
+    if not interpret or KERNELS_INTERPRETED_ON_CPU:
         from .gpu_decode import decode_attention
         from .gpu_decode import supported as decode_supported
         from .gpu_ragged import ragged_attention, supported
 
         if meta.decode and window is None and not softcap and q.dtype != jnp.float32 and decode_supported(
                 q.shape[0], q.shape[1], meta.block_tables.shape[1], k_cache.shape[2]):
-            return decode_attention(q, k_cache, v_cache, meta, scale=scale)
+            return decode_attention(q, k_cache, v_cache, meta, scale=scale, interpret=interpret)
         if (meta.decode or meta.query_blocks is not None) and supported(q.shape[-1], k_cache.shape[2], q.dtype.itemsize):
-            return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None)
+            return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None,
+                                    interpret=interpret)
     return paged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
