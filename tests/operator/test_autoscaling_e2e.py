@@ -4,7 +4,6 @@ servers (the operator's test-only --test-pod-addresses), load is sent to them, a
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from control_plane import free_port, wait_for
+from control_plane import free_port, stop_process_group, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 CLIENTS_PER_SERVER = 8  # with --max-num-seqs 2: 2 running + about 6 waiting on each server
@@ -43,13 +42,7 @@ class ServeProcess:
             return response.status == 200
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
+        stop_process_group(self.process, timeout=30)
 
 
 class Load:
