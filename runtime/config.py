@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from .limits import MAX_LOGPROBS
+
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
 
@@ -23,6 +25,7 @@ class EngineConfig:
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
     warmup: bool = True  # compile every step shape before serving
     tokenizer: str | None = None  # defaults to the model folder
+    max_logprobs: int = MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask (vLLM's --max-logprobs)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps"):
@@ -35,5 +38,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be at least 2, got {self.num_pages}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be between 0 and {MAX_LOGPROBS} (the step computes the top "
+                             f"{MAX_LOGPROBS}), got {self.max_logprobs}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")

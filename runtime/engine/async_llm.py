@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from ..config import EngineConfig
 from .engine import EngineStats, LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("capstan.engine")
 
@@ -26,6 +26,14 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can make progress."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request alone failed inside the engine (a bug it triggered); the engine goes on serving others."""
+
+
+class RequestCancelledError(RuntimeError):
+    """The server ended this request before it finished (its drain timeout passed)."""
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig):
         self.engine = LLMEngine(config)
@@ -35,6 +43,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ready = threading.Event()
+        self._dead = threading.Event()  # set before the failing loop tells its streams, so none is missed
         self._stop = threading.Event()
         self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="capstan-engine", daemon=True)
@@ -45,7 +54,7 @@ class AsyncLLM:
         return self._ready.is_set() and self.is_alive()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._dead.is_set()
 
     def stats(self) -> EngineStats:
         return self._stats  # refreshed by the engine thread after every step
@@ -54,6 +63,9 @@ class AsyncLLM:
         return self._ready.wait(timeout)
 
     # ---- requests -----------------------------------------------------------------------------------------
+    def validate(self, params: SamplingParams) -> None:
+        self.engine.validate(params)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Validates (raising InvalidRequestError or QueueFullError), then yields delta RequestOutputs."""
@@ -64,11 +76,12 @@ class AsyncLLM:
         if self._stats.waiting + self._commands.qsize() - free_slots >= self.config.max_waiting:
             raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
         if request_id in self._streams:
-            from .sampling_params import InvalidRequestError
-
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        if self._dead.is_set():  # the loop died after the check above: nobody would answer this stream
+            self._streams.pop(request_id, None)
+            raise EngineDeadError("the engine thread has stopped")
         self._commands.put(("add", seqs))
         finished = False
         try:
@@ -86,6 +99,15 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def cancel_all(self, error: BaseException) -> int:
+        """Ends every request in flight with `error`, so each client hears why; their pages are freed.
+        Call from the server's event loop. Returns how many were cancelled."""
+        cancelled = list(self._streams.items())
+        for request_id, (loop, stream) in cancelled:
+            loop.call_soon_threadsafe(stream.put_nowait, type(error)(*error.args))  # one instance each
+            self.abort(request_id)
+        return len(cancelled)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("wake", None))
@@ -102,11 +124,19 @@ class AsyncLLM:
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
+                self._deliver_failures()
                 self._stats = self.engine.stats()
         except BaseException as e:  # a device or engine fault: fail every request, stop (liveness turns false)
-            log.exception("engine loop failed")
+            self._dead.set()
+            log.exception("engine loop failed; /health answers 503 so that the pod is restarted")
             for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"engine failed: {type(e).__name__}"))
+                self._deliver(request_id, EngineDeadError(f"the engine failed ({type(e).__name__}); this server "
+                                                          "is restarting"))
+
+    def _deliver_failures(self) -> None:
+        for request_id, error in self.engine.take_failed():
+            self._deliver(request_id, RequestFailedError(
+                f"this request failed in the engine ({type(error).__name__}); the server goes on serving"))
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -115,13 +145,20 @@ class AsyncLLM:
             return
         while True:
             kind, arg = command
-            if kind == "add":
-                if arg[0].request_id in self._streams:  # its consumer may already have gone
-                    self.engine.enqueue(arg)
-            elif kind == "abort":
-                out = self.engine.abort(arg)
-                if out is not None:
-                    self._deliver(arg, out)
+            request_id = arg[0].request_id if kind == "add" else arg
+            try:
+                if kind == "add":
+                    if request_id in self._streams:  # its consumer may already have gone
+                        self.engine.enqueue(arg)
+                elif kind == "abort":
+                    out = self.engine.abort(request_id)
+                    if out is not None:
+                        self._deliver(request_id, out)
+            except Exception as e:  # noqa: BLE001 - this request's own fault: it fails, the loop goes on
+                if kind == "add" and self.engine.requests.get(request_id) is not arg:
+                    self.engine.failed.append((request_id, e))  # never queued: nothing to free
+                else:
+                    self.engine.fail(request_id, e)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -131,4 +168,7 @@ class AsyncLLM:
         target = self._streams.get(request_id)
         if target is not None:
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # its event loop has closed: nobody is listening any more
+                self._streams.pop(request_id, None)

@@ -72,6 +72,7 @@ class LLMEngine:
                                     queries_per_kv=cfg.queries_per_kv,
                                     smallest_bucket=config.smallest_token_bucket)
         self.requests: dict[str, list[Sequence]] = {}
+        self.failed: list[tuple[str, BaseException]] = []  # requests failed alone since the owner last took them
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.compile_seconds = 0.0
@@ -91,9 +92,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.enqueue(self.prepare(request_id, prompt, params))
 
+    def validate(self, params: SamplingParams) -> None:
+        """Every sampling field within its limit for this model and configuration (InvalidRequestError)."""
+        params.validate(vocab_size=self.model.cfg.vocab_size, max_n=self.config.max_num_seqs,
+                        max_logprobs=self.config.max_logprobs)
+
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         """Validates and tokenizes a request without touching engine state (safe from any thread)."""
-        params.validate(vocab_size=self.model.cfg.vocab_size, max_n=self.config.max_num_seqs)
+        self.validate(params)
         if isinstance(prompt, str):
             prompt_text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -144,6 +150,22 @@ class LLMEngine:
                 self._finish(seq, "abort")
         return self._collect(request_id)
 
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """One request's own failure: it ends, its pages are freed, its owner hears of it; the engine goes on."""
+        log.error("request %s failed and was dropped: %s: %s", request_id, type(error).__name__, error,
+                  exc_info=error)
+        for seq in self.requests.pop(request_id, []):
+            for child in seq.pending_forks:
+                self.scheduler.finish(child)
+            seq.pending_forks = []
+            if not seq.finished:
+                self.scheduler.finish(seq)
+        self.failed.append((request_id, error))
+
+    def take_failed(self) -> list[tuple[str, BaseException]]:
+        failed, self.failed = self.failed, []
+        return failed
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -174,31 +196,75 @@ class LLMEngine:
         log.info("compilation done in %.1f s", self.compile_seconds)
 
     def step(self) -> list[RequestOutput]:
+        """One step. A failure that belongs to one request fails that request alone (see `fail`); one that
+        belongs to none (the device, a compilation) propagates: the engine cannot go on."""
         chunks = self.scheduler.schedule()
+        for seq, error in self.scheduler.take_failed():
+            self.fail(seq.request_id, error)
+        chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
             return []
         active = self._multi_step_plan(chunks)
         if active is not None:
             return self._decode_steps(chunks, active)
-        inputs = self.builder.build(chunks)
+        chunks, inputs = self._build(chunks)
+        if not chunks:
+            return []
         with self._precision():
             self.kv, out = step_fn(self.model, self.kv, inputs)
         out = jax.device_get(out)
-        touched = []
         t = 0
         for r, c in enumerate(chunks):
             seq = c.seq
-            seq.num_computed = c.start + c.num_tokens
-            self.scheduler.register_full_pages(seq)
-            if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
-                self._add_prompt_logprobs(seq, c, out, t)
+            if seq.request_id in self.requests:
+                try:
+                    self._apply_chunk(c, r, t, out)
+                except Exception as e:  # noqa: BLE001 - this request's own fault
+                    self.fail(seq.request_id, e)
             t += c.num_tokens
-            if c.samples and not seq.finished:
-                if seq.pending_forks:
-                    self._fork(seq)
-                self._append_token(seq, int(out.sampled.tokens[r]), out.sampled, r)
-            touched.append(seq.request_id)
-        return [o for rid in dict.fromkeys(touched) if (o := self._collect(rid)) is not None]
+        return self._collect_all(c.seq.request_id for c in chunks)
+
+    def _apply_chunk(self, c: ScheduledChunk, r: int, t: int, out: StepOutputs) -> None:
+        seq = c.seq
+        seq.num_computed = c.start + c.num_tokens
+        self.scheduler.register_full_pages(seq)
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+            self._add_prompt_logprobs(seq, c, out, t)
+        if c.samples and not seq.finished:
+            if seq.pending_forks:
+                self._fork(seq)
+            self._append_token(seq, int(out.sampled.tokens[r]), out.sampled, r)
+
+    def _build(self, chunks: list[ScheduledChunk], bucket: int | None = None):
+        """The step's inputs; when building fails, each chunk is tried alone and the requests whose chunks fail
+        are failed, so one request's bad input never stops the engine."""
+        try:
+            return chunks, self.builder.build(chunks, bucket=bucket)
+        except Exception:  # noqa: BLE001 - find whose it is, below
+            log.exception("building a step failed; looking for the request at fault")
+        kept = []
+        for c in chunks:
+            try:
+                self.builder.build([c])
+                kept.append(c)
+            except Exception as e:  # noqa: BLE001
+                self.fail(c.seq.request_id, e)
+        if len(kept) == len(chunks):
+            raise RuntimeError("building a step failed, though every chunk builds alone")
+        kept = [c for c in kept if c.seq.request_id in self.requests]
+        return kept, (self.builder.build(kept, bucket=bucket) if kept else None)
+
+    def _collect_all(self, request_ids) -> list[RequestOutput]:
+        outputs = []
+        for rid in dict.fromkeys(request_ids):
+            if rid not in self.requests:
+                continue  # failed (and reported) during this step
+            try:
+                if (o := self._collect(rid)) is not None:
+                    outputs.append(o)
+            except Exception as e:  # noqa: BLE001
+                self.fail(rid, e)
+        return outputs
 
     def _precision(self):
         # float32 means float32: no TF32 shortcuts in matmuls on GPUs (golden parity is to 1e-4)
@@ -222,7 +288,11 @@ class LLMEngine:
         return active
 
     def _decode_steps(self, chunks: list[ScheduledChunk], active: list[int]) -> list[RequestOutput]:
-        inputs = self.builder.build(chunks, bucket=self.builder.S)
+        steps = {id(c.seq): n for c, n in zip(chunks, active)}
+        chunks, inputs = self._build(chunks, bucket=self.builder.S)
+        if not chunks:
+            return []
+        active = [steps[id(c.seq)] for c in chunks]
         rows = np.zeros(self.builder.S, np.int32)
         rows[:len(active)] = active
         with self._precision():
@@ -232,14 +302,19 @@ class LLMEngine:
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
         for r, c in enumerate(chunks):
             seq = c.seq
-            seq.num_computed = c.start + active[r]
-            for j in range(active[r]):
-                if seq.finished:
-                    break
-                self._append_token(seq, tokens[j][r], out, (j, r))
-            if not seq.finished:
-                self.scheduler.register_full_pages(seq)
-        return [o for rid in dict.fromkeys(c.seq.request_id for c in chunks) if (o := self._collect(rid)) is not None]
+            if seq.request_id not in self.requests:
+                continue
+            try:
+                seq.num_computed = c.start + active[r]
+                for j in range(active[r]):
+                    if seq.finished:
+                        break
+                    self._append_token(seq, tokens[j][r], out, (j, r))
+                if not seq.finished:
+                    self.scheduler.register_full_pages(seq)
+            except Exception as e:  # noqa: BLE001 - this request's own fault
+                self.fail(seq.request_id, e)
+        return self._collect_all(c.seq.request_id for c in chunks)
 
     def _fork(self, parent: Sequence) -> None:
         """Choices 1..n-1 start from the parent's computed prompt pages, shared by reference count."""

@@ -35,7 +35,7 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params):  # validate all before queueing any
-            p.validate(vocab_size=self.engine.model.cfg.vocab_size, max_n=self.engine.config.max_num_seqs)
+            self.engine.validate(p)
         for rid, prompt, p in zip(ids, prompts, params):
             self.engine.add_request(rid, prompt if isinstance(prompt, str) else list(prompt), copy.copy(p))
         results = {rid: None for rid in ids}

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
-MAX_LOGIT_BIAS = 300  # entries; OpenAI documents no cap, vLLM none: we cap to bound the device array
-MAX_STOP_STRINGS = 16
+from ..limits import (INT32_MAX, INT64_MIN, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
+                      MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS_IN_ENGINE, MAX_TEMPERATURE, PENALTY_RANGE,
+                      UINT64_MAX)
+
+__all__ = ["InvalidRequestError", "SamplingParams", "MAX_LOGIT_BIAS", "MAX_LOGPROBS"]
 
 
 class InvalidRequestError(ValueError):
@@ -46,49 +50,68 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-    def validate(self, *, vocab_size: int, max_n: int) -> None:
+    def validate(self, *, vocab_size: int, max_n: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Every field within its limit (runtime/limits.py), before anything is built from it."""
         def bad(param: str, message: str):
             raise InvalidRequestError(f"{param}: {message}", param)
 
-        if not 1 <= self.n <= max_n:
-            bad("n", f"must be between 1 and {max_n}, got {self.n}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            bad("min_tokens", f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
-            bad("temperature", f"must be between 0 and 2, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"must be between 0 and 1, got {self.min_p}")
+        def integer(param: str, low: int, high: int, what: str) -> None:
+            value = getattr(self, param)
+            if not _is_int(value) or not low <= value <= high:
+                bad(param, f"must be {what}, got {value!r}")
+
+        def number(param: str, low: float, high: float, what: str, low_open: bool = False) -> None:
+            value = getattr(self, param)
+            if not _is_number(value) or not low <= value <= high or low_open and value == low:
+                bad(param, f"must be {what}, got {value!r}")
+
+        integer("n", 1, max_n, f"between 1 and {max_n} (the server's max_num_seqs)")
+        if self.max_tokens is not None:
+            integer("max_tokens", 1, INT32_MAX, f"between 1 and {INT32_MAX}")
+        integer("min_tokens", 0, self.max_tokens if self.max_tokens is not None else INT32_MAX,
+                f"between 0 and max_tokens ({self.max_tokens})")
+        number("temperature", 0.0, MAX_TEMPERATURE, f"between 0 and {MAX_TEMPERATURE:g}")
+        number("top_p", 0.0, 1.0, "in (0, 1]", low_open=True)
+        integer("top_k", -1, INT32_MAX, f"-1 (off), 0 (off) or a positive integer up to {INT32_MAX}")
+        number("min_p", 0.0, 1.0, "between 0 and 1")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                bad(name, f"must be between -2 and 2, got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+            number(name, -PENALTY_RANGE, PENALTY_RANGE, f"between {-PENALTY_RANGE:g} and {PENALTY_RANGE:g}")
+        number("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, f"in (0, {MAX_REPETITION_PENALTY:g}]",
+               low_open=True)
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
             for token, bias in self.logit_bias.items():
-                if not 0 <= int(token) < vocab_size:
-                    bad("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
-                if not -100.0 <= bias <= 100.0:
-                    bad("logit_bias", f"bias for token {token} must be between -100 and 100, got {bias}")
-        if self.stop and not self.detokenize:
-            bad("stop", "stop strings need detokenize=true")
-        if self.stop and len(self.stop) > MAX_STOP_STRINGS:
-            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        if self.stop and any(not s for s in self.stop):
-            bad("stop", "stop strings must not be empty")
-        for token in self.stop_token_ids or []:
-            if not 0 <= token < vocab_size:
-                bad("stop_token_ids", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+                if not _is_int(token) or not 0 <= token < vocab_size:
+                    bad("logit_bias", f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
+                if not _is_number(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                    bad("logit_bias", f"bias for token {token} must be between {-LOGIT_BIAS_RANGE:g} and "
+                                      f"{LOGIT_BIAS_RANGE:g}, got {bias!r}")
+        if self.stop:
+            if not self.detokenize:
+                bad("stop", "stop strings need detokenize=true")
+            if len(self.stop) > MAX_STOP_STRINGS:
+                bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            for s in self.stop:
+                if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                    bad("stop", f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        if self.stop_token_ids:
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS_IN_ENGINE:
+                bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS_IN_ENGINE} ids, got {len(self.stop_token_ids)}")
+            for token in self.stop_token_ids:
+                if not _is_int(token) or not 0 <= token < vocab_size:
+                    bad("stop_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                bad(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
-        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 64:
-            bad("seed", "must fit in 64 bits")
+            if getattr(self, name) is not None:
+                integer(name, 0, max_logprobs, f"between 0 and {max_logprobs} (the server's max_logprobs)")
+        if self.seed is not None:
+            integer("seed", INT64_MIN, UINT64_MAX, f"an integer in [{INT64_MIN}, {UINT64_MAX}] (64 bits)")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """Finite, and not a bool (NaN fails every range check, but say so plainly)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)

@@ -35,6 +35,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.failed: list[tuple[Sequence, BaseException]] = []  # admissions that raised: their requests fail
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
@@ -61,11 +62,18 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             fresh = seq.num_computed == 0 and not seq.pages
-            if fresh and seq.params.prompt_logprobs is None:  # cached prompt tokens would have no logprobs
-                seq.pages, seq.page_hashes = self.pool.lookup(seq.token_ids)
-                seq.num_computed = len(seq.pages) * self.pool.page_size
-            n = min(seq.num_uncomputed, budget)
-            if not self._reserve(seq, n, preempt=False):
+            try:
+                if fresh and seq.params.prompt_logprobs is None:  # cached prompt tokens would have no logprobs
+                    seq.pages, seq.page_hashes = self.pool.lookup(seq.token_ids)
+                    seq.num_computed = len(seq.pages) * self.pool.page_size
+                n = min(seq.num_uncomputed, budget)
+                admitted = self._reserve(seq, n, preempt=False)
+            except Exception as e:  # noqa: BLE001 - this request's own fault: the engine fails it alone
+                self.waiting.popleft()
+                self._free(seq)
+                self.failed.append((seq, e))
+                continue
+            if not admitted:
                 if fresh:
                     self._free(seq)
                 break
@@ -79,6 +87,10 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def take_failed(self) -> list[tuple[Sequence, BaseException]]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def _reserve(self, seq: Sequence, n: int, preempt: bool) -> bool:
         """Allocates the pages for seq's next n tokens, preempting later running sequences if allowed."""

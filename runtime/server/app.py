@@ -10,6 +10,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from . import chat, completions, model_list, probes
+from ..engine.async_llm import RequestCancelledError
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from .context import ServerContext
@@ -71,7 +72,9 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_nam
     # After a drain (or its timeout), give streams still open a moment, then cancel them (which aborts them).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=5)
-    server = DrainingServer(config, ctx.drain, drain_timeout)
+    timeout_error = RequestCancelledError(f"the server is shutting down and its drain timeout ({drain_timeout:g} s) "
+                                          "has passed; retry on another replica")
+    server = DrainingServer(config, ctx.drain, drain_timeout, on_timeout=lambda: engine.cancel_all(timeout_error))
     auth = f"{len(api_keys)} API key(s)" if api_keys else "no API key (open)"
     log.info("serving %s as %s on http://%s:%d with %s", engine.model_name, ", ".join(ctx.served_model_names),
              host, port, auth)

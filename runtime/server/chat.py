@@ -9,11 +9,12 @@ from fastapi import APIRouter, Depends, Request
 
 from ..engine.sampling_params import InvalidRequestError
 from .context import ServerContext, get_context
+from .json_body import StrictJSONRoute
 from .generation import SSE_DONE, Generation, respond, sse
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 # Tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Gemma, Phi); the ones that
 # are special tokens of the served tokenizer stop a chat turn even when the checkpoint's eos is another token.
@@ -39,7 +40,8 @@ def render_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  ctx: ServerContext = Depends(get_context)):
     model = ctx.resolve_model(body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(ctx.engine.config.max_logprobs)
+    ctx.validate(params, 1)  # every limit, before anything is built per choice
     tokenizer = ctx.engine.tokenizer
     if not params.ignore_eos:
         params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(end_of_turn_ids(tokenizer)))

@@ -6,17 +6,19 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from .context import ServerContext, get_context
+from .json_body import StrictJSONRoute
 from .generation import SSE_DONE, Choice, Generation, respond, sse
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(get_context)):
     model = ctx.resolve_model(body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(ctx.engine.config.max_logprobs)
     prompts = body.prompts()
+    ctx.validate(params, len(prompts))  # every limit, before anything is built per prompt or per choice
     ctx.check_ready()
     gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", "text_completion", model, prompts, params)
     return await respond(request, gen, body.stream, lambda g: _events(g, body, ctx),

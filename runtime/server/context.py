@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import Request
 
+from ..engine.sampling_params import InvalidRequestError
 from .drain import Drain
 from .errors import APIError, model_not_found
 from .metrics import ServerMetrics
@@ -34,8 +35,20 @@ class ServerContext:
             raise model_not_found(requested)
         return requested
 
+    def validate(self, params, num_prompts: int) -> None:
+        """The request's sampling fields against the served model and the server's limits; its choices
+        (prompts x n) must fit the waiting queue."""
+        self.engine.validate(params)
+        choices, cap = num_prompts * params.n, self.engine.config.max_waiting
+        if choices > cap:
+            raise InvalidRequestError(f"n: {num_prompts} prompt(s) x n={params.n} is {choices} choices, more than "
+                                      f"the server queues ({cap}, --max-waiting)", "n")
+
     def check_ready(self) -> None:
         """Generation before warm-up would compile on the request path; clients should retry (probes gate it)."""
+        if not self.engine.is_alive():
+            raise APIError(503, "the engine has failed and this server cannot generate; it is restarting (its "
+                                "/health answers 503)", code="engine_dead")
         if not self.engine.is_ready():
             raise APIError(503, "the model is still loading or compiling; retry when /ready answers 200",
                            code="not_ready", headers={"Retry-After": "5"})

@@ -15,6 +15,7 @@ import uvicorn
 from .errors import draining, error_response
 
 log = logging.getLogger("capstan.server")
+GRACE_AFTER_TIMEOUT = 2.0  # seconds for cancelled requests to send their error events before uvicorn stops
 
 
 class Drain:
@@ -66,9 +67,10 @@ class DrainMiddleware:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose SIGTERM drains first; SIGINT (Ctrl-C) stops at once, a second one forcibly."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float, on_timeout=None):
         super().__init__(config)
         self.drain, self.drain_timeout = drain, drain_timeout
+        self.on_timeout = on_timeout  # ends what is still in flight with an error its clients see
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
 
@@ -96,5 +98,8 @@ class DrainingServer(uvicorn.Server):
         if await self.drain.wait_idle(self.drain_timeout):
             log.info("drained in %.1f s; shutting down", time.monotonic() - started)
         else:
-            log.warning("drain timeout: %d request(s) still in flight are cut off", self.drain.in_flight)
+            log.warning("drain timeout: %d request(s) still in flight end with an error", self.drain.in_flight)
+            if self.on_timeout is not None:
+                self.on_timeout()
+                await self.drain.wait_idle(GRACE_AFTER_TIMEOUT)  # their error events go out
         self.should_exit = True

@@ -1,6 +1,7 @@
 """Every failure leaves the server as OpenAI's error body with OpenAI's status code; no stack trace in a body."""
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -8,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.async_llm import EngineDeadError, QueueFullError
+from ..engine.async_llm import EngineDeadError, QueueFullError, RequestCancelledError, RequestFailedError
 from ..engine.sampling_params import InvalidRequestError
 from .protocol import ErrorDetail, ErrorResponse
 
@@ -43,9 +44,27 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return ErrorResponse(error=detail).model_dump()
 
 
+class ErrorJSONResponse(JSONResponse):
+    """ASCII-escaped JSON: a message quoting odd text (a lone surrogate) still renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return ErrorJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def exception_body(exc: BaseException) -> tuple[int, dict]:
+    """The status and OpenAI error body for an exception raised while generating (also sent mid-stream)."""
+    if isinstance(exc, EngineDeadError):
+        return 503, error_body(503, str(exc), code="engine_dead")
+    if isinstance(exc, RequestCancelledError):
+        return 503, error_body(503, str(exc), code="shutting_down")
+    if isinstance(exc, RequestFailedError):
+        return 500, error_body(500, str(exc), code="request_failed")
+    return 500, error_body(500, "internal server error; the server log has the details")
 
 
 def model_not_found(name: str) -> APIError:
@@ -103,8 +122,9 @@ async def _on_queue_full(request: Request, exc: Exception) -> JSONResponse:
     return await _on_api_error(request, queue_full())
 
 
-async def _on_engine_dead(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, "the engine has stopped; this pod will be restarted", code="engine_dead")
+async def _on_engine_failure(request: Request, exc: Exception) -> JSONResponse:
+    status, body = exception_body(exc)
+    return ErrorJSONResponse(body, status_code=status)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -118,5 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidRequestError, _on_invalid_request)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(QueueFullError, _on_queue_full)
-    app.add_exception_handler(EngineDeadError, _on_engine_dead)
+    app.add_exception_handler(EngineDeadError, _on_engine_failure)
+    app.add_exception_handler(RequestFailedError, _on_engine_failure)
+    app.add_exception_handler(RequestCancelledError, _on_engine_failure)
     app.add_exception_handler(Exception, _on_unexpected)

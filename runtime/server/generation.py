@@ -15,7 +15,7 @@ from starlette.responses import Response, StreamingResponse
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from .context import ServerContext
-from .errors import error_body
+from .errors import exception_body
 from .metrics import RequestTimer
 from .protocol import PromptTokensDetails, Usage
 from .tracing import end_request_span, start_request_span
@@ -171,9 +171,9 @@ async def _guarded(events: AsyncIterator[str], request_id: str) -> AsyncIterator
     try:
         async for event in events:
             yield event
-    except Exception:  # noqa: BLE001 - logged with its trace; the client sees OpenAI's error body
+    except Exception as e:  # noqa: BLE001 - logged with its trace; the client sees OpenAI's error body
         log.exception("request %s failed mid-stream", request_id)
-        yield sse(json.dumps(error_body(500, "internal server error; the server log has the details")))
+        yield sse(json.dumps(exception_body(e)[1]))
         yield SSE_DONE
 
 

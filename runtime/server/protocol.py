@@ -1,16 +1,37 @@
 """OpenAI's request and response bodies as pydantic models, with vLLM's extra sampling fields.
 
-Unknown fields are ignored (SDKs send fields we do not use); fields we know are type-checked, and values
-the engine cannot honour are refused in `to_sampling_params` or by `SamplingParams.validate`.
+Unknown fields are ignored (SDKs send fields we do not use); fields we know are type-checked and bounded here
+with the limits of runtime/limits.py (pydantic refuses a value out of bounds, naming the field and the limit),
+and what depends on the served model or the server's flags is refused in `to_sampling_params` or by
+`SamplingParams.validate`, still before anything is built per choice or per token.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
+from .. import limits
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from .json_values import bounded_json, valid_unicode
+
+# Text that reaches the tokenizer, a template or a log line: valid Unicode only (a JSON "\ud800" is not).
+Text = Annotated[str, AfterValidator(valid_unicode)]
+Name = Annotated[Text, Field(max_length=limits.MAX_NAME_CHARS)]
+Count = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
+FreeJSON = Annotated[Any, AfterValidator(bounded_json)]  # free-form objects: depth and text checked
+
+
+def finite(low: float, high: float):
+    """A float in [low, high]; NaN and infinities are refused by name."""
+    return Annotated[float, Field(ge=low, le=high, allow_inf_nan=False)]
+
+
+Probability = finite(0.0, 1.0)
+Penalty = finite(-limits.PENALTY_RANGE, limits.PENALTY_RANGE)
+TokenId = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
+StopString = Annotated[Text, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
 
 
 class _Request(BaseModel):
@@ -24,25 +45,27 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    model: Name | None = None
+    n: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] = 1
+    temperature: finite(0.0, limits.MAX_TEMPERATURE) | None = None
+    top_p: Probability | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=limits.MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, Field(ge=limits.INT64_MIN, le=limits.UINT64_MAX)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)],
+                               finite(-limits.LOGIT_BIAS_RANGE, limits.LOGIT_BIAS_RANGE)],
+                          Field(max_length=limits.MAX_LOGIT_BIAS)] | None = None
+    user: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=limits.INT32_MAX)] | None = None
+    min_p: Probability | None = None
+    repetition_penalty: finite(0.0, limits.MAX_REPETITION_PENALTY) | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=limits.MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
 
     def check_stream_options(self) -> None:
@@ -82,30 +105,32 @@ class _SamplingFields(_Request):
 
 # --- /v1/completions ---
 
+TokenList = Annotated[list[TokenId], Field(min_length=1)]
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=limits.MAX_PROMPTS)] | TokenList \
+        | Annotated[list[TokenList], Field(min_length=1, max_length=limits.MAX_PROMPTS)]
+    max_tokens: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=limits.MAX_LOGPROBS)] | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Text | None = None
+    best_of: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One engine request per prompt: a string, a list of strings, one token list or several."""
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if not prompt:
-            raise InvalidRequestError("prompt: must not be empty", "prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
-        if any(isinstance(p, list) and not p for p in prompt):
-            raise InvalidRequestError("prompt: token lists must not be empty", "prompt")
         return list(prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int = limits.MAX_LOGPROBS) -> SamplingParams:
         self.check_stream_options()
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise InvalidRequestError(f"logprobs: must be at most {max_logprobs} (the server's max_logprobs), "
+                                      f"got {self.logprobs}", "logprobs")
         if self.suffix:
             raise InvalidRequestError("suffix: not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -151,22 +176,17 @@ class CompletionResponse(BaseModel):
 # --- /v1/chat/completions ---
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
 class ContentPart(_Request):
     """Any content part; only text ones are served (the check names the message)."""
 
-    type: str
-    text: str | None = None
+    type: Name
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[ContentPart], Field(max_length=limits.MAX_CONTENT_PARTS)] | None = None
+    name: Name | None = None
 
     def as_template_message(self, index: int) -> dict[str, Any]:
         content = self.content
@@ -184,20 +204,21 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=limits.MAX_MESSAGES)]
+    max_tokens: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[FreeJSON], Field(max_length=limits.MAX_TOOLS)] | None = None
+    response_format: Annotated[dict[Name, FreeJSON], Field(max_length=limits.MAX_TEMPLATE_KWARGS)] | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[Name, FreeJSON], Field(max_length=limits.MAX_TEMPLATE_KWARGS)] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int = limits.MAX_LOGPROBS) -> SamplingParams:
         self.check_stream_options()
-        if not self.messages:
-            raise InvalidRequestError("messages: must hold at least one message", "messages")
+        if self.top_logprobs is not None and self.top_logprobs > max_logprobs:
+            raise InvalidRequestError(f"top_logprobs: must be at most {max_logprobs} (the server's max_logprobs), "
+                                      f"got {self.top_logprobs}", "top_logprobs")
         if self.tools:
             raise InvalidRequestError("tools: tool calling is not supported by this server", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":

@@ -1,0 +1,36 @@
+"""Every bound on what one request may ask, in one place: the server's pydantic models, SamplingParams.validate
+and the engine read them from here, so a value out of bounds is refused (HTTP 400 naming the field and the
+limit) before any per-choice, per-token or device structure is built.
+
+Where OpenAI or vLLM document a limit, it is theirs; where neither does, the cap keeps one request's memory
+and device arrays bounded (docs/server.md, "Request limits", works out the worst case per request).
+"""
+from __future__ import annotations
+
+INT32_MAX = 2 ** 31 - 1  # integers that reach the device are int32
+INT64_MIN, UINT64_MAX = -(2 ** 63), 2 ** 64 - 1  # seed: OpenAI's int64, or vLLM's unsigned 64-bit
+
+# sampling
+MAX_TEMPERATURE = 2.0  # OpenAI
+PENALTY_RANGE = 2.0  # presence/frequency penalties in [-2, 2] (OpenAI)
+MAX_REPETITION_PENALTY = 10.0
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100] (OpenAI)
+MAX_LOGIT_BIAS = 300  # entries: sizes the step's bias arrays (OpenAI and vLLM document none)
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default; OpenAI's top_logprobs limit
+MAX_TOP_LOGPROBS = 20  # OpenAI chat's top_logprobs
+
+# stopping
+MAX_STOP_STRINGS = 16  # OpenAI allows 4, vLLM any number; the matcher checks each one on every token
+MAX_STOP_STRING_CHARS = 1024  # the matcher holds back as many characters as the longest stop string
+MAX_STOP_TOKEN_IDS = 32  # a request's own stop_token_ids
+MAX_STOP_TOKEN_IDS_IN_ENGINE = 40  # with the chat template's end-of-turn ids the server adds; plus EOS ids, fits
+# the step's array of ids banned while below min_tokens (48)
+
+# request shape
+MAX_PROMPTS = 256  # prompts in one /v1/completions request, each its own engine request
+MAX_MESSAGES = 2048  # messages in one chat request
+MAX_CONTENT_PARTS = 256  # parts in one message's content list
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
+MAX_NAME_CHARS = 256  # model, name, user: identifiers, not text
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs keys
+MAX_JSON_DEPTH = 32  # nesting of free-form JSON fields (response_format, tools, chat_template_kwargs)
