@@ -42,6 +42,11 @@ class LLM:
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 results[delta.request_id] = merge(results[delta.request_id], delta)
+            for rid, error in self.engine.take_failed():  # offline, one failed prompt fails the call
+                for other in ids:
+                    self.engine.abort(other)
+                raise RuntimeError(f"prompt {ids.index(rid)} failed in the engine: {type(error).__name__}: "
+                                   f"{error}") from error
         return [results[rid] for rid in ids]
 
 

@@ -87,12 +87,13 @@ class PagePool:
             page = self._page_of.get(h)
             if page is None:
                 break
-            if self.ref_count[page] == 0:
-                del self._evictable[page]
-            self.ref_count[page] += 1
             pages.append(page)
             hashes.append(h)
             parent = h
+        for page in pages:  # referenced only once every hash is computed: a failure above holds no page
+            if self.ref_count[page] == 0:
+                del self._evictable[page]
+            self.ref_count[page] += 1
         return pages, hashes
 
     def register(self, page: int, h: PageHash) -> None:

@@ -56,7 +56,7 @@ class DrainMiddleware:
             return await self.app(scope, receive, send)
         if self.drain.draining:
             e = draining()
-            return await error_response(e.status, e.message, code=e.code)(scope, receive, send)
+            return await error_response(e.status, e.message, code=e.code, headers=e.headers)(scope, receive, send)
         self.drain.enter()
         try:
             await self.app(scope, receive, send)

@@ -77,7 +77,8 @@ def queue_full() -> APIError:
 
 
 def draining() -> APIError:
-    return APIError(503, "The server is shutting down and takes no new requests.", code="draining")
+    return APIError(503, "The server is shutting down and takes no new requests; retry (another replica will "
+                         "answer).", code="draining", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def _field_path(loc: tuple) -> str | None:
