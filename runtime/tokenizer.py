@@ -5,6 +5,8 @@ Encoding, decoding and chat rendering match transformers 5 exactly for the same 
 
 from __future__ import annotations
 
+import functools
+
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -152,6 +154,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token covers (its vocabulary entry is at least as long)."""
+        return max((len(piece) for piece in self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)

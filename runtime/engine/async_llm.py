@@ -66,6 +66,9 @@ class AsyncLLM:
     def validate(self, params: SamplingParams) -> None:
         self.engine.validate(params)
 
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        self.engine.check_prompt_chars(chars, param)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Validates (raising InvalidRequestError or QueueFullError), then yields delta RequestOutputs."""

@@ -59,6 +59,9 @@ class LLMEngine:
             config.max_model_len = min(cfg.max_position_embeddings, 8192)
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(cfg.eos_token_ids))
+        # Text longer than this cannot fit the context (x2: normalisers may compose characters), so it is refused
+        # before the tokenizer spends time and memory on it.
+        self.max_prompt_chars = 2 * self.max_model_len * self.tokenizer.max_token_chars
         num_pages = config.num_pages or self._pages_that_fit()
         config.num_pages = num_pages
         self.kv = KVCache.allocate(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
@@ -97,10 +100,17 @@ class LLMEngine:
         params.validate(vocab_size=self.model.cfg.vocab_size, max_n=self.config.max_num_seqs,
                         max_logprobs=self.config.max_logprobs)
 
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{param}: {chars} characters cannot fit this model's maximum context length of "
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)", param)
+
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         """Validates and tokenizes a request without touching engine state (safe from any thread)."""
         self.validate(params)
         if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), "prompt")
             prompt_text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             prompt_text, ids = None, list(prompt)

@@ -26,13 +26,15 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     return sorted(ids | set(tokenizer.eos_token_ids))
 
 
-def render_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
+def render_prompt(body: ChatCompletionRequest, tokenizer, engine) -> list[int]:
     messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
+    engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                              **(body.chat_template_kwargs or {}))
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
+    except (jinja2.TemplateError, ValueError, TypeError, OverflowError, RecursionError) as e:
         raise InvalidRequestError(f"messages: the model's chat template refused them: {e}", "messages")
+    engine.check_prompt_chars(len(text), "messages")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -45,7 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     tokenizer = ctx.engine.tokenizer
     if not params.ignore_eos:
         params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(end_of_turn_ids(tokenizer)))
-    prompt = render_prompt(body, tokenizer)
+    prompt = render_prompt(body, tokenizer, ctx.engine)
     ctx.check_ready()
     gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [prompt], params)
     return await respond(request, gen, body.stream, lambda g: _events(g, body), lambda g: _response(g, body))

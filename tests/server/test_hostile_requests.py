@@ -82,6 +82,8 @@ def send(url: str, path: str, content: bytes, content_type: str = "application/j
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": float("nan")}}, "logit_bias"),
     ("/v1/completions", {"prompt": ["hi"] * 257}, "prompt"),
     ("/v1/completions", {"prompt": [2 ** 63]}, "prompt"),
+    ("/v1/completions", {"prompt": "many words " * 300_000}, "prompt"),  # refused before it is tokenized
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "words " * 500_000}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2049}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]},
      "messages[0].content"),
