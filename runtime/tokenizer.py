@@ -20,6 +20,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.processors import TemplateProcessing
 
 
+# Tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Gemma, Phi); the ones that
+# are special tokens of the served tokenizer stop a chat turn even when the checkpoint's eos is another token.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
@@ -154,6 +159,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def end_of_turn_ids(self) -> list[int]:
+        """EOS ids plus the end-of-turn special tokens of the common chat formats that this tokenizer has."""
+        ids = {self.token_to_id(t) for t in END_OF_TURN_TOKENS} & set(self.special_token_ids)
+        return sorted(ids | set(self.eos_token_ids))
+
+    def backend_json(self) -> str:
+        return self._backend.to_str()
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -20,7 +20,8 @@ def batch(S=1, H=4, **kw):
         key_data=np.array([row_key_data(i, 0) for i in range(S)], np.uint32), position=np.zeros(S, np.int32),
         bias_ids=np.full((S, 2), V, np.int32), bias_values=np.zeros((S, 2), np.float32),
         banned_ids=np.full((S, 2), V, np.int32), history=np.full((S, H), V, np.int32),
-        prompt_lens=np.zeros(S, np.int32), any_penalty=np.bool_(False), any_filter=np.bool_(False),
+        prompt_lens=np.zeros(S, np.int32), allowed=np.full((S, 1), -1, np.int32), any_constrained=np.bool_(False),
+        any_penalty=np.bool_(False), any_filter=np.bool_(False),
         want_logprobs=np.bool_(True), plain_greedy=np.bool_(False))
     fields.update(kw)
     return SamplingBatch(**fields)
@@ -91,3 +92,12 @@ def test_plain_greedy_fast_path_matches_the_processed_path():
     assert np.asarray(fast.tokens).tolist() == np.asarray(jnp.argmax(logits, -1)).tolist()
     for a, b in zip(jax.tree_util.tree_leaves(slow), jax.tree_util.tree_leaves(fast)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_a_grammar_mask_allows_only_its_tokens_and_logprobs_stay_raw():
+    allowed = np.array([[0b1100]], np.int32)  # tokens 2 and 3
+    b = batch(temperature=np.zeros(1, np.float32), allowed=allowed, any_constrained=np.bool_(True))
+    out = sample(jnp.asarray(LOGITS), b)
+    assert int(out.tokens[0]) == 2
+    assert np.isclose(float(out.logprob[0]), np.log(0.15), atol=1e-5)  # of the model's distribution
+    assert draws(batch(allowed=allowed, any_constrained=np.bool_(True))) == {2, 3}

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
 from .packing import Packed, pack
+from .grammar import mask_words
 from .sampler import SamplingBatch
 from .scheduler import ScheduledChunk
 from .sampling_params import MAX_LOGIT_BIAS
@@ -45,6 +46,7 @@ class BatchBuilder:
         self.V = vocab_size
         self.eos = sorted(eos_token_ids)
         self._no_history = jnp.full((self.S, self.H), vocab_size, jnp.int32)  # stays on device: no per-step copy
+        self._all_allowed = jnp.full((self.S, mask_words(vocab_size)), -1, jnp.int32)  # likewise: no grammar
 
     def bucket_for(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
@@ -71,7 +73,7 @@ class BatchBuilder:
         bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
         banned = np.full((S, MAX_BANNED), V, np.int32)
         prompt_lens = np.zeros(S, np.int32)
-        history = None
+        history = allowed = None
         want_prompt = any_filter = want_logprobs = processing = False
         t = 0
         for r, c in enumerate(chunks):
@@ -106,6 +108,10 @@ class BatchBuilder:
             if seq.num_output < p.min_tokens:
                 ban = sorted(set(self.eos) | set(p.stop_token_ids or []))[:MAX_BANNED]
                 banned[r, :len(ban)] = ban
+            if seq.constraint is not None and c.samples:
+                if allowed is None:
+                    allowed = np.full((S, mask_words(V)), -1, np.int32)
+                seq.constraint.fill(allowed[r])
             if p.uses_penalties:
                 if history is None:
                     history = np.full((S, self.H), V, np.int32)
@@ -122,9 +128,11 @@ class BatchBuilder:
             key_data=key_data, position=sample_pos, bias_ids=bias_ids, bias_values=bias_values, banned_ids=banned,
             # history is a device array either way, so the packed layout (and the compiled step) is the same
             history=self._no_history if history is None else jax.device_put(history), prompt_lens=prompt_lens,
+            allowed=self._all_allowed if allowed is None else jax.device_put(allowed),
+            any_constrained=np.bool_(allowed is not None),
             any_penalty=np.bool_(history is not None), any_filter=np.bool_(any_filter),
             want_logprobs=np.bool_(want_logprobs),
-            plain_greedy=np.bool_(not (processing or any_filter or history is not None)))
+            plain_greedy=np.bool_(not (processing or any_filter or history is not None or allowed is not None)))
         inputs = StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, sampling=sampling,
                             prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))
         return pack(inputs)  # a few transfers, and device arrays throughout, so jit sees one signature per bucket

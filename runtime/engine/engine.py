@@ -17,6 +17,7 @@ from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..tokenizer import Tokenizer
 from .batch import BatchBuilder
 from .detokenizer import IncrementalDetokenizer
+from .grammar import GrammarTokenizer
 from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
@@ -62,6 +63,8 @@ class LLMEngine:
         # Text longer than this cannot fit the context (x2: normalisers may compose characters), so it is refused
         # before the tokenizer spends time and memory on it.
         self.max_prompt_chars = 2 * self.max_model_len * self.tokenizer.max_token_chars
+        self.grammar = GrammarTokenizer(self.tokenizer, set(self.tokenizer.end_of_turn_ids()) | self.eos_token_ids,
+                                        cfg.vocab_size)
         num_pages = config.num_pages or self._pages_that_fit()
         config.num_pages = num_pages
         self.kv = KVCache.allocate(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
@@ -99,6 +102,8 @@ class LLMEngine:
         """Every sampling field within its limit for this model and configuration (InvalidRequestError)."""
         params.validate(vocab_size=self.model.cfg.vocab_size, max_n=self.config.max_num_seqs,
                         max_logprobs=self.config.max_logprobs)
+        if params.structured is not None and (error := self.grammar.check(params.structured)):
+            raise InvalidRequestError(f"{params.structured.param}: {error}", params.structured.param)
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
@@ -138,7 +143,8 @@ class LLMEngine:
         now = time.monotonic()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=ids, params=params, seed=seed, arrival=now,
                          detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                         stop_matcher=StopStringMatcher(params.stop or []), max_tokens=max_tokens, prompt_text=prompt_text)
+                         stop_matcher=StopStringMatcher(params.stop or []), max_tokens=max_tokens, prompt_text=prompt_text,
+                         constraint=self.grammar.matcher(params.structured) if params.structured else None)
                 for i in range(params.n)]
         seqs[0].pending_forks = seqs[1:]
         return seqs
@@ -287,7 +293,7 @@ class LLMEngine:
             return None
         for c in chunks:
             p = c.seq.params
-            if not (c.num_tokens == 1 and c.samples) or c.seq.pending_forks or p.uses_penalties \
+            if not (c.num_tokens == 1 and c.samples) or c.seq.pending_forks or p.uses_penalties or c.seq.constraint \
                     or c.seq.num_output < p.min_tokens or p.prompt_logprobs is not None and not c.seq.prompt_logprobs_done:
                 return None
         active = [max(1, min(k, c.seq.max_tokens - c.seq.num_output, self.max_model_len - c.seq.num_tokens))
@@ -342,6 +348,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, s: SampleResult, at) -> None:
         """Adds a sampled token; `at` indexes its logprob data in s (a row, or (step, row) for multi-step)."""
         p = seq.params
+        if seq.constraint is not None:
+            seq.constraint.accept(token)  # a refusal raises: this request fails alone
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         self.generation_tokens += 1

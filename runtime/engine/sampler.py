@@ -27,6 +27,8 @@ class SamplingBatch(eqx.Module):
     banned_ids: jax.Array  # [S, E] i32: ids forbidden this step (eos/stop ids below min_tokens); vocab_size = unused
     history: jax.Array  # [S, H] i32: prompt then output tokens, vocab_size = unused (read only with penalties)
     prompt_lens: jax.Array  # [S] i32: history[:, :prompt_len] is the prompt
+    allowed: jax.Array  # [S, ceil(V/32)] i32: bit j of word w allows token 32w + j (structured outputs)
+    any_constrained: jax.Array  # [] bool: some row has a grammar (else `allowed` is never read)
     any_penalty: jax.Array  # [] bool
     any_filter: jax.Array  # [] bool: some row uses top-k, top-p or min-p
     want_logprobs: jax.Array  # [] bool
@@ -70,6 +72,7 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     rows = jnp.arange(S)[:, None]
     x = logits.at[rows, b.bias_ids].add(b.bias_values, mode="drop")
     x = x.at[rows, b.banned_ids].set(-jnp.inf, mode="drop")
+    x = jax.lax.cond(b.any_constrained, _apply_grammar, lambda x, allowed: x, x, b.allowed)
     x = jax.lax.cond(b.any_penalty, _apply_penalties, lambda x, b: x, x, b)
     greedy = b.temperature == 0.0
     x = x / jnp.where(greedy, 1.0, b.temperature)[:, None]
@@ -81,6 +84,13 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch) -> jax.Array:
         return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x + gumbel, axis=-1))
 
     return jax.lax.cond(jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw, x).astype(jnp.int32)
+
+
+def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Tokens the row's grammar does not allow next get -inf (unconstrained rows allow every bit)."""
+    S, V = x.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    return jnp.where(bits.reshape(S, -1)[:, :V].astype(jnp.bool_), x, -jnp.inf)
 
 
 def _apply_penalties(x: jax.Array, b: SamplingBatch) -> jax.Array:

@@ -5,6 +5,8 @@ import dataclasses
 import math
 import numbers
 
+from .grammar import StructuredOutput
+
 from ..limits import (INT32_MAX, INT64_MIN, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                       MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS_IN_ENGINE, MAX_TEMPERATURE, PENALTY_RANGE,
                       UINT64_MAX)
@@ -41,6 +43,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks; clients that detokenize themselves)
+    structured: StructuredOutput | None = None  # the output must match this grammar (structured outputs)
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ import enum
 
 from ..kv.page_pool import PageHash
 from .detokenizer import IncrementalDetokenizer
+from .grammar import TokenConstraint
 from .outputs import PositionLogprobs
 from .sampling_params import SamplingParams
 from .stop_strings import StopStringMatcher
@@ -29,6 +30,7 @@ class Sequence:
     stop_matcher: StopStringMatcher
     max_tokens: int  # resolved against the context length
     prompt_text: str | None = None
+    constraint: TokenConstraint | None = None  # structured outputs: the grammar's state after its tokens
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt then output
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[PageHash] = dataclasses.field(default_factory=list)  # of the full pages, in order

@@ -16,16 +16,6 @@ from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatComple
 
 router = APIRouter(route_class=StrictJSONRoute)
 
-# Tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Gemma, Phi); the ones that
-# are special tokens of the served tokenizer stop a chat turn even when the checkpoint's eos is another token.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
-
-
-def end_of_turn_ids(tokenizer) -> list[int]:
-    ids = {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS} & set(tokenizer.special_token_ids)
-    return sorted(ids | set(tokenizer.eos_token_ids))
-
-
 def render_prompt(body: ChatCompletionRequest, tokenizer, engine) -> list[int]:
     messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
     engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
@@ -46,7 +36,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     ctx.validate(params, 1)  # every limit, before anything is built per choice
     tokenizer = ctx.engine.tokenizer
     if not params.ignore_eos:
-        params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(end_of_turn_ids(tokenizer)))
+        params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(tokenizer.end_of_turn_ids()))
     prompt = render_prompt(body, tokenizer, ctx.engine)
     ctx.check_ready()
     gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [prompt], params)
