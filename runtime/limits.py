@@ -33,4 +33,6 @@ MAX_CONTENT_PARTS = 256  # parts in one message's content list
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 MAX_NAME_CHARS = 256  # model, name, user: identifiers, not text
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs keys
+MAX_GRAMMAR_CHARS = 65536  # regex or grammar text (llguidance also bounds its own work per token)
+MAX_CHOICES = 1024  # guided_choice / structured_outputs.choice entries
 MAX_JSON_DEPTH = 32  # nesting of free-form JSON fields (response_format, tools, chat_template_kwargs)

@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_seriali
 from .. import limits
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
 from .json_values import bounded_json, valid_unicode
+from .structured import StructuredFields
 
 # Text that reaches the tokenizer, a template or a log line: valid Unicode only (a JSON "\ud800" is not).
 Text = Annotated[str, AfterValidator(valid_unicode)]
@@ -42,8 +43,8 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
-    """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
+class _SamplingFields(StructuredFields):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras (structured outputs: structured.py)."""
 
     model: Name | None = None
     n: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] = 1
@@ -100,6 +101,7 @@ class _SamplingFields(_Request):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured=self.structured_output(),
         )
 
 
@@ -210,7 +212,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[FreeJSON], Field(max_length=limits.MAX_TOOLS)] | None = None
-    response_format: Annotated[dict[Name, FreeJSON], Field(max_length=limits.MAX_TEMPLATE_KWARGS)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[Name, FreeJSON], Field(max_length=limits.MAX_TEMPLATE_KWARGS)] | None = None
 
@@ -221,8 +222,6 @@ class ChatCompletionRequest(_SamplingFields):
                                       f"got {self.top_logprobs}", "top_logprobs")
         if self.tools:
             raise InvalidRequestError("tools: tool calling is not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("response_format: only {\"type\": \"text\"} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
