@@ -348,8 +348,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, s: SampleResult, at) -> None:
         """Adds a sampled token; `at` indexes its logprob data in s (a row, or (step, row) for multi-step)."""
         p = seq.params
-        if seq.constraint is not None:
-            seq.constraint.accept(token)  # a refusal raises: this request fails alone
+        # a refusal raises (this request fails alone); a complete grammar ends the output whatever its stop token
+        grammar_done = seq.constraint is not None and seq.constraint.accept(token)
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         self.generation_tokens += 1
@@ -369,6 +369,8 @@ class LLMEngine:
             seq.new_text += text
         if stopped:
             return self._finish(seq, "stop", stop_reason=seq.stop_matcher.stop)
+        if grammar_done:
+            return self._finish(seq, "stop")
         if seq.num_output >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
 

@@ -85,9 +85,11 @@ class TokenConstraint:
         assert row.dtype == np.int32 and row.flags["C_CONTIGUOUS"]
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
-    def accept(self, token: int) -> None:
+    def accept(self, token: int) -> bool:
+        """Advances by `token`; True when the grammar is complete (it took one of its stop tokens)."""
         if not self._matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+        return self._matcher.is_stopped()
 
     def copy(self) -> TokenConstraint:
         return TokenConstraint(self._matcher.deep_copy())

@@ -50,7 +50,7 @@ def test_json_mode_and_streaming_json_schema(client):
 
 
 @pytest.mark.parametrize("extra, check", [
-    ({"structured_outputs": {"regex": r"\d{3}-[a-z]{3}"}}, lambda t: re.fullmatch(r"\d{3}-[a-z]{3}", t)),
+    ({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{3}"}}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{3}", t)),
     ({"guided_regex": r"(yes|no)!"}, lambda t: t in ("yes!", "no!")),
     ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, lambda t: t in ("red", "green", "blue")),
     ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
