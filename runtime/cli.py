@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests get to finish after SIGTERM")
     serve.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get HTTP 413")
     serve.add_argument("--log-prompts", action="store_true", help="write prompts to the log (off: privacy)")
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                       help="how `tool_choice: auto` answers are parsed for calls (default: from the tokenizer's "
+                            "markers, hermes otherwise)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     generate = commands.add_parser("generate", help="generate once, offline, and print the text")
@@ -104,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [default_served_name(args.model) or engine.model_name]
     serve(engine, host=args.host, port=args.port, served_model_names=names, api_keys=api_keys,
           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts, log_level=args.log_level,
-          max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
+          max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES, tool_call_parser=args.tool_call_parser)
     return 0
 
 

@@ -31,6 +31,7 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions request, each its own engine
 MAX_MESSAGES = 2048  # messages in one chat request
 MAX_CONTENT_PARTS = 256  # parts in one message's content list
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
+MAX_PARALLEL_TOOL_CALLS = 8  # calls in one answer to tool_choice required: even a bad model's array ends
 MAX_NAME_CHARS = 256  # model, name, user: identifiers, not text
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs keys
 MAX_GRAMMAR_CHARS = 65536  # regex or grammar text (llguidance also bounds its own work per token)

@@ -17,6 +17,7 @@ from .context import ServerContext
 from .drain import Drain, DrainingServer, DrainMiddleware
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
+from .tool_parsers import parser_for
 from .tracing import make_tracer_provider
 
 log = logging.getLogger("capstan.server")
@@ -42,11 +43,12 @@ def build_app(ctx: ServerContext, api_keys: list[str] | None = None,
 
 
 def make_context(engine, served_model_names: list[str] | None = None, log_prompts: bool = False,
-                 tracer_provider=None) -> ServerContext:
+                 tracer_provider=None, tool_call_parser: str | None = None) -> ServerContext:
     names = served_model_names or [engine.model_name]
     tracer = tracer_provider.get_tracer("capstan.server") if tracer_provider is not None else None
     return ServerContext(engine=engine, served_model_names=names, metrics=ServerMetrics(engine), drain=Drain(),
-                         tracer=tracer, log_prompts=log_prompts)
+                         tracer=tracer, log_prompts=log_prompts,
+                         tool_parser=parser_for(tool_call_parser, engine.tokenizer))
 
 
 async def _log_warmup(engine) -> None:
@@ -64,10 +66,11 @@ async def _log_warmup(engine) -> None:
 
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_names: list[str] | None = None,
           api_keys: list[str] | None = None, drain_timeout: float = 30.0, log_prompts: bool = False,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info") -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
+          tool_call_parser: str | None = None) -> None:
     """Serves until SIGTERM (drain, then exit) or SIGINT; shuts the engine down on the way out."""
     provider = make_tracer_provider()
-    ctx = make_context(engine, served_model_names, log_prompts, provider)
+    ctx = make_context(engine, served_model_names, log_prompts, provider, tool_call_parser)
     app = build_app(ctx, api_keys, max_body_bytes)
     # After a drain (or its timeout), give streams still open a moment, then cancel them (which aborts them).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,

@@ -11,17 +11,20 @@ from ..engine.sampling_params import InvalidRequestError
 from .context import ServerContext, get_context
 from .json_body import StrictJSONRoute
 from .generation import SSE_DONE, Generation, respond, sse
+from .tool_calls import ToolCallOutput
+from .tools import template_tools
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
 
 router = APIRouter(route_class=StrictJSONRoute)
+
 
 def render_prompt(body: ChatCompletionRequest, tokenizer, engine) -> list[int]:
     messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
     engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                             **(body.chat_template_kwargs or {}))
+                                             **{**(body.chat_template_kwargs or {}), "tools": template_tools(body.tools)})
     except (jinja2.TemplateError, ValueError, TypeError, OverflowError, RecursionError) as e:
         raise InvalidRequestError(f"messages: the model's chat template refused them: {e}", "messages")
     engine.check_prompt_chars(len(text), "messages")
@@ -39,8 +42,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(tokenizer.end_of_turn_ids()))
     prompt = render_prompt(body, tokenizer, ctx.engine)
     ctx.check_ready()
+    named = body.tool_choice.function.name if body.tool_mode == "named" else None
+    tools = ToolCallOutput(body.tool_mode, ctx.tool_parser, named)
     gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [prompt], params)
-    return await respond(request, gen, body.stream, lambda g: _events(g, body), lambda g: _response(g, body))
+    return await respond(request, gen, body.stream, lambda g: _events(g, body, tools),
+                         lambda g: _response(g, body, tools))
 
 
 
@@ -57,17 +63,17 @@ def _logprobs(token_ids: list[int], positions: list, top_n: int) -> ChatLogprobs
     return ChatLogprobs(content=content)
 
 
-def _response(gen: Generation, body: ChatCompletionRequest) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(index=c_index, message=AssistantMessage(content=choice.text), finish_reason=choice.finish_reason,
-                   logprobs=_logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0)
-                   if body.logprobs else None)
-        for c_index, choice in enumerate(gen.choices[0])
-    ]
+def _response(gen: Generation, body: ChatCompletionRequest, tools: ToolCallOutput) -> ChatCompletionResponse:
+    choices = []
+    for c_index, choice in enumerate(gen.choices[0]):
+        content, calls, finish_reason = tools.message_fields(choice.text, choice.finish_reason)
+        choices.append(ChatChoice(
+            index=c_index, message=AssistantMessage(content=content, tool_calls=calls), finish_reason=finish_reason,
+            logprobs=_logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0) if body.logprobs else None))
     return ChatCompletionResponse(id=gen.id, model=gen.model, choices=choices, usage=gen.usage())
 
 
-async def _events(gen: Generation, body: ChatCompletionRequest):
+async def _events(gen: Generation, body: ChatCompletionRequest, tools: ToolCallOutput):
     created = ChatCompletionResponse(id=gen.id, model=gen.model, choices=[]).created
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     exclude = None if include_usage else {"usage"}
@@ -79,17 +85,27 @@ async def _events(gen: Generation, body: ChatCompletionRequest):
     # OpenAI opens every choice with the role and empty content.
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(gen.params.n)])
+    streams = [tools.stream() for _ in range(gen.params.n)]
     async for _, out in gen.deltas():
-        choices = []
+        choices, finished = [], []
         for c in out.outputs:
             logprobs = None
             if body.logprobs and c.token_ids:
                 logprobs = _logprobs(c.token_ids, c.logprobs or [], body.top_logprobs or 0)
-            if c.text or logprobs or c.finish_reason:
-                choices.append(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text or None),
-                                               logprobs=logprobs, finish_reason=c.finish_reason))
+            deltas = streams[c.index].feed(c.text) if c.text else []
+            if c.finish_reason is not None:
+                more, finish_reason = streams[c.index].finish(c.finish_reason)
+                deltas += more
+                finished.append(ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=finish_reason))
+            if logprobs and not deltas:
+                deltas = [DeltaMessage()]
+            for k, delta in enumerate(deltas):  # logprobs ride on the last delta
+                choices.append(ChatChunkChoice(index=c.index, delta=delta,
+                                               logprobs=logprobs if k == len(deltas) - 1 else None))
         if choices:
             yield chunk(choices)
+        if finished:  # as OpenAI sends it: the finish reason in a chunk of its own, with an empty delta
+            yield chunk(finished)
     if include_usage:
         c = ChatCompletionChunk(id=gen.id, created=created, model=gen.model, choices=[], usage=gen.usage())
         yield sse(c.model_dump_json())

@@ -21,6 +21,7 @@ class ServerContext:
     drain: Drain
     tracer: Any = None  # an OpenTelemetry tracer, or None when no OTLP endpoint is configured
     log_prompts: bool = False
+    tool_parser: Any = None  # parses `tool_choice: auto` answers (tool_parsers.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property

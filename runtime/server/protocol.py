@@ -16,6 +16,7 @@ from .. import limits
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
 from .json_values import bounded_json, valid_unicode
 from .structured import StructuredFields
+from .tools import NamedToolChoice, Tool, ToolCall, ToolChoice, forced_tool_output, template_tool_calls
 
 # Text that reaches the tokenizer, a template or a log line: valid Unicode only (a JSON "\ud800" is not).
 Text = Annotated[str, AfterValidator(valid_unicode)]
@@ -186,9 +187,11 @@ class ContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[ContentPart], Field(max_length=limits.MAX_CONTENT_PARTS)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=limits.MAX_TOOLS)] | None = None  # assistant's, earlier
+    tool_call_id: Name | None = None  # a tool message answers this call
 
     def as_template_message(self, index: int) -> dict[str, Any]:
         content = self.content
@@ -202,7 +205,12 @@ class ChatMessage(_Request):
             content = "".join(part.text or "" for part in content)
         # Chat templates know system/user/assistant; OpenAI's "developer" is the newer name for "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -211,7 +219,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS)] | None = None
-    tools: Annotated[list[FreeJSON], Field(max_length=limits.MAX_TOOLS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=limits.MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None  # OpenAI's default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[Name, FreeJSON], Field(max_length=limits.MAX_TEMPLATE_KWARGS)] | None = None
 
@@ -220,13 +230,27 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and self.top_logprobs > max_logprobs:
             raise InvalidRequestError(f"top_logprobs: must be at most {max_logprobs} (the server's max_logprobs), "
                                       f"got {self.top_logprobs}", "top_logprobs")
-        if self.tools:
-            raise InvalidRequestError("tools: tool calling is not supported by this server", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        params = self.sampling_params(max_tokens, logprobs)
+        forced, _ = forced_tool_output(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if forced is not None:
+            if params.structured is not None:
+                raise InvalidRequestError(f"tool_choice: a required or named tool call cannot be combined with "
+                                          f"{params.structured.param}", "tool_choice")
+            params.structured = forced
+        return params
+
+    @property
+    def tool_mode(self) -> str:
+        """"named", "required", "auto" (parse the output for calls) or "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
 
 
 class TopLogprob(BaseModel):
@@ -243,9 +267,43 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """OpenAI streams a call as its id, type and name first, then pieces of its arguments, by index."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -267,6 +325,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
