@@ -1,6 +1,6 @@
 """Single-stream decode and prefill time against the real context, with a long max_model_len (CPU first).
 
-python benchmarks/context_decode.py --contexts 64 2000 --max-model-len 4096
+python benchmarks/context_decode.py --contexts 64 2000 --max-model-len 4096 [--attention reference]
 python benchmarks/context_decode.py --shape qwen3-0.6b --contexts 64 2000 --tokens 17
 Runs the embedded default checkpoint (or --shape with random weights) with the engine's own defaults otherwise
 (max_num_seqs, token budget, multi-step decode), one stream at a time, and prints per context: decode ms/token
@@ -51,8 +51,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps)
+    ap.add_argument("--attention", choices=["chunked", "reference"], default="chunked",
+                    help="reference: the engine before chunked attention (every token reads max_model_len keys)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
+    if a.attention == "reference":
+        import capstan.runtime.attention as attention
+
+        attention.chunked_attention = attention.paged_attention  # attend()'s CPU path, as it was
     config = EngineConfig(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                           max_num_batched_tokens=a.max_num_batched_tokens, decode_steps=a.decode_steps,
                           enable_prefix_caching=False)
@@ -65,7 +71,7 @@ def main(argv=None) -> dict:
     vocab = engine.model.cfg.vocab_size
     rng = np.random.default_rng(0)
     one_stream(engine, rng.integers(0, vocab, 8).tolist(), 4)  # first-call costs outside the figures
-    figures = {"model": a.shape or "default", "device": str(jax.devices()[0].device_kind),
+    figures = {"model": a.shape or "default", "attention": a.attention, "device": str(jax.devices()[0].device_kind),
                "max_model_len": a.max_model_len, "compile_s": round(engine.compile_seconds, 2)}
     for ctx in a.contexts:
         runs = [one_stream(engine, rng.integers(0, vocab, ctx).tolist(), a.tokens) for _ in range(a.streams)]
