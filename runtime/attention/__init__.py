@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 
+from .chunked import chunked_attention
 from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
 
@@ -14,7 +15,8 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     """Chooses the kernel at trace time. On GPUs: bf16 decode batches of layers without a window or soft-capping
     take JAX's Pallas decode kernel (it splits long contexts across blocks), every other step our ragged Pallas
     kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too, since JAX's
-    kernel multiplies in TF32). Elsewhere, and for head sizes Triton cannot tile, the reference."""
+    kernel multiplies in TF32). Elsewhere, and for head sizes Triton cannot tile, the reference's result computed
+    over the step's real context only (chunked_attention), not over max_model_len keys."""
     interpret = jax.default_backend() != "gpu"
     if not interpret or KERNELS_INTERPRETED_ON_CPU:
         from .gpu_decode import decode_attention
@@ -27,7 +29,8 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
         if (meta.decode or meta.query_blocks is not None) and supported(q.shape[-1], k_cache.shape[2], q.dtype.itemsize):
             return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None,
                                     interpret=interpret)
-    return paged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
+    return chunked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
-__all__ = ["INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "paged_attention", "write_kv"]
+__all__ = ["INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "chunked_attention", "paged_attention",
+           "write_kv"]
