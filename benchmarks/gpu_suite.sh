@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b profile peer peer8b]
+#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b profile peer peer8b structured]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -22,6 +22,9 @@ for part in $parts; do
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
         --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep -v Warning ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep -v Warning ;;
+    structured) for f in 0 0.5; do python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 \
+        --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --constrained-fraction $f \
+        --json "$OUT/structured-$f.json" 2>&1 | grep -E "output_tokens|seconds|phase|Error"; done ;;
     profile) python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256 --context 384 2>&1 | grep rows= ;;
     peer) python3 benchmarks/peer_transformers.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --single-tokens 256 --json "$OUT/transformers-llama-3.2-1b.json" 2>&1 | grep -v Warning | tail -25 ;;

@@ -5,6 +5,7 @@ prints output tokens/s, prefill tokens/s, compile time and peak KV pages; --json
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -18,13 +19,18 @@ from shapes import shape_config  # noqa: E402
 
 from capstan.runtime.config import EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
+from capstan.runtime.engine.grammar import StructuredOutput  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 
 
+UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}  # cannot end early
+
+
 def run(engine: LLMEngine, prompts, params) -> dict:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params)
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, per_prompt)):
+        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     while engine.has_unfinished():
         outs = engine.step()
@@ -54,6 +60,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--smallest-bucket", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps)
     ap.add_argument("--single-stream-tokens", type=int, default=0, help="also time one stream's decode")
+    ap.add_argument("--constrained-fraction", type=float, default=0.0,
+                    help="this share of the requests follows a JSON schema (structured outputs); the rest is free")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -75,6 +83,11 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(a.requests)]
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    if a.constrained_fraction:
+        # an array of strings that never has to end: every constrained request runs to output_len like the rest
+        constrained = dataclasses.replace(params, structured=StructuredOutput("json", UNBOUNDED_SCHEMA))
+        cut = int(round(a.constrained_fraction * a.requests))
+        params = [constrained] * cut + [params] * (a.requests - cut)
     run(engine, prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
     figures = {"shape": a.shape, "dtype": dtype, "device": str(jax.devices()[0].device_kind),
                "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
