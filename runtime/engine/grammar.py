@@ -55,7 +55,8 @@ class GrammarTokenizer:
     def __init__(self, tokenizer, stop_token_ids: set[int], vocab_size: int):
         self.vocab_size = vocab_size
         self._build = functools.partial(llguidance.LLTokenizer, tokenizer.backend_json(), n_vocab=vocab_size,
-                                        eos_token=sorted(t for t in stop_token_ids if t < vocab_size))
+                                        eos_token=sorted(t for t in stop_token_ids
+                                                         if t < min(vocab_size, tokenizer.vocab_size)))
 
     @functools.cached_property
     def ll(self) -> llguidance.LLTokenizer:
