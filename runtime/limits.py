@@ -34,3 +34,7 @@ MAX_TOOLS = 128  # OpenAI's limit on `tools`
 MAX_NAME_CHARS = 256  # model, name, user: identifiers, not text
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs keys
 MAX_JSON_DEPTH = 32  # nesting of free-form JSON fields (response_format, tools, chat_template_kwargs)
+
+# embeddings and tokenization
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit); also at most --max-waiting
+MAX_DETOKENIZE_TOKENS = 131072  # ids in one /detokenize request: the longest contexts served
