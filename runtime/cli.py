@@ -120,7 +120,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    print(llm.generate(prompt, params)[0].outputs[0].text)
+    print(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text)
     return 0
 
 
