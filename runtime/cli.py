@@ -35,6 +35,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="smallest padded step size (each bucket up to --max-num-batched-tokens is compiled)")
     parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                         help="most logprobs (completions) or top_logprobs (chat) a request may ask, 0 to 20")
+    parser.add_argument("--embedding-pooling", default=d.embedding_pooling, choices=["last", "mean"],
+                        help="how /v1/embeddings pools the final hidden states: the last token's, or the mean")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip compiling every shape up front (first requests compile instead)")
 
@@ -48,7 +50,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
         warmup=args.warmup, max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
         tokenizer=args.tokenizer, decode_steps=args.decode_steps, smallest_token_bucket=args.smallest_token_bucket,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=args.max_logprobs, embedding_pooling=args.embedding_pooling,
     )
     config.validate()
     return config
@@ -121,7 +123,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    print(llm.generate(prompt, params)[0].outputs[0].text)
+    print(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text)
     return 0
 
 

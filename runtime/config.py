@@ -26,6 +26,7 @@ class EngineConfig:
     warmup: bool = True  # compile every step shape before serving
     tokenizer: str | None = None  # defaults to the model folder
     max_logprobs: int = MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask (vLLM's --max-logprobs)
+    embedding_pooling: str = "last"  # /v1/embeddings and LLM.embed: "last" token's hidden state, or "mean"
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps"):
@@ -41,5 +42,7 @@ class EngineConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be between 0 and {MAX_LOGPROBS} (the step computes the top "
                              f"{MAX_LOGPROBS}), got {self.max_logprobs}")
+        if self.embedding_pooling not in ("last", "mean"):
+            raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")

@@ -37,3 +37,7 @@ MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs keys
 MAX_GRAMMAR_CHARS = 65536  # regex or grammar text (llguidance also bounds its own work per token)
 MAX_CHOICES = 1024  # guided_choice / structured_outputs.choice entries
 MAX_JSON_DEPTH = 32  # nesting of free-form JSON fields (response_format, tools, chat_template_kwargs)
+
+# embeddings and tokenization
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit); also at most --max-waiting
+MAX_DETOKENIZE_TOKENS = 131072  # ids in one /detokenize request: the longest contexts served

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from ..config import EngineConfig
 from .engine import EngineStats, LLMEngine
-from .outputs import RequestOutput
+from .outputs import EmbeddingRequestOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("capstan.engine")
@@ -99,6 +99,33 @@ class AsyncLLM:
             if not finished:  # the consumer went away (client disconnect, cancellation): free the pages now
                 self.abort(request_id)
 
+    async def embed(self, prompts: list[str | list[int]], request_id: str) -> list[EmbeddingRequestOutput]:
+        """Validates (raising InvalidRequestError or QueueFullError), then waits for every input's embedding."""
+        if not self.is_alive():
+            raise EngineDeadError("the engine thread has stopped")
+        inputs = self.engine.embedder.prepare(request_id, prompts)
+        if self._stats.waiting + self._commands.qsize() >= self.config.max_waiting:
+            raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        if self._dead.is_set():
+            self._streams.pop(request_id, None)
+            raise EngineDeadError("the engine thread has stopped")
+        self._commands.put(("embed", inputs))
+        done = False
+        try:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                raise item
+            done = True
+            return item
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:  # the client went away: its inputs leave the queue and their pages return now
+                self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -123,10 +150,14 @@ class AsyncLLM:
                 self.engine.warmup()
             self._ready.set()
             while not self._stop.is_set():
-                self._take_commands(block=not self.engine.has_unfinished())
+                embedder = self.engine.embedder
+                self._take_commands(block=not (self.engine.has_unfinished() or embedder.has_work()))
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
+                if embedder.has_work():  # one embedding batch between generation steps: both progress
+                    for request_id, outs in embedder.step():
+                        self._deliver(request_id, outs)
                 self._deliver_failures()
                 self._stats = self.engine.stats()
         except BaseException as e:  # a device or engine fault: fail every request, stop (liveness turns false)
@@ -148,17 +179,23 @@ class AsyncLLM:
             return
         while True:
             kind, arg = command
-            request_id = arg[0].request_id if kind == "add" else arg
+            request_id = arg[0].request_id if kind in ("add", "embed") else arg
             try:
                 if kind == "add":
                     if request_id in self._streams:  # its consumer may already have gone
                         self.engine.enqueue(arg)
+                elif kind == "embed":
+                    if request_id in self._streams:
+                        self.engine.embedder.add(arg)
                 elif kind == "abort":
+                    self.engine.embedder.abort(request_id)
                     out = self.engine.abort(request_id)
                     if out is not None:
                         self._deliver(request_id, out)
             except Exception as e:  # noqa: BLE001 - this request's own fault: it fails, the loop goes on
-                if kind == "add" and self.engine.requests.get(request_id) is not arg:
+                if kind == "embed":
+                    self.engine.embedder.fail(request_id, e)
+                elif kind == "add" and self.engine.requests.get(request_id) is not arg:
                     self.engine.failed.append((request_id, e))  # never queued: nothing to free
                 else:
                     self.engine.fail(request_id, e)

@@ -17,6 +17,7 @@ from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..tokenizer import Tokenizer
 from .batch import BatchBuilder
 from .detokenizer import IncrementalDetokenizer
+from .embedder import Embedder
 from .grammar import GrammarTokenizer
 from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
@@ -77,6 +78,7 @@ class LLMEngine:
                                     vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
                                     queries_per_kv=cfg.queries_per_kv,
                                     smallest_bucket=config.smallest_token_bucket)
+        self.embedder = Embedder(self, config.embedding_pooling)  # /v1/embeddings: borrows pages from this pool
         self.requests: dict[str, list[Sequence]] = {}
         self.failed: list[tuple[str, BaseException]] = []  # requests failed alone since the owner last took them
         self.prompt_tokens = 0
@@ -133,7 +135,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_tokens: this model's maximum context length is {limit} tokens; the prompt has {len(ids)}, so "
                 f"max_tokens can be at most {room}, got {params.max_tokens}", "max_tokens")
-        max_tokens = params.max_tokens or room
+        max_tokens = room if params.max_tokens is None else params.max_tokens  # 0: score the prompt, sample nothing
         pages_needed = -(-(len(ids) + max_tokens) // self.config.page_size)
         if pages_needed > self.pool.num_pages:
             raise InvalidRequestError(
@@ -186,8 +188,9 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(running=len(s.running), waiting=len(s.waiting), kv_pages_used=self.pool.num_used,
+        s, e = self.scheduler, self.embedder  # embedding inputs are load too (the autoscaler reads these)
+        return EngineStats(running=len(s.running) + len(e.running), waiting=len(s.waiting) + len(e.waiting),
+                           kv_pages_used=self.pool.num_used,
                            kv_pages_total=self.pool.num_pages, prefix_cache_queried_tokens=s.prefix_queried_tokens,
                            prefix_cache_hit_tokens=s.prefix_hit_tokens, preemptions=s.num_preemptions,
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
@@ -246,6 +249,8 @@ class LLMEngine:
         self.scheduler.register_full_pages(seq)
         if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
             self._add_prompt_logprobs(seq, c, out, t)
+        if c.samples and not seq.finished and seq.max_tokens == 0:
+            return self._finish_prompt_only(seq)
         if c.samples and not seq.finished:
             if seq.pending_forks:
                 self._fork(seq)
@@ -293,7 +298,8 @@ class LLMEngine:
             return None
         for c in chunks:
             p = c.seq.params
-            if not (c.num_tokens == 1 and c.samples) or c.seq.pending_forks or p.uses_penalties or c.seq.constraint \
+            if not (c.num_tokens == 1 and c.samples) or c.seq.max_tokens == 0 or c.seq.pending_forks \
+                    or p.uses_penalties or c.seq.constraint \
                     or c.seq.num_output < p.min_tokens or p.prompt_logprobs is not None and not c.seq.prompt_logprobs_done:
                 return None
         active = [max(1, min(k, c.seq.max_tokens - c.seq.num_output, self.max_model_len - c.seq.num_tokens))
@@ -373,6 +379,13 @@ class LLMEngine:
             return self._finish(seq, "stop")
         if seq.num_output >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
+
+    def _finish_prompt_only(self, seq: Sequence) -> None:
+        """max_tokens 0 (echo, scoring): the prompt is computed and its logprobs taken; every choice ends there."""
+        forks, seq.pending_forks = seq.pending_forks, []
+        for s in (seq, *forks):
+            s.prompt_logprobs_done = True
+            self._finish(s, "length")
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         if seq.params.detokenize and (reason != "stop" or stop_reason is None or isinstance(stop_reason, int)):

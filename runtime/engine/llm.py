@@ -1,15 +1,21 @@
-"""LLM: the offline batch API in vLLM's shape: LLM(model).generate(prompts, SamplingParams)."""
+"""LLM: the offline batch API in vLLM's shape: LLM(model).generate(prompts, SamplingParams), .chat(), .embed()."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import itertools
-from typing import Sequence
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
 
 from ..config import EngineConfig
 from .engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from .sampling_params import SamplingParams
+
+# What generate() and embed() take, as vLLM does: a string, token ids, {"prompt": ...} or {"prompt_token_ids": ...},
+# or a list of any of these.
+PromptType = str | Sequence[int] | dict[str, Any]
 
 
 class LLM:
@@ -24,30 +30,97 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs every prompt to completion, batched; results in the order of the prompts."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = [_engine_prompt(p, i) for i, p in enumerate(_as_list(prompts))]
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):  # validate all before queueing any
+        for p in params:  # validate all before queueing any
             self.engine.validate(p)
         for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(rid, prompt if isinstance(prompt, str) else list(prompt), copy.copy(p))
+            self.engine.add_request(rid, prompt, copy.copy(p))
         results = {rid: None for rid in ids}
-        while self.engine.has_unfinished():
-            for delta in self.engine.step():
-                results[delta.request_id] = merge(results[delta.request_id], delta)
-            for rid, error in self.engine.take_failed():  # offline, one failed prompt fails the call
-                for other in ids:
-                    self.engine.abort(other)
-                raise RuntimeError(f"prompt {ids.index(rid)} failed in the engine: {type(error).__name__}: "
-                                   f"{error}") from error
+        with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    results[delta.request_id] = merge(results[delta.request_id], delta)
+                    bar.update(int(delta.finished))
+                self._raise_failed(ids)
         return [results[rid] for rid in ids]
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them, rendered with the
+        checkpoint's chat template; each stops at the template's end-of-turn token, as the server's chat does."""
+        from ..server.chat import end_of_turn_ids  # the one list of end-of-turn tokens
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
+            list(c), add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
+            for c in conversations]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        stops = end_of_turn_ids(self.tokenizer)
+        params = [p if p.ignore_eos else dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids or [])
+                                                                                     | set(stops))) for p in params]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One unit-length embedding per prompt (the pooling of EngineConfig.embedding_pooling), in prompt order."""
+        prompts = [_engine_prompt(p, i) for i, p in enumerate(_as_list(prompts))]
+        embedder = self.engine.embedder
+        ids = [f"embed-{next(self._ids)}" for _ in prompts]
+        inputs = [embedder.prepare(rid, [p]) for rid, p in zip(ids, prompts)]  # validate all before queueing any
+        for x in inputs:
+            embedder.add(x)
+        results: dict[str, EmbeddingRequestOutput] = {}
+        with tqdm(total=len(ids), desc="Embedded prompts", unit="prompt", disable=not use_tqdm) as bar:
+            while embedder.has_work():
+                for rid, (out,) in embedder.step():
+                    results[rid] = dataclasses.replace(out, request_id=rid)
+                    bar.update(1)
+                self._raise_failed(ids)
+        return [results[rid] for rid in ids]
+
+    def _raise_failed(self, ids: list[str]) -> None:
+        for rid, error in self.engine.take_failed():  # offline, one failed prompt fails the call
+            for other in ids:
+                self.engine.abort(other)
+                self.engine.embedder.abort(other)
+            raise RuntimeError(f"prompt {ids.index(rid)} failed in the engine: {type(error).__name__}: "
+                               f"{error}") from error
+
+
+def _as_list(prompts) -> list:
+    """One prompt (a string, a dict, or token ids) or a list of them."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _engine_prompt(prompt, index: int) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise TypeError(f"prompts[{index}]: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys "
+                        f"{sorted(prompt)}")
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise TypeError(f"prompts[{index}]: expected a string, token ids or a dict, got {type(prompt).__name__}")
 
 
 def merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

@@ -40,3 +40,22 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # unit length (L2-normalised)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """One embedded prompt, in vLLM's shape (LLM.embed returns one per prompt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -25,7 +25,7 @@ class InvalidRequestError(ValueError):
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int | None = 16  # None: up to the end of the context
+    max_tokens: int | None = 16  # None: up to the end of the context; 0: only the prompt (with prompt_logprobs)
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -70,7 +70,7 @@ class SamplingParams:
 
         integer("n", 1, max_n, f"between 1 and {max_n} (the server's max_num_seqs)")
         if self.max_tokens is not None:
-            integer("max_tokens", 1, INT32_MAX, f"between 1 and {INT32_MAX}")
+            integer("max_tokens", 0, INT32_MAX, f"between 0 and {INT32_MAX}")
         integer("min_tokens", 0, self.max_tokens if self.max_tokens is not None else INT32_MAX,
                 f"between 0 and max_tokens ({self.max_tokens})")
         number("temperature", 0.0, MAX_TEMPERATURE, f"between 0 and {MAX_TEMPERATURE:g}")

@@ -9,7 +9,7 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
-from . import chat, completions, model_list, probes
+from . import chat, completions, embeddings, model_list, probes, tokenize, version
 from ..engine.async_llm import RequestCancelledError
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
@@ -34,7 +34,8 @@ def build_app(ctx: ServerContext, api_keys: list[str] | None = None,
     app = FastAPI(title="Capstan", description="OpenAI-compatible LLM server", version="0.1.0", lifespan=lifespan)
     app.state.context = ctx
     install_error_handlers(app)
-    for router in (completions.router, chat.router, model_list.router, probes.router):
+    for router in (completions.router, chat.router, embeddings.router, tokenize.router, model_list.router,
+                   probes.router, version.router):
         app.include_router(router)
     app.add_middleware(APIKeyMiddleware, keys=api_keys or [])  # /v1 only: probes and /metrics stay open
     app.add_middleware(DrainMiddleware, drain=ctx.drain)

@@ -48,6 +48,10 @@ class APIKeyCheck:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
+# Outside /v1 but keyed too (vLLM leaves them open): they run the tokenizer and chat template on request data.
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 class APIKeyMiddleware:
     """Checks the key of every /v1 request before anything reads its body, as OpenAI does: a request without
     a valid key gets 401 even when its JSON is malformed. Plain ASGI, so streaming and disconnects pass through."""
@@ -57,7 +61,7 @@ class APIKeyMiddleware:
         self.check = APIKeyCheck(keys)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS):
             try:
                 await self.check(Request(scope))
             except APIError as e:

@@ -114,7 +114,7 @@ TokenList = Annotated[list[TokenId], Field(min_length=1)]
 class CompletionRequest(_SamplingFields):
     prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=limits.MAX_PROMPTS)] | TokenList \
         | Annotated[list[TokenList], Field(min_length=1, max_length=limits.MAX_PROMPTS)]
-    max_tokens: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=limits.INT32_MAX)] | None = 16  # 0 only with echo (scoring)
     logprobs: Annotated[int, Field(ge=0, le=limits.MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: Text | None = None
@@ -138,6 +138,9 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("suffix: not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of: only best_of equal to n is supported", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens: must be at least 1; 0 is allowed only with echo (the prompt and its "
+                                      "logprobs, nothing generated)", "max_tokens")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
