@@ -10,7 +10,7 @@ import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
 from .packing import Packed, pack
-from .grammar import mask_words
+from .grammar import fill_masks, mask_words
 from .sampler import SamplingBatch
 from .scheduler import ScheduledChunk
 from .sampling_params import MAX_LOGIT_BIAS
@@ -74,6 +74,7 @@ class BatchBuilder:
         banned = np.full((S, MAX_BANNED), V, np.int32)
         prompt_lens = np.zeros(S, np.int32)
         history = allowed = None
+        constrained = []  # (constraint, row): their masks are computed together, in parallel
         want_prompt = any_filter = want_logprobs = processing = False
         t = 0
         for r, c in enumerate(chunks):
@@ -109,9 +110,7 @@ class BatchBuilder:
                 ban = sorted(set(self.eos) | set(p.stop_token_ids or []))[:MAX_BANNED]
                 banned[r, :len(ban)] = ban
             if seq.constraint is not None and c.samples:
-                if allowed is None:
-                    allowed = np.full((S, mask_words(V)), -1, np.int32)
-                seq.constraint.fill(allowed[r])
+                constrained.append((seq.constraint, r))
             if p.uses_penalties:
                 if history is None:
                     history = np.full((S, self.H), V, np.int32)
@@ -119,6 +118,9 @@ class BatchBuilder:
                 prompt_lens[r] = len(seq.prompt_ids)
                 f["presence"][r], f["frequency"][r] = p.presence_penalty, p.frequency_penalty
                 repetition[r] = p.repetition_penalty
+        if constrained:
+            allowed = np.full((S, mask_words(V)), -1, np.int32)
+            fill_masks(constrained, allowed)
         blocks = query_blocks([(r, c.start, c.num_tokens) for r, c in enumerate(chunks)], T, S, self.queries_per_kv)
         meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
                                  block_tables=block_tables, seq_lens=seq_lens, query_blocks=blocks)

@@ -75,6 +75,22 @@ class GrammarTokenizer:
         return TokenConstraint(llguidance.LLMatcher(self.ll, constraint.grammar()))
 
 
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()  # threads for the masks of many constrained rows at once
+
+
+def fill_masks(rows: list[tuple[TokenConstraint, int]], allowed: np.ndarray) -> None:
+    """Each constraint's mask into its row of `allowed` [S, words], computed in parallel across rows."""
+    assert allowed.dtype == np.int32 and allowed.flags["C_CONTIGUOUS"]
+    if len(rows) == 1:
+        constraint, r = rows[0]
+        constraint.fill(allowed[r])
+        return
+    _executor().unsafe_compute_mask_ptr([(c._matcher, r) for c, r in rows], allowed.ctypes.data,
+                                        allowed.shape[1] * 4, allowed.shape[0])
+
+
 class TokenConstraint:
     """One sequence's parser state: the mask of its next token, advanced by every token it samples."""
 

@@ -50,7 +50,7 @@ def test_completion_bad_values_are_400_naming_the_field(server, body, param):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
 ])
 def test_chat_bad_values_are_400_naming_the_field(server, body, param):
     assert error_of(post(server, "/v1/chat/completions", body), 400)["param"] == param
