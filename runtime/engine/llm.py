@@ -62,15 +62,13 @@ class LLM:
              ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered with the
         checkpoint's chat template; each stops at the template's end-of-turn token, as the server's chat does."""
-        from ..server.chat import end_of_turn_ids  # the one list of end-of-turn tokens
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
             list(c), add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
             for c in conversations]
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        stops = end_of_turn_ids(self.tokenizer)
+        stops = self.tokenizer.end_of_turn_ids()
         params = [p if p.ignore_eos else dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids or [])
                                                                                      | set(stops))) for p in params]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
