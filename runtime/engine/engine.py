@@ -19,7 +19,8 @@ from .batch import BatchBuilder
 from .detokenizer import IncrementalDetokenizer
 from .embedder import Embedder
 from .grammar import GrammarTokenizer
-from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from .logprobs import add_prompt_logprobs, position_logprobs
+from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence
@@ -248,7 +249,7 @@ class LLMEngine:
         seq.num_computed = c.start + c.num_tokens
         self.scheduler.register_full_pages(seq)
         if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
-            self._add_prompt_logprobs(seq, c, out, t)
+            add_prompt_logprobs(self.tokenizer, seq, c, out, t)
         if c.samples and not seq.finished and seq.max_tokens == 0:
             return self._finish_prompt_only(seq)
         if c.samples and not seq.finished:
@@ -362,8 +363,8 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if p.logprobs is not None:
-            seq.new_logprobs.append(self._position_logprobs(token, float(s.logprob[at]), int(s.rank[at]),
-                                                            s.top_ids[at], s.top_logprobs[at], p.logprobs))
+            seq.new_logprobs.append(position_logprobs(self.tokenizer, token, float(s.logprob[at]), int(s.rank[at]),
+                                                      s.top_ids[at], s.top_logprobs[at], p.logprobs))
         if token in (p.stop_token_ids or ()):
             return self._finish(seq, "stop", stop_reason=token)
         if token in self.eos_token_ids and not p.ignore_eos:
@@ -396,29 +397,6 @@ class LLMEngine:
             self._finish(child, "abort")
         seq.pending_forks = []
         self.scheduler.finish(seq)
-
-    def _position_logprobs(self, token, logprob, rank, top_ids, top_lps, n) -> PositionLogprobs:
-        entry = {token: Logprob(logprob, rank, self.tokenizer.decode([token], skip_special_tokens=False))}
-        for i in range(n):
-            tid = int(top_ids[i])
-            if tid not in entry:
-                entry[tid] = Logprob(float(top_lps[i]), i + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
-        return entry
-
-    def _add_prompt_logprobs(self, seq: Sequence, c: ScheduledChunk, out: StepOutputs, t0: int) -> None:
-        pl, n = out.prompt, seq.params.prompt_logprobs
-        if c.start == 0:
-            seq.prompt_logprobs = [None]  # the first prompt token has no context
-        last_prompt = len(seq.prompt_ids) - 1
-        for i in range(c.num_tokens):
-            pos = c.start + i
-            if pos >= last_prompt:
-                break
-            target = seq.token_ids[pos + 1]
-            seq.prompt_logprobs.append(self._position_logprobs(
-                target, float(pl.logprob[t0 + i]), int(pl.rank[t0 + i]), pl.top_ids[t0 + i], pl.top_logprobs[t0 + i], n))
-        if c.start + c.num_tokens >= len(seq.prompt_ids):
-            seq.prompt_logprobs_done = True
 
     def _collect(self, request_id: str) -> RequestOutput | None:
         """The request's news since the last collection, as a delta RequestOutput; drops finished requests."""
