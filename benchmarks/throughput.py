@@ -27,6 +27,18 @@ from capstan.runtime.models.loader import random_model  # noqa: E402
 UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}  # cannot end early
 
 
+def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
+    """Variable lengths and a mix of greedy, top-p and top-k sampling (seeded), as real traffic has."""
+    prompts, params = [], []
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=50, min_p=0.05)]
+    for i in range(a.requests):
+        prompts.append(rng.integers(0, vocab_size, int(rng.integers(a.prompt_len // 4, 2 * a.prompt_len))).tolist())
+        kind = dict(temperature=0.0) if a.all_greedy else kinds[i % 3]
+        params.append(SamplingParams(max_tokens=int(rng.integers(max(1, a.output_len // 8), 2 * a.output_len)),
+                                     ignore_eos=True, detokenize=False, seed=i, **kind))
+    return prompts, params
+
+
 def run(engine: LLMEngine, prompts, params) -> dict:
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, per_prompt)):
@@ -60,6 +72,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--smallest-bucket", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps)
     ap.add_argument("--single-stream-tokens", type=int, default=0, help="also time one stream's decode")
+    ap.add_argument("--workload", choices=["fixed", "mixed"], default="fixed",
+                    help="fixed: every request prompt-len in, output-len out, greedy; mixed: lengths uniform in "
+                         "[prompt-len/4, 2 prompt-len] and [output-len/8, 2 output-len], a third greedy, a third "
+                         "temperature 0.8 + top-p 0.9, a third temperature 1.0 + top-k 50 + min-p 0.05")
+    ap.add_argument("--all-greedy", action="store_true", help="the mixed workload's lengths, every request greedy")
     ap.add_argument("--constrained-fraction", type=float, default=0.0,
                     help="this share of the requests follows a JSON schema (structured outputs); the rest is free")
     ap.add_argument("--json", help="write the figures here")
@@ -70,7 +87,8 @@ def main(argv=None) -> dict:
     model = random_model(cfg, dtype)
     jax.block_until_ready(model)
     load_s = time.perf_counter() - t0
-    max_len = a.prompt_len + max(a.output_len, a.single_stream_tokens) + 1
+    mixed = a.workload == "mixed"
+    max_len = (2 if mixed else 1) * (a.prompt_len + max(a.output_len, a.single_stream_tokens)) + 1
     def engine_for(max_num_seqs: int, max_tokens: int) -> LLMEngine:
         e = LLMEngine(EngineConfig(dtype=dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_tokens, page_size=a.page_size,
@@ -83,6 +101,8 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(a.requests)]
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    if mixed:
+        prompts, params = mixed_workload(rng, cfg.vocab_size, a)
     if a.constrained_fraction:
         # an array of strings that never has to end: every constrained request runs to output_len like the rest
         constrained = dataclasses.replace(params, structured=StructuredOutput("json", UNBOUNDED_SCHEMA))

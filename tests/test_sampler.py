@@ -9,7 +9,7 @@ from capstan.runtime.engine.sampler import sample as sample_eager
 
 sample = jax.jit(sample_eager)  # one compile per shape instead of op-by-op dispatch
 
-V = 8
+V = 8  # the hand-made logits below
 
 
 def batch(S=1, H=4, **kw):

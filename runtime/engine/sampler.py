@@ -106,19 +106,53 @@ def _apply_penalties(x: jax.Array, b: SamplingBatch) -> jax.Array:
 
 
 def _apply_filters(x: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Top-k, then top-p over what top-k kept (renormalised), then min-p; exact, without sorting the vocabulary:
+    each threshold is found by bisection over the float32 values' ordered bit patterns (32 passes of a compare
+    and a sum), so it is one of the row's own values and the kept set is the one a full sort would give."""
     S, V = x.shape
-    ordered = jnp.sort(x, axis=-1)[:, ::-1]  # descending
+    keys = _ordered_keys(x)  # [S, V] int32, ordered as x
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    ordered = jnp.where(jnp.arange(V)[None, :] < k[:, None], ordered, -jnp.inf)  # top-p renormalises after top-k
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-    in_top_p = before < b.top_p[:, None]
-    pth = jnp.min(jnp.where(in_top_p, ordered, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(kth, pth)
-    min_p_floor = ordered[:, :1] + jnp.log(jnp.maximum(b.min_p, 1e-30))[:, None]  # p >= min_p * p_max
-    threshold = jnp.where(b.min_p[:, None] > 0, jnp.maximum(threshold, min_p_floor), threshold)
-    return jnp.where(x >= threshold, x, -jnp.inf)
+    # top-k: the largest value t with at least k values >= t
+    kth = jax.lax.cond(jnp.any(k < V), lambda: _bisect(keys, lambda t: jnp.sum(keys >= t[:, None], -1) >= k),
+                       lambda: jnp.full((S,), jnp.iinfo(jnp.int32).min, jnp.int32))
+    x = jnp.where(keys >= kth[:, None], x, -jnp.inf)
+    probs = jax.nn.softmax(x, axis=-1)  # top-p renormalises after top-k
+
+    def top_p_threshold():
+        # the smallest value s whose strictly-larger values hold less than top_p of the mass: s and all above stay
+        mass_above = lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), -1)  # noqa: E731
+        return _bisect(keys, lambda t: mass_above(t) >= b.top_p, smallest_false=True)
+
+    pth = jax.lax.cond(jnp.any(b.top_p < 1.0), top_p_threshold, lambda: kth)
+    pth = jnp.where(b.top_p < 1.0, pth, kth)
+    keep = (keys >= jnp.maximum(kth, pth)[:, None]) & (x > -jnp.inf)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    min_p_floor = top + jnp.log(jnp.maximum(b.min_p, 1e-30))[:, None]  # p >= min_p * p_max
+    keep &= jnp.where(b.min_p[:, None] > 0, x >= min_p_floor, True)
+    return jnp.where(keep, x, -jnp.inf)
+
+
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """int32 keys in the order of the float32 values (-inf lowest): a float's bits, negatives flipped."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _bisect(keys: jax.Array, holds, smallest_false: bool = False) -> jax.Array:
+    """Per row, over the int32 key range: the largest t where `holds(t)` (true up to a point, then false), or with
+    smallest_false the smallest t where it no longer holds. 32 halvings pin it to one key."""
+    S = keys.shape[0]
+    lo = jnp.min(keys, axis=-1) - (1 if smallest_false else 0)  # holds(lo) is true (count >= k, mass >= p)
+    hi = jnp.max(keys, axis=-1) + (0 if smallest_false else 1)  # holds(hi) is false
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return hi if smallest_false else lo
 
 
 def top_logprobs(lp: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,72 @@
+"""Top-k, top-p and min-p without a sort keep exactly what the sort-based definition keeps, on random logits:
+the same kept set, the same renormalised probabilities, and the same seeded samples."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from capstan.runtime.engine.sampler import _apply_filters
+from test_sampler import batch
+
+filters = jax.jit(_apply_filters)
+
+
+def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None = None) -> np.ndarray:
+    """The definition, by a full descending sort (as the sampler did before). `ambiguous` collects the (row, id)
+    whose mass above lies within float32 rounding of top_p: summed in another order, either answer is right."""
+    out = np.full_like(x, -np.inf)
+    for r, row in enumerate(x):
+        order = np.argsort(-row, kind="stable")
+        ordered = row[order]
+        V = len(row)
+        k = min(top_k[r], V) if top_k[r] > 0 else V
+        kth = ordered[k - 1]
+        ordered = np.where(np.arange(V) < k, ordered, -np.inf)
+        probs = np.exp(ordered - ordered[0]) / np.sum(np.exp(ordered - ordered[0]))
+        before = np.cumsum(probs) - probs
+        pth = np.min(np.where(before < top_p[r], ordered, np.inf))
+        if ambiguous is not None:
+            ambiguous += [(r, i) for i in order[np.abs(before - top_p[r]) < 1e-5]]
+        threshold = max(kth, pth)
+        if min_p[r] > 0:
+            threshold = max(threshold, ordered[0] + np.log(min_p[r]))
+        out[r] = np.where(row >= threshold, row, -np.inf)
+    return out
+
+
+@pytest.mark.parametrize("V, scale", [(64, 1.0), (1000, 3.0), (32_000, 0.5), (32_000, 8.0)])
+def test_the_kept_set_is_the_sorted_definitions(V, scale):
+    rng = np.random.default_rng(V)
+    S = 16
+    x = (rng.standard_normal((S, V)) * scale).astype(np.float32)
+    x[0, :5] = x[0, 5]  # ties at a boundary
+    top_k = rng.choice([0, 1, 5, 50, V - 1, V + 10], S).astype(np.int32)
+    top_p = rng.choice([1.0, 0.95, 0.9, 0.5, 0.1, 1e-6], S).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.05, 0.3], S).astype(np.float32)
+    b = batch(S=S, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True))
+    got = np.asarray(filters(jnp.asarray(x), b))
+    ambiguous = []
+    want = sorted_reference(x, top_k, top_p, min_p, ambiguous)
+    differ = set(zip(*np.nonzero(np.isfinite(got) != np.isfinite(want))))
+    assert differ <= set(ambiguous), differ - set(ambiguous)  # the same kept set, but for float rounding
+    rows = [r for r in range(S) if not any(d[0] == r for d in differ)]
+    np.testing.assert_allclose(jax.nn.softmax(got[rows], axis=-1), jax.nn.softmax(want[rows], axis=-1),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_seeded_samples_are_the_same_as_with_the_reference_filters():
+    from capstan.runtime.engine import sampler
+
+    rng = np.random.default_rng(9)
+    S, V = 32, 4096
+    x = (rng.standard_normal((S, V)) * 2).astype(np.float32)
+    b = batch(S=S, temperature=np.full(S, 0.8, np.float32), top_k=np.full(S, 40, np.int32),
+              top_p=np.full(S, 0.9, np.float32), any_filter=np.bool_(True), want_logprobs=np.bool_(False),
+              allowed=np.full((S, V // 32), -1, np.int32))
+    ours = np.asarray(jax.jit(sampler.sample)(jnp.asarray(x), b).tokens)
+    reference = sorted_reference(x / 0.8, np.full(S, 40), np.full(S, 0.9), np.zeros(S))
+    keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    assert ours.tolist() == np.argmax(reference + np.asarray(gumbel), axis=-1).tolist()
