@@ -7,10 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capstan.runtime.engine.sampler import _apply_filters
+from capstan.runtime.engine.sampler import filters_by_bisection, filters_by_sort
 from test_sampler import batch
 
-filters = jax.jit(_apply_filters)
 
 
 def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None = None) -> np.ndarray:
@@ -36,8 +35,9 @@ def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None 
     return out
 
 
+@pytest.mark.parametrize("filters", [filters_by_bisection, filters_by_sort], ids=["bisection", "sort"])
 @pytest.mark.parametrize("V, scale", [(64, 1.0), (1000, 3.0), (32_000, 0.5), (32_000, 8.0)])
-def test_the_kept_set_is_the_sorted_definitions(V, scale):
+def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
     rng = np.random.default_rng(V)
     S = 16
     x = (rng.standard_normal((S, V)) * scale).astype(np.float32)
@@ -46,7 +46,7 @@ def test_the_kept_set_is_the_sorted_definitions(V, scale):
     top_p = rng.choice([1.0, 0.95, 0.9, 0.5, 0.1, 1e-6], S).astype(np.float32)
     min_p = rng.choice([0.0, 0.0, 0.05, 0.3], S).astype(np.float32)
     b = batch(S=S, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True))
-    got = np.asarray(filters(jnp.asarray(x), b))
+    got = np.asarray(jax.jit(filters)(jnp.asarray(x), b))
     ambiguous = []
     want = sorted_reference(x, top_k, top_p, min_p, ambiguous)
     differ = set(zip(*np.nonzero(np.isfinite(got) != np.isfinite(want))))

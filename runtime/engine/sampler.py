@@ -105,7 +105,7 @@ def _apply_penalties(x: jax.Array, b: SamplingBatch) -> jax.Array:
     return x - b.presence_penalty[:, None] * (out_counts > 0)
 
 
-def _apply_filters(x: jax.Array, b: SamplingBatch) -> jax.Array:
+def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
     """Top-k, then top-p over what top-k kept (renormalised), then min-p; exact, without sorting the vocabulary:
     each threshold is found by bisection over the float32 values' ordered bit patterns (32 passes of a compare
     and a sum), so it is one of the row's own values and the kept set is the one a full sort would give."""
@@ -132,6 +132,23 @@ def _apply_filters(x: jax.Array, b: SamplingBatch) -> jax.Array:
     return jnp.where(keep, x, -jnp.inf)
 
 
+def filters_by_sort(x: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Top-k, top-p, min-p by one descending sort of the vocabulary: the fastest way on GPUs (measured)."""
+    S, V = x.shape
+    ordered = jnp.sort(x, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    ordered = jnp.where(jnp.arange(V)[None, :] < k[:, None], ordered, -jnp.inf)  # top-p renormalises after top-k
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    in_top_p = before < b.top_p[:, None]
+    pth = jnp.min(jnp.where(in_top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(kth, pth)
+    min_p_floor = ordered[:, :1] + jnp.log(jnp.maximum(b.min_p, 1e-30))[:, None]  # p >= min_p * p_max
+    threshold = jnp.where(b.min_p[:, None] > 0, jnp.maximum(threshold, min_p_floor), threshold)
+    return jnp.where(x >= threshold, x, -jnp.inf)
+
+
 def _ordered_keys(x: jax.Array) -> jax.Array:
     """int32 keys in the order of the float32 values (-inf lowest): a float's bits, negatives flipped."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
@@ -153,6 +170,12 @@ def _bisect(keys: jax.Array, holds, smallest_false: bool = False) -> jax.Array:
 
     lo, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
     return hi if smallest_false else lo
+
+
+def _apply_filters(x: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Both are exact; on GPUs the sort is faster (H100, mixed workload: 14,070 against 10,970 tokens/s), on CPUs
+    (and TPUs, untested) the bisection (2.4x on this repository's CPU benchmark): benchmarks/RESULTS.md."""
+    return filters_by_sort(x, b) if jax.default_backend() == "gpu" else filters_by_bisection(x, b)
 
 
 def top_logprobs(lp: jax.Array) -> tuple[jax.Array, jax.Array]:
