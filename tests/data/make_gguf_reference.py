@@ -2,7 +2,10 @@
 
 Tokenizer: llama.cpp's token ids and detokenized text for a varied text set, and llama-cpp-python's rendering of the
 chat template. Logits: llama.cpp's teacher-forced log-probabilities (float32 KV cache) and its greedy continuations
-with each step's top-2 margin, so the test knows where a near-tie lets two correct implementations part.
+with each step's top-2 margin, so the test knows where a near-tie lets two correct implementations part; twice:
+on the Q4_1 file itself ("logits": llama.cpp quantizes activations to 8 bits for its Q4_1/Q8_0 dot products) and
+on a copy with every tensor dequantized to F32 ("logits_f32": the same float32 weights Capstan serves, so only
+float rounding separates the two implementations).
 
 Needs llama-cpp-python (built from source here; not a test dependency):
     CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python && python tests/data/make_gguf_reference.py"""
@@ -53,8 +56,35 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def main(gguf_path: str, out: Path) -> None:
-    from llama_cpp import Llama, llama_cpp
+# tokenizer kinds the default model does not use, in GGUF files tests/gguf_files.py writes the same way again
+OTHER_TOKENIZERS = ["llama-bpe", "qwen2", "gpt-2", "spm", "spm-no-prefix"]
+
+
+def other_tokenizers() -> dict[str, list[list[int]]]:
+    import tempfile
+
+    from llama_cpp import Llama
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from gguf_files import GOLDEN_TOKENIZER_CASE, write_toy_spm_gguf, write_gguf
+
+    from golden import GOLDEN
+
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in OTHER_TOKENIZERS:
+            file = Path(tmp) / f"{kind}.gguf"
+            if kind.startswith("spm"):
+                write_toy_spm_gguf(file, add_space_prefix=kind == "spm")
+            else:
+                write_gguf(GOLDEN / GOLDEN_TOKENIZER_CASE, file, pre=kind)
+            vocab = Llama(str(file), vocab_only=True, verbose=False)
+            found[kind] = [vocab.tokenize(t.encode(), add_bos=True, special=True) for t in TEXTS]
+    return found
+
+
+def tokenizer_and_logits(gguf_path: str):
+    from llama_cpp import Llama
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     vocab = Llama(gguf_path, vocab_only=True, verbose=False)
@@ -72,10 +102,21 @@ def main(gguf_path: str, out: Path) -> None:
     for chat in chats:
         chat["ids"] = vocab.tokenize(chat["rendered"].encode(), add_bos=False, special=True)
 
-    # float32 K/V so the difference left is llama.cpp's quantized matmuls (Q4_1 x Q8_1), not its f16 cache
-    llm = Llama(gguf_path, n_ctx=512, n_batch=512, logits_all=True, n_threads=2, seed=0, verbose=False,
-                type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     prompts = [vocab.tokenize(p.encode(), add_bos=True, special=True) for p in PROMPTS] + [c["ids"] for c in chats]
+    logits = run_logits(gguf_path, prompts)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logits_f32 = run_logits(dequantized_copy(gguf_path, Path(tmp) / "f32.gguf"), prompts)
+    return tokenizer, chats, logits, logits_f32
+
+
+def run_logits(gguf_path: str | Path, prompts: list[list[int]]) -> list[dict]:
+    from llama_cpp import Llama, llama_cpp
+
+    # float32 K/V so that llama.cpp's f16 cache adds no difference of its own
+    llm = Llama(str(gguf_path), n_ctx=512, n_batch=512, logits_all=True, n_threads=2, seed=0, verbose=False,
+                type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     logits = []
     for ids in prompts:
         llm.reset()
@@ -97,10 +138,37 @@ def main(gguf_path: str, out: Path) -> None:
             llm.eval([token])
             last = log_softmax(np.asarray(llm.scores[llm.n_tokens - 1]))
         logits.append({"prompt_ids": ids, "positions": positions, "greedy": greedy, "greedy_top2_margins": margins})
+    return logits
 
+
+def dequantized_copy(gguf_path: str, out: Path) -> Path:
+    """The same file with every tensor dequantized to F32: metadata copied field by field."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    writer = gguf.GGUFWriter(str(out), reader.get_field("general.architecture").contents())
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist()))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def write(gguf_path: str, out: Path) -> None:
     import llama_cpp as lc
+
+    tokenizer, chats, logits, logits_f32 = tokenizer_and_logits(gguf_path)
     out.write_text(json.dumps({"gguf": Path(gguf_path).name, "llama_cpp_python": lc.__version__,
-                               "kv_cache": "f32", "tokenizer": tokenizer, "chats": chats, "logits": logits},
+                               "kv_cache": "f32", "tokenizer": tokenizer, "chats": chats, "logits": logits,
+                               "logits_f32": logits_f32, "other_tokenizers": other_tokenizers()},
                               ensure_ascii=False, indent=0))
     print(f"wrote {out} ({out.stat().st_size} bytes)")
 
@@ -108,5 +176,5 @@ def main(gguf_path: str, out: Path) -> None:
 if __name__ == "__main__":
     from capstan.runtime.config import installed_smollm2
 
-    main(sys.argv[1] if len(sys.argv) > 1 else str(installed_smollm2()),
+    write(sys.argv[1] if len(sys.argv) > 1 else str(installed_smollm2()),
          Path(__file__).parent / "smollm2_reference.json")
