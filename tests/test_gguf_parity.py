@@ -2,11 +2,11 @@
 llama.cpp on the same file (tests/data/smollm2_reference.json, written by tests/data/make_gguf_reference.py).
 
 Log-probabilities are compared twice. Against llama.cpp run on a copy of the file dequantized to F32 (the very
-float32 weights we serve), only float rounding separates the two: measured at most 3.4e-5 nats over 106 prompt
-positions, and all 144 greedy tokens agree; F32_TOLERANCE leaves 30x headroom. Against llama.cpp on the Q4_1
+float32 weights we serve), only float rounding separates the two: measured at most 3.4e-5 nats over 164 values
+(106 prompt positions, 58 top-10 alternatives), and all 144 greedy tokens agree; F32_TOLERANCE leaves 30x headroom. Against llama.cpp on the Q4_1
 file itself, llama.cpp quantizes activations to 8 bits (Q8_1/Q8_0 blocks of 32) for its quantized dot products,
-so its answers move: measured at most 0.379 nats (mean 0.067) from ours, which is also how far llama.cpp's Q4_1
-run is from its own F32 run. Q4_TOLERANCE and Q4_MEAN_TOLERANCE bound that noise with headroom. Greedy tokens must
+so its answers move: measured at most 0.42 nats (mean 0.086) from ours, which (ours being within 3.4e-5 of its F32
+run) is how far llama.cpp's Q4_1 arithmetic moves it from its own F32 run. Q4_TOLERANCE and Q4_MEAN_TOLERANCE bound that noise with headroom. Greedy tokens must
 agree up to the first step whose top-2 margin could be flipped by twice the tolerance (a near-tie)."""
 import json
 from pathlib import Path
@@ -24,7 +24,7 @@ from gguf_files import GOLDEN_TOKENIZER_CASE, write_gguf, write_toy_spm_gguf
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
 F32_TOLERANCE = 1e-3  # nats, against llama.cpp on the dequantized weights (measured 3.4e-5)
-Q4_TOLERANCE, Q4_MEAN_TOLERANCE = 0.5, 0.1  # nats, against llama.cpp's quantized arithmetic (measured 0.379, 0.067)
+Q4_TOLERANCE, Q4_MEAN_TOLERANCE = 0.5, 0.12  # nats, against llama.cpp's quantized arithmetic (measured 0.42, 0.086)
 TOP = 10
 
 
