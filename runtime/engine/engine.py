@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import DEFAULT_MODEL, EngineConfig
+from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
 from ..kv.page_pool import PagePool
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
@@ -57,7 +57,7 @@ class LLMEngine:
         cfg = self.model.cfg
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(
             resolve_checkpoint(config.tokenizer) if config.tokenizer else path)
-        self.model_name = "capstan-default" if path.resolve() == DEFAULT_MODEL.resolve() else path.name
+        self.model_name = served_model_name(path)
         if config.max_model_len is None:
             config.max_model_len = min(cfg.max_position_embeddings, 8192)
         self.max_model_len = config.max_model_len

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from .config import ModelConfig, UnsupportedModelError
 from .decoder import DecoderModel, rope_tables
 from .gemma3 import GEMMA3_BLOCK_WEIGHTS, Gemma3Block
+from .gguf_checkpoint import is_gguf, load_gguf_model
 from .layers import Attention, GatedMLP, ModelAxes
 from .llama import LLAMA_BLOCK_WEIGHTS, LlamaBlock
 
@@ -29,7 +30,7 @@ def parse_dtype(name: str):
 
 
 def resolve_checkpoint(model: str | Path) -> Path:
-    """A local folder as is; hf://org/name[@revision] downloaded (or found in the cache) via huggingface_hub."""
+    """A local folder or .gguf file as is; hf://org/name[@revision] downloaded (or found in the cache)."""
     text = str(model)
     if text.startswith("hf://"):
         repo, _, revision = text[len("hf://"):].partition("@")
@@ -41,14 +42,17 @@ def resolve_checkpoint(model: str | Path) -> Path:
         except Exception as e:  # no network, no such repo, gated: say which and why
             raise UnsupportedModelError(f"model {text}: download failed: {type(e).__name__}: {e}") from None
     path = Path(text)
-    if not path.is_dir():
-        raise UnsupportedModelError(f"model {text}: no such checkpoint folder (or use hf://org/name)")
+    if not (path.is_dir() or is_gguf(path)):
+        raise UnsupportedModelError(f"model {text}: no such checkpoint folder or .gguf file (or use hf://org/name)")
     return path
 
 
 def load_model(path: str | Path, dtype: str = "float32") -> DecoderModel:
-    """A checkpoint folder with config.json and model.safetensors or sharded safetensors with their index."""
+    """A checkpoint folder with config.json and model.safetensors or sharded safetensors with their index,
+    or a .gguf file (dequantized to dtype at load)."""
     path = Path(path)
+    if is_gguf(path):
+        return load_gguf_model(path, parse_dtype(dtype))
     cfg = ModelConfig.from_pretrained(path)
     return build_model(cfg, _safetensors_source(path), parse_dtype(dtype))
 

@@ -1,5 +1,7 @@
-"""POST /tokenize and /detokenize in vLLM's shapes: a prompt (or chat messages, rendered exactly as
-/v1/chat/completions renders them) to token ids, and ids back to text. Request and response models live here."""
+"""POST /tokenize, /detokenize and GET /tokenizer_info in vLLM's shapes: a prompt (or chat messages, rendered
+exactly as /v1/chat/completions renders them) to token ids, ids back to text, and the tokenizer's special tokens and
+chat template (what lm-eval's `remote` tokenizer reads, so clients score with the served tokenizer and download none).
+Request and response models live here."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -50,6 +52,16 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfoResponse(BaseModel):
+    tokenizer_class: str = "PreTrainedTokenizerFast"  # transformers' name for a `tokenizers` backend, as vLLM reports it
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int
+
+
 @router.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True)
 async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_context)) -> TokenizeResponse:
     ctx.resolve_model(body.model)
@@ -82,3 +94,12 @@ async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(get_c
     return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
+
+
+@router.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+async def tokenizer_info(ctx: ServerContext = Depends(get_context)) -> TokenizerInfoResponse:
+    tokenizer = ctx.engine.tokenizer
+    return TokenizerInfoResponse(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                                 pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token,
+                                 chat_template=tokenizer.chat_template,
+                                 model_max_length=ctx.engine.config.max_model_len)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from capstan.runtime.config import DEFAULT_MODEL  # pinned: the tiny model, not SmolLM2 (speed)
 from control_plane import free_port, stop_process_group, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -27,7 +28,7 @@ class ServeProcess:
         self.port = free_port()
         self.log = log
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "capstan.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "capstan.runtime.cli", "serve", str(DEFAULT_MODEL), "--host", "127.0.0.1", "--port", str(self.port),
              "--served-model-name", "tiny", "--max-num-seqs", "2", "--drain-timeout", "1"],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "JAX_PLATFORMS": "cpu"})

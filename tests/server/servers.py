@@ -65,11 +65,13 @@ class ThreadServer:
 class ServeProcess:
     """`capstan serve` as a user runs it, in its own process group so it can be signalled and cleaned up."""
 
-    def __init__(self, *flags: str, env: dict | None = None):
+    def __init__(self, *flags: str, env: dict | None = None, model: Path | None = CHECKPOINT,
+                 engine_flags: dict = ENGINE_FLAGS):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "capstan.runtime.cli", "serve", str(CHECKPOINT), "--host", "127.0.0.1",
-                   "--port", str(self.port), *[f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()],
+        model_arg = [str(model)] if model is not None else []  # None: the default model, as `capstan serve` alone
+        command = [sys.executable, "-m", "capstan.runtime.cli", "serve", *model_arg, "--host", "127.0.0.1",
+                   "--port", str(self.port), *[f"--{k.replace('_', '-')}={v}" for k, v in engine_flags.items()],
                    *flags]
         self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, start_new_session=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,0 +1,167 @@
+"""GGUF checkpoints (llama.cpp's one-file format): metadata -> ModelConfig, tensors dequantized at load.
+
+Read with llama.cpp's own `gguf` package. GGUF tensor names are mapped onto the Hugging Face names that
+build_model asks for, and llama.cpp's conversion edits (Q/K row permutation, Gemma's +1 norms) are undone."""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig, UnsupportedModelError
+
+# general.architecture -> the Hugging Face architecture whose block we build
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden/heads instead of head_dim (its config)
+# Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.")
+LAYER_TENSORS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+}
+LLAMA_LAYER_TENSORS = {"post_attention_layernorm": "ffn_norm"}
+GEMMA3_LAYER_TENSORS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                        "post_feedforward_layernorm": "post_ffw_norm"}
+TOP_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+@functools.lru_cache(maxsize=1)
+def read_gguf(path: str) -> gguf.GGUFReader:
+    """Parsed once per file: the model and the tokenizer both read it (parsing a 49k vocab takes seconds)."""
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise UnsupportedModelError(f"{path}: not a readable GGUF file: {e}") from None
+
+
+def field(reader: gguf.GGUFReader, key: str, default=None):
+    f = reader.get_field(key)
+    return default if f is None else f.contents()
+
+
+def architecture(reader: gguf.GGUFReader, path: str | Path) -> str:
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"{path}: GGUF general.architecture={arch!r} is not supported; "
+                                    f"supported: {', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def gguf_model_config(path: str | Path) -> ModelConfig:
+    """The GGUF metadata as the config.json it came from, validated by ModelConfig.from_hf."""
+    return ModelConfig.from_hf(hf_config(read_gguf(str(path)), path))
+
+
+def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
+    arch = architecture(reader, path)
+
+    def key(name: str, default=None, required: bool = False):
+        value = field(reader, f"{arch}.{name}", default)
+        if required and value is None:
+            raise UnsupportedModelError(f"{path}: GGUF metadata has no {arch}.{name}")
+        if isinstance(value, list):  # per-layer values (e.g. head_count_kv of hybrid models)
+            raise UnsupportedModelError(f"{path}: GGUF {arch}.{name} varies by layer, which is not supported")
+        return value
+
+    hidden, heads = key("embedding_length", required=True), key("attention.head_count", required=True)
+    head_dim = key("attention.key_length") or hidden // heads
+    if key("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError(f"{path}: GGUF {arch}.attention.value_length differs from key_length")
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise UnsupportedModelError(f"{path}: GGUF {arch}.rope.dimension_count={key('rope.dimension_count')} "
+                                    f"(partial rotary) is not supported; head size is {head_dim}")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise UnsupportedModelError(f"{path}: GGUF tensor rope_freqs.weight (Llama 3.1 rope scaling) is not supported")
+    scaling = key("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModelError(f"{path}: GGUF {arch}.rope.scaling.type={scaling!r} is not supported; "
+                                    "supported: none, linear")
+    num_layers = key("block_count", required=True)
+    tokens = field(reader, "tokenizer.ggml.tokens") or []
+    hf = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": key("vocab_size") or len(tokens),
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": key("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "rope_scaling": {"rope_type": "linear", "factor": key("rope.scaling.factor")} if scaling == "linear" else None,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "sliding_window": key("attention.sliding_window"),
+        "final_logit_softcapping": key("final_logit_softcapping"),
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+        hf |= {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": key("rope.freq_base_swa", 10000.0),
+               "query_pre_attn_scalar": hidden // heads if num_layers == GEMMA3_27B_LAYERS else head_dim}
+        if isinstance(pattern, list):  # one flag per layer: true for a sliding-window layer
+            hf["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+        else:
+            hf["sliding_window_pattern"] = pattern
+    return hf
+
+
+def load_gguf_model(path: str | Path, dtype) -> "DecoderModel":  # noqa: F821
+    from .loader import build_model  # the loader dispatches here; build_model is shared
+
+    reader = read_gguf(str(path))
+    cfg = ModelConfig.from_hf(hf_config(reader, path))
+    return build_model(cfg, gguf_tensor_source(reader, cfg, path), dtype)
+
+
+def gguf_tensor_source(reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Path):
+    tensors = {t.name: t for t in reader.tensors}
+    arch = architecture(reader, path)
+    layer_names = LAYER_TENSORS | (GEMMA3_LAYER_TENSORS if arch == "gemma3" else LLAMA_LAYER_TENSORS)
+
+    def source(hf_name: str, shape: tuple[int, ...]):
+        name = gguf_name(hf_name, layer_names)
+        if name not in tensors:
+            raise UnsupportedModelError(f"{path}: GGUF has no tensor {name} (for {hf_name})")
+        t = tensors[name]
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        if values.shape != tuple(shape):
+            raise UnsupportedModelError(f"{path}: GGUF tensor {name} has shape {values.shape}, expected {shape}")
+        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = cfg.num_heads if name.split(".")[-2] == "attn_q" else cfg.num_kv_heads
+            values = unpermute_rows(values, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            values = values - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; we apply the 1 ourselves
+        return jnp.asarray(values.astype(np.float32))
+
+    return source
+
+
+def gguf_name(hf_name: str, layer_names: dict[str, str]) -> str:
+    if hf_name in TOP_TENSORS:
+        return TOP_TENSORS[hf_name]
+    m = LAYER_NAME.fullmatch(hf_name)
+    assert m and m.group(2) in layer_names, hf_name
+    return f"blk.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's convert permutation of Q/K rows (rotate-half pairs interleaved for its rope kernel)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
