@@ -4,7 +4,6 @@ import jax
 import numpy as np
 import pytest
 
-import gguf
 from capstan.runtime.models.config import UnsupportedModelError
 from capstan.runtime.models.loader import load_model, resolve_checkpoint
 from capstan.runtime.tokenizer import Tokenizer

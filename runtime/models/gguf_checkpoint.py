@@ -7,12 +7,16 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from .decoder import DecoderModel
 
 # general.architecture -> the Hugging Face architecture whose block we build
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -59,12 +63,8 @@ def architecture(reader: gguf.GGUFReader, path: str | Path) -> str:
     return arch
 
 
-def gguf_model_config(path: str | Path) -> ModelConfig:
-    """The GGUF metadata as the config.json it came from, validated by ModelConfig.from_hf."""
-    return ModelConfig.from_hf(hf_config(read_gguf(str(path)), path))
-
-
 def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
+    """The GGUF metadata as the config.json it came from, for ModelConfig.from_hf to validate."""
     arch = architecture(reader, path)
 
     def key(name: str, default=None, required: bool = False):
@@ -123,7 +123,7 @@ def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
     return hf
 
 
-def load_gguf_model(path: str | Path, dtype) -> "DecoderModel":  # noqa: F821
+def load_gguf_model(path: str | Path, dtype) -> DecoderModel:
     from .loader import build_model  # the loader dispatches here; build_model is shared
 
     reader = read_gguf(str(path))
