@@ -10,6 +10,7 @@ import sys
 from .config import COMPILATION_CACHE, EngineConfig, default_model
 
 log = logging.getLogger("capstan")
+CPU_MAX_NUM_SEQS = 4  # a CPU step computes every padded row: 4 keeps one chat fast (README snippet: ~6 s)
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +20,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                              "when installed, else the embedded random model)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
                         help="context length (default: the checkpoint's, capped at 8192)")
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences in one step")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"sequences in one step (default: {d.max_num_seqs} on GPU/TPU, {CPU_MAX_NUM_SEQS} on CPU, "
+                             "where every step computes all of its padded rows)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                         help="token budget of one step")
     parser.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV-cache page")
@@ -43,13 +46,19 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="skip compiling every shape up front (first requests compile instead)")
 
 
+def _default_max_num_seqs() -> int:
+    import jax
+
+    return CPU_MAX_NUM_SEQS if jax.default_backend() == "cpu" else EngineConfig.max_num_seqs
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported for now")
     if args.model is None:
         args.model = str(default_model())
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs or _default_max_num_seqs(),
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
         kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
         warmup=args.warmup, max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
