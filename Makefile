@@ -1,8 +1,14 @@
 PYTHON ?= python3
 
-.PHONY: setup test serve cluster-binaries crds bench gpu-wheels
+.PHONY: setup system-packages test serve cluster-binaries image image-cuda crds bench gpu-wheels
 setup:  ## install Capstan and its test dependencies
 	$(PYTHON) -m pip install -q -e ".[dev]"
+
+# The image build and the real-node tests: Debian's OCI tools, and the node's container runtime and CNI plugins.
+SYSTEM_PACKAGES = mmdebstrap umoci skopeo containerd runc containernetworking-plugins iptables conntrack
+system-packages:  ## Debian packages for `make image` and the real-node tests (root)
+	apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) || \
+		(apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))
 
 test:   ## the whole test suite (the cluster tests build their binaries once, then reuse them)
 	$(PYTHON) -m pytest -q
@@ -12,6 +18,12 @@ serve:  ## serve the embedded default model on 127.0.0.1:8000
 
 cluster-binaries:  ## build the operator tests' Kubernetes binaries once (Go >= 1.26; cached in ~/.cache/capstan/k8s-bin)
 	$(PYTHON) tests/cluster/binaries.py
+
+image:  ## the CPU OCI image localhost/capstan:<version> (root; cached in ~/.cache/capstan/image): prints archive, name
+	$(PYTHON) image/build.py --variant cpu
+
+image-cuda:  ## the same with jax's CUDA 13 wheels, localhost/capstan:<version>-cuda (not in CI)
+	$(PYTHON) image/build.py --variant cuda
 
 crds:  ## regenerate crds/ and charts/capstan/crds/ from operator/api.py
 	$(PYTHON) -m capstan.operator.crd

@@ -44,7 +44,8 @@ def image():
 
 
 @pytest.fixture(scope="session")
-def real_cluster(image, tmp_path_factory):
+def real_node(image, tmp_path_factory):
+    """The control plane and the real node beside it (the node knows its cluster and its network)."""
     if os.geteuid() != 0:
         pytest.skip("the real node needs root: network namespaces, mounts, containerd")
     missing = [tool for tool in NODE_TOOLS if not shutil.which(tool, path=os.environ["PATH"] + ":/usr/sbin:/sbin")]
@@ -58,13 +59,18 @@ def real_cluster(image, tmp_path_factory):
     try:
         cluster.start()
         node.start([image[0]])
-        yield cluster
+        yield node
     finally:
         try:
             node.stop()
         finally:
             cluster.stop()
             network.destroy()
+
+
+@pytest.fixture(scope="session")
+def real_cluster(real_node):
+    return real_node.cluster
 
 
 @pytest.fixture(scope="session")
