@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -66,25 +67,43 @@ def cache_root() -> Path:
     return base / "capstan" / "image"
 
 
+HASH_LENGTH = 16
+HASH_GLOB = "[0-9a-f]" * HASH_LENGTH  # a cache folder's name: variant-hash, or variant-base-hash
+
+
 def _hash(paths: list[Path], *extra) -> str:
     digest = hashlib.sha256()
     for path in paths:
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(repr(extra).encode())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()[:HASH_LENGTH]
 
 
 def base_hash(variant: str) -> str:
-    """The base layer's inputs: the recipe and the pinned requirements."""
-    return _hash([HERE / "build.py", HERE / f"requirements-{variant}.txt"], DEBIAN_MIRRORS, DEBIAN_PACKAGES, USER_ID)
+    """The base layer's inputs: the pinned requirements and the code that builds it (not the rest of this file)."""
+    recipe = [inspect.getsource(f) for f in (download_wheels, build_base_rootfs, pin_mtimes, build_base)]
+    return _hash([HERE / f"requirements-{variant}.txt"], recipe, DEBIAN_MIRRORS, DEBIAN_PACKAGES, USER_ID, VENV,
+                 CLEAN_ENV, SOURCE_DATE_EPOCH)
 
 
 def image_hash(variant: str) -> str:
-    """The whole image's inputs: the base's, and Capstan's own sources."""
-    files = [REPO / "pyproject.toml", REPO / "README.md"]
+    """The whole image's inputs: the base's, this recipe, and Capstan's own sources."""
+    files = [HERE / "build.py", REPO / "pyproject.toml", REPO / "README.md"]
     for folder in SOURCE_FOLDERS:
         files += sorted(p for p in (REPO / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    return _hash(files, base_hash(variant), ENV)
+    return _hash(files, base_hash(variant))
+
+
+def prune(pattern: str, keep: int) -> None:
+    """Older builds go (a few hundred MiB each), but the newest `keep`: worktrees that alternate stay cached."""
+    folders = sorted(cache_root().glob(pattern), key=lambda f: f.stat().st_mtime, reverse=True)
+    for folder in folders[keep:]:
+        with (folder / ".lock").open("w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # another build is using it
+            shutil.rmtree(folder)
 
 
 def run(*args: str, **kwargs) -> None:
@@ -152,6 +171,7 @@ def build_base(variant: str, log) -> Path:
     with (folder / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (folder / "done").exists():
+            os.utime(folder)
             return layout
         started = time.monotonic()
         log(f"building the {variant} base layer (once; cached in {folder})")
@@ -170,6 +190,7 @@ def build_base(variant: str, log) -> Path:
             str(work / "bundle"))
         shutil.rmtree(work)
         (folder / "done").touch()  # written last: a half-built base is never the cache
+        prune(f"{variant}-base-{HASH_GLOB}", keep=2)
         log(f"built the {variant} base layer in {time.monotonic() - started:.0f}s")
     return layout
 
@@ -214,6 +235,7 @@ def build_image(variant: str = "cpu", log=print) -> tuple[Path, str]:
     with (folder / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two builds at once: one builds, the other waits and reuses
         if archive.exists():
+            os.utime(folder)  # recently used: pruned last
             return archive, reference
         require_tools()
         started = time.monotonic()
@@ -227,6 +249,7 @@ def build_image(variant: str = "cpu", log=print) -> tuple[Path, str]:
             f"oci-archive:{work / 'image.oci.tar'}:{reference}")
         (work / "image.oci.tar").replace(archive)  # moved in last: a half-built image is never the cache
         shutil.rmtree(work)
+        prune(f"{variant}-{HASH_GLOB}", keep=3)
         log(f"built {reference} in {time.monotonic() - started:.0f}s: {archive.stat().st_size / 2**20:.0f} MiB")
     return archive, reference
 
