@@ -7,6 +7,7 @@ OCI archives imported into containerd (no registry is reachable), including the 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,6 +27,20 @@ PAUSE_IMAGE = "localhost/capstan-pause:1"
 CNI_PLUGINS = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 START_TIMEOUT = 120.0
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # runc and iptables live in sbin
+
+
+def shared_containerd_root() -> tuple[Path, object] | None:
+    """containerd's image store, kept between runs: importing and unpacking the image takes ~40 s and deleting
+    it minutes (discards on this machine's disk). One run at a time holds it; others get one of their own."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capstan" / "realnode"
+    base.mkdir(parents=True, exist_ok=True)
+    lock = (base / "containerd.lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return base / "containerd-root", lock
 
 
 def pause_image(binaries: ClusterBinaries, folder: Path) -> Path:
@@ -54,6 +69,8 @@ class RealNode:
         self.binaries, self.cluster, self.network, self.workdir, self.name = binaries, cluster, network, workdir, name
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.socket = workdir / "containerd" / "containerd.sock"
+        shared = shared_containerd_root()
+        self.containerd_root, self._root_lock = shared or (workdir / "containerd" / "root", None)
 
     # -- processes --------------------------------------------------------------------------------------------
     def _start(self, name: str, args: list[str]) -> Path:
@@ -79,9 +96,7 @@ class RealNode:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._start_containerd()
         for archive in [pause_image(self.binaries, self.workdir), *images]:
-            started = time.monotonic()
-            self.ctr("images", "import", "--no-unpack=false", str(archive))
-            print(f"[real node] imported {archive.name} in {time.monotonic() - started:.0f}s", flush=True)
+            self._import(archive)
         self._write_cni_config()
         self._start_kubelet()
         wait_for("the real node Ready", self._ready, START_TIMEOUT, interval=1,
@@ -102,12 +117,13 @@ class RealNode:
         cri = 'plugins."io.containerd.grpc.v1.cri"'
         (folder / "config.toml").write_text("\n".join([
             "version = 2",
-            f'root = "{folder / "root"}"',
+            f'root = "{self.containerd_root}"',
             f'state = "{folder / "state"}"',
             "[grpc]",
             f'  address = "{self.socket}"',
             f"[{cri}]",
             f'  sandbox_image = "{PAUSE_IMAGE}"',
+            "  restrict_oom_score_adj = true",  # no CAP_SYS_RESOURCE here: runc may not lower oom_score_adj
             f"[{cri}.cni]",
             f'  bin_dir = "{CNI_PLUGINS}"',
             f'  conf_dir = "{self.workdir / "cni"}"',
@@ -118,6 +134,20 @@ class RealNode:
         log = self._start("containerd", ["containerd", f"--config={folder / 'config.toml'}"])
         wait_for("containerd", lambda: self._check_alive() or self.ctr("version", timeout=5), START_TIMEOUT,
                  process_log=log)
+
+    def _import(self, archive: Path) -> None:
+        """Import the archive unless the store holds it already; other builds of its name go."""
+        reference, digest = archive_manifest(archive)
+        stored = {line.split()[0]: line.split()[2] for line in self.ctr("images", "ls").stdout.splitlines()[1:]}
+        if stored.get(reference) == digest:
+            return
+        repository = reference.rsplit(":", 1)[0]
+        stale = [name for name in stored if name.rsplit(":", 1)[0] == repository]
+        if stale:
+            self.ctr("images", "rm", *stale)  # containerd's garbage collector frees their layers
+        started = time.monotonic()
+        self.ctr("images", "import", str(archive))
+        print(f"[real node] imported {archive.name} in {time.monotonic() - started:.0f}s", flush=True)
 
     def _write_cni_config(self) -> None:
         (self.workdir / "cni").mkdir(exist_ok=True)
@@ -189,7 +219,8 @@ class RealNode:
                 self._wait(process)
         self.processes.clear()
         self._unmount_all()
-        shutil.rmtree(self.workdir / "containerd" / "root", ignore_errors=True)  # an unpacked image: gigabytes
+        if self._root_lock is not None:
+            self._root_lock.close()  # the next run reuses the store
 
     def _running(self, name: str) -> bool:
         return any(n == name and p.poll() is None for n, p in self.processes)
@@ -225,8 +256,9 @@ class RealNode:
             subprocess.run(["umount", "-l", target], capture_output=True, timeout=10)
 
 
-def archive_reference(archive: Path) -> str:
-    """The image name an OCI archive carries (skopeo writes it as the index's ref.name annotation)."""
+def archive_manifest(archive: Path) -> tuple[str, str]:
+    """The image name an OCI archive carries (skopeo writes it as the index's ref.name annotation), and the
+    digest of its manifest."""
     with tarfile.open(archive) as tar:
-        index = json.load(tar.extractfile("index.json"))
-    return index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"]
+        manifest = json.load(tar.extractfile("index.json"))["manifests"][0]
+    return manifest["annotations"]["org.opencontainers.image.ref.name"], manifest["digest"]

@@ -65,25 +65,31 @@ class DrainTimeline:
 
     def _poll(self) -> None:
         while not self.stopping.is_set():
-            now = time.time()
-            pods = {p["metadata"]["name"]: p for p in self.cluster.get_json("pods", "-n", self.namespace)["items"]}
-            slices = self.cluster.get_json("endpointslices", "-n", self.namespace)["items"]
-            ready_ips = {address for s in slices for e in s.get("endpoints") or []
-                         if (e.get("conditions") or {}).get("ready") for address in e["addresses"]}
-            rules = self.node.network.run("iptables-save", "-t", "nat", check=False).stdout
-            for removal in self.pods.values():
-                pod = pods.get(removal.name)
-                if removal.deleted is None and (pod is None or pod["metadata"].get("deletionTimestamp")):
-                    removal.deleted = now
-                if removal.deleted is None:
-                    continue
-                if removal.endpoint_not_ready is None and removal.ip not in ready_ips:
-                    removal.endpoint_not_ready = now
-                if removal.proxy_rule_removed is None and f"{removal.ip}:" not in rules:
-                    removal.proxy_rule_removed = now
-                if removal.gone is None and pod is None:
-                    removal.gone = now
+            try:
+                self._sample()
+            except Exception as error:  # noqa: BLE001 - a failed sample is skipped; the next one counts
+                print(f"[drain timeline] sample failed: {error}", flush=True)
             self.stopping.wait(0.25)
+
+    def _sample(self) -> None:
+        now = time.time()
+        pods = {p["metadata"]["name"]: p for p in self.cluster.get_json("pods", "-n", self.namespace)["items"]}
+        slices = self.cluster.get_json("endpointslices", "-n", self.namespace)["items"]
+        ready_ips = {address for s in slices for e in s.get("endpoints") or []
+                     if (e.get("conditions") or {}).get("ready") for address in e["addresses"]}
+        rules = self.node.network.run("iptables-save", "-t", "nat", check=False).stdout
+        for removal in self.pods.values():
+            pod = pods.get(removal.name)
+            if removal.deleted is None and (pod is None or pod["metadata"].get("deletionTimestamp")):
+                removal.deleted = now
+            if removal.deleted is None:
+                continue
+            if removal.endpoint_not_ready is None and removal.ip not in ready_ips:
+                removal.endpoint_not_ready = now
+            if removal.proxy_rule_removed is None and f"{removal.ip}:" not in rules:
+                removal.proxy_rule_removed = now
+            if removal.gone is None and pod is None:
+                removal.gone = now
 
     def _follow_log(self, removal: PodRemoval) -> None:
         follower = subprocess.Popen(

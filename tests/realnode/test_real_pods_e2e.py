@@ -13,6 +13,7 @@ import yaml
 
 from build import EMBEDDED_TINY_MODEL
 from control_plane import wait_for
+from streaming_load import StreamingLoad
 
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 SERVE_TIMEOUT = 600  # image layers unpacked, weights loaded, every step shape compiled, on a shared 2-core machine
@@ -52,11 +53,9 @@ def wait_serving(cluster, namespace: str, name: str, replicas: int) -> dict:
         raise
 
 
-def service_client(cluster, namespace: str, name: str) -> openai.OpenAI:
-    """The OpenAI client on the Service's cluster IP, as a pod in the cluster would use it (no retries:
-    every failure counts)."""
-    cluster_ip = cluster.get_json("service", name, "-n", namespace)["spec"]["clusterIP"]
-    return openai.OpenAI(base_url=f"http://{cluster_ip}/v1", api_key="unused", max_retries=0, timeout=120)
+def service_url(cluster, namespace: str, name: str) -> str:
+    """The OpenAI base URL on the Service's cluster IP, as a pod in the cluster would use it."""
+    return f"http://{cluster.get_json('service', name, '-n', namespace)['spec']['clusterIP']}/v1"
 
 
 @pytest.fixture
@@ -70,13 +69,13 @@ def namespace(real_cluster):
 
 
 def test_the_chart_runs_the_operator_as_a_real_pod(real_cluster, chart):
-    pod, = real_cluster.get_json("pods", "-n", "capstan-system", "-l", "app.kubernetes.io/name=capstan")["items"]
+    pod, = real_cluster.get_json("pods", "-n", "capstan-system", "-l", "app.kubernetes.io/name=capstan-operator")["items"]
     assert pod["spec"]["nodeName"] == "capstan-node" and pod["spec"]["serviceAccountName"] == chart
     assert pod["status"]["containerStatuses"][0]["ready"], pod["status"]
 
 
 def test_an_inference_service_serves_through_its_service(real_cluster, chart, namespace):
-    autoscaling = {"minReplicas": 1, "maxReplicas": 1, "autoscaling": {"target": 100}}
+    autoscaling = {"minReplicas": 1, "maxReplicas": 2, "autoscaling": {"target": 2}}
     real_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=tiny_inference_service("tiny", **autoscaling))
     isvc = wait_serving(real_cluster, namespace, "tiny", replicas=1)
     assert isvc["status"]["url"] == f"http://tiny.{namespace}.svc.cluster.local/v1"
@@ -87,7 +86,8 @@ def test_an_inference_service_serves_through_its_service(real_cluster, chart, na
     assert status["restartCount"] == 0, real_cluster.kubectl("logs", "-n", namespace, pod["metadata"]["name"],
                                                              "--previous", check=False).stdout
 
-    client = service_client(real_cluster, namespace, "tiny")
+    base_url = service_url(real_cluster, namespace, "tiny")
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)  # every failure counts
     assert [m.id for m in client.models.list().data] == ["tiny"]
     completion = client.completions.create(model="tiny", prompt="The capstan turns", max_tokens=8, temperature=0)
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
@@ -102,11 +102,13 @@ def test_an_inference_service_serves_through_its_service(real_cluster, chart, na
     with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10) as response:
         assert b"capstan_" in response.read()
 
-    def decided_from_metrics():
+    def scaled_up():
         decision = real_cluster.get_json("inferenceservice", "tiny", "-n", namespace)["status"] \
             .get("autoscaling", {}).get("lastDecision", "")
-        return decision if "concurrentRequests" in decision else None
-    assert "per replica" in wait_for("an autoscaling decision from pod metrics", decided_from_metrics, 60)
+        return decision if decision.startswith("scale up 1 -> 2") else None
+    with StreamingLoad(base_url, clients=8, max_tokens=64) as load:  # about 8 running requests, target 2
+        decision = wait_for("the autoscaler scaling up on the pod's metrics", scaled_up, 90, interval=1)
+    assert "concurrentRequests" in decision and not load.failures, (decision, load.failures[:3])
 
     real_cluster.kubectl("delete", "inferenceservice", "tiny", "-n", namespace, "--wait=true", timeout=120)
 
