@@ -127,6 +127,7 @@ class ControlPlane:
             f"--service-account-signing-key-file={pki.service_account_key}",
             f"--service-cluster-ip-range={self.service_cidr}", "--allow-privileged=true", "--profiling=false",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
+            "--kubelet-preferred-address-types=InternalIP",  # `kubectl logs` from a real node: no DNS for its name
         ])
         context = ssl.create_default_context(cafile=str(pki.ca_cert))
         wait_for("kube-apiserver readiness", lambda: self._healthy(f"{self.server}/readyz", context),

@@ -74,6 +74,14 @@ def real_cluster(real_node):
 
 
 @pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    """One XLA compilation cache for every tiny pod (a hostPath): a new pod under load skips compiling."""
+    folder = tmp_path_factory.mktemp("xla-cache")
+    folder.chmod(0o777)  # the image's user, 65532, writes it
+    return folder
+
+
+@pytest.fixture(scope="session")
 def chart(real_cluster, image):
     """`helm install` the chart with the image this tree built: the operator runs as a real pod."""
     repository, tag = image[1].rsplit(":", 1)

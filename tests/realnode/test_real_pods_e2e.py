@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -19,14 +20,18 @@ pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 SERVE_TIMEOUT = 600  # image layers unpacked, weights loaded, every step shape compiled, on a shared 2-core machine
 
 
-def tiny_inference_service(name: str, replicas: int = 1, extra_args: tuple[str, ...] = (), **spec) -> str:
-    """The embedded tiny checkpoint on CPU: its args replace the operator's, which would name a download."""
+def tiny_inference_service(name: str, compile_cache: Path, replicas: int = 1, extra_args: tuple[str, ...] = (),
+                           **spec) -> str:
+    """The embedded tiny checkpoint on CPU: its args replace the operator's, which would name a download, and
+    its cache volume (XLA's compilation cache) is one folder of the node's, shared by every pod."""
     args = [EMBEDDED_TINY_MODEL, "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "tiny",
-            "--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
+            "--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
             "--drain-timeout", str(spec.get("drainTimeoutSeconds", 30)), *extra_args]
+    cache = {"name": "model-cache", "hostPath": {"path": str(compile_cache), "type": "Directory"}}
     body = {"model": {"uri": "hf://capstan/tiny-random", "servedName": "tiny"}, "accelerator": {"type": "cpu"},
             "replicas": replicas, "startupTimeoutSeconds": SERVE_TIMEOUT,
-            "podTemplate": {"spec": {"containers": [{"name": "capstan", "args": args}]}}, **spec}
+            "podTemplate": {"spec": {"containers": [{"name": "capstan", "args": args}], "volumes": [cache]}},
+            **spec}
     return yaml.safe_dump({"apiVersion": "serving.capstan.dev/v1alpha1", "kind": "InferenceService",
                            "metadata": {"name": name}, "spec": body})
 
@@ -74,9 +79,9 @@ def test_the_chart_runs_the_operator_as_a_real_pod(real_cluster, chart):
     assert pod["status"]["containerStatuses"][0]["ready"], pod["status"]
 
 
-def test_an_inference_service_serves_through_its_service(real_cluster, chart, namespace):
+def test_an_inference_service_serves_through_its_service(real_cluster, chart, namespace, compile_cache):
     autoscaling = {"minReplicas": 1, "maxReplicas": 2, "autoscaling": {"target": 2}}
-    real_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=tiny_inference_service("tiny", **autoscaling))
+    real_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=tiny_inference_service("tiny", compile_cache, **autoscaling))
     isvc = wait_serving(real_cluster, namespace, "tiny", replicas=1)
     assert isvc["status"]["url"] == f"http://tiny.{namespace}.svc.cluster.local/v1"
 
