@@ -1,9 +1,10 @@
 """Build Capstan's OCI image with no registry and no Docker engine, once per set of inputs.
 
-A Debian root filesystem from Debian's mirror (mmdebstrap), Python packages from PyPI (pinned in
-image/requirements-<variant>.txt) installed into a venv at /opt/capstan, packed by umoci into an OCI layout
-and written as an OCI archive by skopeo. The result is cached under ~/.cache/capstan/image/, keyed by a
-hash of every input, so a second build is instant.
+Two layers: the base, a Debian root filesystem from Debian's mirror (mmdebstrap) with the Python packages
+pinned in image/requirements-<variant>.txt installed from PyPI's wheels into a venv at /opt/capstan; and
+Capstan's own wheel, built from this tree, on top. umoci packs them into an OCI layout, skopeo writes the
+OCI archive. Both are cached under ~/.cache/capstan/image/, keyed by a hash of their inputs: a second build
+is instant, and a change to Capstan's sources rebuilds only its own layer.
 
     python3 image/build.py [--variant cpu|cuda]     # prints the archive's path, then its image name
 """
