@@ -28,6 +28,9 @@ class PodRemoval:
     log: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        if self.deleted is None:
+            return f"{self.name}: kept"
+
         def at(moment):
             return "never" if moment is None or self.deleted is None else f"+{moment - self.deleted:.1f}s"
         return (f"{self.name}: deleted, endpoint not ready {at(self.endpoint_not_ready)}, "
