@@ -140,8 +140,9 @@ def build_base_rootfs(wheels: Path, rootfs: Path) -> None:
         f'rm -rf "$1/tmp/wheels" "$1/var/lib/apt/lists"/* "$1/var/cache/apt"/* "$1/usr/share/doc" "$1/usr/share/man"',
         f"echo 'capstan:x:{USER_ID}:{USER_ID}:capstan:/tmp:/usr/sbin/nologin' >> \"$1/etc/passwd\"",
         f"echo 'capstan:x:{USER_ID}:' >> \"$1/etc/group\"",
-        # Hash-checked .pyc files stay valid whatever the mtimes, and nothing writes them at run time.
-        f"{IN_CHROOT} python3 -m compileall -q -j 2 --invalidation-mode unchecked-hash {VENV} /usr/lib/python3.11",
+        # Hash-checked .pyc files stay valid whatever the mtimes, and nothing writes them at run time; -f also
+        # rewrites the ones venv's pip and setuptools came with, which embed the time of this build.
+        f"{IN_CHROOT} python3 -m compileall -q -f -j 2 --invalidation-mode unchecked-hash {VENV} /usr/lib/python3.11",
     ]
     env = {**os.environ, "SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH)}
     run("mmdebstrap", "--mode=root", "--variant=essential", "--quiet", f"--include={','.join(DEBIAN_PACKAGES)}",
