@@ -148,6 +148,8 @@ def build_base_rootfs(wheels: Path, rootfs: Path) -> None:
     run("mmdebstrap", "--mode=root", "--variant=essential", "--quiet", f"--include={','.join(DEBIAN_PACKAGES)}",
         "--dpkgopt=path-exclude=/usr/share/locale/*", *(f"--customize-hook={h}" for h in hooks),
         DEBIAN_SUITE, str(rootfs), *DEBIAN_MIRRORS, env=env)
+    # apt's download folder comes out owned by root or by _apt from one build to the next; no apt runs later.
+    os.chown(rootfs / "var/lib/apt/lists/partial", 0, 0)
     pin_mtimes(rootfs)
 
 
