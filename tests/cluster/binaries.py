@@ -2,7 +2,8 @@
 
 kube-apiserver, kube-controller-manager and kube-scheduler come from `k8s.io/kubernetes` through a
 wrapper module that pins each staging module `k8s.io/X v0.0.0` to its published `v0.N.M`; etcd from
-`go.etcd.io/etcd/server/v3`; kwok from `sigs.k8s.io/kwok`; helm from `helm.sh/helm/v3`.
+`go.etcd.io/etcd/server/v3`; kwok from `sigs.k8s.io/kwok`; helm from `helm.sh/helm/v3`. The real node's
+kubelet and kube-proxy come from the same wrapper module, its pod sandbox's `pause` from tests/cluster/pause.
 
     python3 tests/cluster/binaries.py        # build what is missing, print the folder
 """
@@ -38,7 +39,8 @@ class ClusterBinaries:
 
 
 KUBE_COMMANDS = ["kube-apiserver", "kube-controller-manager", "kube-scheduler"]
-ALL_BINARIES = KUBE_COMMANDS + ["etcd", "kwok", "helm"]
+NODE_COMMANDS = ["kubelet", "kube-proxy"]
+ALL_BINARIES = KUBE_COMMANDS + NODE_COMMANDS + ["etcd", "kwok", "helm", "pause"]
 
 
 def cache_folder() -> Path:
@@ -64,6 +66,8 @@ def _build_missing(folder: Path, log) -> None:
         (["etcd"], _build_etcd),
         (["kwok"], _build_kwok),
         (["helm"], _build_helm),
+        (NODE_COMMANDS, _build_node),
+        (["pause"], _build_pause),
     ]
     for names, build in builds:
         if all((folder / n).exists() for n in names):
@@ -108,7 +112,7 @@ def _staging_modules(go_mod_text: str) -> list[str]:
     return sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+) v0\.0\.0\s*$", go_mod_text, flags=re.M)))
 
 
-def _build_kubernetes(work: Path, out: Path) -> None:
+def _build_kubernetes(work: Path, out: Path, commands: list[str] = KUBE_COMMANDS) -> None:
     work.mkdir(parents=True, exist_ok=True)
     mod_path = subprocess.run(
         ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"],
@@ -142,11 +146,21 @@ def _build_kubernetes(work: Path, out: Path) -> None:
         ]
     (module / "tools.go").write_text(
         "package tools\n\nimport (\n"
-        + "".join(f'\t_ "k8s.io/kubernetes/cmd/{c}/app"\n' for c in KUBE_COMMANDS)
+        + "".join(f'\t_ "k8s.io/kubernetes/cmd/{c}/app"\n' for c in commands)
         + ")\n"
     )
     # One `go build` for all three commands shares the compilation of their common packages.
-    _build(module, out, [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS], _ldflags(*stamps))
+    _build(module, out, [f"k8s.io/kubernetes/cmd/{c}" for c in commands], _ldflags(*stamps))
+
+
+def _build_node(work: Path, out: Path) -> None:
+    """kubelet and kube-proxy: a second build so that a cache holding the control plane only completes it."""
+    _build_kubernetes(work, out, NODE_COMMANDS)
+
+
+def _build_pause(work: Path, out: Path) -> None:
+    source = Path(__file__).resolve().parent / "pause"
+    _build_single(source, out, ".", "pause", _ldflags())
 
 
 def _build_etcd(work: Path, out: Path) -> None:

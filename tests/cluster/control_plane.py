@@ -6,6 +6,7 @@ Every wait has a deadline, every port is picked free, and stop() ends every proc
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import shutil
@@ -66,6 +67,9 @@ def write_kubeconfig(path: Path, server: str, ca: Path, token: str, user: str) -
 class ControlPlane:
     binaries: ClusterBinaries
     workdir: Path
+    address: str = "127.0.0.1"  # a real node's pods reach the API server here, so not loopback for them
+    service_cidr: str = "10.96.0.0/16"
+    fake_nodes: bool = True  # kwok and its fake GPU nodes
     server: str = ""
     kubeconfig: Path = Path()
     ca_cert: Path = Path()
@@ -92,7 +96,8 @@ class ControlPlane:
 
     def start(self) -> "ControlPlane":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        pki = create_pki(self.workdir / "pki")
+        kubernetes_service_ip = str(next(ipaddress.ip_network(self.service_cidr).hosts()))
+        pki = create_pki(self.workdir / "pki", extra_ips=[self.address, kubernetes_service_ip])
         self.ca_cert = pki.ca_cert
         admin_token = secrets.token_hex(16)
         tokens = self.workdir / "tokens.csv"
@@ -111,17 +116,18 @@ class ControlPlane:
         wait_for("etcd health", lambda: self._healthy(f"http://127.0.0.1:{etcd_port}/health"),
                  STARTUP_TIMEOUT, process_log=etcd_log)
 
-        self.server = f"https://127.0.0.1:{api_port}"
+        self.server = f"https://{self.address}:{api_port}"
         api_log = self._start("kube-apiserver", [
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+            f"--bind-address={self.address}", f"--advertise-address={self.address}", f"--secure-port={api_port}",
             f"--tls-cert-file={pki.serving_cert}", f"--tls-private-key-file={pki.serving_key}",
             f"--token-auth-file={tokens}", "--authorization-mode=RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.service_account_key}",
             f"--service-account-signing-key-file={pki.service_account_key}",
-            "--service-cluster-ip-range=10.96.0.0/16", "--allow-privileged=true", "--profiling=false",
+            f"--service-cluster-ip-range={self.service_cidr}", "--allow-privileged=true", "--profiling=false",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
+            "--kubelet-preferred-address-types=InternalIP",  # `kubectl logs` from a real node: no DNS for its name
         ])
         context = ssl.create_default_context(cafile=str(pki.ca_cert))
         wait_for("kube-apiserver readiness", lambda: self._healthy(f"{self.server}/readyz", context),
@@ -136,16 +142,20 @@ class ControlPlane:
             "--concurrent-deployment-syncs=10", "--concurrent-replicaset-syncs=10",
         ])
         self._start("kube-scheduler", [f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--secure-port=0"])
+        wait_for("the default service account", lambda: self.kubectl(
+            "get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0, STARTUP_TIMEOUT)
+        if self.fake_nodes:
+            self._start_fake_nodes()
+        return self
+
+    def _start_fake_nodes(self) -> None:
         self._start("kwok", [
             f"--kubeconfig={self.kubeconfig}", "--manage-all-nodes=true", f"--config={HERE / 'kwok-stages.yaml'}",
             "--cidr=10.244.0.0/16", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
             f"--server-address=127.0.0.1:{free_port()}",
         ])
-        wait_for("the default service account", lambda: self.kubectl(
-            "get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0, STARTUP_TIMEOUT)
         self.kubectl("apply", "-f", str(HERE / "fake-nodes.yaml"))
         wait_for("fake nodes Ready", self._nodes_ready, STARTUP_TIMEOUT)
-        return self
 
     def _nodes_ready(self) -> bool:
         self._check_alive()

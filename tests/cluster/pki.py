@@ -44,13 +44,13 @@ def _certificate(subject: str, key, issuer_name, issuer_key, *, ca: bool, sans=(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def create_pki(folder: Path) -> ClusterPki:
+def create_pki(folder: Path, extra_ips: list[str] = ()) -> ClusterPki:
     folder.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _certificate("capstan-test-ca", ca_key, None, ca_key, ca=True)
     serving_key = ec.generate_private_key(ec.SECP256R1())
     sans = [x509.DNSName("localhost"), x509.DNSName("kubernetes.default.svc"),
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("10.96.0.1"))]
+            *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in dict.fromkeys(["127.0.0.1", "10.96.0.1", *extra_ips]))]
     serving = _certificate("kube-apiserver", serving_key, ca.subject, ca_key, ca=False, sans=sans)
     pki = ClusterPki(folder / "ca.crt", folder / "apiserver.crt", folder / "apiserver.key", folder / "sa.key")
     pki.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -138,7 +139,14 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(proc):
         t.start()
     # One stream running, the other queued behind it (max-num-seqs=1): both are in flight.
     wait_for(lambda: gauge(proc.url, "capstan_requests_waiting") == 1, what="a queued request")
+    kept_alive = socket.create_connection(("127.0.0.1", proc.port), timeout=10)
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: capstan\r\n\r\n")
+    assert kept_alive.recv(4096).startswith(b"HTTP/1.1 200")
     proc.signal(signal.SIGTERM)
+    # An idle kept-alive connection is closed at once, so its client's next request goes to another pod.
+    while kept_alive.recv(4096):  # until the server closes it; a timeout fails the test
+        pass
+    kept_alive.close()
     wait_for(lambda: httpx.get(f"{proc.url}/ready").status_code == 503, timeout=10, what="readiness to fail")
     refused = httpx.get(f"{proc.url}/v1/models", headers=HEADERS)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"

@@ -1,0 +1,3 @@
+module capstan.dev/testcluster/pause
+
+go 1.26
