@@ -49,7 +49,7 @@ ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",  # the .pyc files are compiled at build time
     "PYTHONUNBUFFERED": "1",
 }
-SOURCE_FOLDERS = ["runtime", "operator"]
+SOURCE_FOLDERS = ["capstan", "runtime", "operator"]  # the package-dir folders of pyproject.toml
 CLEAN_ENV = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"]  # none of the host's PIP_* settings in the chroot
 IN_CHROOT = 'chroot "$1" ' + " ".join(CLEAN_ENV)  # in mmdebstrap's hooks, "$1" is the root filesystem
 
