@@ -6,7 +6,7 @@ and over logprob per character (acc_norm). Run with the interpreter that has lla
 
 Why not lm-eval against `python -m llama_cpp.server`: its echoed prompt logprobs (0.3.36) leave out the generated
 token, so lm-eval's slice drops the continuation's last token, and their values are not the model's (e.g. " the"
-after "What color is" at -9.9); lm-eval's `gguf` model scores 0.27 there, chance being 0.25.
+after "What color is" at -9.9); lm-eval's `gguf` model scores 0.27 there, chance being 0.25. Measured here: acc 0.80, acc_norm 0.83, as Capstan.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def continuation_logprob(llm: Llama, context: str, continuation: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="the .gguf file")
+    parser.add_argument("--verbose", action="store_true", help="print every choice's loglikelihood")
     args = parser.parse_args()
     llm = Llama(args.model, n_ctx=512, logits_all=True, verbose=False)
     docs = [json.loads(line) for line in TASK.read_text().splitlines()]
@@ -47,7 +48,8 @@ def main() -> None:
         acc += int(np.argmax(scores)) == doc["answer"]
         # lm-eval normalises by the choice's characters, without the delimiter.
         acc_norm += int(np.argmax([s / len(c) for s, c in zip(scores, doc["choices"])])) == doc["answer"]
-        print(doc["question"], " ".join(f"{s:.2f}" for s in scores))
+        if args.verbose:  # per-choice loglikelihoods, to compare with lm-eval's samples from Capstan
+            print(doc["question"], " ".join(f"{s:.2f}" for s in scores))
     print(f"llama.cpp on {TASK.name}: acc {acc / len(docs):.4f}, acc_norm {acc_norm / len(docs):.4f} ({len(docs)} docs)")
 
 

@@ -50,7 +50,7 @@ def evaluate(lm_eval, model: str, task: str, base_url: str, **kwargs) -> dict:
 
 
 def test_local_completions_scores_multiple_choice_above_chance(smollm2, lm_eval):
-    # `remote`: lm-eval tokenizes through the server (no Hugging Face tokenizer download); it is also what "auto" picks.
+    # lm-eval's default tokenizer backend ("auto") finds /tokenizer_info and tokenizes through the server: no download.
     out = evaluate(lm_eval, "local-completions", "capstan_basic_facts", f"{smollm2.url}/v1/completions",
                    batch_size=16)
     assert out["config"]["model_args"]["model"] == MODEL
