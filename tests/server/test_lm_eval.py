@@ -44,7 +44,8 @@ def evaluate(lm_eval, model: str, task: str, base_url: str, **kwargs) -> dict:
                                   tasks=[task], task_manager=TaskManager(include_path=str(TASKS)), log_samples=True,
                                   **kwargs)
     elapsed = time.monotonic() - started
-    print(f"{task} via {model}: {out['results'][task]} in {elapsed:.0f} s")
+    scores = {k: round(float(v), 4) for k, v in out["results"][task].items() if "," in k and "stderr" not in k}
+    print(f"{task} via {model}: {scores} in {elapsed:.0f} s")
     assert elapsed < EVAL_BUDGET_S, f"{task} took {elapsed:.0f} s"
     return out
 
