@@ -48,8 +48,9 @@ class APIKeyCheck:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
-# Outside /v1 but keyed too (vLLM leaves them open): they run the tokenizer and chat template on request data.
-KEYED_PATHS = ("/tokenize", "/detokenize")
+# Outside /v1 but keyed too (vLLM leaves them open): they run the tokenizer and chat template on request data,
+# or (/tokenizer_info) describe the served model as /v1/models does.
+KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class APIKeyMiddleware:

@@ -44,13 +44,14 @@ def evaluate(lm_eval, model: str, task: str, base_url: str, **kwargs) -> dict:
                                   tasks=[task], task_manager=TaskManager(include_path=str(TASKS)), log_samples=True,
                                   **kwargs)
     elapsed = time.monotonic() - started
-    print(f"{task} via {model}: {out['results'][task]} in {elapsed:.0f} s")
+    scores = {k: round(float(v), 4) for k, v in out["results"][task].items() if "," in k and "stderr" not in k}
+    print(f"{task} via {model}: {scores} in {elapsed:.0f} s")
     assert elapsed < EVAL_BUDGET_S, f"{task} took {elapsed:.0f} s"
     return out
 
 
 def test_local_completions_scores_multiple_choice_above_chance(smollm2, lm_eval):
-    # `remote`: lm-eval tokenizes through the server (no Hugging Face tokenizer download); it is also what "auto" picks.
+    # lm-eval's default tokenizer backend ("auto") finds /tokenizer_info and tokenizes through the server: no download.
     out = evaluate(lm_eval, "local-completions", "capstan_basic_facts", f"{smollm2.url}/v1/completions",
                    batch_size=16)
     assert out["config"]["model_args"]["model"] == MODEL

@@ -1,4 +1,4 @@
-"""/tokenize, /detokenize and /version in vLLM's shapes, through httpx against the real server."""
+"""/tokenize, /detokenize, /tokenizer_info and /version in vLLM's shapes, through httpx against the real server."""
 from __future__ import annotations
 
 import json
@@ -59,6 +59,14 @@ def test_tokenize_needs_the_key_when_keys_are_set(keyed_server):
     assert httpx.post(f"{keyed_server}/tokenize", json={"prompt": "x"}).status_code == 401
     ok = httpx.post(f"{keyed_server}/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer key-one"})
     assert ok.status_code == 200
+
+
+def test_tokenizer_info_names_the_special_tokens_and_template(server, engine, keyed_server):
+    info = httpx.get(f"{server}/tokenizer_info").json()
+    tokenizer = engine.tokenizer
+    assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == 512
+    assert httpx.get(f"{keyed_server}/tokenizer_info").status_code == 401
 
 
 def test_version(server):
