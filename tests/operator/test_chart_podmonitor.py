@@ -10,7 +10,7 @@ import yaml
 
 from capstan.operator import api, render
 
-from cluster.binaries import cache_folder
+from binaries import cache_folder  # tests/cluster is on the path (tests/operator/conftest.py)
 
 CHART = Path(__file__).parents[2] / "charts" / "capstan"
 HELM = cache_folder() / "helm"
