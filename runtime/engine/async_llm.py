@@ -78,13 +78,7 @@ class AsyncLLM:
         free_slots = max(0, self.config.max_num_seqs - self._stats.running)
         if self._stats.waiting + self._commands.qsize() - free_slots >= self.config.max_waiting:
             raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        if self._dead.is_set():  # the loop died after the check above: nobody would answer this stream
-            self._streams.pop(request_id, None)
-            raise EngineDeadError("the engine thread has stopped")
+        stream = self._open_stream(request_id)
         self._commands.put(("add", seqs))
         finished = False
         try:
@@ -106,13 +100,7 @@ class AsyncLLM:
         inputs = self.engine.embedder.prepare(request_id, prompts)
         if self._stats.waiting + self._commands.qsize() >= self.config.max_waiting:
             raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        if self._dead.is_set():
-            self._streams.pop(request_id, None)
-            raise EngineDeadError("the engine thread has stopped")
+        stream = self._open_stream(request_id)
         self._commands.put(("embed", inputs))
         done = False
         try:
@@ -125,6 +113,17 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not done:  # the client went away: its inputs leave the queue and their pages return now
                 self.abort(request_id)
+
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
+        """The queue the engine thread answers this request on."""
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        if self._dead.is_set():  # the loop died after the caller's check: nobody would answer this stream
+            self._streams.pop(request_id, None)
+            raise EngineDeadError("the engine thread has stopped")
+        return stream
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

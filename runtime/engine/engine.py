@@ -173,9 +173,7 @@ class LLMEngine:
         """One request's own failure: it ends, its pages are freed, its owner hears of it; the engine goes on."""
         log.error("request %s failed and was dropped: %s: %s", request_id, type(error).__name__, error,
                   exc_info=error)
-        for seq in self.requests.pop(request_id, []):
-            for child in seq.pending_forks:
-                self.scheduler.finish(child)
+        for seq in self.requests.pop(request_id, []):  # every choice, pending forks included
             seq.pending_forks = []
             if not seq.finished:
                 self.scheduler.finish(seq)

@@ -158,7 +158,6 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
 def _bisect(keys: jax.Array, holds, smallest_false: bool = False) -> jax.Array:
     """Per row, over the int32 key range: the largest t where `holds(t)` (true up to a point, then false), or with
     smallest_false the smallest t where it no longer holds. 32 halvings pin it to one key."""
-    S = keys.shape[0]
     lo = jnp.min(keys, axis=-1) - (1 if smallest_false else 0)  # holds(lo) is true (count >= k, mass >= p)
     hi = jnp.max(keys, axis=-1) + (0 if smallest_false else 1)  # holds(hi) is false
 

@@ -5,9 +5,11 @@ refused here, before a tokenizer, a template, a log line or an error body meets 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
-from ..limits import MAX_JSON_DEPTH
+from pydantic import AfterValidator, Field
+
+from ..limits import MAX_JSON_DEPTH, MAX_NAME_CHARS
 
 
 def valid_unicode(text: str) -> str:
@@ -38,3 +40,8 @@ def bounded_json(value: Any) -> Any:
         elif isinstance(item, float) and not math.isfinite(item):
             raise ValueError("numbers must be finite (NaN and Infinity are not JSON)")
     return value
+
+
+# Text that reaches the tokenizer, a template or a log line: valid Unicode only (a JSON "\ud800" is not).
+Text = Annotated[str, AfterValidator(valid_unicode)]
+Name = Annotated[Text, Field(max_length=MAX_NAME_CHARS)]  # model, user, name, ids: identifiers, not text

@@ -14,13 +14,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_seriali
 
 from .. import limits
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
-from .json_values import bounded_json, valid_unicode
+from .json_values import Name, Text, bounded_json
 from .structured import StructuredFields
 from .tools import NamedToolChoice, Tool, ToolCall, ToolChoice, forced_tool_output, template_tool_calls
 
-# Text that reaches the tokenizer, a template or a log line: valid Unicode only (a JSON "\ud800" is not).
-Text = Annotated[str, AfterValidator(valid_unicode)]
-Name = Annotated[Text, Field(max_length=limits.MAX_NAME_CHARS)]
 Count = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
 FreeJSON = Annotated[Any, AfterValidator(bounded_json)]  # free-form objects: depth and text checked
 

@@ -10,9 +10,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from .. import limits
 from ..engine.grammar import StructuredOutput
 from ..engine.sampling_params import InvalidRequestError
-from .json_values import bounded_json, valid_unicode
+from .json_values import Name, Text, bounded_json
 
-Text = Annotated[str, AfterValidator(valid_unicode)]
 GrammarText = Annotated[Text, Field(min_length=1, max_length=limits.MAX_GRAMMAR_CHARS)]
 Schema = Annotated[dict[str, Any] | Text, AfterValidator(bounded_json)]
 Choices = Annotated[list[Annotated[Text, Field(max_length=limits.MAX_STOP_STRING_CHARS)]],
@@ -24,7 +23,7 @@ class _Fields(BaseModel):
 
 
 class JSONSchemaFormat(_Fields):
-    name: Annotated[Text, Field(max_length=limits.MAX_NAME_CHARS)] | None = None
+    name: Name | None = None
     description: Text | None = None
     json_schema: Schema | None = Field(default=None, alias="schema")
     strict: bool | None = None  # outputs always follow the schema here, strict or not

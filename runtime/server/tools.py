@@ -11,9 +11,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from .. import limits
 from ..engine.grammar import StructuredOutput
 from ..engine.sampling_params import InvalidRequestError
-from .json_values import bounded_json, valid_unicode
+from .json_values import Name, Text, bounded_json
 
-Text = Annotated[str, AfterValidator(valid_unicode)]
 FunctionName = Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]  # OpenAI's rule
 Parameters = Annotated[dict[str, Any], AfterValidator(bounded_json)]
 
@@ -52,7 +51,7 @@ class FunctionCall(_Fields):
 
 
 class ToolCall(_Fields):
-    id: Annotated[Text, Field(max_length=limits.MAX_NAME_CHARS)]
+    id: Name
     type: Literal["function"] = "function"
     function: FunctionCall
 
