@@ -92,6 +92,31 @@ def test_unconstrained_requests_in_the_same_batch_are_unchanged(llm):
     jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMAS["flat"])
 
 
+def test_the_decode_pipeline_matches_one_step_at_a_time(llm, monkeypatch):
+    """Batches with grammars decode several steps per engine step (forward, then sampling with masks computed
+    meanwhile); tokens, logprobs and finish reasons are those of stepping one token at a time."""
+    constrained = [StructuredOutput("json", SCHEMAS["refs"]), StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,4}"),
+                   StructuredOutput("json_object")]
+    params = [SamplingParams(structured=s, temperature=t, seed=7, max_tokens=60, logprobs=2)
+              for s in constrained for t in (0.0, 1.0)]
+    params += [SamplingParams(temperature=t, seed=7, max_tokens=40, ignore_eos=True, logprobs=2) for t in (0.0, 1.0)]
+    prompts = [f"Answer {i}: " for i in range(len(params))]
+    one_step = LLM(str(GOLDEN / "llama-s11"), max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
+                   decode_steps=1)
+    single = one_step.generate(prompts, params, use_tqdm=False)
+    runs = []
+    pipeline = llm.engine._decode_pipeline
+    monkeypatch.setattr(llm.engine, "_decode_pipeline", lambda *a: runs.append(1) or pipeline(*a))
+    piped = llm.generate(prompts, params, use_tqdm=False)
+    assert len(runs) >= 2  # the batch did decode through the pipeline
+    for a, b in zip(single, piped):
+        (x,), (y,) = a.outputs, b.outputs
+        assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+        assert [next(iter(lp)) for lp in x.logprobs] == [next(iter(lp)) for lp in y.logprobs]
+        for lx, ly in zip(x.logprobs, y.logprobs):
+            assert [v.logprob for v in lx.values()] == pytest.approx([v.logprob for v in ly.values()], abs=1e-4)
+
+
 @pytest.mark.parametrize("structured", [
     StructuredOutput("regex", "(unclosed", param="structured_outputs.regex"),
     StructuredOutput("json", {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},

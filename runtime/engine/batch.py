@@ -46,13 +46,14 @@ class BatchBuilder:
         self.V = vocab_size
         self.eos = sorted(eos_token_ids)
         self._no_history = jnp.full((self.S, self.H), vocab_size, jnp.int32)  # stays on device: no per-step copy
-        self._all_allowed = jnp.full((self.S, mask_words(vocab_size)), -1, jnp.int32)  # likewise: no grammar
+        self.all_allowed = jnp.full((self.S, mask_words(vocab_size)), -1, jnp.int32)  # likewise: no grammar
 
     def bucket_for(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
-    def build(self, chunks: list[ScheduledChunk], bucket: int | None = None) -> Packed:
-        """bucket forces the padded token count (warm-up compiles each one with an empty batch)."""
+    def build(self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True) -> Packed:
+        """bucket forces the padded token count (warm-up compiles each one with an empty batch); masks=False
+        leaves the grammar masks to the caller (a decode pipeline computes them while the forward runs)."""
         S, V, page = self.S, self.V, self.page_size
         T = bucket or self.bucket_for(sum(c.num_tokens for c in chunks) or 1)
         tokens = np.zeros(T, np.int32)
@@ -109,7 +110,7 @@ class BatchBuilder:
             if seq.num_output < p.min_tokens:
                 ban = sorted(set(self.eos) | set(p.stop_token_ids or []))[:MAX_BANNED]
                 banned[r, :len(ban)] = ban
-            if seq.constraint is not None and c.samples:
+            if seq.constraint is not None and c.samples and masks:
                 constrained.append((seq.constraint, r))
             if p.uses_penalties:
                 if history is None:
@@ -130,7 +131,7 @@ class BatchBuilder:
             key_data=key_data, position=sample_pos, bias_ids=bias_ids, bias_values=bias_values, banned_ids=banned,
             # history is a device array either way, so the packed layout (and the compiled step) is the same
             history=self._no_history if history is None else jax.device_put(history), prompt_lens=prompt_lens,
-            allowed=self._all_allowed if allowed is None else jax.device_put(allowed),
+            allowed=self.all_allowed if allowed is None else jax.device_put(allowed),
             any_constrained=np.bool_(allowed is not None),
             any_penalty=np.bool_(history is not None), any_filter=np.bool_(any_filter),
             want_logprobs=np.bool_(want_logprobs),

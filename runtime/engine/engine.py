@@ -24,7 +24,8 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence
-from .multi_step import decode_steps_fn
+from .grammar import fill_masks, mask_words
+from .multi_step import decode_forward_fn, decode_sample_fn, decode_steps_fn
 from .sampler import SampleResult
 from .step import StepOutputs, step_fn
 from .stop_strings import StopStringMatcher
@@ -209,7 +210,10 @@ class LLMEngine:
             with self._precision():
                 self.kv, out = decode_steps_fn(self.model, self.kv, inputs, np.zeros(self.builder.S, np.int32),
                                                num_steps=self.config.decode_steps)
-            jax.block_until_ready(out)
+                jax.block_until_ready(out)
+                self.kv, logits = decode_forward_fn(self.model, self.kv, inputs, out.tokens[0], out.tokens[0],
+                                                    np.int32(0))  # the pipeline for batches with grammars
+                jax.block_until_ready(decode_sample_fn(logits, inputs, self.builder.all_allowed, np.int32(0)))
         self.compile_seconds = time.monotonic() - start
         log.info("compilation done in %.1f s", self.compile_seconds)
 
@@ -255,11 +259,11 @@ class LLMEngine:
                 self._fork(seq)
             self._append_token(seq, int(out.sampled.tokens[r]), out.sampled, r)
 
-    def _build(self, chunks: list[ScheduledChunk], bucket: int | None = None):
+    def _build(self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True):
         """The step's inputs; when building fails, each chunk is tried alone and the requests whose chunks fail
         are failed, so one request's bad input never stops the engine."""
         try:
-            return chunks, self.builder.build(chunks, bucket=bucket)
+            return chunks, self.builder.build(chunks, bucket=bucket, masks=masks)
         except Exception:  # noqa: BLE001 - find whose it is, below
             log.exception("building a step failed; looking for the request at fault")
         kept = []
@@ -272,7 +276,7 @@ class LLMEngine:
         if len(kept) == len(chunks):
             raise RuntimeError("building a step failed, though every chunk builds alone")
         kept = [c for c in kept if c.seq.request_id in self.requests]
-        return kept, (self.builder.build(kept, bucket=bucket) if kept else None)
+        return kept, (self.builder.build(kept, bucket=bucket, masks=masks) if kept else None)
 
     def _collect_all(self, request_ids) -> list[RequestOutput]:
         outputs = []
@@ -298,7 +302,7 @@ class LLMEngine:
         for c in chunks:
             p = c.seq.params
             if not (c.num_tokens == 1 and c.samples) or c.seq.max_tokens == 0 or c.seq.pending_forks \
-                    or p.uses_penalties or c.seq.constraint \
+                    or p.uses_penalties \
                     or c.seq.num_output < p.min_tokens or p.prompt_logprobs is not None and not c.seq.prompt_logprobs_done:
                 return None
         active = [max(1, min(k, c.seq.max_tokens - c.seq.num_output, self.max_model_len - c.seq.num_tokens))
@@ -310,32 +314,78 @@ class LLMEngine:
 
     def _decode_steps(self, chunks: list[ScheduledChunk], active: list[int]) -> list[RequestOutput]:
         steps = {id(c.seq): n for c, n in zip(chunks, active)}
-        chunks, inputs = self._build(chunks, bucket=self.builder.S)
+        constrained = any(c.seq.constraint is not None for c in chunks)
+        chunks, inputs = self._build(chunks, bucket=self.builder.S, masks=not constrained)
         if not chunks:
             return []
         active = [steps[id(c.seq)] for c in chunks]
         rows = np.zeros(self.builder.S, np.int32)
         rows[:len(active)] = active
-        with self._precision():
-            self.kv, out = decode_steps_fn(self.model, self.kv, inputs, rows,
-                                           num_steps=self.config.decode_steps)
-        out = jax.device_get(out)
+        grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
+        refused: dict[int, BaseException] = {}  # row -> why its grammar refused a token
+        if constrained:
+            out = self._decode_pipeline(chunks, active, inputs, rows, grammar_end, refused)
+        else:
+            with self._precision():
+                self.kv, out = decode_steps_fn(self.model, self.kv, inputs, rows, num_steps=self.config.decode_steps)
+            out = jax.device_get(out)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
         for r, c in enumerate(chunks):
             seq = c.seq
             if seq.request_id not in self.requests:
                 continue
             try:
+                if r in refused:
+                    raise refused[r]
                 seq.num_computed = c.start + active[r]
                 for j in range(active[r]):
                     if seq.finished:
                         break
-                    self._append_token(seq, tokens[j][r], out, (j, r))
+                    done = None if seq.constraint is None else grammar_end.get(r) == j  # accepted in the pipeline
+                    self._append_token(seq, tokens[j][r], out, (j, r), grammar_done=done)
                 if not seq.finished:
                     self.scheduler.register_full_pages(seq)
             except Exception as e:  # noqa: BLE001 - this request's own fault
                 self.fail(seq.request_id, e)
         return self._collect_all(c.seq.request_id for c in chunks)
+
+    def _decode_pipeline(self, chunks: list[ScheduledChunk], active: list[int], inputs, rows: np.ndarray,
+                         grammar_end: dict[int, int], refused: dict[int, BaseException]) -> SampleResult:
+        """The decode steps of a batch with grammars, two dispatches a step: while the device runs step j's
+        forward, the host advances each grammar by its step j-1 token and computes its step j mask. Returns the
+        steps' samples on the host ([step, row] leading axes) and fills grammar_end and refused."""
+        grammars = [(c.seq.constraint, r) for r, c in enumerate(chunks) if c.seq.constraint is not None]
+        words = mask_words(self.model.cfg.vocab_size)
+        active_rows = jax.device_put(rows)
+        results: list[SampleResult] = []
+        previous = active_rows  # any [S] i32 array: step 0 reads the packed tokens instead
+
+        def advance(j: int) -> None:
+            """Each live grammar takes its row's token of step j."""
+            tokens = np.asarray(results[j].tokens)
+            for constraint, r in grammars:
+                if j < active[r] and r not in grammar_end and r not in refused:
+                    try:
+                        if constraint.accept(int(tokens[r])):
+                            grammar_end[r] = j
+                    except Exception as e:  # noqa: BLE001 - this request's own fault, failed when applied
+                        refused[r] = e
+
+        with self._precision():
+            for j in range(self.config.decode_steps):
+                self.kv, logits = decode_forward_fn(self.model, self.kv, inputs, previous, active_rows, np.int32(j))
+                if j:
+                    advance(j - 1)  # the forward above is queued: this host work overlaps it
+                live = [(c, r) for c, r in grammars
+                        if j < active[r] and r not in grammar_end and r not in refused]
+                allowed = np.full((self.builder.S, words), -1, np.int32)  # fresh: the last one may still be in flight
+                if live:
+                    fill_masks(live, allowed)
+                results.append(decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j)))
+                previous = results[-1].tokens
+        advance(self.config.decode_steps - 1)
+        host = jax.device_get(results)
+        return jax.tree.map(lambda *steps: np.stack(steps), *host)
 
     def _fork(self, parent: Sequence) -> None:
         """Choices 1..n-1 start from the parent's computed prompt pages, shared by reference count."""
@@ -350,11 +400,13 @@ class LLMEngine:
             self.scheduler.add(child, front=True)
         parent.pending_forks = []
 
-    def _append_token(self, seq: Sequence, token: int, s: SampleResult, at) -> None:
-        """Adds a sampled token; `at` indexes its logprob data in s (a row, or (step, row) for multi-step)."""
+    def _append_token(self, seq: Sequence, token: int, s: SampleResult, at, grammar_done: bool | None = None) -> None:
+        """Adds a sampled token; `at` indexes its logprob data in s (a row, or (step, row) for multi-step);
+        grammar_done is given when the grammar has taken the token already (the decode pipeline)."""
         p = seq.params
         # a refusal raises (this request fails alone); a complete grammar ends the output whatever its stop token
-        grammar_done = seq.constraint is not None and seq.constraint.accept(token)
+        if grammar_done is None:
+            grammar_done = seq.constraint is not None and seq.constraint.accept(token)
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         self.generation_tokens += 1
