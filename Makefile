@@ -35,4 +35,4 @@ bench:  ## offline throughput of the tiny shape on this machine
 
 gpu-wheels:  ## wheels the lent GPU machine lacks (Python 3.12 there), for benchmarks/gpu_suite.sh; carry .whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 -d .whl haliax==1.4.dev453 aqtp==0.9.0 jmp==0.0.4 "llguidance>=1.0,<2"
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 -d .whl haliax==1.4.dev453 aqtp==0.9.0 jmp==0.0.4 "llguidance>=1.0,<2" gguf==0.19.0

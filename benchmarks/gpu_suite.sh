@@ -5,8 +5,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-mkdir -p /tmp/site/capstan && ln -sfn "$PWD/runtime" /tmp/site/capstan/runtime && ln -sfn "$PWD/operator" /tmp/site/capstan/operator
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+mkdir -p /tmp/site/capstan && ln -sfn "$PWD/capstan/__init__.py" /tmp/site/capstan/__init__.py
+ln -sfn "$PWD/runtime" /tmp/site/capstan/runtime && ln -sfn "$PWD/operator" /tmp/site/capstan/operator
+# PYTHONSAFEPATH: the repository's own capstan/ folder (no runtime inside) must not shadow the assembled package
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 parts=${*:-parity prefill throughput throughput8b peer}
