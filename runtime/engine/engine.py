@@ -25,7 +25,7 @@ from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence
 from .grammar import fill_masks, mask_words
-from .multi_step import decode_forward_fn, decode_sample_fn, decode_steps_fn
+from .multi_step import PIPELINE_BRANCHES, decode_forward_fn, decode_sample_fn, decode_steps_fn, pipeline_branches
 from .sampler import SampleResult
 from .step import StepOutputs, step_fn
 from .stop_strings import StopStringMatcher
@@ -213,7 +213,9 @@ class LLMEngine:
                 jax.block_until_ready(out)
                 self.kv, logits = decode_forward_fn(self.model, self.kv, inputs, out.tokens[0], out.tokens[0],
                                                     np.int32(0))  # the pipeline for batches with grammars
-                jax.block_until_ready(decode_sample_fn(logits, inputs, self.builder.all_allowed, np.int32(0)))
+                for branches in PIPELINE_BRANCHES:
+                    jax.block_until_ready(decode_sample_fn(logits, inputs, self.builder.all_allowed, np.int32(0),
+                                                           branches=branches))
         self.compile_seconds = time.monotonic() - start
         log.info("compilation done in %.1f s", self.compile_seconds)
 
@@ -357,6 +359,10 @@ class LLMEngine:
         grammars = [(c.seq.constraint, r) for r, c in enumerate(chunks) if c.seq.constraint is not None]
         words = mask_words(self.model.cfg.vocab_size)
         active_rows = jax.device_put(rows)
+        params = [c.seq.params for c in chunks]
+        branches = pipeline_branches(all_greedy=all(p.temperature == 0.0 for p in params),
+                                     any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params),
+                                     want_logprobs=any(p.logprobs is not None for p in params))
         results: list[SampleResult] = []
         previous = active_rows  # any [S] i32 array: step 0 reads the packed tokens instead
 
@@ -381,7 +387,8 @@ class LLMEngine:
                 allowed = np.full((self.builder.S, words), -1, np.int32)  # fresh: the last one may still be in flight
                 if live:
                     fill_masks(live, allowed)
-                results.append(decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j)))
+                results.append(decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j),
+                                                branches=branches))
                 previous = results[-1].tokens
         advance(self.config.decode_steps - 1)
         host = jax.device_get(results)

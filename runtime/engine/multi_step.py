@@ -17,7 +17,7 @@ from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from .packing import Packed
-from .sampler import SampleResult, SamplingBatch, sample
+from .sampler import Branches, SampleResult, SamplingBatch, sample
 from .step import StepInputs
 
 
@@ -63,14 +63,25 @@ def run_decode_forward(model: DecoderModel, kv: KVCache, packed: Packed, previou
     return kv, logits
 
 
-def run_decode_sample(logits: jax.Array, packed: Packed, allowed: jax.Array, j: jax.Array) -> SampleResult:
-    """The pipeline's sampling of step j, with this step's grammar masks."""
+def run_decode_sample(logits: jax.Array, packed: Packed, allowed: jax.Array, j: jax.Array,
+                      branches: Branches) -> SampleResult:
+    """The pipeline's sampling of step j with this step's grammar masks; its branches are static, so queueing it
+    never waits for the device (see Branches)."""
     x: StepInputs = packed.unpack()
-    sampling = eqx.tree_at(lambda s: (s.allowed, s.any_constrained, s.plain_greedy), _at_step(x.sampling, j),
-                           (allowed, jnp.bool_(True), jnp.bool_(False)))
-    return sample(logits, sampling)
+    sampling = eqx.tree_at(lambda s: s.allowed, _at_step(x.sampling, j), allowed)
+    return sample(logits, sampling, branches)
+
+
+def pipeline_branches(*, all_greedy: bool, any_filter: bool, want_logprobs: bool) -> Branches:
+    """The sampling branches of a grammar batch (penalties never run multi-step); greedy rows ignore filters."""
+    return Branches(plain_greedy=False, any_constrained=True, any_penalty=False,
+                    any_filter=any_filter and not all_greedy, all_greedy=all_greedy, want_logprobs=want_logprobs)
+
+
+PIPELINE_BRANCHES = sorted({pipeline_branches(all_greedy=g, any_filter=f, want_logprobs=w)
+                            for g in (False, True) for f in (False, True) for w in (False, True)})
 
 
 decode_steps_fn = jax.jit(run_decode_steps, donate_argnums=(1,), static_argnames=("num_steps",))
 decode_forward_fn = jax.jit(run_decode_forward, donate_argnums=(1,))
-decode_sample_fn = jax.jit(run_decode_sample)
+decode_sample_fn = jax.jit(run_decode_sample, static_argnames=("branches",))

@@ -5,6 +5,8 @@ Logprobs are of the model's raw distribution. A row's random key depends only on
 it samples, so a seeded request draws the same tokens alone or in any batch."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -43,13 +45,31 @@ class SampleResult(eqx.Module):
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
 
 
-def sample(logits: jax.Array, b: SamplingBatch) -> SampleResult:
+class Branches(NamedTuple):
+    """A batch's sampling branches decided on the host. A program compiled for them has no lax.cond, whose
+    predicate XLA:GPU copies back to the host: the host would wait there for the device to catch up, and could
+    not queue the next program meanwhile (the decode pipeline for grammars needs it to)."""
+    plain_greedy: bool
+    any_constrained: bool
+    any_penalty: bool
+    any_filter: bool
+    all_greedy: bool
+    want_logprobs: bool
+
+
+def _branch(static: bool | None, traced: jax.Array, yes, no, *args):
+    return jax.lax.cond(traced, yes, no, *args) if static is None else (yes if static else no)(*args)
+
+
+def sample(logits: jax.Array, b: SamplingBatch, branches: Branches | None = None) -> SampleResult:
+    """branches: decided on the host (static), else each is a lax.cond on the batch's flags."""
     S, V = logits.shape
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)  # one reduction: log-probabilities are only materialised when asked
     # a plain greedy batch (the common serving case) skips every processor: one argmax over the raw logits
-    tokens = jax.lax.cond(b.plain_greedy, lambda x, b: jnp.argmax(x, axis=-1).astype(jnp.int32), _processed_sample,
-                          logits, b)
+    tokens = _branch(branches and branches.plain_greedy, b.plain_greedy,
+                     lambda x, b: jnp.argmax(x, axis=-1).astype(jnp.int32),
+                     lambda x, b: _processed_sample(x, b, branches), logits, b)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
 
     def with_logprobs(logits):
@@ -62,28 +82,31 @@ def sample(logits: jax.Array, b: SamplingBatch) -> SampleResult:
         return (jnp.ones((S,), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
                 jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
 
-    rank, top_ids, top_lp = jax.lax.cond(b.want_logprobs, with_logprobs, without, logits)
+    rank, top_ids, top_lp = _branch(branches and branches.want_logprobs, b.want_logprobs, with_logprobs, without,
+                                    logits)
     return SampleResult(tokens, chosen, rank, top_ids, top_lp)
 
 
-def _processed_sample(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | None = None) -> jax.Array:
     """Bias, bans, penalties, temperature and filters, then greedy rows take the argmax and the rest draw."""
     S, V = logits.shape
     rows = jnp.arange(S)[:, None]
     x = logits.at[rows, b.bias_ids].add(b.bias_values, mode="drop")
     x = x.at[rows, b.banned_ids].set(-jnp.inf, mode="drop")
-    x = jax.lax.cond(b.any_constrained, _apply_grammar, lambda x, allowed: x, x, b.allowed)
-    x = jax.lax.cond(b.any_penalty, _apply_penalties, lambda x, b: x, x, b)
+    x = _branch(branches and branches.any_constrained, b.any_constrained, _apply_grammar,
+                lambda x, allowed: x, x, b.allowed)
+    x = _branch(branches and branches.any_penalty, b.any_penalty, _apply_penalties, lambda x, b: x, x, b)
     greedy = b.temperature == 0.0
     x = x / jnp.where(greedy, 1.0, b.temperature)[:, None]
-    x = jax.lax.cond(b.any_filter, _apply_filters, lambda x, b: x, x, b)
+    x = _branch(branches and branches.any_filter, b.any_filter, _apply_filters, lambda x, b: x, x, b)
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
 
     def draw(x):
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
         return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x + gumbel, axis=-1))
 
-    return jax.lax.cond(jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw, x).astype(jnp.int32)
+    return _branch(branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw,
+                   x).astype(jnp.int32)
 
 
 def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:

@@ -1,0 +1,64 @@
+"""Where a grammar batch's decode step goes: host phases of the pipeline, timed by wrapping them."""
+import sys, time, collections
+import os
+sys.argv = ["x", "--shape", os.environ.get("SHAPE", "llama-3.2-1b"), "--requests", "256", "--prompt-len", "256", "--output-len", "256",
+            "--max-num-seqs", "256", "--max-num-batched-tokens", "2048", "--smallest-bucket", "256",
+            "--constrained-fraction", "0.5"]
+sys.path.insert(0, "benchmarks")
+import numpy as np, jax
+import capstan.runtime.engine.engine as E
+import capstan.runtime.engine.grammar as G
+T = collections.Counter(); N = collections.Counter(); L = collections.defaultdict(list)
+def timed(name, f):
+    def w(*a, **k):
+        t = time.perf_counter(); r = f(*a, **k); d = time.perf_counter() - t
+        T[name] += d; N[name] += 1; L[name].append(d); return r
+    return w
+E.fill_masks = timed("fill_masks", E.fill_masks)
+E.decode_forward_fn = timed("dispatch_forward", E.decode_forward_fn)
+E.decode_sample_fn = timed("dispatch_sample", E.decode_sample_fn)
+G.TokenConstraint.accept = timed("accept", G.TokenConstraint.accept)
+_put = jax.device_put
+E.jax.device_put = timed("device_put", _put)
+E.np.full = timed("np_full", np.full)
+E.LLMEngine._decode_pipeline = timed("pipeline_total", E.LLMEngine._decode_pipeline)
+E.LLMEngine._build = timed("build", E.LLMEngine._build)
+E.LLMEngine._collect_all = timed("collect", E.LLMEngine._collect_all)
+E.LLMEngine._append_token = timed("append_token", E.LLMEngine._append_token)
+import throughput
+throughput.main()
+for k in sorted(T, key=T.get, reverse=True):
+    last = np.asarray(L[k][-200:]) * 1e6
+    print(f"{k:>18}: {T[k]*1000:9.1f} ms total, {N[k]:7d} calls, last 200 calls: median {np.median(last):9.1f} us, "
+          f"p90 {np.percentile(last, 90):9.1f} us")
+# device-only cost of a step: forward + sample chained with no host work, against the scan
+from capstan.runtime.engine.multi_step import decode_forward_fn, decode_sample_fn, decode_steps_fn, pipeline_branches
+from capstan.runtime.config import EngineConfig
+from capstan.runtime.engine.engine import LLMEngine
+from capstan.runtime.models.loader import random_model
+from shapes import shape_config
+cfg = shape_config(os.environ.get("SHAPE", "llama-3.2-1b"))
+e = LLMEngine(EngineConfig(dtype="bfloat16" if jax.default_backend() == "gpu" else "float32", max_model_len=1024,
+                           max_num_seqs=256, max_num_batched_tokens=2048, smallest_token_bucket=256,
+                           enable_prefix_caching=False), model=random_model(cfg, "bfloat16" if jax.default_backend() == "gpu" else "float32"))
+e.warmup()
+inputs = e.builder.build([], bucket=256)
+rows = jax.device_put(np.full(256, 16, np.int32))
+for variant in ("pipeline", "pipeline_nomask", "scan", "forward_only"):
+    for rep in range(3):
+        t = time.perf_counter()
+        if variant == "forward_only":
+            prev = rows
+            for j in range(16):
+                e.kv, out = decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
+        elif variant == "scan":
+            e.kv, out = decode_steps_fn(e.model, e.kv, inputs, rows, num_steps=16)
+        else:
+            prev = rows
+            for j in range(16):
+                e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
+                allowed = e.builder.all_allowed if variant == "pipeline_nomask" else jax.device_put(np.full((256, (cfg.vocab_size + 31) // 32), -1, np.int32))
+                out = decode_sample_fn(logits, inputs, allowed, np.int32(j), branches=pipeline_branches(all_greedy=True, any_filter=False, want_logprobs=False))
+                prev = out.tokens
+        jax.block_until_ready(out)
+        print(f"{variant:>16} rep {rep}: {(time.perf_counter() - t) * 1000 / 16:.3f} ms/step (empty batch of 256 rows)")
