@@ -168,10 +168,9 @@ class InferenceServiceSpec(_Resource):
              " spec.parallelism.hosts", ".parallelism.tensor"),
         _cel(f"!has(self.accelerator) || !has(self.accelerator.topology) || {_SLICE_CHIPS} == {_REPLICA_CHIPS}",
              "spec.accelerator.topology must have spec.parallelism.hosts x spec.accelerator.count chips",
-             ".accelerator.topology") | {"messageExpression": (
-                 f"'spec.accelerator.topology ' + self.accelerator.topology + ' has ' + string({_SLICE_CHIPS})"
-                 f" + ' chips, but spec.parallelism.hosts x spec.accelerator.count is ' + string({_HOSTS})"
-                 " + ' x ' + string(self.accelerator.count)")},
+             ".accelerator.topology") | {"messageExpression": (  # string(int) would be unbounded to the cost estimate
+                 "'spec.accelerator.topology ' + self.accelerator.topology + ' must have spec.parallelism.hosts x"
+                 " spec.accelerator.count chips (hosts x chips per host)'")},
     ]})
 
     model: ModelSpec
