@@ -64,6 +64,8 @@ def _group_pod_template(name: str, spec: api.InferenceServiceSpec, distributed_e
     pod = template["spec"]
     container = next(c for c in pod["containers"] if c["name"] == render.CONTAINER_NAME)
     container["env"] = [*distributed_env, *container.get("env", [])]
+    # A host that exits (e.g. the runtime refusing a shape) leaves its last words in status for the operator.
+    container.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     container["ports"] = [*container.get("ports", []),
                           {"name": "coordinator", "containerPort": COORDINATOR_PORT, "protocol": "TCP"}]
     if "affinity" not in pod and group_labels:

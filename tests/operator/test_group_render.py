@@ -40,6 +40,7 @@ def test_a_tpu_slice_replica_is_a_statefulset_of_its_hosts():
     assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.labels['apps.kubernetes.io/pod-index']"
     assert "HF_HOME" in env  # the single-host environment is kept
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"  # a refused shape reaches status
     affinity = pod["affinity"]
     assert affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == \
         "kubernetes.io/hostname"
