@@ -142,7 +142,8 @@ class PodTemplateOverrides(_Resource):
 
 
 _DIMS = "self.accelerator.topology.split('x')"
-_SLICE_CHIPS = f"(size({_DIMS}) == 2 ? int({_DIMS}[0]) * int({_DIMS}[1]) : int({_DIMS}[0]) * int({_DIMS}[1]) * int({_DIMS}[2]))"
+_DIM = [f"int({_DIMS}[{i}])" for i in range(3)]
+_SLICE_CHIPS = f"(size({_DIMS}) == 2 ? {_DIM[0]} * {_DIM[1]} : {_DIM[0]} * {_DIM[1]} * {_DIM[2]})"  # no reduce in CEL
 _HOSTS = "(has(self.parallelism) ? self.parallelism.hosts : 1)"
 _REPLICA_CHIPS = f"self.accelerator.count * {_HOSTS}"
 
