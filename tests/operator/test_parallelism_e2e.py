@@ -118,3 +118,40 @@ def test_two_gpu_tensor_parallel_replica_is_one_pod(cluster, operator, namespace
     (pod,) = owned(cluster, namespace, "pods")
     assert pod["spec"]["nodeName"].startswith("gpu-l4-")
     assert not owned(cluster, namespace, "statefulsets")
+
+
+# Only the fields the operator writes; LeaderWorkerSet's real CRD (and its controller) are not installed here.
+LEADER_WORKER_SET_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "leaderworkersets.leaderworkerset.x-k8s.io"},
+    "spec": {"group": "leaderworkerset.x-k8s.io", "scope": "Namespaced",
+             "names": {"kind": "LeaderWorkerSet", "plural": "leaderworkersets", "singular": "leaderworkerset"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                           "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                               "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                               "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}]},
+}
+
+
+def test_a_cluster_with_leader_worker_set_gets_one(cluster, operator, namespace):
+    """Runs last: the operator, restarted, discovers the API at once; the CRD goes afterwards."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(LEADER_WORKER_SET_CRD))
+    try:
+        eventually("LeaderWorkerSet served", lambda: cluster.kubectl(
+            "get", "leaderworkersets", "-n", namespace, check=False).returncode == 0, timeout=30)
+        operator.restart()  # its discovery answer is reused for a minute
+        cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "llama-tpu-v5p-2-hosts.yaml"))
+        lws = eventually("the LeaderWorkerSet", lambda: get(cluster, namespace, "leaderworkerset", "llama-tpu-hosts"))
+        assert lws["spec"]["replicas"] == 1 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        env = {e["name"] for e in lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["env"]}
+        assert {"JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"} <= env
+        assert get(cluster, namespace, "service", "llama-tpu")["spec"]["selector"][
+            "leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+        assert not owned(cluster, namespace, "statefulsets")
+        # No LeaderWorkerSet controller here: no group is ready, and the status says so.
+        eventually("status from the LeaderWorkerSet", lambda: condition(
+            get(cluster, namespace, "inferenceservice", "llama-tpu"), "Ready").get("reason") == "Starting")
+    finally:
+        cluster.kubectl("delete", "csvc", "--all", "-n", namespace, "--wait=true", timeout=60, check=False)
+        cluster.kubectl("delete", "crd", LEADER_WORKER_SET_CRD["metadata"]["name"], check=False)
+        operator.restart()
