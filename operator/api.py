@@ -62,17 +62,37 @@ class RuntimeSpec(_Resource):
     extra_args: list[str] = Field(default_factory=list, max_length=64, description="appended to `capstan serve`")
 
 
+def _tpu_host_chips_rule() -> dict[str, str]:
+    """accelerator.count of a TPU type must be the chips of one of its hosts (from accelerators.py)."""
+    chips = {name: list(a.host_chips) for name, a in ACCELERATORS.items() if a.host_chips}
+    table = "{" + ", ".join(f"'{name}': {values}" for name, values in chips.items()) + "}"
+    allowed = "; ".join(f"{name}: {', '.join(map(str, values))}" for name, values in chips.items())
+    return _cel(f"!(self.type in {table}) || self.count in {table}[self.type]",
+                f"accelerator.count is the chips of one TPU host: {allowed}", ".count")
+
+
 class AcceleratorSpec(_Resource):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         _cel("!self.type.startsWith('tpu-') || has(self.topology)",
              "accelerator.topology is required for TPU accelerators (for example 2x4)", ".topology"),
         _cel("self.type.startsWith('tpu-') || !has(self.topology)",
              "accelerator.topology applies to TPU accelerators only", ".topology"),
+        _tpu_host_chips_rule(),
     ]})
 
     type: AcceleratorType = Field("cpu", description="cpu, an NVIDIA GPU type or a TPU type")
-    count: int = Field(1, ge=1, le=64, description="devices per replica")
-    topology: str | None = Field(None, pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$", description="TPU slice topology")
+    count: int = Field(1, ge=1, le=64, description="devices per host (pod); a replica has parallelism.hosts of them")
+    topology: str | None = Field(None, pattern=r"^[1-9][0-9]?x[1-9][0-9]?(x[1-9][0-9]?)?$", max_length=8,
+                                 description="TPU slice topology: its chips are parallelism.hosts x count")
+
+
+class ParallelismSpec(_Resource):
+    """How one replica spreads over devices and hosts; more than one host makes the replica a group of pods
+    that `jax.distributed` joins into one program (a TPU slice, or GPUs on several nodes)."""
+
+    tensor: int | None = Field(None, ge=1, le=512, description="devices the weights are sharded over "
+                               "(--tensor-parallel-size); default: all of a replica's devices when hosts > 1")
+    hosts: int = Field(1, ge=1, le=64, description="hosts (pods) per replica; process 0 serves HTTP")
 
 
 class AutoscalingSpec(_Resource):
@@ -121,6 +141,13 @@ class PodTemplateOverrides(_Resource):
     spec: dict[str, Any] = Field(default_factory=dict)
 
 
+_DIMS = "self.accelerator.topology.split('x')"
+_DIM = [f"int({_DIMS}[{i}])" for i in range(3)]
+_SLICE_CHIPS = f"(size({_DIMS}) == 2 ? {_DIM[0]} * {_DIM[1]} : {_DIM[0]} * {_DIM[1]} * {_DIM[2]})"  # no reduce in CEL
+_HOSTS = "(has(self.parallelism) ? self.parallelism.hosts : 1)"
+_REPLICA_CHIPS = f"self.accelerator.count * {_HOSTS}"
+
+
 class InferenceServiceSpec(_Resource):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         _cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
@@ -128,13 +155,29 @@ class InferenceServiceSpec(_Resource):
         _cel("!has(self.autoscaling) || has(self.maxReplicas)",
              "spec.maxReplicas is required when spec.autoscaling is set", ".maxReplicas"),
         _cel("!has(self.runtime) || !has(self.runtime.tensorParallelSize) || !has(self.accelerator)"
-             " || self.accelerator.type == 'cpu' || self.runtime.tensorParallelSize <= self.accelerator.count",
-             "spec.runtime.tensorParallelSize cannot exceed spec.accelerator.count", ".runtime.tensorParallelSize"),
+             " || self.accelerator.type == 'cpu' || self.runtime.tensorParallelSize <= " + _REPLICA_CHIPS,
+             "spec.runtime.tensorParallelSize cannot exceed spec.accelerator.count (x spec.parallelism.hosts)",
+             ".runtime.tensorParallelSize"),
+        _cel("!has(self.parallelism) || !has(self.parallelism.tensor) || !has(self.runtime)"
+             " || self.runtime.tensorParallelSize == 1 || self.runtime.tensorParallelSize == self.parallelism.tensor",
+             "set spec.parallelism.tensor or spec.runtime.tensorParallelSize (its older name), not both",
+             ".runtime.tensorParallelSize"),
+        _cel("!has(self.parallelism) || !has(self.parallelism.tensor) || !has(self.accelerator)"
+             " || self.accelerator.type == 'cpu'"
+             " || (self.accelerator.count * self.parallelism.hosts) % self.parallelism.tensor == 0",
+             "spec.parallelism.tensor must divide the replica's devices, spec.accelerator.count x"
+             " spec.parallelism.hosts", ".parallelism.tensor"),
+        _cel(f"!has(self.accelerator) || !has(self.accelerator.topology) || {_SLICE_CHIPS} == {_REPLICA_CHIPS}",
+             "spec.accelerator.topology must have spec.parallelism.hosts x spec.accelerator.count chips",
+             ".accelerator.topology") | {"messageExpression": (  # string(int) would be unbounded to the cost estimate
+                 "'spec.accelerator.topology ' + self.accelerator.topology + ' must have spec.parallelism.hosts x"
+                 " spec.accelerator.count chips (hosts x chips per host)'")},
     ]})
 
     model: ModelSpec
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     image: str | None = Field(None, max_length=1024, description="runtime image (default: the operator's)")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     resources: dict[str, Any] | None = Field(None, description="container resources (requests, limits)")
@@ -156,6 +199,15 @@ class InferenceServiceSpec(_Resource):
         """The replica range the autoscaler moves within."""
         low = self.min_replicas if self.min_replicas is not None else 1
         return low, max(low, self.max_replicas if self.max_replicas is not None else max(low, self.replicas))
+
+    def tensor_parallel_size(self) -> int:
+        """`--tensor-parallel-size`: parallelism.tensor, else the older runtime field, else (several hosts)
+        every device of the replica."""
+        if self.parallelism.tensor is not None:
+            return self.parallelism.tensor
+        if self.parallelism.hosts > 1 and self.runtime.tensor_parallel_size == 1:
+            return self.accelerator.count * self.parallelism.hosts
+        return self.runtime.tensor_parallel_size
 
 
 class Condition(_Resource):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import kubernetes
@@ -12,10 +13,13 @@ from kubernetes.client.exceptions import ApiException
 from capstan.operator import api
 
 FIELD_MANAGER = "capstan-operator"
+DISCOVERY_SECONDS = 60.0  # how long the answer "does the cluster serve this API?" is reused
 
 # kind -> (API path prefix, plural) for the kinds the operator owns or reads.
 PATHS = {
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "Service": ("/api/v1", "services"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
@@ -36,6 +40,7 @@ def load_api_client() -> ApiClient:
 class ClusterClient:
     def __init__(self, api_client: ApiClient):
         self.api_client = api_client
+        self._served: dict[str, tuple[float, bool]] = {}
 
     def _call(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
               content_type: str = "application/json") -> Any:
@@ -78,6 +83,21 @@ class ClusterClient:
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         return self._call("GET", self._path(kind, namespace), query=[("labelSelector", label_selector)])["items"]
+
+    def serves(self, api_version: str) -> bool:
+        """Whether the cluster serves group/version (e.g. a CRD's), from API discovery, reused for a minute."""
+        checked, served = self._served.get(api_version, (0.0, False))
+        if time.monotonic() - checked < DISCOVERY_SECONDS:
+            return served
+        try:
+            self._call("GET", f"/apis/{api_version}")
+            served = True
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            served = False
+        self._served[api_version] = (time.monotonic(), served)
+        return served
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self._call("PATCH", self._path(api.KIND, namespace, name) + "/status", body={"status": status},

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pydantic
 from kubernetes.client.exceptions import ApiException
 
-from capstan.operator import api, autoscaler, render
+from capstan.operator import api, autoscaler, host_groups, render, render_group
 from capstan.operator.cluster_client import ClusterClient
 from capstan.operator.pod_metrics import PodAddresses, fetch_loads
 from capstan.operator.status import compute_status
@@ -66,8 +66,12 @@ class Reconciler:
         if autoscale and spec.autoscaling is not None:
             replicas, autoscaling_status = self._autoscale(body, spec, status, replicas, pods)
 
+        multi_host = render_group.is_multi_host(spec)
+        leader_worker_set = multi_host and self.client.serves(render_group.LWS_API_VERSION)
+        desired = render_group.render_all_groups(body, spec, replicas, leader_worker_set) if multi_host \
+            else render.render_all(body, spec, replicas)
         try:
-            applied = {obj["kind"]: self.client.apply(obj) for obj in render.render_all(body, spec, replicas)}
+            applied = [self.client.apply(obj) for obj in desired]
         except ApiException as error:
             if error.status not in (400, 422):
                 raise
@@ -75,12 +79,14 @@ class Reconciler:
             self._report_invalid(body, generation, "InvalidPodTemplate", _api_message(error))
             return
         if status.get("observedGeneration") != generation:
-            self.emit(body, "Normal", "Applied",
-                      f"generation {generation}: applied {', '.join(applied)} ({replicas} replicas)")
+            kinds = ", ".join(dict.fromkeys(obj["kind"] for obj in applied))
+            self.emit(body, "Normal", "Applied", f"generation {generation}: applied {kinds} ({replicas} replicas)")
         self._prune_model_cache_claim(body, spec)
+        self._prune_workloads(body, applied, leader_worker_set)
+        workload = self._observe_workload(body, applied, pods)
         new_status = compute_status(
             name=name, namespace=namespace, generation=generation, spec=spec, desired=replicas,
-            deployment=applied["Deployment"], pods=pods, previous_conditions=status.get("conditions", []), now=_now(),
+            deployment=workload, pods=pods, previous_conditions=status.get("conditions", []), now=_now(),
         )
         if autoscaling_status is not None:
             new_status["autoscaling"] = autoscaling_status
@@ -94,7 +100,8 @@ class Reconciler:
                    current: int, pods: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         assert spec.autoscaling is not None
         meta = body["metadata"]
-        loads = fetch_loads(self.config.pod_addresses.resolve([p for p in pods if _is_ready(p)]))
+        serving = [p for p in pods if _is_ready(p) and render_group.is_leader(p)]  # workers take no requests
+        loads = fetch_loads(self.config.pod_addresses.resolve(serving))
         previous = api.AutoscalingStatus.model_validate(status.get("autoscaling") or {})
         decision = autoscaler.decide(spec.autoscaling, spec.bounds(), current, loads, previous.recommendations,
                                      time.time())
@@ -109,6 +116,38 @@ class Reconciler:
             recommendations=decision.recommendations,
         )
         return decision.replicas, result.model_dump(by_alias=True, exclude_none=True)
+
+    def _observe_workload(self, body: dict[str, Any], applied: list[dict[str, Any]],
+                          pods: list[dict[str, Any]]) -> dict[str, Any]:
+        """The Deployment, or the multi-host groups summarized as one; rolls the next outdated group."""
+        by_kind: dict[str, list[dict[str, Any]]] = {}
+        for obj in applied:
+            by_kind.setdefault(obj["kind"], []).append(obj)
+        if "Deployment" in by_kind:
+            return by_kind["Deployment"][0]
+        if "LeaderWorkerSet" in by_kind:
+            return host_groups.summarize_leader_worker_set(by_kind["LeaderWorkerSet"][0])
+        statefulsets = by_kind["StatefulSet"]
+        group = host_groups.group_to_replace(statefulsets, pods)
+        if group is not None:
+            for pod in group.pods:
+                self.client.delete("Pod", body["metadata"]["namespace"], pod)
+            self.emit(body, "Normal", "RollingGroup", f"replacing all {len(group.pods)} pods of group {group.name} "
+                                                      "with the current spec")
+        return host_groups.summarize(statefulsets, pods)
+
+    def _prune_workloads(self, body: dict[str, Any], applied: list[dict[str, Any]], leader_worker_set: bool) -> None:
+        """Delete owned workloads the spec no longer renders: groups beyond the replica count, and the other
+        shape's objects when spec.parallelism.hosts crosses 1."""
+        meta = body["metadata"]
+        keep = {(obj["kind"], obj["metadata"]["name"]) for obj in applied}
+        kinds = ["Deployment", "StatefulSet", "Service"] + (["LeaderWorkerSet"] if leader_worker_set else [])
+        for kind in kinds:
+            for obj in self.client.list(kind, meta["namespace"], render.selector_string(meta["name"])):
+                owners = obj["metadata"].get("ownerReferences", [])
+                if (kind, obj["metadata"]["name"]) not in keep and any(o.get("uid") == meta["uid"] for o in owners):
+                    self.client.delete(kind, meta["namespace"], obj["metadata"]["name"])
+                    self.emit(body, "Normal", "Deleted", f"{kind} {obj['metadata']['name']} is no longer rendered")
 
     def _prune_model_cache_claim(self, body: dict[str, Any], spec: api.InferenceServiceSpec) -> None:
         """Delete the cache PVC the operator created once the spec no longer asks for one."""

@@ -76,7 +76,7 @@ def serve_args(spec: api.InferenceServiceSpec, model_argument: str) -> list[str]
         "--max-num-seqs": runtime.max_num_seqs,
         "--page-size": runtime.page_size,
         "--dtype": None if runtime.dtype == "auto" else runtime.dtype,
-        "--tensor-parallel-size": runtime.tensor_parallel_size if runtime.tensor_parallel_size > 1 else None,
+        "--tensor-parallel-size": spec.tensor_parallel_size() if spec.tensor_parallel_size() > 1 else None,
         "--drain-timeout": spec.drain_timeout_seconds,
     }
     for flag, value in flags.items():
@@ -199,7 +199,8 @@ def render_deployment(owner: dict[str, Any], spec: api.InferenceServiceSpec, rep
     }
 
 
-def render_service(owner: dict[str, Any]) -> dict[str, Any]:
+def render_service(owner: dict[str, Any], pod_selector: dict[str, str] | None = None) -> dict[str, Any]:
+    """The OpenAI endpoint; pod_selector narrows it to the leaders of multi-host replicas."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     return {
         "apiVersion": "v1",
@@ -207,7 +208,7 @@ def render_service(owner: dict[str, Any]) -> dict[str, Any]:
         "metadata": _metadata(name, namespace, owner),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector(name),
+            "selector": pod_selector or selector(name),
             "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }

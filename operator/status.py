@@ -16,6 +16,7 @@ from capstan.operator.render import selector_string, service_url
 
 IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 CONFIG_REASONS = {"CreateContainerConfigError", "CreateContainerError"}
+MESSAGE_TAIL = 512  # of a crashed container's termination message, quoted in the Degraded condition
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,13 @@ def diagnose(pods: list[dict[str, Any]], spec: api.InferenceServiceSpec) -> Prob
                 found.setdefault("ImagePullFailed", Problem(
                     "ImagePullFailed", f"pod {name} cannot pull image {container.get('image')}: {reason} {detail}".strip()))
             elif reason == "CrashLoopBackOff":
-                exit_code = (container.get("lastState", {}).get("terminated") or {}).get("exitCode")
+                terminated = container.get("lastState", {}).get("terminated") or {}
+                # The runtime's own words, e.g. a --tensor-parallel-size that does not divide the heads.
+                said = (terminated.get("message") or "").strip()[-MESSAGE_TAIL:]
                 found.setdefault("CrashLoop", Problem(
                     "CrashLoop", f"container {container['name']} of pod {name} keeps crashing "
-                                 f"(last exit code {exit_code}, {container.get('restartCount', 0)} restarts)"))
+                                 f"(last exit code {terminated.get('exitCode')}, {container.get('restartCount', 0)}"
+                                 f" restarts)" + (f": {said}" if said else "")))
             elif reason in CONFIG_REASONS:
                 found.setdefault("InvalidPodConfiguration", Problem("InvalidPodConfiguration", f"pod {name}: {detail}"))
         for condition in pod.get("status", {}).get("conditions", []):

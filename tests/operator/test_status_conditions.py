@@ -74,3 +74,13 @@ def test_transition_time_kept_when_status_unchanged():
     assert all(c["lastTransitionTime"] == "2020-01-01T00:00:00Z" for c in again["conditions"])
     degraded = status_of(deployment(ready=0), [pod(waiting="ErrImagePull")], previous=earlier)
     assert {c["type"]: c["lastTransitionTime"] for c in degraded["conditions"]}["Degraded"] == "2030-01-01T00:00:00Z"
+
+
+def test_crash_loop_quotes_the_runtimes_last_words():
+    crashed = pod(waiting="CrashLoopBackOff", last_exit=2)
+    crashed["status"]["containerStatuses"][0]["lastState"]["terminated"]["message"] = (
+        "error: --tensor-parallel-size 3 does not divide num_attention_heads 32\n")
+    problem = diagnose([crashed], SPEC)
+    assert problem.reason == "CrashLoop"
+    assert problem.message.endswith("(last exit code 2, 5 restarts): error: --tensor-parallel-size 3 does not "
+                                    "divide num_attention_heads 32")

@@ -39,11 +39,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: [inferenceservices/finalizers]
   verbs: [update]  # owner references that block deletion, where OwnerReferencesPermissionEnforcement is on
 - apiGroups: [apps]
-  resources: [deployments]
-  verbs: [create, patch]  # server-side apply
+  resources: [deployments, statefulsets]
+  verbs: [list, create, patch, delete]  # server-side apply; delete what the spec no longer renders
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [list, create, patch, delete]  # multi-host replicas, where the cluster serves LeaderWorkerSet
 - apiGroups: [""]
   resources: [services]
-  verbs: [create, patch]
+  verbs: [list, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [create, patch]
@@ -52,7 +55,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: [get, create, patch, delete]  # the model cache claim it creates, and removes when no longer asked for
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]  # status and autoscaling read the pods
+  verbs: [list, delete]  # status and autoscaling read the pods; a multi-host group is replaced as a whole
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
