@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from .. import compat  # noqa: F401  (haliax needs jax.core.is_constant_dim on JAX 0.11)
-from ..attention import AttentionMetadata, attend, write_kv
+from ..attention import AttentionMetadata, write_and_attend
 from .config import ModelConfig
 from .rope import apply_rotary
 
@@ -78,10 +78,9 @@ class Attention(eqx.Module):
         q_arr = apply_rotary(q.rearrange((Token.name, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
         k_arr = apply_rotary(k.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array, cos, sin)
         v_arr = v.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array
-        k_cache = write_kv(k_cache, meta.slot_mapping, k_arr, page_size)
-        v_cache = write_kv(v_cache, meta.slot_mapping, v_arr, page_size)
-        out = attend(q_arr, k_cache, v_cache, meta, scale=cfg.attention_scale, window=window,
-                     softcap=cfg.attn_logit_softcapping)
+        out, k_cache, v_cache = write_and_attend(q_arr, k_arr, v_arr, k_cache, v_cache, meta, page_size=page_size,
+                                                 scale=cfg.attention_scale, window=window,
+                                                 softcap=cfg.attn_logit_softcapping)
         out = hax.named(out, (q.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
         y = hax.dot(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
         return y, k_cache, v_cache
