@@ -96,7 +96,7 @@ class LLMEngine:
         per_page = KVCache.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         per_page //= self.parallel.size  # each device holds its KV heads' share of every page
         useful = c.max_num_seqs * -(-self.max_model_len // c.page_size) + 1  # more than this is never used
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}  # (devices()[0] may be another host's)
         if "bytes_limit" in stats:
             budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * c.kv_memory_fraction
         else:
