@@ -116,10 +116,20 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.auth import load_api_keys
     from .server.body_limit import DEFAULT_MAX_BODY_BYTES
 
+    from .parallel.multihost import LockstepEngine, initialize_from_env, run_follower
+
+    several_hosts = initialize_from_env()  # before anything starts JAX's backend (_engine_config asks it)
     api_keys = load_api_keys(args.api_key, args.api_key_file)
     config = _engine_config(args)
     log.info("loading %s", args.model)
-    engine = AsyncLLM(config)
+    if several_hosts:  # one model over every host's devices: only the leader (process 0) serves HTTP
+        import jax
+
+        if jax.process_index() != 0:
+            return run_follower(config)
+        engine = AsyncLLM(config, engine=LockstepEngine(config))
+    else:
+        engine = AsyncLLM(config)
     names = args.served_model_name or [default_served_name(args.model) or engine.model_name]
     serve(engine, host=args.host, port=args.port, served_model_names=names, api_keys=api_keys,
           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts, log_level=args.log_level,

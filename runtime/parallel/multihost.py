@@ -16,16 +16,19 @@ import dataclasses
 import logging
 import os
 import pickle
+import time
 
 import jax
 import numpy as np
 
 from ..engine.engine import LLMEngine
-from ..engine.sampling_params import SamplingParams
+from ..config import EngineConfig
+from ..engine.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("capstan.multihost")
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 SMALLEST_MESSAGE = 1024  # broadcast buffers are padded to powers of two from here: few compiled broadcasts
+HEARTBEAT_S = 5.0  # an idle leader still steps (with nothing to do) this often: no follower waits long in a collective
 
 
 def initialize_from_env(timeout_s: int = 300) -> bool:
@@ -67,6 +70,13 @@ class LockstepEngine(LLMEngine):
         self.is_leader = jax.process_index() == 0
         self._changes: list[Added | Aborted] = []
         self._after_last_step = self._fingerprint()  # what every host's state must be before the next changes
+        self._last_step_time = time.monotonic()
+        self.embedder.add = _refuse_embeddings  # its steps are the leader's alone: they would hang the group
+
+    def has_unfinished(self) -> bool:
+        """The leader's loops (AsyncLLM's, LLM.generate) step while this is true: also when idle for HEARTBEAT_S."""
+        idle_too_long = self.is_leader and time.monotonic() - self._last_step_time > HEARTBEAT_S
+        return super().has_unfinished() or idle_too_long
 
     def enqueue(self, seqs) -> None:
         super().enqueue(seqs)
@@ -85,6 +95,7 @@ class LockstepEngine(LLMEngine):
         self._changes = []
         outputs = super().step()
         self._after_last_step = self._fingerprint()
+        self._last_step_time = time.monotonic()
         return outputs
 
     def stop_followers(self) -> None:
@@ -128,3 +139,19 @@ class LockstepEngine(LLMEngine):
         if data is not None:
             buf[:size] = data
         return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:size]
+
+
+def _refuse_embeddings(inputs) -> None:
+    raise InvalidRequestError("input: embeddings are not served across several hosts yet (JAX_NUM_PROCESSES > 1)",
+                              "input")
+
+
+def run_follower(config: EngineConfig) -> int:
+    """`capstan serve` on a host other than the leader: no HTTP, the leader's steps until it stops or goes away
+    (then jax.distributed ends this process too, and the pod restarts with the group)."""
+    engine = LockstepEngine(config)
+    if config.warmup:
+        engine.warmup()  # the same programs, in the same order, as the leader's AsyncLLM compiles
+    log.info("following the leader's steps")
+    engine.follow()
+    return 0
