@@ -18,11 +18,12 @@ TESTS = Path(__file__).parent
 MAX_TOKENS = 10
 
 
-def run_split(devices: int, cases: dict[str, int]) -> dict:
-    """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs."""
+def run_split(devices: int, cases: dict[str, int], gpu_kernels: bool = False) -> dict:
+    """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs;
+    gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, json.dumps(cases)], env=env, cwd=TESTS, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run([sys.executable, __file__, json.dumps(cases)] + ["gpu-kernels"] * gpu_kernels, env=env,
+                          cwd=TESTS, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -39,17 +40,31 @@ def test_split_model_matches_one_device_and_golden(devices, cases):
         one, split = got[case]["1"], got[case][str(tp)]
         assert split["kv_sharding"] == f"P('model',)" and split["devices"] == tp
         ref = reference(case)
-        for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"])):
+        for i in range(len(ref["prompts"])):
             assert split["tokens"][i] == one["tokens"][i], f"{case} tp={tp} prompt {i}"
             np.testing.assert_allclose(split["logprobs"][i], one["logprobs"][i], atol=1e-4, err_msg=f"{case} {i}")
-            owed = min(greedy_agreement_length(ref, i), MAX_TOKENS)
-            assert split["tokens"][i][:owed] == cont[:owed], f"{case} tp={tp} prompt {i} vs transformers"
-            expected = log_softmax(reference_logits(case, i))[np.arange(len(prompt) - 1, len(prompt) - 1 + owed),
-                                                              cont[:owed]]
-            np.testing.assert_allclose(split["logprobs"][i][:owed], expected, atol=1e-4, err_msg=f"{case} {i}")
+        assert_golden(case, split)
         assert split["sampled"] == one["sampled"], f"{case}: seeded sampling differs under tp={tp}"
         assert len(split["prompt_logprobs"]) == len(ref["prompts"][0]) - 1
         np.testing.assert_allclose(split["prompt_logprobs"], one["prompt_logprobs"], atol=1e-4)
+
+
+def assert_golden(case: str, run: dict) -> None:
+    ref = reference(case)
+    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"])):
+        owed = min(greedy_agreement_length(ref, i), MAX_TOKENS)
+        assert run["tokens"][i][:owed] == cont[:owed], f"{case} prompt {i} vs transformers"
+        expected = log_softmax(reference_logits(case, i))[np.arange(len(prompt) - 1, len(prompt) - 1 + owed),
+                                                          cont[:owed]]
+        np.testing.assert_allclose(run["logprobs"][i][:owed], expected, atol=1e-4, err_msg=f"{case} {i}")
+
+
+@pytest.mark.slow
+def test_gpu_kernels_run_per_shard():
+    """The ragged and decode Pallas kernels (interpreted) inside attention's shard_map, one KV head per device."""
+    split = run_split(2, {"llama-s11": 2}, gpu_kernels=True)["llama-s11"]["2"]
+    assert split["kv_sharding"] == "P('model',)"
+    assert_golden("llama-s11", split)
 
 
 def test_sizes_the_model_cannot_split_are_refused_naming_the_flag():
@@ -99,6 +114,11 @@ def _generate(case: str, tp: int) -> dict:
     }
 
 
-if __name__ == "__main__":  # the child: one device, then split, for each case
-    results = {case: {str(n): _generate(case, n) for n in (1, tp)} for case, tp in json.loads(sys.argv[1]).items()}
+if __name__ == "__main__":  # the child: one device, then split, for each case (split only through the GPU kernels)
+    if "gpu-kernels" in sys.argv:
+        from capstan.runtime import attention
+
+        attention.KERNELS_INTERPRETED_ON_CPU = True
+    sizes = lambda tp: (tp,) if "gpu-kernels" in sys.argv else (1, tp)  # noqa: E731
+    results = {case: {str(n): _generate(case, n) for n in sizes(tp)} for case, tp in json.loads(sys.argv[1]).items()}
     print(json.dumps(results))
