@@ -38,7 +38,7 @@ def test_split_model_matches_one_device_and_golden(devices, cases):
     got = run_split(devices, cases)
     for case, tp in cases.items():
         one, split = got[case]["1"], got[case][str(tp)]
-        assert split["kv_sharding"] == f"P('model',)" and split["devices"] == tp
+        assert split["kv_sharding"] == "P('model',)" and split["devices"] == tp
         ref = reference(case)
         for i in range(len(ref["prompts"])):
             assert split["tokens"][i] == one["tokens"][i], f"{case} tp={tp} prompt {i}"
