@@ -79,6 +79,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--all-greedy", action="store_true", help="the mixed workload's lengths, every request greedy")
     ap.add_argument("--constrained-fraction", type=float, default=0.0,
                     help="this share of the requests follows a JSON schema (structured outputs); the rest is free")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -93,7 +94,8 @@ def main(argv=None) -> dict:
         e = LLMEngine(EngineConfig(dtype=dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_tokens, page_size=a.page_size,
                                    smallest_token_bucket=a.smallest_bucket, decode_steps=a.decode_steps,
-                                   enable_prefix_caching=False), model=model)
+                                   enable_prefix_caching=False, tensor_parallel_size=a.tensor_parallel_size),
+                     model=model)
         e.warmup()
         return e
 
@@ -110,7 +112,7 @@ def main(argv=None) -> dict:
         params = [constrained] * cut + [params] * (a.requests - cut)
     run(engine, prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
     figures = {"shape": a.shape, "dtype": dtype, "device": str(jax.devices()[0].device_kind),
-               "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
+               "tensor_parallel_size": a.tensor_parallel_size, "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
                "weights_init_s": load_s, "compile_s": engine.compile_seconds, **run(engine, prompts, params)}
     if a.single_stream_tokens:
         one = SamplingParams(max_tokens=a.single_stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False)

@@ -32,7 +32,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported for now")
+    parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                        help="devices to split the model over (it must divide the attention heads and the MLP size; "
+                             "KV heads are split, or replicated when fewer)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or hf://org/name (default: the model's)")
     parser.add_argument("--decode-steps", type=int, default=d.decode_steps,
                         help="decode steps per device dispatch when every sequence is decoding")
@@ -53,8 +55,6 @@ def _default_max_num_seqs() -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported for now")
     if args.model is None:
         args.model = str(default_model())
     config = EngineConfig(
@@ -64,6 +64,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         warmup=args.warmup, max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
         tokenizer=args.tokenizer, decode_steps=args.decode_steps, smallest_token_bucket=args.smallest_token_bucket,
         max_logprobs=args.max_logprobs, embedding_pooling=args.embedding_pooling,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     config.validate()
     return config
@@ -115,10 +116,20 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.auth import load_api_keys
     from .server.body_limit import DEFAULT_MAX_BODY_BYTES
 
+    from .parallel.multihost import LockstepEngine, initialize_from_env, run_follower
+
+    several_hosts = initialize_from_env()  # before anything starts JAX's backend (_engine_config asks it)
     api_keys = load_api_keys(args.api_key, args.api_key_file)
     config = _engine_config(args)
     log.info("loading %s", args.model)
-    engine = AsyncLLM(config)
+    if several_hosts:  # one model over every host's devices: only the leader (process 0) serves HTTP
+        import jax
+
+        if jax.process_index() != 0:
+            return run_follower(config)
+        engine = AsyncLLM(config, engine=LockstepEngine(config))
+    else:
+        engine = AsyncLLM(config)
     names = args.served_model_name or [default_served_name(args.model) or engine.model_name]
     serve(engine, host=args.host, port=args.port, served_model_names=names, api_keys=api_keys,
           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts, log_level=args.log_level,

@@ -65,9 +65,11 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model folder
     max_logprobs: int = MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask (vLLM's --max-logprobs)
     embedding_pooling: str = "last"  # /v1/embeddings and LLM.embed: "last" token's hidden state, or "mean"
+    tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP, vocabulary, KV cache by KV head)
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:

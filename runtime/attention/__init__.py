@@ -1,7 +1,9 @@
 """Paged attention: the plain-XLA reference defines correctness; faster kernels are chosen by backend."""
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .chunked import chunked_attention
 from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
@@ -32,5 +34,26 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     return chunked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
-__all__ = ["INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "chunked_attention", "paged_attention",
+def write_and_attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page_size: int, scale: float,
+                     window: int | None, softcap):
+    """Writes the step's k, v [T, KVH, D] into one layer's pages, then attends q [T, KVH, G, D] over them; returns
+    (out [T, KVH, G, D], k_cache, v_cache). Under tensor parallelism the caches are sharded by KV head and each
+    device does both for its own KV heads (shard_map): attention never mixes heads, so no device reads another's
+    pages, and every kernel above (reference, chunked, the GPU Pallas ones) runs unchanged on its shard."""
+
+    def local(q, k, v, k_cache, v_cache, meta):
+        k_cache = write_kv(k_cache, meta.slot_mapping, k, page_size)
+        v_cache = write_kv(v_cache, meta.slot_mapping, v, page_size)
+        out = attend(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
+        return out, k_cache, v_cache
+
+    if model_parallel_size() == 1:
+        return local(q, k, v, k_cache, v_cache, meta)
+    heads, cache = P(None, MODEL_AXIS), P(MODEL_AXIS)
+    # check_vma off: the Pallas kernels inside have no replication rules; the specs say what each output is
+    return jax.shard_map(local, in_specs=(heads, heads, heads, cache, cache, P()), out_specs=(heads, cache, cache),
+                         check_vma=False)(q, k, v, k_cache, v_cache, meta)
+
+
+__all__ = ["write_and_attend", "INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "chunked_attention", "paged_attention",
            "write_kv"]

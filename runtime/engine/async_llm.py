@@ -35,8 +35,8 @@ class RequestCancelledError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config)  # given: a multi-host LockstepEngine
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one step at a time: schedule (host), run the jitted step (device), apply results."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -14,6 +15,7 @@ from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
 from ..kv.page_pool import PagePool
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
+from ..parallel.tensor_parallel import TensorParallel
 from ..tokenizer import Tokenizer
 from .batch import BatchBuilder
 from .detokenizer import IncrementalDetokenizer
@@ -55,6 +57,8 @@ class LLMEngine:
         dtype = config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
         self.dtype = parse_dtype(dtype)
         self.model = model if model is not None else load_model(path, dtype)
+        self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
+        self.model = self.parallel.place_model(self.model)  # may replicate KV heads: read cfg after
         cfg = self.model.cfg
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(
             resolve_checkpoint(config.tokenizer) if config.tokenizer else path)
@@ -71,7 +75,7 @@ class LLMEngine:
         num_pages = config.num_pages or self._pages_that_fit()
         config.num_pages = num_pages
         self.kv = KVCache.allocate(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
-                                   self.dtype)
+                                   self.dtype, sharding=self.parallel.kv_sharding())
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.builder = BatchBuilder(max_num_seqs=config.max_num_seqs,
@@ -90,8 +94,9 @@ class LLMEngine:
     def _pages_that_fit(self) -> int:
         cfg, c = self.model.cfg, self.config
         per_page = KVCache.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_page //= self.parallel.size  # each device holds its KV heads' share of every page
         useful = c.max_num_seqs * -(-self.max_model_len // c.page_size) + 1  # more than this is never used
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}  # (devices()[0] may be another host's)
         if "bytes_limit" in stats:
             budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * c.kv_memory_fraction
         else:
@@ -292,9 +297,13 @@ class LLMEngine:
                 self.fail(rid, e)
         return outputs
 
+    @contextlib.contextmanager
     def _precision(self):
-        # float32 means float32: no TF32 shortcuts in matmuls on GPUs (golden parity is to 1e-4)
-        return jax.default_matmul_precision("float32" if self.dtype == jnp.float32 else "default")
+        """Every device call runs in here: float32 means float32 (no TF32 shortcuts in matmuls on GPUs: golden
+        parity is to 1e-4), and under tensor parallelism the steps trace and run on its mesh."""
+        with jax.default_matmul_precision("float32" if self.dtype == jnp.float32 else "default"), \
+                self.parallel.context():
+            yield
 
     def _multi_step_plan(self, chunks: list[ScheduledChunk]) -> list[int] | None:
         """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""

@@ -15,10 +15,12 @@ class KVCache(eqx.Module):
     page_size: int = eqx.field(static=True)
 
     @staticmethod
-    def allocate(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+    def allocate(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,
+                 sharding=None) -> "KVCache":
+        """sharding: where the pages live (tensor parallelism splits them by KV head); None: the default device."""
         shape = (kv_heads, num_pages, page_size, head_dim)
-        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                       tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), page_size)
+        return KVCache(tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
+                       tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)), page_size)
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:

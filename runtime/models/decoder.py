@@ -4,12 +4,14 @@ The families differ only in their block (llama.py, gemma3.py); this is the part 
 from __future__ import annotations
 
 import equinox as eqx
+import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
 from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
+from ..parallel.mesh import replicated
 from .config import SLIDING_ATTENTION, ModelConfig
 from .layers import ModelAxes, embed, lm_logits, rms_norm
 from .rope import inverse_frequencies, rotary_tables
@@ -45,7 +47,13 @@ class DecoderModel(eqx.Module):
         return x, KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)
 
     def logits(self, hidden: NamedArray) -> NamedArray:
-        return lm_logits(hidden, self.lm_head, self.ax, self.cfg.final_logit_softcapping)
+        """Float32 logits [..., Vocab]; under tensor parallelism gathered from the vocabulary shards onto every
+        device (and cut to the real vocabulary where it was padded), so sampling sees what one device computes."""
+        logits = lm_logits(hidden, self.lm_head, self.ax, self.cfg.final_logit_softcapping)
+        logits = hax.named(replicated(logits.array), logits.axes)
+        if logits.resolve_axis("vocab").size != self.cfg.vocab_size:
+            logits = logits["vocab", hax.dslice(0, self.cfg.vocab_size)]
+        return logits
 
 
 

@@ -10,9 +10,11 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
+from jax.sharding import PartitionSpec as P
 
 from .. import compat  # noqa: F401  (haliax needs jax.core.is_constant_dim on JAX 0.11)
-from ..attention import AttentionMetadata, attend, write_kv
+from ..attention import AttentionMetadata, write_and_attend
+from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .config import ModelConfig
 from .rope import apply_rotary
 
@@ -78,10 +80,9 @@ class Attention(eqx.Module):
         q_arr = apply_rotary(q.rearrange((Token.name, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
         k_arr = apply_rotary(k.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array, cos, sin)
         v_arr = v.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array
-        k_cache = write_kv(k_cache, meta.slot_mapping, k_arr, page_size)
-        v_cache = write_kv(v_cache, meta.slot_mapping, v_arr, page_size)
-        out = attend(q_arr, k_cache, v_cache, meta, scale=cfg.attention_scale, window=window,
-                     softcap=cfg.attn_logit_softcapping)
+        out, k_cache, v_cache = write_and_attend(q_arr, k_arr, v_arr, k_cache, v_cache, meta, page_size=page_size,
+                                                 scale=cfg.attention_scale, window=window,
+                                                 softcap=cfg.attn_logit_softcapping)
         out = hax.named(out, (q.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
         y = hax.dot(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
         return y, k_cache, v_cache
@@ -102,12 +103,34 @@ class GatedMLP(eqx.Module):
 
 
 def embed(tokens: jax.Array, embedding: NamedArray, ax: ModelAxes) -> NamedArray:
-    return hax.named(embedding.array[tokens], (Token.resize(tokens.shape[0]), ax.Embed))
+    if model_parallel_size() == 1:
+        x = embedding.array[tokens]
+    else:  # the table is split by vocabulary row: look up in place instead of letting XLA gather the whole table
+        x = jax.shard_map(_lookup_in_vocab_shard, in_specs=(P(MODEL_AXIS), P()), out_specs=P())(embedding.array, tokens)
+    return hax.named(x, (Token.resize(tokens.shape[0]), ax.Embed))
+
+
+def _lookup_in_vocab_shard(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Megatron's vocabulary-parallel embedding: each device reads the tokens in its rows and zeros for the rest;
+    the sum over devices (exact: one term is not zero) is the lookup."""
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(MODEL_AXIS) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], jnp.zeros((), table.dtype))
+    return jax.lax.psum(x, MODEL_AXIS)
 
 
 def lm_logits(hidden: NamedArray, head: NamedArray, ax: ModelAxes, softcap: float | None) -> NamedArray:
-    """Next-token logits in float32 for hidden[..., Embed]; head is [Vocab, Embed]."""
-    logits = hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32).astype(jnp.float32)
+    """Next-token logits in float32 for hidden[..., Embed]; head is [Vocab, Embed]. Under tensor parallelism each
+    device computes its vocabulary rows' logits, left split (the caller gathers them: DecoderModel.logits)."""
+    if model_parallel_size() == 1:
+        logits = hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32).astype(jnp.float32)
+    else:  # explicit, or XLA may all-gather the [Vocab, Embed] head every step rather than the far smaller logits
+        hidden = hidden.rearrange((..., ax.Embed))
+        split = P(*[None] * (hidden.ndim - 1), MODEL_AXIS)
+        rows = jax.shard_map(lambda h, w: jnp.einsum("...e,ve->...v", h, w, preferred_element_type=jnp.float32),
+                             in_specs=(P(), P(MODEL_AXIS)), out_specs=split)(hidden.array, head.array)
+        logits = hax.named(rows, hidden.axes[:-1] + (head.resolve_axis("vocab"),))
     if softcap:
         logits = hax.tanh(logits / softcap) * softcap
     return logits

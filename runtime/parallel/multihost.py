@@ -1,0 +1,157 @@
+"""One engine over several hosts with jax.distributed: one controller process per host, one global mesh.
+
+Every process holds the same engine (the model split over all hosts' devices) and calls the same jitted steps
+in the same order, which is what JAX's multi-controller model asks. Only the leader (process 0) takes requests:
+before each step it broadcasts what changed since the last one (new requests with their seeds, aborts), and
+every follower applies the same changes and takes the same step. The scheduler and the sampler are
+deterministic functions of those inputs and of the step outputs (replicated on every device), so each host
+schedules the same batch without the ~30 packed arrays of every step crossing the network; a fingerprint of the
+leader's state travels with each broadcast and a follower that diverged stops with an error instead of hanging
+in a collective.
+
+The operator sets JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import time
+
+import jax
+import numpy as np
+
+from ..engine.engine import LLMEngine
+from ..config import EngineConfig
+from ..engine.sampling_params import InvalidRequestError, SamplingParams
+
+log = logging.getLogger("capstan.multihost")
+ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+SMALLEST_MESSAGE = 1024  # broadcast buffers are padded to powers of two from here: few compiled broadcasts
+HEARTBEAT_S = 5.0  # an idle leader still steps (with nothing to do) this often: no follower waits long in a collective
+
+
+def initialize_from_env(timeout_s: int = 300) -> bool:
+    """Joins the host group the environment names (before any JAX computation); False when there is none."""
+    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) <= 1:
+        return False
+    missing = [name for name in ENV if not os.environ.get(name)]
+    if missing:
+        raise ValueError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']} needs {', '.join(missing)} as well")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts' collectives across processes
+    jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                               process_id=int(os.environ["JAX_PROCESS_ID"]), initialization_timeout=timeout_s)
+    log.info("process %d of %d; devices: %d here, %d in all", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Added:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # with the leader's seed: every host draws the same samples
+
+
+@dataclasses.dataclass(frozen=True)
+class Aborted:
+    request_id: str
+
+
+STOP = "stop"  # the leader is done: followers leave their loop
+
+
+class LockstepEngine(LLMEngine):
+    """An LLMEngine whose steps every host takes together: the leader's enqueue/abort are recorded and sent with
+    its next step; followers run follow() instead of serving."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.is_leader = jax.process_index() == 0
+        self._changes: list[Added | Aborted] = []
+        self._after_last_step = self._fingerprint()  # what every host's state must be before the next changes
+        self._last_step_time = time.monotonic()
+        self.embedder.add = _refuse_embeddings  # its steps are the leader's alone: they would hang the group
+
+    def has_unfinished(self) -> bool:
+        """The leader's loops (AsyncLLM's, LLM.generate) step while this is true: also when idle for HEARTBEAT_S."""
+        idle_too_long = self.is_leader and time.monotonic() - self._last_step_time > HEARTBEAT_S
+        return super().has_unfinished() or idle_too_long
+
+    def enqueue(self, seqs) -> None:
+        super().enqueue(seqs)
+        first = seqs[0]
+        self._changes.append(Added(first.request_id, list(first.prompt_ids),
+                                   dataclasses.replace(first.params, seed=first.seed)))
+
+    def abort(self, request_id: str):
+        if request_id in self.requests:
+            self._changes.append(Aborted(request_id))
+        return super().abort(request_id)
+
+    def step(self):
+        assert self.is_leader, "followers step in follow()"
+        self._send((self._changes, self._after_last_step))
+        self._changes = []
+        outputs = super().step()
+        self._after_last_step = self._fingerprint()
+        self._last_step_time = time.monotonic()
+        return outputs
+
+    def stop_followers(self) -> None:
+        """The leader's last word: followers return from follow()."""
+        self._send(STOP)
+
+    def follow(self) -> None:
+        """A follower's life: apply the leader's changes, take the same step, until the leader stops."""
+        assert not self.is_leader
+        while (message := self._receive()) != STOP:
+            changes, fingerprint = message
+            if fingerprint != self._fingerprint():  # this host's state after the last step, before the changes
+                raise RuntimeError(f"process {jax.process_index()} diverged from the leader: its state "
+                                   f"{self._fingerprint()} != the leader's {fingerprint}")
+            for change in changes:
+                if isinstance(change, Added):
+                    LLMEngine.enqueue(self, self.prepare(change.request_id, change.prompt_ids, change.params))
+                else:
+                    LLMEngine.abort(self, change.request_id)
+            LLMEngine.step(self)
+            self.take_failed()
+
+    def _fingerprint(self) -> tuple:
+        return (len(self.requests), self.pool.num_used, self.generation_tokens, self.prompt_tokens)
+
+    # ---- the wire: pickled bytes, length then payload, through JAX's own broadcast over the global mesh ------
+    def _send(self, message) -> None:
+        data = np.frombuffer(pickle.dumps(message), np.uint8)
+        self._broadcast(data)
+
+    def _receive(self):
+        return pickle.loads(self._broadcast(None).tobytes())
+
+    @staticmethod
+    def _broadcast(data: np.ndarray | None) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        size = int(multihost_utils.broadcast_one_to_all(np.int64(0 if data is None else data.size)))
+        padded = max(SMALLEST_MESSAGE, 1 << (size - 1).bit_length())
+        buf = np.zeros(padded, np.uint8)
+        if data is not None:
+            buf[:size] = data
+        return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:size]
+
+
+def _refuse_embeddings(inputs) -> None:
+    raise InvalidRequestError("input: embeddings are not served across several hosts yet (JAX_NUM_PROCESSES > 1)",
+                              "input")
+
+
+def run_follower(config: EngineConfig) -> int:
+    """`capstan serve` on a host other than the leader: no HTTP, the leader's steps until it stops or goes away
+    (then jax.distributed ends this process too, and the pod restarts with the group)."""
+    engine = LockstepEngine(config)
+    if config.warmup:
+        engine.warmup()  # the same programs, in the same order, as the leader's AsyncLLM compiles
+    log.info("following the leader's steps")
+    engine.follow()
+    return 0

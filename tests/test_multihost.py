@@ -1,0 +1,51 @@
+"""Multi-host serving on this machine: 2 CPU processes on 127.0.0.1 form one mesh with jax.distributed (gloo
+collectives) and give the tokens of one process. Each host runs tests/multihost_run.py, as a pod would."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+RUN = Path(__file__).parent / "multihost_run.py"
+TIMEOUT_S = 150
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_hosts(n: int) -> dict:
+    """The leader's result; every process is killed (SIGKILL: JAX traps SIGTERM) if any outlives TIMEOUT_S."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    procs = []
+    try:
+        for i in range(n):
+            host = dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n),
+                        JAX_PROCESS_ID=str(i)) if n > 1 else env
+            procs.append(subprocess.Popen([sys.executable, str(RUN), "llama-s11"], env=host, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def test_two_processes_give_the_tokens_of_one():
+    one, two = run_hosts(1), run_hosts(2)
+    assert (one["devices"], two["devices"]) == (1, 2)
+    assert two["tokens"] == one["tokens"]  # greedy requests and a seeded sampled one
+    for rid, lps in one["logprobs"].items():
+        np.testing.assert_allclose(two["logprobs"][rid], lps, atol=1e-4, err_msg=rid)

@@ -1,0 +1,124 @@
+"""Tensor parallelism on CPU devices: the golden checkpoints split over 2 and 4 devices give the greedy tokens of
+one device, logprobs within 1e-4 of one device's and of transformers', and the same seeded samples.
+
+XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, and this pytest process has
+started it with one device, so each check runs this file as a script in a fresh process."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from golden import GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
+
+TESTS = Path(__file__).parent
+MAX_TOKENS = 10
+
+
+def run_split(devices: int, cases: dict[str, int], gpu_kernels: bool = False) -> dict:
+    """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs;
+    gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__, json.dumps(cases)] + ["gpu-kernels"] * gpu_kernels, env=env,
+                          cwd=TESTS, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("devices, cases", [
+    # llama-s11: GQA (2 KV heads) split one per device, untied LM head
+    (2, {"llama-s11": 2}),
+    # gemma3-s14: one KV head replicated 4x, sliding window, soft-capping; qwen2-s12: 2 KV heads replicated 2x, biases
+    (4, {"gemma3-s14": 4, "qwen2-s12": 4}),
+])
+def test_split_model_matches_one_device_and_golden(devices, cases):
+    got = run_split(devices, cases)
+    for case, tp in cases.items():
+        one, split = got[case]["1"], got[case][str(tp)]
+        assert split["kv_sharding"] == "P('model',)" and split["devices"] == tp
+        ref = reference(case)
+        for i in range(len(ref["prompts"])):
+            assert split["tokens"][i] == one["tokens"][i], f"{case} tp={tp} prompt {i}"
+            np.testing.assert_allclose(split["logprobs"][i], one["logprobs"][i], atol=1e-4, err_msg=f"{case} {i}")
+        assert_golden(case, split)
+        assert split["sampled"] == one["sampled"], f"{case}: seeded sampling differs under tp={tp}"
+        assert len(split["prompt_logprobs"]) == len(ref["prompts"][0]) - 1
+        np.testing.assert_allclose(split["prompt_logprobs"], one["prompt_logprobs"], atol=1e-4)
+
+
+def assert_golden(case: str, run: dict) -> None:
+    ref = reference(case)
+    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"])):
+        owed = min(greedy_agreement_length(ref, i), MAX_TOKENS)
+        assert run["tokens"][i][:owed] == cont[:owed], f"{case} prompt {i} vs transformers"
+        expected = log_softmax(reference_logits(case, i))[np.arange(len(prompt) - 1, len(prompt) - 1 + owed),
+                                                          cont[:owed]]
+        np.testing.assert_allclose(run["logprobs"][i][:owed], expected, atol=1e-4, err_msg=f"{case} {i}")
+
+
+@pytest.mark.slow
+def test_gpu_kernels_run_per_shard():
+    """The ragged and decode Pallas kernels (interpreted) inside attention's shard_map, one KV head per device."""
+    split = run_split(2, {"llama-s11": 2}, gpu_kernels=True)["llama-s11"]["2"]
+    assert split["kv_sharding"] == "P('model',)"
+    assert_golden("llama-s11", split)
+
+
+def test_sizes_the_model_cannot_split_are_refused_naming_the_flag():
+    from capstan.runtime.models.config import ModelConfig
+    from capstan.runtime.parallel.tensor_parallel import TensorParallelError, check_size
+
+    cfg = ModelConfig.from_pretrained(GOLDEN / "llama-s11")  # 4 heads, 2 KV heads, intermediate 160
+    check_size(cfg, 4, 8)  # KV heads replicated 2x
+    for size, devices, words in [(3, 8, "num_attention_heads=4"), (8, 4, "exceeds the 4"), (0, 8, "at least 1")]:
+        with pytest.raises(TensorParallelError, match=words) as e:
+            check_size(cfg, size, devices)
+        assert "--tensor-parallel-size" in str(e.value)
+    six = ModelConfig.from_hf({**json.loads((GOLDEN / "llama-s11" / "config.json").read_text()),
+                               "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 16})
+    with pytest.raises(TensorParallelError, match="num_key_value_heads=6 or be a multiple"):
+        check_size(six, 4, 8)
+
+
+def test_engine_refuses_more_devices_than_there_are():
+    from capstan.runtime.engine.llm import LLM
+    from capstan.runtime.parallel.tensor_parallel import TensorParallelError
+
+    with pytest.raises(TensorParallelError, match=r"--tensor-parallel-size=2 exceeds the 1 cpu device"):
+        LLM(str(GOLDEN / "llama-s11"), tensor_parallel_size=2, warmup=False)
+
+
+def _generate(case: str, tp: int) -> dict:
+    from capstan.runtime.engine.llm import LLM
+    from capstan.runtime.engine.sampling_params import SamplingParams
+
+    prompts = reference(case)["prompts"]
+    llm = LLM(str(GOLDEN / case), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, page_size=4,
+              dtype="float32", tensor_parallel_size=tp, warmup=False,
+              enable_prefix_caching=False)  # the seeded request repeats prompt 0: its prompt logprobs are computed
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7,
+                            prompt_logprobs=0)
+    outs = llm.generate(prompts + [prompts[0]], [greedy] * len(prompts) + [seeded])
+    greedy_outs = [o.outputs[0] for o in outs[:-1]]
+    return {
+        "devices": len({d for a in llm.engine.kv.k for d in a.sharding.device_set}),
+        "kv_sharding": str(getattr(llm.engine.kv.k[0].sharding, "spec", None)),
+        "tokens": [o.token_ids for o in greedy_outs],
+        "logprobs": [[o.logprobs[k][t].logprob for k, t in enumerate(o.token_ids)] for o in greedy_outs],
+        "sampled": outs[-1].outputs[0].token_ids,
+        "prompt_logprobs": [next(iter(p.values())).logprob for p in outs[-1].prompt_logprobs[1:]],
+    }
+
+
+if __name__ == "__main__":  # the child: one device, then split, for each case (split only through the GPU kernels)
+    if "gpu-kernels" in sys.argv:
+        from capstan.runtime import attention
+
+        attention.KERNELS_INTERPRETED_ON_CPU = True
+    sizes = lambda tp: (tp,) if "gpu-kernels" in sys.argv else (1, tp)  # noqa: E731
+    results = {case: {str(n): _generate(case, n) for n in sizes(tp)} for case, tp in json.loads(sys.argv[1]).items()}
+    print(json.dumps(results))
