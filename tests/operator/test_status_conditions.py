@@ -74,3 +74,11 @@ def test_transition_time_kept_when_status_unchanged():
     assert all(c["lastTransitionTime"] == "2020-01-01T00:00:00Z" for c in again["conditions"])
     degraded = status_of(deployment(ready=0), [pod(waiting="ErrImagePull")], previous=earlier)
     assert {c["type"]: c["lastTransitionTime"] for c in degraded["conditions"]}["Degraded"] == "2030-01-01T00:00:00Z"
+
+
+def test_url_through_the_gateway_when_one_routes():
+    s = compute_status(name="m", namespace="ns", generation=4, spec=SPEC, desired=2, deployment=deployment(),
+                       pods=[], previous_conditions=[], now="2030-01-01T00:00:00Z",
+                       url="http://capstan-gateway.capstan-system.svc.cluster.local/v1")
+    assert s["url"] == "http://capstan-gateway.capstan-system.svc.cluster.local/v1"
+    assert "capstan-gateway" in next(c for c in s["conditions"] if c["type"] == "Ready")["message"]
