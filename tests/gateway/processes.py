@@ -28,9 +28,9 @@ def free_port() -> int:
 class Process:
     """A `capstan` subcommand; its output goes to a temporary file, shown when it fails to start."""
 
-    def __init__(self, args: list[str], port: int):
+    def __init__(self, args: list[str], port: int, host: str = "127.0.0.1"):
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="capstan-gateway-test-", suffix=".log", delete=False)
         self.process = subprocess.Popen([sys.executable, "-m", "capstan.runtime.cli", *args], stdout=self.log,
                                         stderr=subprocess.STDOUT, start_new_session=True,
@@ -68,10 +68,10 @@ class Process:
         os.unlink(self.log.name)
 
 
-def start_replica(name: str = "tiny", port: int | None = None, extra: list[str] = ()) -> Process:
+def start_replica(name: str = "tiny", port: int | None = None, extra: list[str] = (), host: str = "127.0.0.1") -> Process:
     port = port or free_port()
-    return Process(["serve", str(DEFAULT_MODEL), "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
-                    name, "--drain-timeout", "1", *REPLICA_FLAGS, *extra], port)
+    return Process(["serve", str(DEFAULT_MODEL), "--host", host, "--port", str(port), "--served-model-name",
+                    name, "--drain-timeout", "1", *REPLICA_FLAGS, *extra], port, host)
 
 
 def start_gateway(replicas: list[str], *flags: str) -> Process:
