@@ -38,6 +38,8 @@ class GatewayMetrics:
                                 ["model", "code"], registry=self.registry)
         self.retries = Counter(names.GATEWAY_RETRIES, "Requests sent to another replica after failing before their "
                                "first byte.", ["model"], registry=self.registry)
+        self.broken = Counter(names.GATEWAY_BROKEN_OFF, "Responses a replica broke off after their first byte (not "
+                              "retried).", registry=self.registry)
         self.routed = Counter(names.GATEWAY_ROUTED, "Requests sent to each replica.", ["replica"],
                               registry=self.registry)
         self.time_to_first_byte = Histogram(names.GATEWAY_TIME_TO_FIRST_BYTE, "Seconds from arrival to the upstream "

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from ..server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from ..server.drain import Drain, DrainMiddleware
-from ..server.error_body import APIError, error_response
+from ..server.error_body import APIError, error_body, error_response
 from ..server.metrics import CONTENT_TYPE
 from .demand import DemandSignal
 from .gateway_metrics import GatewayMetrics
@@ -111,8 +111,14 @@ class Gateway:
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
-        except httpx.HTTPError as error:  # the replica died mid-response: the client sees the stream end
+        except httpx.HTTPError as error:  # the replica died mid-response; part of it is the client's: no retry
             log.warning("replica %s broke off a response: %s", replica.url, error)
+            self.metrics.broken.inc()
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                # As the server itself reports a failure mid-stream: an error event, then [DONE].
+                body = error_body(502, f"the replica serving this stream stopped mid-response ({error}); the request "
+                                  "was not retried, as part of the answer had been sent", code="upstream_broke_off")
+                yield b"\n\ndata: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             replica.in_flight -= 1
             await upstream.aclose()
@@ -156,8 +162,7 @@ def build_gateway_app(gateway: Gateway, max_body_bytes: int = DEFAULT_MAX_BODY_B
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        if exc.param == "model" or exc.status in (400, 404, 503):
-            gateway.metrics.requests.labels(model="", code=str(exc.status)).inc()
+        gateway.metrics.requests.labels(model="", code=str(exc.status)).inc()  # refused before any replica: no model
         return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     for route in PROXIED_ROUTES:

@@ -22,6 +22,7 @@ E2E_REQUEST_LATENCY = PREFIX + "e2e_request_latency_seconds"  # histogram
 # The gateway's own (capstan gateway, docs/gateway.md)
 GATEWAY_REQUESTS = PREFIX + "gateway_requests"  # counter (_total), labels model, code: answered requests
 GATEWAY_RETRIES = PREFIX + "gateway_retries"  # counter (_total), label model: sent again after failing before a byte
+GATEWAY_BROKEN_OFF = PREFIX + "gateway_broken_off"  # counter (_total): responses cut after their first byte
 GATEWAY_HELD = PREFIX + "gateway_requests_held"  # gauge: waiting for a ready replica (scale from zero)
 GATEWAY_HOLD_REFUSED = PREFIX + "gateway_hold_refused"  # counter (_total): 503 after a full hold queue or its timeout
 GATEWAY_REPLICAS_READY = PREFIX + "gateway_replicas_ready"  # gauge, label model

@@ -82,7 +82,7 @@ def test_shared_prefix_keeps_its_replica(client, gateway, replicas):
     assert hits > 0  # the shared system prompt was found cached there
 
 
-def test_request_retried_when_a_replica_died_before_the_first_byte(replicas):
+def test_replica_dying_mid_stream_is_not_retried_and_before_the_first_byte_is(replicas):
     a, b = replicas
     # A slow poller: the gateway still believes the killed replica ready, so its requests must be retried.
     g = start_gateway([f"tiny={a.url}", f"tiny={b.url}"], "--poll-interval", "60").wait_ready(30)
@@ -90,13 +90,22 @@ def test_request_retried_when_a_replica_died_before_the_first_byte(replicas):
         policy, loads = PrefixAffinityPolicy(), [ReplicaLoad(a.url, 0), ReplicaLoad(b.url, 0)]
         prompts = [p for p in (f"Story number {i}: " for i in range(40))
                    if policy.choose(routing_key({"model": "tiny", "prompt": p}), loads).url == b.url][:3]
-        b.kill()
         client = openai.OpenAI(base_url=f"{g.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        # A stream that has begun is the client's: when its replica dies, it ends with an error, never re-sent.
+        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=900, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert next(iter(stream)).choices
+        b.kill()
+        with pytest.raises(openai.APIError, match="stopped mid-response"):
+            for _ in stream:
+                pass
+        assert metric(g.url, "capstan_gateway_broken_off_total") == 1
+        assert metric(g.url, "capstan_gateway_routed_total", replica=a.url) == 0
         for prompt in prompts:  # each prefers the dead replica
             stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, stream=True)
             assert "".join(c.choices[0].text for c in stream if c.choices) is not None
         assert metric(g.url, "capstan_gateway_retries_total", model="tiny") >= 1
-        assert metric(g.url, "capstan_gateway_requests_total", model="tiny", code="200") == len(prompts)
+        assert metric(g.url, "capstan_gateway_requests_total", model="tiny", code="200") == len(prompts) + 1
     finally:
         g.stop()
 
