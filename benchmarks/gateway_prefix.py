@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--per-group", type=int, default=4)
     parser.add_argument("--prefix-words", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--load-factor", default="1.25", help="the prefix gateway's --load-factor")
     args = parser.parse_args()
 
     replicas = [start_replica("tiny") for _ in range(args.replicas)]
@@ -83,11 +84,11 @@ def main() -> None:
         for r in replicas:
             r.wait_ready()
         urls = [f"tiny={r.url}" for r in replicas]
-        gateways = [start_gateway(urls, "--routing", policy, "--poll-interval", "0.5").wait_ready(30)
-                    for policy in ("round-robin", "prefix")]
+        gateways = [start_gateway(urls, "--routing", policy, "--poll-interval", "0.5", "--load-factor",
+                                  args.load_factor).wait_ready(30) for policy in ("round-robin", "prefix")]
         ttft(gateways[0].url, "warm-up " * 50)  # any lazily compiled shape, outside the measurements
         print(f"{args.replicas} replicas, {args.groups} prefix groups x {args.per_group} requests, "
-              f"{args.prefix_words}-word prefixes, {args.concurrency} concurrent clients")
+              f"{args.prefix_words}-word prefixes, {args.concurrency} concurrent clients, load factor {args.load_factor}")
         print(f"{'routing':<12} {'requests':>8} {'prefix-cache hit rate':>22} {'TTFT p50 (ms)':>14} {'TTFT p90 (ms)':>14}")
         for seed, (policy, gateway) in enumerate(zip(("round-robin", "prefix"), gateways), start=1):
             prompts = workload(seed, args.groups, args.per_group, args.prefix_words)

@@ -93,6 +93,8 @@ class Gateway:
                 content = await upstream.aread()
                 await upstream.aclose()
                 replica.in_flight -= 1
+                if upstream.status_code == 503:  # draining or not ready: skip it until a probe finds it ready
+                    self.pool.mark_failed(replica)
                 last = (upstream.status_code, content, _response_headers(upstream))
                 continue
             self.metrics.routed.labels(replica=replica.url).inc()

@@ -24,18 +24,17 @@ class Replica:
     declared_model: str | None = None  # from discovery (the InferenceService's name for it, or MODEL=URL)
     ready: bool = False
     served_models: tuple[str, ...] = ()  # from its /v1/models
-    running: float = 0.0
-    waiting: float = 0.0
+    others: float = 0.0  # running + waiting at the last scrape, less this gateway's requests then: other clients'
     kv_cache_usage: float = 0.0
-    in_flight: int = 0  # requests this gateway has open there (fresher than the last scrape)
+    in_flight: int = 0  # requests this gateway has open there: exact and immediate
 
     @property
     def models(self) -> set[str]:
         return set(self.served_models) | ({self.declared_model} if self.declared_model else set())
 
     def load(self) -> ReplicaLoad:
-        # Another gateway's requests show only in the scrape; ours show at once in in_flight.
-        return ReplicaLoad(self.url, max(float(self.in_flight), self.running + self.waiting), self.kv_cache_usage)
+        # Ours count as they are now; a scrape up to a poll interval old would count finished ones and miss new ones.
+        return ReplicaLoad(self.url, self.in_flight + self.others, self.kv_cache_usage)
 
 
 def parse_gauges(text: str) -> dict[str, float]:
@@ -99,9 +98,10 @@ class ReplicaPool:
                 listed = (await self._client.get(f"{replica.url}/v1/models")).json()
                 replica.served_models = tuple(m["id"] for m in listed.get("data", []))
             if ready:
+                ours = replica.in_flight
                 gauges = parse_gauges((await self._client.get(f"{replica.url}/metrics")).text)
-                replica.running = gauges.get(metric_names.REQUESTS_RUNNING, 0.0)
-                replica.waiting = gauges.get(metric_names.REQUESTS_WAITING, 0.0)
+                total = gauges.get(metric_names.REQUESTS_RUNNING, 0.0) + gauges.get(metric_names.REQUESTS_WAITING, 0.0)
+                replica.others = max(0.0, total - min(ours, replica.in_flight))
                 replica.kv_cache_usage = gauges.get(metric_names.KV_CACHE_USAGE, 0.0)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             log.debug("replica %s did not answer its probes: %s", replica.url, error)
