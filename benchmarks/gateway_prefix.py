@@ -8,6 +8,11 @@ prefix (a document or system prompt) followed by a short question of its own, se
 concurrent streaming clients. Each policy gets its own fresh prefixes (so neither finds the other's in the caches),
 and runs in turn. Reported for each: the replicas' prefix-cache hit rate over that phase (hit tokens / looked-up
 tokens, from their /metrics) and time to first token p50/p90 measured by the client.
+
+The regime that matters in production is a working set of prefixes larger than one replica's KV cache but not
+than all of theirs: round robin copies every prefix onto every replica and evicts, prefix routing partitions them.
+--num-pages sizes each replica's cache (default 448 pages of 16 tokens: 16 prefixes of ~600 tokens need ~610
+pages on every replica under round robin, ~300 on each of 2 under prefix routing).
 """
 from __future__ import annotations
 
@@ -76,9 +81,10 @@ def main() -> None:
     parser.add_argument("--prefix-words", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--load-factor", default="1.25", help="the prefix gateway's --load-factor")
+    parser.add_argument("--num-pages", default="448", help="KV-cache pages of each replica (16 tokens each)")
     args = parser.parse_args()
 
-    replicas = [start_replica("tiny") for _ in range(args.replicas)]
+    replicas = [start_replica("tiny", extra=["--num-pages", args.num_pages]) for _ in range(args.replicas)]
     gateways = []
     try:
         for r in replicas:
@@ -88,7 +94,8 @@ def main() -> None:
                                   args.load_factor).wait_ready(30) for policy in ("round-robin", "prefix")]
         ttft(gateways[0].url, "warm-up " * 50)  # any lazily compiled shape, outside the measurements
         print(f"{args.replicas} replicas, {args.groups} prefix groups x {args.per_group} requests, "
-              f"{args.prefix_words}-word prefixes, {args.concurrency} concurrent clients, load factor {args.load_factor}")
+              f"{args.prefix_words}-word prefixes, {args.concurrency} concurrent clients, load factor {args.load_factor}, "
+              f"{args.num_pages} KV pages per replica")
         print(f"{'routing':<12} {'requests':>8} {'prefix-cache hit rate':>22} {'TTFT p50 (ms)':>14} {'TTFT p90 (ms)':>14}")
         for seed, (policy, gateway) in enumerate(zip(("round-robin", "prefix"), gateways), start=1):
             prompts = workload(seed, args.groups, args.per_group, args.prefix_words)

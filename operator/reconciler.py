@@ -72,10 +72,7 @@ class Reconciler:
         floor = 0
         if spec.autoscaling is not None:
             floor = autoscaler.demand_floor(spec.autoscaling, spec.bounds()[0], _last_request(meta), time.time())
-            if replicas < floor:  # a request waits at the gateway: scale from zero now, not at the next resync
-                self.emit(body, "Normal", "Scaled", f"scale up {replicas} -> {floor}: a request arrived through the "
-                                                    "gateway (scale from zero)")
-                replicas = floor
+            autoscale = autoscale or replicas < floor  # a request waits at the gateway: scale from zero now
         pods = self.client.list("Pod", namespace, render.selector_string(name))
         autoscaling_status = None
         if autoscale and spec.autoscaling is not None:
