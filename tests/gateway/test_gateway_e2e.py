@@ -4,6 +4,7 @@ request sent at zero replicas that succeeds once one starts."""
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,25 @@ def test_shared_prefix_keeps_its_replica(client, gateway, replicas):
     home = max(routed, key=routed.get)
     hits = metric(home, "capstan_prefix_cache_hit_tokens_total")
     assert hits > 0  # the shared system prompt was found cached there
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(replicas):
+    g = start_gateway([f"tiny={r.url}" for r in replicas]).wait_ready(30)
+    try:
+        client = openai.OpenAI(base_url=f"{g.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model="tiny", prompt="Drain me", max_tokens=900, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        g.process.send_signal(signal.SIGTERM)
+        ready = httpx.get(f"{g.url}/ready", timeout=5)
+        refused = httpx.post(f"{g.url}/v1/completions", json={"model": "tiny", "prompt": "late"}, timeout=5)
+        chunks += list(stream)
+        assert ready.status_code == 503 and refused.status_code == 503
+        assert refused.json()["error"]["code"] == "draining"
+        assert chunks[-1].choices[0].finish_reason == "length"  # the in-flight stream finished whole
+        assert g.process.wait(30) == 0
+    finally:
+        g.stop()
 
 
 def test_replica_dying_mid_stream_is_not_retried_and_before_the_first_byte_is(replicas):
