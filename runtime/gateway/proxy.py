@@ -26,7 +26,7 @@ from .demand import DemandSignal
 from .gateway_metrics import GatewayMetrics
 from .hold_queue import HoldQueue
 from .replica_pool import Replica, ReplicaPool
-from .routing_policy import DEFAULT_PREFIX_CHARS, routing_key
+from .routing_policy import DEFAULT_PREFIX_CHARS, RoutingPolicy, routing_key
 
 log = logging.getLogger("capstan.gateway")
 PROXIED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
@@ -41,7 +41,7 @@ UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None) 
 class Gateway:
     pool: ReplicaPool
     holds: HoldQueue
-    policy: object  # routing_policy.PrefixAffinityPolicy or RoundRobinPolicy
+    policy: RoutingPolicy
     demand: DemandSignal
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     max_attempts: int = 3

@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 DEFAULT_PREFIX_CHARS = 128  # long enough to cover a system prompt's identity, short enough to be shared
 DEFAULT_LOAD_FACTOR = 1.25  # c: a replica may carry 25% more than the mean before requests spill
@@ -29,6 +29,13 @@ class ReplicaLoad:
     url: str
     load: float  # requests in flight or queued there
     kv_cache_usage: float = 0.0
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, key: str, replicas: list[ReplicaLoad]) -> ReplicaLoad | None:
+        """The replica for a request with this routing key, among ready ones; None when there are none."""
 
 
 def _hash(text: str) -> int:

@@ -155,11 +155,23 @@ def test_request_at_zero_replicas_succeeds_once_one_is_ready():
             replica.stop()
 
 
-def test_hold_times_out_with_503_and_retry_after():
-    g = start_gateway([f"never=http://127.0.0.1:{free_port()}"], "--hold-timeout", "1").wait_ready(30)
+def test_hold_queue_is_bounded_in_size_and_time():
+    g = start_gateway([f"never=http://127.0.0.1:{free_port()}"], "--hold-timeout", "2", "--max-held", "1").wait_ready(30)
     try:
-        response = httpx.post(f"{g.url}/v1/completions", json={"model": "never", "prompt": "hi"}, timeout=30)
-        assert response.status_code == 503 and response.headers["retry-after"]
-        assert response.json()["error"]["code"] == "no_replica"
+        def send():
+            return httpx.post(f"{g.url}/v1/completions", json={"model": "never", "prompt": "hi"}, timeout=30)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            held = pool.submit(send)
+            deadline = time.monotonic() + 10
+            while metric(g.url, "capstan_gateway_requests_held") < 1:
+                assert time.monotonic() < deadline, "the first request was not held"
+                time.sleep(0.1)
+            full = send()  # the queue holds one: refused at once
+            timed_out = held.result(timeout=30)
+        for response, says in ((full, "already wait"), (timed_out, "within 2 s")):
+            assert response.status_code == 503 and response.headers["retry-after"], response.text
+            assert response.json()["error"]["code"] == "no_replica" and says in response.json()["error"]["message"]
+        assert metric(g.url, "capstan_gateway_hold_refused_total") == 2
     finally:
         g.stop()
