@@ -34,6 +34,7 @@ RETRYABLE_STATUS = {429, 502, 503}  # the replica took nothing on: queue full, d
 FORWARDED_REQUEST_HEADERS = {"authorization", "content-type", "accept", "traceparent", "tracestate", "x-request-id"}
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length",
               "proxy-authenticate", "proxy-authorization"}
+DISCONNECT_CHECK_SECONDS = 0.5  # how often a held request looks whether its client is still there
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)  # a long generation may be silent
 
 
@@ -74,7 +75,7 @@ class Gateway:
             if replica is None:
                 if tried:  # every ready replica failed this request: say so rather than wait
                     break
-                await self.holds.wait_for_replica(model)
+                await self._hold(request, model)
                 continue
             if tried:
                 self.metrics.retries.labels(model=model).inc()
@@ -108,6 +109,19 @@ class Gateway:
             return Response(content, status_code=status, headers=response_headers)
         return error_response(502, f"every replica of `{model}` tried ({len(tried)}) failed before answering",
                               code="upstream_unavailable", headers={"Retry-After": "1"})
+
+    async def _hold(self, request: Request, model: str) -> None:
+        """Wait for a replica of `model`; a client that hangs up stops waiting (and leaves the queue) at once."""
+        waiting = asyncio.ensure_future(self.holds.wait_for_replica(model))
+        try:
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=DISCONNECT_CHECK_SECONDS)
+                if not waiting.done() and await request.is_disconnected():
+                    raise APIError(499, "the client closed the connection while its request was held",
+                                   code="client_closed")
+            waiting.result()
+        finally:
+            waiting.cancel()
 
     async def _relay(self, upstream: httpx.Response, replica: Replica):
         try:

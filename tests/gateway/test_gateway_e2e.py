@@ -175,3 +175,16 @@ def test_hold_queue_is_bounded_in_size_and_time():
         assert metric(g.url, "capstan_gateway_hold_refused_total") == 2
     finally:
         g.stop()
+
+
+def test_held_request_whose_client_hangs_up_leaves_the_queue():
+    g = start_gateway([f"never=http://127.0.0.1:{free_port()}"], "--hold-timeout", "60").wait_ready(30)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{g.url}/v1/completions", json={"model": "never", "prompt": "hi"}, timeout=1)
+        deadline = time.monotonic() + 5
+        while metric(g.url, "capstan_gateway_requests_held") > 0:
+            assert time.monotonic() < deadline, "the abandoned request still holds a place"
+            time.sleep(0.1)
+    finally:
+        g.stop()
