@@ -56,7 +56,13 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     if args.replica:
         discovery = StaticDiscovery([parse_replica(r) for r in args.replica])
     else:
-        discovery = EndpointSliceDiscovery(args.namespace)
+        from kubernetes.config import ConfigException
+
+        try:
+            discovery = EndpointSliceDiscovery(args.namespace)
+        except ConfigException as error:
+            raise ValueError(f"no --replica given, and no Kubernetes API to discover replicas from ({error}): run it "
+                             "in a cluster, set KUBECONFIG, or name the replicas with --replica") from None
     pool = ReplicaPool(discovery, poll_interval=args.poll_interval)
     policy = POLICIES[args.routing](args.load_factor) if args.routing == PrefixAffinityPolicy.name \
         else POLICIES[args.routing]()
