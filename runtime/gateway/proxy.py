@@ -69,16 +69,19 @@ class Gateway:
         key = routing_key(body, self.prefix_chars)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         tried: set[str] = set()
+        attempts = 0
         last: tuple[int, bytes, dict] | None = None
-        while len(tried) < self.max_attempts:
+        while attempts < self.max_attempts:
             replica = self.choose(model, key, tried)
             if replica is None:
-                if tried:  # every ready replica failed this request: say so rather than wait
+                if self.pool.ready_for(model):  # every ready replica answered this request 429: pass that on
                     break
-                await self._hold(request, model)
+                await self._hold(request, model)  # none ready: scaling from zero, or every replica restarting
+                tried.clear()  # a replica that failed and is ready again may be tried again
                 continue
-            if tried:
+            if attempts:
                 self.metrics.retries.labels(model=model).inc()
+            attempts += 1
             tried.add(replica.url)
             replica.in_flight += 1
             try:
@@ -90,7 +93,7 @@ class Gateway:
                 self.pool.mark_failed(replica)
                 last = (502, b"", {})
                 continue
-            if upstream.status_code in RETRYABLE_STATUS and len(tried) < self.max_attempts:
+            if upstream.status_code in RETRYABLE_STATUS and attempts < self.max_attempts:
                 content = await upstream.aread()
                 await upstream.aclose()
                 replica.in_flight -= 1
@@ -107,7 +110,7 @@ class Gateway:
         self.metrics.requests.labels(model=model, code=str(status)).inc()
         if content:
             return Response(content, status_code=status, headers=response_headers)
-        return error_response(502, f"every replica of `{model}` tried ({len(tried)}) failed before answering",
+        return error_response(502, f"{attempts} attempts on replicas of `{model}` failed before answering",
                               code="upstream_unavailable", headers={"Retry-After": "1"})
 
     async def _hold(self, request: Request, model: str) -> None:

@@ -1,6 +1,6 @@
 """`capstan gateway` in front of real `capstan serve` replicas, used through the openai client: streaming, routing
 by model and by prefix, OpenAI errors for bad input, a retry when a replica dies before the first byte, and a
-request sent at zero replicas that succeeds once one starts."""
+request sent at zero replicas (or while the only replica restarts) that succeeds once one is ready."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -148,6 +148,13 @@ def test_request_at_zero_replicas_succeeds_once_one_is_ready():
             answers = [f.result(timeout=150) for f in sent]
         assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)  # none lost
         assert metric(g.url, "capstan_gateway_requests_held") == 0
+        # The only replica restarts: a request sent meanwhile waits for it rather than failing.
+        replica.kill()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            during = pool.submit(client.completions.create, model="cold", prompt="During the restart", max_tokens=3)
+            replica.stop()
+            replica = start_replica("cold", port=port)
+            assert during.result(timeout=150).choices[0].finish_reason in ("stop", "length")
         assert metric(g.url, "capstan_gateway_hold_refused_total") == 0
     finally:
         g.stop()
