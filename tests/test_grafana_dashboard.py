@@ -16,7 +16,8 @@ def expressions(dashboard: dict) -> list[str]:
 
 
 def test_every_series_is_exported():
-    exported = {v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX"}
+    # The serving pods' series; the gateway's (GATEWAY_*) come from its own pod, which the PodMonitor does not select.
+    exported = {v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX" and not k.startswith("GATEWAY_")}
     used = set()
     for expr in expressions(json.loads(DASHBOARD.read_text())):
         for name in re.findall(r"\bcapstan_\w+", expr):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from .errors import APIError, error_response
+from .error_body import APIError, error_response
 
 ENV_VAR = "CAPSTAN_API_KEY"
 

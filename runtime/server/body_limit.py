@@ -1,7 +1,7 @@
 """Request bodies over a size limit get 413 before anything parses them (declared or chunked length alike)."""
 from __future__ import annotations
 
-from .errors import error_response
+from .error_body import error_response
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt as a JSON list of ids is about 1 MiB; parsing
 # a body takes up to ~12x its size for a moment (docs/server.md, "Request limits")

@@ -12,7 +12,7 @@ import time
 
 import uvicorn
 
-from .errors import draining, error_response
+from .error_body import draining, error_response
 
 log = logging.getLogger("capstan.server")
 GRACE_AFTER_TIMEOUT = 2.0  # seconds for cancelled requests to send their error events before uvicorn stops

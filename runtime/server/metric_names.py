@@ -18,3 +18,14 @@ REQUESTS_FINISHED = PREFIX + "requests_finished"  # counter (_total), label fini
 TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = PREFIX + "inter_token_latency_seconds"  # histogram
 E2E_REQUEST_LATENCY = PREFIX + "e2e_request_latency_seconds"  # histogram
+
+# The gateway's own (capstan gateway, docs/gateway.md)
+GATEWAY_REQUESTS = PREFIX + "gateway_requests"  # counter (_total), labels model, code: answered requests
+GATEWAY_RETRIES = PREFIX + "gateway_retries"  # counter (_total), label model: sent again after failing before a byte
+GATEWAY_BROKEN_OFF = PREFIX + "gateway_broken_off"  # counter (_total): responses cut after their first byte
+GATEWAY_HELD = PREFIX + "gateway_requests_held"  # gauge: waiting for a ready replica (scale from zero)
+GATEWAY_HOLD_REFUSED = PREFIX + "gateway_hold_refused"  # counter (_total): 503 after a full hold queue or its timeout
+GATEWAY_REPLICAS_READY = PREFIX + "gateway_replicas_ready"  # gauge, label model
+GATEWAY_REPLICA_LOAD = PREFIX + "gateway_replica_load"  # gauge, label replica: the load the policy sees
+GATEWAY_ROUTED = PREFIX + "gateway_routed"  # counter (_total), label replica
+GATEWAY_TIME_TO_FIRST_BYTE = PREFIX + "gateway_time_to_first_byte_seconds"  # histogram: arrival to upstream headers

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 
 from .context import ServerContext, get_context
-from .errors import error_response
+from .error_body import error_response
 from .metrics import CONTENT_TYPE
 
 router = APIRouter()

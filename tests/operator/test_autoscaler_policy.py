@@ -76,3 +76,25 @@ def test_no_metrics_keeps_replicas_and_history_survives_a_restart():
     # A new operator process receives the recommendations from status and keeps the window.
     low = decide(POLICY, (1, 10), high.replicas, [PodLoad(0, 0, 0)] * high.replicas, high.recommendations, now=30)
     assert low.replicas == high.replicas == 7  # +4 at most per decision
+
+
+def test_scale_from_zero_on_demand_and_back_to_zero_when_idle():
+    """minReplicas 0: the gateway's last-request stamp lifts the floor to 1 until the idle period passes."""
+    from capstan.operator.autoscaler import demand_floor
+
+    policy = AutoscalingSpec(target=8, scale_up_stabilization_seconds=0, scale_down_stabilization_seconds=60)
+    assert demand_floor(policy, 0, None, now=1000.0) == 0  # never asked for: stays at zero
+    assert demand_floor(policy, 2, 999.0, now=1000.0) == 2  # minReplicas above 0: the stamp changes nothing
+    replicas, history = 0, []
+    out = []
+    for i in range(12):  # a request at t=1000 (held at the gateway, no pod yet), then silence; one step per 15 s
+        now = 1000.0 + i * STEP
+        floor = demand_floor(policy, 0, 1000.0, now)
+        loads = [PodLoad(running=0.0, waiting=0.0, kv_cache_usage=0.0)] * replicas
+        decision = decide(policy, (0, 4), replicas, loads, history, now=now, floor=floor)
+        if i == 0:
+            assert decision.reason.startswith("scale up 0 -> 1") and "scale from zero" in decision.reason
+        replicas, history = decision.replicas, decision.recommendations
+        out.append(replicas)
+    assert out[:4] == [1, 1, 1, 1]  # kept while within the 60 s idle period
+    assert out[-1] == 0 and out.index(0) == 4  # zero once the idle period has passed, not later

@@ -84,3 +84,11 @@ def test_crash_loop_quotes_the_runtimes_last_words():
     assert problem.reason == "CrashLoop"
     assert problem.message.endswith("(last exit code 2, 5 restarts): error: --tensor-parallel-size 3 does not "
                                     "divide num_attention_heads 32")
+
+
+def test_url_through_the_gateway_when_one_routes():
+    s = compute_status(name="m", namespace="ns", generation=4, spec=SPEC, desired=2, deployment=deployment(),
+                       pods=[], previous_conditions=[], now="2030-01-01T00:00:00Z",
+                       url="http://capstan-gateway.capstan-system.svc.cluster.local/v1")
+    assert s["url"] == "http://capstan-gateway.capstan-system.svc.cluster.local/v1"
+    assert "capstan-gateway" in next(c for c in s["conditions"] if c["type"] == "Ready")["message"]

@@ -63,3 +63,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: [kopfpeerings]
   verbs: [list, watch, patch]
 {{- end -}}
+
+{{- define "capstan.gatewayLabels" -}}
+app.kubernetes.io/name: capstan-gateway
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "capstan.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: capstan-gateway
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* The gateway's in-cluster OpenAI base URL, reported in every InferenceService's status.url. */}}
+{{- define "capstan.gatewayURL" -}}
+{{- $name := printf "%s-gateway" (include "capstan.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- $port := int .Values.gateway.service.port -}}
+{{- printf "http://%s.%s.svc.cluster.local%s/v1" $name .Release.Namespace (ternary "" (printf ":%d" $port) (eq $port 80)) -}}
+{{- end -}}
