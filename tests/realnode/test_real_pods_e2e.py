@@ -16,6 +16,8 @@ from build import EMBEDDED_TINY_MODEL
 from control_plane import wait_for
 from streaming_load import StreamingLoad
 
+OPERATOR_NAMESPACE = "capstan-system"  # the chart's, as conftest installs it
+
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 SERVE_TIMEOUT = 600  # image layers unpacked, weights loaded, every step shape compiled, on a shared 2-core machine
 
@@ -77,13 +79,17 @@ def test_the_chart_runs_the_operator_as_a_real_pod(real_cluster, chart):
     pod, = real_cluster.get_json("pods", "-n", "capstan-system", "-l", "app.kubernetes.io/name=capstan-operator")["items"]
     assert pod["spec"]["nodeName"] == "capstan-node" and pod["spec"]["serviceAccountName"] == chart
     assert pod["status"]["containerStatuses"][0]["ready"], pod["status"]
+    gateway, = real_cluster.get_json("pods", "-n", "capstan-system", "-l",
+                                     "app.kubernetes.io/name=capstan-gateway")["items"]
+    assert gateway["spec"]["nodeName"] == "capstan-node" and gateway["status"]["containerStatuses"][0]["ready"]
 
 
 def test_an_inference_service_serves_through_its_service(real_cluster, chart, namespace, compile_cache):
     autoscaling = {"minReplicas": 1, "maxReplicas": 2, "autoscaling": {"target": 2}}
     real_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=tiny_inference_service("tiny", compile_cache, **autoscaling))
     isvc = wait_serving(real_cluster, namespace, "tiny", replicas=1)
-    assert isvc["status"]["url"] == f"http://tiny.{namespace}.svc.cluster.local/v1"
+    # the chart's gateway routes for every InferenceService: status.url is through it
+    assert isvc["status"]["url"] == f"http://capstan-gateway.{OPERATOR_NAMESPACE}.svc.cluster.local/v1"
 
     pod, = pods_of(real_cluster, namespace, "tiny")
     status = pod["status"]["containerStatuses"][0]
@@ -102,6 +108,12 @@ def test_an_inference_service_serves_through_its_service(real_cluster, chart, na
     chunks = list(stream)
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    # The same through the gateway, a real pod too: it found the replica through its EndpointSlice.
+    gateway = openai.OpenAI(base_url=service_url(real_cluster, OPERATOR_NAMESPACE, "capstan-gateway"),
+                            api_key="unused", max_retries=0, timeout=120)
+    routed = gateway.completions.create(model="tiny", prompt="The capstan turns", max_tokens=8, temperature=0)
+    assert routed.choices[0].text == completion.choices[0].text  # greedy: the same replica's same answer
 
     # The pod's own metrics reach the operator's autoscaler, across the pod network.
     with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10) as response:
