@@ -1,10 +1,14 @@
-"""Where a grammar batch's decode step goes: host phases of the pipeline, timed by wrapping them."""
+"""Where a grammar batch's decode step goes: the host's parts of the decode pipeline, timed by wrapping them,
+during the structured throughput run (llama-3.2-1b shape, 256 requests, half constrained); then the device-only
+cost a step of the pipeline, the one-dispatch scan and the forward alone on an empty batch of 256 rows.
+
+SHAPE=llama-3.2-1b python benchmarks/pipeline_probe.py   (on the lent GPU, after gpu_suite.sh's set-up)"""
 import sys, time, collections
 import os
 sys.argv = ["x", "--shape", os.environ.get("SHAPE", "llama-3.2-1b"), "--requests", "256", "--prompt-len", "256", "--output-len", "256",
             "--max-num-seqs", "256", "--max-num-batched-tokens", "2048", "--smallest-bucket", "256",
             "--constrained-fraction", "0.5"]
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np, jax
 import capstan.runtime.engine.engine as E
 import capstan.runtime.engine.grammar as G
