@@ -9,6 +9,7 @@ import logging
 import sys
 
 from .config import COMPILATION_CACHE, EngineConfig, default_model
+from .speculative_config import SpeculativeConfig
 
 log = logging.getLogger("capstan")
 CPU_MAX_NUM_SEQS = 4  # a CPU step computes every padded row: 4 keeps one chat fast (README snippet: ~6 s)
@@ -45,8 +46,18 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="most logprobs (completions) or top_logprobs (chat) a request may ask, 0 to 20")
     parser.add_argument("--embedding-pooling", default=d.embedding_pooling, choices=["last", "mean"],
                         help="how /v1/embeddings pools the final hidden states: the last token's, or the mean")
+    parser.add_argument("--speculative-config", type=_speculative_config, default=None,
+                        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup)')
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip compiling every shape up front (first requests compile instead)")
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
 
 
 def _default_max_num_seqs() -> int:
@@ -65,7 +76,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         warmup=args.warmup, max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
         tokenizer=args.tokenizer, decode_steps=args.decode_steps, smallest_token_bucket=args.smallest_token_bucket,
         max_logprobs=args.max_logprobs, embedding_pooling=args.embedding_pooling,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
     )
     config.validate()
     return config

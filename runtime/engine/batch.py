@@ -55,7 +55,7 @@ class BatchBuilder:
         """bucket forces the padded token count (warm-up compiles each one with an empty batch); masks=False
         leaves the grammar masks to the caller (a decode pipeline computes them while the forward runs)."""
         S, V, page = self.S, self.V, self.page_size
-        T = bucket or self.bucket_for(sum(c.num_tokens for c in chunks) or 1)
+        T = bucket or self.bucket_for(sum(c.num_step_tokens for c in chunks) or 1)
         tokens = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slots = np.full(T, INVALID_SLOT, np.int32)
@@ -64,6 +64,7 @@ class BatchBuilder:
         block_tables = np.zeros((S, self.max_pages), np.int32)
         seq_lens = np.zeros(S, np.int32)
         sample_index = np.zeros(S, np.int32)
+        draft_lens = np.zeros(S, np.int32)
         f = {name: np.zeros(S, np.float32) for name in ("temperature", "top_p", "min_p", "presence", "frequency")}
         f["top_p"][:] = 1.0
         repetition = np.ones(S, np.float32)
@@ -80,9 +81,10 @@ class BatchBuilder:
         t = 0
         for r, c in enumerate(chunks):
             seq, p = c.seq, c.seq.params
-            n, start = c.num_tokens, c.start
+            n, start = c.num_step_tokens, c.start
             pos = np.arange(start, start + n)
-            tokens[t:t + n] = seq.token_ids[start:start + n]
+            tokens[t:t + n] = seq.token_ids[start:start + c.num_tokens] + c.draft
+            draft_lens[r] = len(c.draft)
             positions[t:t + n] = pos
             pages = np.asarray(seq.pages, np.int32)
             slots[t:t + n] = pages[pos // page] * page + pos % page
@@ -122,7 +124,8 @@ class BatchBuilder:
         if constrained:
             allowed = np.full((S, mask_words(V)), -1, np.int32)
             fill_masks(constrained, allowed)
-        blocks = query_blocks([(r, c.start, c.num_tokens) for r, c in enumerate(chunks)], T, S, self.queries_per_kv)
+        blocks = query_blocks([(r, c.start, c.num_step_tokens) for r, c in enumerate(chunks)], T, S,
+                              self.queries_per_kv)
         meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
                                  block_tables=block_tables, seq_lens=seq_lens, query_blocks=blocks)
         sampling = SamplingBatch(
@@ -136,6 +139,6 @@ class BatchBuilder:
             any_penalty=np.bool_(history is not None), any_filter=np.bool_(any_filter),
             want_logprobs=np.bool_(want_logprobs),
             plain_greedy=np.bool_(not (processing or any_filter or history is not None or allowed is not None)))
-        inputs = StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, sampling=sampling,
-                            prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))
+        inputs = StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, draft_lens=draft_lens,
+                            sampling=sampling, prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))
         return pack(inputs)  # a few transfers, and device arrays throughout, so jit sees one signature per bucket

@@ -29,6 +29,7 @@ from .sequence import Sequence
 from .grammar import fill_masks, mask_words
 from .multi_step import PIPELINE_BRANCHES, decode_forward_fn, decode_sample_fn, decode_steps_fn, pipeline_branches
 from .sampler import SampleResult
+from .speculative import propose_ngram, verify_fn
 from .step import StepOutputs, step_fn
 from .stop_strings import StopStringMatcher
 
@@ -47,6 +48,8 @@ class EngineStats:
     preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_draft_tokens: int = 0  # tokens proposed by speculative decoding
+    spec_accepted_tokens: int = 0  # of those, the ones the target verified
 
 
 class LLMEngine:
@@ -89,6 +92,10 @@ class LLMEngine:
         self.failed: list[tuple[str, BaseException]] = []  # requests failed alone since the owner last took them
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.speculative = spec = config.speculative_config
+        self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        if spec is not None:  # (a sequence's tokens, at most k) -> the tokens it proposes
+            self.proposer = lambda tokens, k: propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
         self.compile_seconds = 0.0
 
     def _pages_that_fit(self) -> int:
@@ -198,7 +205,8 @@ class LLMEngine:
                            kv_pages_used=self.pool.num_used,
                            kv_pages_total=self.pool.num_pages, prefix_cache_queried_tokens=s.prefix_queried_tokens,
                            prefix_cache_hit_tokens=s.prefix_hit_tokens, preemptions=s.num_preemptions,
-                           prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+                           prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+                           spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens)
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -210,6 +218,12 @@ class LLMEngine:
             with self._precision():
                 self.kv, out = step_fn(self.model, self.kv, inputs)
             jax.block_until_ready(out)
+        if self.speculative is not None:
+            for bucket in self.builder.buckets:
+                with self._precision():
+                    self.kv, out = verify_fn(self.model, self.kv, self.builder.build([], bucket=bucket),
+                                             num_positions=self.speculative.num_speculative_tokens + 1)
+                jax.block_until_ready(out)
         if self.config.decode_steps > 1:
             inputs = self.builder.build([], bucket=self.builder.S)
             with self._precision():
@@ -233,6 +247,8 @@ class LLMEngine:
         chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
             return []
+        if self.speculative is not None and self._propose(chunks):
+            return self._verify(chunks)
         active = self._multi_step_plan(chunks)
         if active is not None:
             return self._decode_steps(chunks, active)
@@ -251,6 +267,67 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001 - this request's own fault
                     self.fail(seq.request_id, e)
             t += c.num_tokens
+        return self._collect_all(c.seq.request_id for c in chunks)
+
+    def _propose(self, chunks: list[ScheduledChunk]) -> bool:
+        """Proposes tokens for the decoding sequences that can take them (n-gram lookup); True if any got some.
+        Sequences whose sampling needs the host between tokens (penalties, min_tokens bans, grammars) and steps
+        with prompt logprobs are left to plain decoding."""
+        spec, budget = self.speculative, self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+        if any(c.seq.params.prompt_logprobs is not None and not c.seq.prompt_logprobs_done for c in chunks):
+            return False
+        for c in chunks:
+            seq, p = c.seq, c.seq.params
+            if not (c.num_tokens == 1 and c.samples) or seq.constraint is not None or p.uses_penalties \
+                    or seq.pending_forks or seq.num_output < p.min_tokens or seq.max_tokens == 0:
+                continue
+            room = min(spec.num_speculative_tokens, budget, seq.max_tokens - seq.num_output - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            draft = self.proposer(seq.token_ids, room) if room > 0 else []
+            if draft and self.scheduler.reserve_ahead(seq, 1 + len(draft)):
+                c.draft = draft
+                budget -= len(draft)
+        return any(c.draft for c in chunks)
+
+    def _verify(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """One step that computes each proposal as a short chunk and samples after every proposed token; a row
+        keeps its proposed tokens up to the first the target would not have drawn, then the target's own token.
+        The pages reserved for rejected tokens go back to the pool."""
+        chunks, inputs = self._build(chunks)
+        if not chunks:
+            return []
+        with self._precision():
+            self.kv, out = verify_fn(self.model, self.kv, inputs,
+                                     num_positions=self.speculative.num_speculative_tokens + 1)
+        out = jax.device_get(out)
+        tokens = out.tokens.tolist()  # [row][position]
+        first = StepOutputs(sampled=jax.tree.map(lambda a: a[:, 0], out), prompt=None)
+        page = self.config.page_size
+        for r, c in enumerate(chunks):
+            seq = c.seq
+            if seq.request_id not in self.requests:
+                continue
+            try:
+                if not c.draft:
+                    self._apply_chunk(c, r, 0, first)
+                    continue
+                accepted = 0
+                while accepted < len(c.draft) and c.draft[accepted] == tokens[r][accepted]:
+                    accepted += 1
+                self.spec_draft_tokens += len(c.draft)
+                self.spec_accepted_tokens += accepted
+                seq.num_computed = c.start + 1 + accepted  # the accepted tokens' K/V are written
+                for i in range(accepted + 1):  # the accepted ones, then the target's own next token
+                    if seq.finished:
+                        break
+                    self._append_token(seq, tokens[r][i], out, (r, i))
+                if not seq.finished:
+                    keep = -(-(seq.num_computed + 1) // page)  # through the next token's page
+                    self.pool.release(seq.pages[keep:])
+                    del seq.pages[keep:]
+                    self.scheduler.register_full_pages(seq)
+            except Exception as e:  # noqa: BLE001 - this request's own fault
+                self.fail(seq.request_id, e)
         return self._collect_all(c.seq.request_id for c in chunks)
 
     def _apply_chunk(self, c: ScheduledChunk, r: int, t: int, out: StepOutputs) -> None:

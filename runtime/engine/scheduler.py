@@ -18,6 +18,11 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed in this step
     num_tokens: int
+    draft: list[int] = dataclasses.field(default_factory=list)  # proposed tokens verified after these (speculation)
+
+    @property
+    def num_step_tokens(self) -> int:
+        return self.num_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:

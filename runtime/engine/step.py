@@ -21,6 +21,7 @@ class StepInputs(eqx.Module):
     tokens: jax.Array  # [T] i32
     meta: AttentionMetadata
     sample_index: jax.Array  # [S] i32: index into tokens of each row's last token
+    draft_lens: jax.Array  # [S] i32: tokens proposed by speculation at the end of each row's chunk (speculative.py)
     sampling: SamplingBatch
     prompt_targets: jax.Array  # [T] i32: the token after each prompt token (for prompt logprobs)
     want_prompt_logprobs: jax.Array  # [] bool

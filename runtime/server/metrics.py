@@ -44,6 +44,9 @@ class EngineCollector:
             (names.PREEMPTIONS, "Sequences preempted (recomputed later) when KV pages ran out.", s.preemptions),
             (names.PROMPT_TOKENS, "Prompt tokens of requests admitted to the engine.", s.prompt_tokens),
             (names.GENERATION_TOKENS, "Tokens generated.", s.generation_tokens),
+            (names.SPEC_DRAFT_TOKENS, "Tokens proposed by speculative decoding.", s.spec_draft_tokens),
+            (names.SPEC_ACCEPTED_TOKENS, "Proposed tokens the target model verified (accepted).",
+             s.spec_accepted_tokens),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -1,0 +1,123 @@
+"""Speculative decoding (n-gram prompt lookup): outputs are token for token those of decoding without it, greedy
+and seeded sampling alike, whatever is proposed; accepted proposals save target steps; rejected ones give their
+pages back. Proposals here come from n-gram lookup, and from an oracle that knows the unspeculated output
+(the upper bound of the machinery, as a draft identical to the target would be), whole or corrupted."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from capstan.runtime.cli import build_parser
+from capstan.runtime.engine.grammar import StructuredOutput
+from capstan.runtime.engine.llm import LLM
+from capstan.runtime.engine.sampling_params import SamplingParams
+from capstan.runtime.engine.speculative import propose_ngram
+from capstan.runtime.speculative_config import SpeculativeConfig
+
+from golden import GOLDEN
+
+ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+PROMPTS = ["one two three one two three", "Answer: ", "a b c d a b c d", "Write JSON: "]
+PARAMS = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2),
+          SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True),
+          SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, top_k=40, seed=9, n=2, stop=["zz"]),
+          SamplingParams(max_tokens=30, temperature=0.0, presence_penalty=0.5, ignore_eos=True)]
+GRAMMAR = SamplingParams(max_tokens=40, seed=3, structured=StructuredOutput("regex", r"[a-z]{3,20}"))
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 3, 3, 1) == [8, 5, 1]  # the latest [1 2 3]
+    assert propose_ngram([7, 1, 2, 4, 2], 2, 3, 1) == [4, 2]  # no 3- or 2-gram: the unigram [2]
+    assert propose_ngram([7, 1, 2, 4, 2], 2, 3, 2) == []
+    assert propose_ngram([1, 2, 1, 2], 5, 2, 2) == [1, 2]  # what follows, up to the end
+    assert propose_ngram([5], 4, 3, 1) == [] and propose_ngram([1, 2, 1], 0, 2, 1) == []
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    llm = LLM(str(GOLDEN / "llama-s11"), **ENGINE)
+    return llm.generate(PROMPTS, PARAMS, use_tqdm=False) + llm.generate(["Name: "], GRAMMAR, use_tqdm=False)
+
+
+def speculative_llm(**engine):
+    return LLM(str(GOLDEN / "llama-s11"), speculative_config=SpeculativeConfig(num_speculative_tokens=4),
+               **{**ENGINE, **engine})
+
+
+def oracle(llm, baseline, corrupt_every: int = 0):
+    """Proposes the unspeculated output from where the sequence is (every corrupt_every-th proposal wrong at its
+    second token)."""
+    futures = [r.prompt_token_ids + o.token_ids for r in baseline for o in r.outputs]
+    calls = [0]
+
+    def propose(tokens, k):
+        calls[0] += 1
+        for future in futures:
+            if future[:len(tokens)] == tokens and len(future) > len(tokens):
+                draft = future[len(tokens):len(tokens) + k]
+                if corrupt_every and calls[0] % corrupt_every == 0 and len(draft) > 1:
+                    draft[1] = (draft[1] + 1) % 512
+                return draft
+        return []
+
+    llm.engine.proposer = propose
+
+
+def same_outputs(a, b):
+    for x, y in zip(a, b):
+        for o, q in zip(x.outputs, y.outputs):
+            assert (o.token_ids, o.text, o.finish_reason) == (q.token_ids, q.text, q.finish_reason)
+            if o.logprobs is not None:
+                assert [list(lp) for lp in o.logprobs] == [list(lp) for lp in q.logprobs]
+                for lx, ly in zip(o.logprobs, q.logprobs):
+                    assert [v.logprob for v in lx.values()] == pytest.approx([v.logprob for v in ly.values()],
+                                                                              abs=1e-4)
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 2])
+def test_outputs_are_those_of_plain_decoding_whatever_is_proposed(baseline, corrupt_every):
+    llm = speculative_llm()
+    oracle(llm, baseline, corrupt_every)
+    got = llm.generate(PROMPTS, PARAMS, use_tqdm=False) + llm.generate(["Name: "], GRAMMAR, use_tqdm=False)
+    same_outputs(baseline, got)
+    e = llm.engine
+    assert e.spec_draft_tokens > 0
+    if corrupt_every:
+        assert 0 < e.spec_accepted_tokens < e.spec_draft_tokens
+    else:
+        assert e.spec_accepted_tokens == e.spec_draft_tokens  # the draft is the target: all accepted
+    e.pool.check_all_free()
+    assert e.stats().spec_draft_tokens == e.spec_draft_tokens
+
+
+def test_ngram_lookup_and_preemption_keep_the_outputs(baseline):
+    # a pool of 14 pages of 8 cannot hold 4 running sequences of ~45 tokens: some are preempted and recomputed
+    llm = LLM(str(GOLDEN / "llama-s11"), num_pages=14, page_size=8,
+              speculative_config=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), **ENGINE)
+    got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    same_outputs(baseline[:len(PROMPTS)], got)
+    assert llm.engine.spec_draft_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
+    llm.engine.pool.check_all_free()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"method": "eagle"}', "method 'eagle' is not supported"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+    ('{"num_speculative_tokens": 17}', "num_speculative_tokens must be at most 16"),
+    ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min (5) must not exceed"),
+    ('{"k": 4}', "unknown field(s) k"),
+    ("[4]", "must be a JSON object"),
+    ("{", "not JSON"),
+])
+def test_bad_speculative_configs_are_refused_naming_the_field(text, message):
+    with pytest.raises(ValueError, match="--speculative-config") as e:
+        SpeculativeConfig.parse(text)
+    assert message in str(e.value)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", text])
+
+
+def test_the_flag_parses():
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"num_speculative_tokens": 3}'])
+    assert isinstance(args, argparse.Namespace) and args.speculative_config.num_speculative_tokens == 3
