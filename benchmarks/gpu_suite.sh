@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b profile peer peer8b structured grammar sampling apitests]
+#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b profile peer peer8b structured grammar sampling apitests speculative]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -16,6 +16,10 @@ for part in $parts; do
   echo "=== $part"
   case $part in
     apitests) python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py tests/test_offline_api.py 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
+    speculative) python3 benchmarks/speculative.py --shape llama-3.2-1b --batch-sizes 1 8 64 --tokens 128 \
+        --smallest-bucket 64 2>&1 | grep -v Warning
+      python3 benchmarks/speculative.py --shape llama-3-8b --batch-sizes 1 --tokens 64 --smallest-bucket 64 2>&1 \
+        | grep -v Warning ;;
     parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
     prefill) python3 benchmarks/prefill.py --shape llama-3.2-1b --tokens 2048 ;;
     throughput) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \

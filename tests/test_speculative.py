@@ -30,7 +30,8 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 3, 3, 1) == [8, 5, 1]  # the latest [1 2 3]
     assert propose_ngram([7, 1, 2, 4, 2], 2, 3, 1) == [4, 2]  # no 3- or 2-gram: the unigram [2]
     assert propose_ngram([7, 1, 2, 4, 2], 2, 3, 2) == []
-    assert propose_ngram([1, 2, 1, 2], 5, 2, 2) == [1, 2]  # what follows, up to the end
+    assert propose_ngram([1, 2, 1, 2], 5, 2, 2) == [1, 2, 1, 2, 1]  # what follows, repeating with its period
+    assert propose_ngram([4, 4, 4], 3, 3, 1) == [4, 4, 4]
     assert propose_ngram([5], 4, 3, 1) == [] and propose_ngram([1, 2, 1], 0, 2, 1) == []
 
 

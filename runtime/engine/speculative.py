@@ -23,7 +23,8 @@ from .step import StepInputs
 from ..speculative_config import SpeculativeConfig  # noqa: F401 - re-exported
 
 def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of tokens' last n-gram (longest n first)."""
+    """k tokens following the latest earlier occurrence of tokens' last n-gram (longest n first): what followed
+    it, and as the text since then repeats it, that again; none when no n-gram recurs."""
     if k <= 0 or len(tokens) <= shortest:
         return []
     ids = np.asarray(tokens, np.int64)
@@ -32,7 +33,8 @@ def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> lis
         hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return ids[start:start + k].tolist()
+            period = len(ids) - start  # the text since that occurrence, assumed to repeat
+            return ids[start + np.arange(k) % period].tolist()
     return []
 
 
