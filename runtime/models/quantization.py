@@ -87,20 +87,6 @@ def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray:
     return hax.dot(x, w, axis=axis)
 
 
-def named_quantized(t: QuantizedTensor, reshape: tuple[int, ...], axes: tuple[hax.Axis, ...],
-                    contracted: int) -> QuantizedWeight:
-    """The HF-layout tensor reshaped to the model's axes; the last `contracted` axes are the input's."""
-    values = t.values.reshape(reshape)
-    scale = t.scale.reshape(reshape[:-contracted])
-    return QuantizedWeight(hax.named(values, axes), hax.named(scale, axes[:-contracted]))
-
-
-def stack_quantized(parts: list[QuantizedTensor], axis: int, stack: bool) -> QuantizedTensor:
-    """Concatenates (or stacks) quantized tensors along an output axis, scales alongside."""
-    join = jnp.stack if stack else jnp.concatenate
-    return QuantizedTensor(join([p.values for p in parts], axis=axis), join([p.scale for p in parts], axis=axis))
-
-
 def as_numpy_scale(scale, rows: int, name: str) -> np.ndarray:
     """A checkpoint's weight scale as one float32 per output row: [out], [out, 1] (per channel) or a scalar
     (per tensor, broadcast: exact)."""
