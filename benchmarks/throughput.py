@@ -80,12 +80,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--constrained-fraction", type=float, default=0.0,
                     help="this share of the requests follows a JSON schema (structured outputs); the rest is free")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
+    ap.add_argument("--quantization", choices=["fp8", "int8"], default=None,
+                    help="linear weights quantized at load (the random weights, per output channel)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
     t0 = time.perf_counter()
-    model = random_model(cfg, dtype)
+    model = random_model(cfg, dtype, quantization=a.quantization)
     jax.block_until_ready(model)
     load_s = time.perf_counter() - t0
     mixed = a.workload == "mixed"
@@ -111,7 +113,7 @@ def main(argv=None) -> dict:
         cut = int(round(a.constrained_fraction * a.requests))
         params = [constrained] * cut + [params] * (a.requests - cut)
     run(engine, prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
-    figures = {"shape": a.shape, "dtype": dtype, "device": str(jax.devices()[0].device_kind),
+    figures = {"shape": a.shape, "dtype": dtype, "quantization": a.quantization or "none", "device": str(jax.devices()[0].device_kind),
                "tensor_parallel_size": a.tensor_parallel_size, "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
                "weights_init_s": load_s, "compile_s": engine.compile_seconds, **run(engine, prompts, params)}
     if a.single_stream_tokens:

@@ -37,6 +37,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                         help="devices to split the model over (it must divide the attention heads and the MLP size; "
                              "KV heads are split, or replicated when fewer)")
+    parser.add_argument("--quantization", "-q", default=d.quantization, choices=["fp8", "int8"],
+                        help="linear weights in FP8 (e4m3, FP8 matmuls on Hopper) or INT8 (weight-only), one scale per "
+                             "output channel (default: the checkpoint's dtype, or its own quantization_config)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or hf://org/name (default: the model's)")
     parser.add_argument("--decode-steps", type=int, default=d.decode_steps,
                         help="decode steps per device dispatch when every sequence is decoding")
@@ -77,6 +80,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer, decode_steps=args.decode_steps, smallest_token_bucket=args.smallest_token_bucket,
         max_logprobs=args.max_logprobs, embedding_pooling=args.embedding_pooling,
         tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
+        quantization=args.quantization,
     )
     config.validate()
     return config

@@ -68,6 +68,7 @@ class EngineConfig:
     embedding_pooling: str = "last"  # /v1/embeddings and LLM.embed: "last" token's hidden state, or "mean"
     tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP, vocabulary, KV cache by KV head)
     speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (engine/speculative.py)
+    quantization: str | None = None  # "fp8" or "int8" linear weights; None: dense, or the checkpoint's own format
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps",
@@ -88,5 +89,7 @@ class EngineConfig:
             self.speculative_config.validate()
         if self.embedding_pooling not in ("last", "mean"):
             raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
+        if self.quantization is not None and self.quantization not in ("fp8", "int8"):
+            raise ValueError(f"quantization must be 'fp8' or 'int8' (or unset), got {self.quantization!r}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")

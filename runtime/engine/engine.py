@@ -59,7 +59,7 @@ class LLMEngine:
         path = resolve_checkpoint(config.model)
         dtype = config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
         self.dtype = parse_dtype(dtype)
-        self.model = model if model is not None else load_model(path, dtype)
+        self.model = model if model is not None else load_model(path, dtype, config.quantization)
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
         self.model = self.parallel.place_model(self.model)  # may replicate KV heads: read cfg after
         cfg = self.model.cfg

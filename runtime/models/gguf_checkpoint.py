@@ -5,6 +5,7 @@ build_model asks for, and llama.cpp's conversion edits (Q/K row permutation, Gem
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from .config import ModelConfig, UnsupportedModelError
 if TYPE_CHECKING:
     from .decoder import DecoderModel
 
+log = logging.getLogger("capstan")
 # general.architecture -> the Hugging Face architecture whose block we build
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM"}
@@ -123,12 +125,16 @@ def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
     return hf
 
 
-def load_gguf_model(path: str | Path, dtype) -> DecoderModel:
+def load_gguf_model(path: str | Path, dtype, quantization: str | None = None) -> DecoderModel:
+    """quantization (fp8, int8): the linear weights, dequantized from llama.cpp's blocks, are requantized per
+    output channel (Q8_0's 32-value blocks do not map onto per-channel scales without that round trip)."""
     from .loader import build_model  # the loader dispatches here; build_model is shared
 
     reader = read_gguf(str(path))
     cfg = ModelConfig.from_hf(hf_config(reader, path))
-    return build_model(cfg, gguf_tensor_source(reader, cfg, path), dtype)
+    if quantization:
+        log.info("%s: GGUF weights dequantized, then requantized to %s per output channel", path, quantization)
+    return build_model(cfg, gguf_tensor_source(reader, cfg, path), dtype, quantization)
 
 
 def gguf_tensor_source(reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Path):

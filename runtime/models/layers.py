@@ -16,6 +16,7 @@ from .. import compat  # noqa: F401  (haliax needs jax.core.is_constant_dim on J
 from ..attention import AttentionMetadata, write_and_attend
 from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .config import ModelConfig
+from .quantization import QuantizedWeight, linear
 from .rope import apply_rotary
 
 Token = hax.Axis("token", 0)  # placeholder size; the real size comes from the step's batch
@@ -57,8 +58,8 @@ def rms_norm(x: NamedArray, weight: NamedArray, axis: hax.Axis, eps: float, one_
 
 class Attention(eqx.Module):
     # q, k and v projections fused into one weight: one matmul reads them all (fewer, fuller kernels when decoding)
-    qkv_proj: NamedArray  # [KVHeads, QKV, HeadSize, Embed]
-    o_proj: NamedArray  # [Embed, KVHeads, QPerKV, HeadSize]
+    qkv_proj: NamedArray | QuantizedWeight  # [KVHeads, QKV, HeadSize, Embed]
+    o_proj: NamedArray | QuantizedWeight  # [Embed, KVHeads, QPerKV, HeadSize]
     qkv_bias: NamedArray | None  # [KVHeads, QKV, HeadSize]
     q_norm: NamedArray | None  # [HeadSize]
     k_norm: NamedArray | None
@@ -67,7 +68,7 @@ class Attention(eqx.Module):
                  k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
                  ax: ModelAxes, page_size: int):
         """k_cache, v_cache: this layer's [KVHeads, pages, page_size, HeadSize]; returns (y, k_cache, v_cache)."""
-        qkv = hax.dot(x, self.qkv_proj, axis=ax.Embed)
+        qkv = linear(x, self.qkv_proj, axis=ax.Embed)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         G = ax.QPerKV.size
@@ -84,22 +85,22 @@ class Attention(eqx.Module):
                                                  scale=cfg.attention_scale, window=window,
                                                  softcap=cfg.attn_logit_softcapping)
         out = hax.named(out, (q.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
-        y = hax.dot(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
+        y = linear(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
         return y, k_cache, v_cache
 
 
 class GatedMLP(eqx.Module):
-    gate_up_proj: NamedArray  # [GateUp, Mlp, Embed]: both projections in one matmul
-    down_proj: NamedArray  # [Embed, Mlp]
+    gate_up_proj: NamedArray | QuantizedWeight  # [GateUp, Mlp, Embed]: both projections in one matmul
+    down_proj: NamedArray | QuantizedWeight  # [Embed, Mlp]
 
     def __call__(self, x: NamedArray, cfg: ModelConfig, ax: ModelAxes) -> NamedArray:
-        gate_up = hax.dot(x, self.gate_up_proj, axis=ax.Embed)
+        gate_up = linear(x, self.gate_up_proj, axis=ax.Embed)
         gate, up = gate_up[ax.GateUp.name, 0], gate_up[ax.GateUp.name, 1]
         if cfg.activation == "gelu_pytorch_tanh":
             act = hax.nn.gelu(gate, approximate=True)
         else:
             act = hax.nn.silu(gate)
-        return hax.dot(act * up, self.down_proj, axis=ax.Mlp)
+        return linear(act * up, self.down_proj, axis=ax.Mlp)
 
 
 def embed(tokens: jax.Array, embedding: NamedArray, ax: ModelAxes) -> NamedArray:

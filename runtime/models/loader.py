@@ -17,6 +17,8 @@ from .gemma3 import GEMMA3_BLOCK_WEIGHTS, Gemma3Block
 from .gguf_checkpoint import is_gguf, load_gguf_model
 from .layers import Attention, GatedMLP, ModelAxes
 from .llama import LLAMA_BLOCK_WEIGHTS, LlamaBlock
+from .quantization import FLAG, QuantizedTensor, QuantizedWeight, check_method, quantize_rows
+from .quantized_checkpoint import RAW_DTYPES, checkpoint_quantization, quantized_source, read_raw_tensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # A tensor source: (Hugging Face name, expected shape) -> array of that shape.
@@ -47,18 +49,29 @@ def resolve_checkpoint(model: str | Path) -> Path:
     return path
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> DecoderModel:
+def load_model(path: str | Path, dtype: str = "float32", quantization: str | None = None) -> DecoderModel:
     """A checkpoint folder with config.json and model.safetensors or sharded safetensors with their index,
-    or a .gguf file (dequantized to dtype at load)."""
+    or a .gguf file (dequantized to dtype at load). quantization (fp8, int8) quantizes the linear weights at load;
+    a checkpoint quantized already (config.json quantization_config) is served in its own format."""
+    check_method(quantization)
     path = Path(path)
     if is_gguf(path):
-        return load_gguf_model(path, parse_dtype(dtype))
+        return load_gguf_model(path, parse_dtype(dtype), quantization)
+    hf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     cfg = ModelConfig.from_pretrained(path)
-    return build_model(cfg, _safetensors_source(path), parse_dtype(dtype))
+    source = SafetensorsSource(path)
+    prequantized = checkpoint_quantization(hf, path)
+    if prequantized is None:
+        return build_model(cfg, source, parse_dtype(dtype), quantization)
+    if quantization not in (None, prequantized.method):
+        raise UnsupportedModelError(f"{FLAG}={quantization}: {path} is quantized already ({prequantized.quant_method}, "
+                                    f"{prequantized.method} weights); leave {FLAG} out or set it to {prequantized.method}")
+    return build_model(cfg, quantized_source(source, prequantized, path), parse_dtype(dtype))
 
 
-def random_model(cfg: ModelConfig, dtype: str = "bfloat16", seed: int = 0) -> DecoderModel:
+def random_model(cfg: ModelConfig, dtype: str = "bfloat16", seed: int = 0, quantization: str | None = None) -> DecoderModel:
     """Random weights of the right shapes, made on the device (benchmarks need no download)."""
+    check_method(quantization)
     base = jax.random.PRNGKey(seed)
 
     def source(name: str, shape: tuple[int, ...]) -> jax.Array:
@@ -67,35 +80,46 @@ def random_model(cfg: ModelConfig, dtype: str = "bfloat16", seed: int = 0) -> De
         key = jax.random.fold_in(base, zlib.crc32(name.encode()))
         return 0.02 * jax.random.normal(key, shape, parse_dtype(dtype))
 
-    return build_model(cfg, source, parse_dtype(dtype))
+    return build_model(cfg, source, parse_dtype(dtype), quantization)
 
 
-def _safetensors_source(path: Path) -> TensorSource:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (path / "model.safetensors").is_file():
-        with safe_open(path / "model.safetensors", framework="flax") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise UnsupportedModelError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    handles: dict[str, object] = {}
+class SafetensorsSource:
+    """The tensors of a checkpoint folder: model.safetensors, or shards listed by model.safetensors.index.json."""
 
-    def source(name: str, shape: tuple[int, ...]) -> jax.Array:
-        if name not in weight_map:
-            raise UnsupportedModelError(f"{path}: checkpoint has no tensor {name}")
-        file = weight_map[name]
-        if file not in handles:
-            handles[file] = safe_open(path / file, framework="flax")
-        tensor = handles[file].get_tensor(name)
-        if tuple(tensor.shape) != tuple(shape):
-            raise UnsupportedModelError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        elif (path / "model.safetensors").is_file():
+            with safe_open(path / "model.safetensors", framework="flax") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise UnsupportedModelError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self.path = path
+        self.handles: dict[str, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def __call__(self, name: str, shape: tuple[int, ...] | None) -> jax.Array:
+        """The tensor, checked against the shape the model expects (None: any shape)."""
+        if name not in self.weight_map:
+            raise UnsupportedModelError(f"{self.path}: checkpoint has no tensor {name}")
+        file = self.weight_map[name]
+        if file not in self.handles:
+            self.handles[file] = safe_open(self.path / file, framework="flax")
+        if self.handles[file].get_slice(name).get_dtype() in RAW_DTYPES:  # float8: safetensors' loader lacks it
+            tensor = jnp.asarray(read_raw_tensor(self.path / file, name))
+        else:
+            tensor = self.handles[file].get_tensor(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise UnsupportedModelError(f"{self.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
         return tensor
 
-    return source
 
-
-def build_model(cfg: ModelConfig, source: TensorSource, dtype) -> DecoderModel:
+def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str | None = None) -> DecoderModel:
+    """quantization: fp8 or int8 quantizes the dense linear weights at load; a source may also hand over
+    QuantizedTensors (a quantized checkpoint), which are kept as they are."""
     ax = ModelAxes.of(cfg)
     E, D, KVH, G, I = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv, cfg.intermediate_size
     gemma = cfg.family == "gemma3"
@@ -105,25 +129,40 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype) -> DecoderModel:
             t = source(f"model.layers.{i}.{suffix}", shape).astype(dtype)
             return hax.named(t.reshape(reshape) if reshape else t, axes)
 
-        def qkv(kind: str, shape_of, axes):
-            """q, k and v tensors of one kind (weight or bias) stacked per kv head along ax.QKV."""
-            parts = [source(f"model.layers.{i}.self_attn.{p}_proj.{kind}", shape_of(n)).astype(dtype)
-                     .reshape(KVH, n // KVH // D, D, *shape_of(n)[1:]) for p, n in
-                     (("q", KVH * G * D), ("k", KVH * D), ("v", KVH * D))]
-            return hax.named(jnp.concatenate(parts, axis=1), axes)
+        def linears(suffixes, shapes, reshapes, axes, contracted: int, join):
+            """Linear weights [out, in] reshaped to the model's axes and joined along an output axis (one matmul
+            reads them all); quantized when the checkpoint is or `quantization` asks, dense otherwise."""
+            parts = [source(f"model.layers.{i}.{s}", shape) for s, shape in zip(suffixes, shapes)]
+            method = quantization or next((p.method for p in parts if isinstance(p, QuantizedTensor)), None)
+            if method is None:
+                return hax.named(join([p.astype(dtype).reshape(r) for p, r in zip(parts, reshapes)]), axes)
+            parts = [p if isinstance(p, QuantizedTensor) else quantize_rows(p, method) for p in parts]
+            assert len({p.method for p in parts}) == 1, suffixes
+            values = join([p.values.reshape(r) for p, r in zip(parts, reshapes)])
+            scale = join([p.scale.reshape(r[:-contracted]) for p, r in zip(parts, reshapes)])
+            return QuantizedWeight(hax.named(values, axes), hax.named(scale, axes[:-contracted]))
 
+        def qkv_bias():
+            """q, k and v biases stacked per kv head along ax.QKV, as the fused weight is."""
+            parts = [source(f"model.layers.{i}.self_attn.{p}_proj.bias", (n,)).astype(dtype).reshape(KVH, n // KVH // D, D)
+                     for p, n in (("q", KVH * G * D), ("k", KVH * D), ("v", KVH * D))]
+            return hax.named(jnp.concatenate(parts, axis=1), (ax.KVHeads, ax.QKV, ax.HeadSize))
+
+        qkv_sizes = (KVH * G * D, KVH * D, KVH * D)
         attn = Attention(
-            qkv_proj=qkv("weight", lambda n: (n, E), (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed)),
-            o_proj=w("self_attn.o_proj.weight", (E, KVH * G * D), (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize),
-                     (E, KVH, G, D)),
-            qkv_bias=qkv("bias", lambda n: (n,), (ax.KVHeads, ax.QKV, ax.HeadSize)) if cfg.attention_bias else None,
+            qkv_proj=linears([f"self_attn.{p}_proj.weight" for p in "qkv"], [(n, E) for n in qkv_sizes],
+                             [(KVH, n // KVH // D, D, E) for n in qkv_sizes],
+                             (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed), 1, lambda xs: jnp.concatenate(xs, axis=1)),
+            o_proj=linears(["self_attn.o_proj.weight"], [(E, KVH * G * D)], [(E, KVH, G, D)],
+                           (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize), 3, lambda xs: xs[0]),
+            qkv_bias=qkv_bias() if cfg.attention_bias else None,
             q_norm=w("self_attn.q_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
             k_norm=w("self_attn.k_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
         )
-        gate_up = [source(f"model.layers.{i}.mlp.{p}_proj.weight", (I, E)).astype(dtype) for p in ("gate", "up")]
         mlp = GatedMLP(
-            gate_up_proj=hax.named(jnp.stack(gate_up), (ax.GateUp, ax.Mlp, ax.Embed)),
-            down_proj=w("mlp.down_proj.weight", (E, I), (ax.Embed, ax.Mlp)),
+            gate_up_proj=linears(["mlp.gate_proj.weight", "mlp.up_proj.weight"], [(I, E)] * 2, [(I, E)] * 2,
+                                 (ax.GateUp, ax.Mlp, ax.Embed), 1, jnp.stack),
+            down_proj=linears(["mlp.down_proj.weight"], [(E, I)], [(E, I)], (ax.Embed, ax.Mlp), 1, lambda xs: xs[0]),
         )
         names = GEMMA3_BLOCK_WEIGHTS if gemma else LLAMA_BLOCK_WEIGHTS
         norms = {field: w(hf_name, (E,), (ax.Embed,)) for field, hf_name in names.items()}

@@ -9,7 +9,9 @@ random draws and the logprobs see exactly what one device would. The KV cache is
 
 When N exceeds the KV heads (N a multiple of them), each KV head is replicated N / num_kv_heads times, each copy
 serving its share of that head's query heads, as vLLM does: identical numbers, N / num_kv_heads times the KV memory.
-A vocabulary that N does not divide is padded with zero rows, and the padded logits are cut before sampling."""
+A vocabulary that N does not divide is padded with zero rows, and the padded logits are cut before sampling.
+Quantized weights (models/quantization.py) keep the dense weights' axis names, their per-output-channel scales the
+output axes: both split by the same names, so a quantized model splits as the dense one does."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from ..models.config import ModelConfig
 from ..models.decoder import DecoderModel
 from ..models.layers import Attention, ModelAxes
+from ..models.quantization import QuantizedWeight
 from .mesh import MODEL_AXIS
 
 SPLIT_AXES = ("kv_heads", "mlp", "vocab")  # haliax axis names split along the model axis; all others replicated
@@ -127,12 +130,22 @@ def replicate_kv_heads(model: DecoderModel, size: int) -> DecoderModel:
         kv = jnp.repeat(w[:, G:], r, axis=0)
         return jnp.concatenate([q, kv], axis=1)
 
+    def qkv(w):
+        """The fused projection re-split; a quantized one's per-channel scales [KVH, G + 2, HeadSize] alike."""
+        if isinstance(w, QuantizedWeight):
+            return QuantizedWeight(qkv(w.weight), hax.named(fused(w.scale.array), (ax.KVHeads, ax.QKV, ax.HeadSize)))
+        return hax.named(fused(w.array), (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed))
+
+    def out(w):
+        """o_proj [Embed, KVH, G, HeadSize] with the query heads regrouped; a quantized one's scales are [Embed]."""
+        if isinstance(w, QuantizedWeight):
+            return dataclasses.replace(w, weight=out(w.weight))
+        o = w.array
+        return hax.named(o.reshape(o.shape[0], KVH * r, G // r, o.shape[-1]), (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize))
+
     def attention(a: Attention) -> Attention:
-        o = a.o_proj.array  # [Embed, KVH, G, HeadSize]
         return dataclasses.replace(
-            a, qkv_proj=hax.named(fused(a.qkv_proj.array), (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed)),
-            o_proj=hax.named(o.reshape(o.shape[0], KVH * r, G // r, o.shape[-1]),
-                             (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize)),
+            a, qkv_proj=qkv(a.qkv_proj), o_proj=out(a.o_proj),
             qkv_bias=None if a.qkv_bias is None else hax.named(fused(a.qkv_bias.array),
                                                                 (ax.KVHeads, ax.QKV, ax.HeadSize)))
 

@@ -1,0 +1,99 @@
+"""Quantized linear weights (vLLM's --quantization): FP8 e4m3 and INT8, one scale per output channel.
+
+A QuantizedWeight stands where a linear layer's NamedArray would: the low-precision weight with the same named
+axes (so tensor parallelism splits it as it splits the dense one) and float32 scales over the output axes.
+  fp8:  activations cast to e4m3 with a dynamic per-token scale, an e4m3 x e4m3 dot accumulating in float32
+        (cuBLASLt FP8 gemms on Hopper; XLA CPU upcasts, so the same math runs in the tests), times both scales.
+  int8: weight-only; the weight is upcast to the activations' dtype inside the matmul, then scaled.
+Embeddings, norms and the LM head stay in the model dtype."""
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from haliax import NamedArray
+
+from .config import UnsupportedModelError
+
+QUANTIZATIONS = ("fp8", "int8")
+FLAG = "--quantization"
+FP8 = jnp.float8_e4m3fn
+STORAGE = {"fp8": FP8, "int8": jnp.int8}
+LARGEST = {"fp8": 448.0, "int8": 127.0}  # the largest finite e4m3 value; the int8 range kept symmetric
+TINY = 1e-12  # the scale of an all-zero row or token (any positive number would do)
+
+
+def check_method(method: str | None) -> None:
+    if method is not None and method not in QUANTIZATIONS:
+        raise ValueError(f"{FLAG}={method!r} is not supported; choose one of {', '.join(QUANTIZATIONS)} (or none)")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """A linear weight as loaded, in Hugging Face's [out, in] layout: values (int8 or e4m3) and scale [out]."""
+    values: jax.Array
+    scale: jax.Array
+
+    @property
+    def method(self) -> str:
+        return "fp8" if self.values.dtype == FP8 else "int8"
+
+
+def quantize_rows(w, method: str) -> QuantizedTensor:
+    """Symmetric quantization of w [out, in] with one scale per row: scale = amax / largest, values = w / scale."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-1)
+    scale = jnp.where(amax > 0, amax / LARGEST[method], TINY)
+    scaled = jnp.clip(w / scale[:, None], -LARGEST[method], LARGEST[method])
+    values = jnp.round(scaled).astype(jnp.int8) if method == "int8" else scaled.astype(FP8)
+    return QuantizedTensor(values, scale.astype(jnp.float32))
+
+
+def dequantize_rows(t: QuantizedTensor) -> jax.Array:
+    return t.values.astype(jnp.float32) * t.scale[:, None]
+
+
+class QuantizedWeight(eqx.Module):
+    weight: NamedArray  # int8 or float8_e4m3fn, the dense weight's axes
+    scale: NamedArray  # float32 per output channel: the weight's axes less the contracted ones
+
+    @property
+    def method(self) -> str:
+        return "fp8" if self.weight.dtype == FP8 else "int8"
+
+    def dequantize(self, dtype=jnp.float32) -> NamedArray:
+        return (self.weight.astype(jnp.float32) * self.scale).astype(dtype)
+
+    def __call__(self, x: NamedArray, axis) -> NamedArray:
+        """x contracted with the weight over `axis` (what hax.dot(x, dense, axis=axis) computes)."""
+        if self.method == "fp8":
+            x32 = x.astype(jnp.float32)
+            x_scale = hax.maximum(hax.max(hax.abs(x32), axis=axis), TINY) / LARGEST["fp8"]
+            xq = hax.clip(x32 / x_scale, -LARGEST["fp8"], LARGEST["fp8"]).astype(FP8)
+            y = hax.dot(xq, self.weight, axis=axis, preferred_element_type=jnp.float32)
+            return (y * x_scale * self.scale).astype(x.dtype)
+        y = hax.dot(x, self.weight.astype(x.dtype), axis=axis, preferred_element_type=jnp.float32)
+        return (y * self.scale).astype(x.dtype)
+
+
+def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray:
+    """A linear layer's matmul for a dense or a quantized weight."""
+    if isinstance(w, QuantizedWeight):
+        return w(x, axis)
+    return hax.dot(x, w, axis=axis)
+
+
+def as_numpy_scale(scale, rows: int, name: str) -> np.ndarray:
+    """A checkpoint's weight scale as one float32 per output row: [out], [out, 1] (per channel) or a scalar
+    (per tensor, broadcast: exact)."""
+    s = np.asarray(scale, np.float32)
+    if s.size == 1:
+        return np.full((rows,), s.reshape(()), np.float32)
+    if s.shape in ((rows,), (rows, 1)):
+        return s.reshape(rows)
+    raise UnsupportedModelError(f"{name}: scale of shape {s.shape} is neither per tensor nor per output channel "
+                                f"(rows={rows})")
