@@ -79,10 +79,12 @@ def main(argv=None) -> None:
             run(e, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
             e.spec_draft_tokens = e.spec_accepted_tokens = 0
             seconds, out = run(e, prompts, params)
-            assert out == plain_out, f"{name}: outputs differ from plain decoding"
+            # identical in float32 (tests/test_speculative.py); in bfloat16 a verify chunk's logits round unlike a
+            # decode step's, so near-ties may flip: the share of outputs identical to plain decoding's is reported
+            same = sum(o == p for o, p in zip(out, plain_out)) / len(out)
             rate = e.spec_accepted_tokens / e.spec_draft_tokens if e.spec_draft_tokens else 0.0
             line += (f" | {name} {1000 * seconds / a.tokens:7.3f} ms/token ({batch * a.tokens / seconds:8.0f} tok/s, "
-                     f"acceptance {rate:.2f})")
+                     f"acceptance {rate:.2f}, identical outputs {same:.2f})")
         print(line, flush=True)
         del engines
 
