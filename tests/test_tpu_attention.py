@@ -167,3 +167,21 @@ def test_the_tpu_kernel_interpreted_matches_the_reference(mode):
     got = ragged_attention(q, kv_pages, meta, scale=0.088, interpret=interpret)
     want = np.asarray(paged_attention(q, k_cache, v_cache, meta, scale=0.088))[:n]
     assert rel_err(np.asarray(got)[:n], want) < 1e-5 and not np.asarray(got)[n:].any()
+
+
+def test_golden_through_the_engine_with_the_kv_cache_in_the_tpu_layout(monkeypatch):
+    """The layout's path through models and engine (allocation, the in-place write, placeholders for V, chunked
+    prefill over many small pages, mixed batches), held to the golden tokens and logprobs."""
+    from test_engine_golden import check_golden_in_a_mixed_batch
+
+    from capstan.runtime import attention
+
+    monkeypatch.setattr(attention, "TPU_LAYOUT_ON_CPU", True)
+    jax.clear_caches()  # steps traced with the other layout must be traced again
+    try:
+        engine = check_golden_in_a_mixed_batch("llama-s11").engine
+        cfg = engine.model.cfg
+        assert engine.kv.v[0].size == 0  # the layout was in use: [pages, page_size, 2 * kv_heads, head_dim]
+        assert engine.kv.k[0].shape == (engine.config.num_pages, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
+    finally:
+        jax.clear_caches()

@@ -12,6 +12,9 @@ from .tpu_ragged import HEADS_FIRST, PAGES_INTERLEAVED, split_pages, write_kv_pa
 
 # Tests set this to run the GPU kernels interpreted on CPU, so CI covers their wiring into the engine too.
 KERNELS_INTERPRETED_ON_CPU = False
+# Tests set this to lay the KV cache out as on TPUs, so CI covers that layout's path through the engine (its
+# attention reads the split pages there: the TPU kernel does not run interpreted with this JAX).
+TPU_LAYOUT_ON_CPU = False
 
 
 def kv_layout(backend: str, kv_heads: int, head_dim: int, dtype, tpu_version: int | None = None) -> str:
@@ -20,6 +23,8 @@ def kv_layout(backend: str, kv_heads: int, head_dim: int, dtype, tpu_version: in
     attention follows the arrays it is given."""
     from . import tpu_ragged
 
+    if backend == "cpu" and TPU_LAYOUT_ON_CPU:
+        return PAGES_INTERLEAVED
     if backend != "tpu" or not tpu_ragged.supported(kv_heads, head_dim, dtype):
         return HEADS_FIRST
     version = tpu_ragged.tpu_version() if tpu_version is None else tpu_version
