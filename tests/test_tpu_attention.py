@@ -3,7 +3,7 @@
 No TPU is here. What runs on CPU: the selection (backend name as a parameter), the interleaved page layout and its
 write, and the mapping of a step onto the kernel's arguments, checked through the kernel's own pure-JAX
 reference (`ref_ragged_paged_attention`, which JAX's tests hold the kernel to) against ours. The kernel itself
-does not run interpreted with the installed JAX (0.10.2); the last test records how it fails and fails itself
+does not run interpreted with the installed JAX (0.10.2, nor 0.11.2); the xfail test records how it fails and fails itself
 once it runs, so that this file gets a direct kernel-against-reference check then."""
 import jax
 import jax.numpy as jnp
@@ -150,7 +150,7 @@ def test_write_and_attend_off_tpu_reads_interleaved_pages_as_the_reference():
     np.testing.assert_array_equal(split_pages(kv_pages)[0], k_cache)
 
 
-# What the installed JAX's interpreters do with the kernel (JAX 0.10.2, the lent GPUs' 0.11.2 not tried):
+# What JAX's interpreters do with the kernel (JAX 0.10.2 here; 0.11.2, on a lent GPU machine's CPU, fails the same):
 # TPU interpret mode (pltpu.InterpretParams) fails at run time: its ref indexing handles only NDIndexer transforms,
 # and the kernel reshapes its VMEM buffer ref ("'ReshapeTransform' object has no attribute 'indices'");
 # Pallas' generic interpreter (interpret=True) fails while discharging the kernel's masked pltpu.store at a static
