@@ -3,8 +3,8 @@
 No TPU is here. What runs on CPU: the selection (backend name as a parameter), the interleaved page layout and its
 write, and the mapping of a step onto the kernel's arguments, checked through the kernel's own pure-JAX
 reference (`ref_ragged_paged_attention`, which JAX's tests hold the kernel to) against ours. The kernel itself
-does not run interpreted with the installed JAX (0.10.2, nor 0.11.2); the xfail test records how it fails and fails itself
-once it runs, so that this file gets a direct kernel-against-reference check then."""
+does not run interpreted with the installed JAX (0.10.2, nor 0.11.2); the xfail test records how it fails and
+fails itself once it runs, so that this file gets a direct kernel-against-reference check then."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -68,8 +68,9 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     layout = layout_of(v_cache)
     page_size = k_cache.shape[1] if layout == PAGES_INTERLEAVED else k_cache.shape[2]
     kernel = choose_kernel(backend, layout=layout, decode=meta.decode, ragged=meta.query_blocks is not None,
-                           dtype=q.dtype, batch=q.shape[0], kv_heads=q.shape[1], pages_per_seq=meta.block_tables.shape[1],
-                           page_size=page_size, head_dim=q.shape[-1], window=window, softcap=softcap)
+                           dtype=q.dtype, batch=q.shape[0], kv_heads=q.shape[1],
+                           pages_per_seq=meta.block_tables.shape[1], page_size=page_size, head_dim=q.shape[-1],
+                           window=window, softcap=softcap)
     interpret = jax.default_backend() != "gpu"
     if kernel == "tpu_ragged":
         from .tpu_ragged import ragged_attention

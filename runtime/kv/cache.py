@@ -4,6 +4,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ..attention import PAGES_INTERLEAVED, kv_layout
 from ..attention.tpu_ragged import allocate_pages
@@ -29,7 +30,7 @@ class KVCache(eqx.Module):
             shards = 1 if sharding is None else sharding.mesh.shape.get(MODEL_AXIS, 1)
             layout = kv_layout(jax.default_backend(), kv_heads // shards, head_dim, dtype)
         if layout == PAGES_INTERLEAVED:
-            empty = None if sharding is None else jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            empty = None if sharding is None else jax.sharding.NamedSharding(sharding.mesh, P())
             return KVCache(tuple(allocate_pages(num_pages, page_size, kv_heads, head_dim, dtype, sharding)
                                  for _ in range(num_layers)),
                            tuple(jnp.zeros((0,), dtype, device=empty) for _ in range(num_layers)), page_size)
