@@ -51,3 +51,4 @@ def check_golden_in_a_mixed_batch(case):
             lp = got.logprobs[k][got.token_ids[k]].logprob
             assert abs(lp - expected[len(prompt) - 1 + k, cont[k]]) < 1e-4, f"{case} prompt {i} step {k}"
     llm.engine.pool.check_all_free()
+    return llm

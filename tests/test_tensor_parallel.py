@@ -18,11 +18,13 @@ TESTS = Path(__file__).parent
 MAX_TOKENS = 10
 
 
-def run_split(devices: int, cases: dict[str, int], gpu_kernels: bool = False) -> dict:
+def run_split(devices: int, cases: dict[str, int], gpu_kernels: bool = False, tpu_layout: bool = False) -> dict:
     """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs;
-    gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU."""
+    gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU; tpu_layout: split only, with the
+    KV cache laid out as the TPU kernel reads it."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, json.dumps(cases)] + ["gpu-kernels"] * gpu_kernels, env=env,
+    flags = ["gpu-kernels"] * gpu_kernels + ["tpu-layout"] * tpu_layout
+    proc = subprocess.run([sys.executable, __file__, json.dumps(cases)] + flags, env=env,
                           cwd=TESTS, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -64,6 +66,14 @@ def test_gpu_kernels_run_per_shard():
     """The ragged and decode Pallas kernels (interpreted) inside attention's shard_map, one KV head per device."""
     split = run_split(2, {"llama-s11": 2}, gpu_kernels=True)["llama-s11"]["2"]
     assert split["kv_sharding"] == "P('model',)"
+    assert_golden("llama-s11", split)
+
+
+def test_tpu_kv_layout_is_split_by_kv_head():
+    """The TPU kernel's interleaved pages [pages, page_size, 2 * kv_heads, head_dim] split on their head axis: each
+    device holds its heads' K and V side by side (the kernel itself does not run on CPU; see test_tpu_attention)."""
+    split = run_split(2, {"llama-s11": 2}, tpu_layout=True)["llama-s11"]["2"]
+    assert split["kv_sharding"] == "P(None, None, 'model')" and split["devices"] == 2
     assert_golden("llama-s11", split)
 
 
@@ -119,6 +129,11 @@ if __name__ == "__main__":  # the child: one device, then split, for each case (
         from capstan.runtime import attention
 
         attention.KERNELS_INTERPRETED_ON_CPU = True
-    sizes = lambda tp: (tp,) if "gpu-kernels" in sys.argv else (1, tp)  # noqa: E731
+    if "tpu-layout" in sys.argv:
+        from capstan.runtime import attention
+
+        attention.TPU_LAYOUT_ON_CPU = True
+    split_only = "gpu-kernels" in sys.argv or "tpu-layout" in sys.argv
+    sizes = lambda tp: (tp,) if split_only else (1, tp)  # noqa: E731
     results = {case: {str(n): _generate(case, n) for n in sizes(tp)} for case, tp in json.loads(sys.argv[1]).items()}
     print(json.dumps(results))

@@ -7,53 +7,116 @@ from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .chunked import chunked_attention
 from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
+from .tpu_ragged import HEADS_FIRST, PAGES_INTERLEAVED, split_pages, write_kv_pages
 
 
 # Tests set this to run the GPU kernels interpreted on CPU, so CI covers their wiring into the engine too.
 KERNELS_INTERPRETED_ON_CPU = False
+# Tests set this to lay the KV cache out as on TPUs, so CI covers that layout's path through the engine (its
+# attention reads the split pages there: the TPU kernel does not run interpreted with this JAX).
+TPU_LAYOUT_ON_CPU = False
+
+
+def kv_layout(backend: str, kv_heads: int, head_dim: int, dtype, tpu_version: int | None = None) -> str:
+    """How one layer's pages are laid out: as JAX's TPU kernel reads them on TPUs (v4 on; None: this host's) and
+    shapes it takes (kv_heads: one device's), else HEADS_FIRST. Chosen once, when the cache is allocated;
+    attention follows the arrays it is given."""
+    from . import tpu_ragged
+
+    if backend == "cpu" and TPU_LAYOUT_ON_CPU:
+        return PAGES_INTERLEAVED
+    if backend != "tpu" or not tpu_ragged.supported(kv_heads, head_dim, dtype):
+        return HEADS_FIRST
+    version = tpu_ragged.tpu_version() if tpu_version is None else tpu_version
+    return PAGES_INTERLEAVED if version >= tpu_ragged.MIN_TPU_VERSION else HEADS_FIRST
+
+
+def layout_of(v_cache: jax.Array) -> str:
+    """PAGES_INTERLEAVED caches hold K and V in the k array; their v array is an empty placeholder."""
+    return PAGES_INTERLEAVED if v_cache.size == 0 else HEADS_FIRST
+
+
+def choose_kernel(backend: str, *, layout: str, decode: bool, ragged: bool, dtype, batch: int, kv_heads: int,
+                  pages_per_seq: int, page_size: int, head_dim: int, window: int | None, softcap) -> str:
+    """The kernel for one layer's step: "tpu_ragged", "gpu_decode", "gpu_ragged" or "chunked" (the reference's
+    result over the real context). ragged: the step carries query blocks (the batch builder's steps do)."""
+    from .gpu_decode import supported as decode_supported
+    from .gpu_ragged import supported as ragged_supported
+
+    if layout == PAGES_INTERLEAVED:
+        return "tpu_ragged" if backend == "tpu" and (decode or ragged) else "chunked"
+    if backend == "gpu":
+        dtype = jnp.dtype(dtype)
+        if decode and window is None and not softcap and dtype != jnp.float32 and decode_supported(
+                batch, kv_heads, pages_per_seq, page_size):
+            return "gpu_decode"
+        if (decode or ragged) and ragged_supported(head_dim, page_size, dtype.itemsize):
+            return "gpu_ragged"
+    return "chunked"
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window: int | None, softcap):
-    """Chooses the kernel at trace time. On GPUs: bf16 decode batches of layers without a window or soft-capping
-    take JAX's Pallas decode kernel (it splits long contexts across blocks), every other step our ragged Pallas
-    kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too, since JAX's
-    kernel multiplies in TF32). Elsewhere, and for head sizes Triton cannot tile, the reference's result computed
-    over the step's real context only (chunked_attention), not over max_model_len keys."""
+    """Chooses the kernel at trace time (choose_kernel). On GPUs: bf16 decode batches of layers without a window
+    or soft-capping take JAX's Pallas decode kernel (it splits long contexts across blocks), every other step our
+    ragged Pallas kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too,
+    since JAX's kernel multiplies in TF32). On TPUs, caches in the kernel's layout: JAX's ragged Pallas kernel.
+    Elsewhere, and for shapes the kernels cannot tile, the reference's result computed over the step's real
+    context only (chunked_attention), not over max_model_len keys."""
+    backend = jax.default_backend()
+    if backend == "cpu" and KERNELS_INTERPRETED_ON_CPU:
+        backend = "gpu"
+    layout = layout_of(v_cache)
+    page_size = k_cache.shape[1] if layout == PAGES_INTERLEAVED else k_cache.shape[2]
+    kernel = choose_kernel(backend, layout=layout, decode=meta.decode, ragged=meta.query_blocks is not None,
+                           dtype=q.dtype, batch=q.shape[0], kv_heads=q.shape[1],
+                           pages_per_seq=meta.block_tables.shape[1], page_size=page_size, head_dim=q.shape[-1],
+                           window=window, softcap=softcap)
     interpret = jax.default_backend() != "gpu"
-    if not interpret or KERNELS_INTERPRETED_ON_CPU:
-        from .gpu_decode import decode_attention
-        from .gpu_decode import supported as decode_supported
-        from .gpu_ragged import ragged_attention, supported
+    if kernel == "tpu_ragged":
+        from .tpu_ragged import ragged_attention
 
-        if meta.decode and window is None and not softcap and q.dtype != jnp.float32 and decode_supported(
-                q.shape[0], q.shape[1], meta.block_tables.shape[1], k_cache.shape[2]):
-            return decode_attention(q, k_cache, v_cache, meta, scale=scale, interpret=interpret)
-        if (meta.decode or meta.query_blocks is not None) and supported(q.shape[-1], k_cache.shape[2], q.dtype.itemsize):
-            return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None,
-                                    interpret=interpret)
+        return ragged_attention(q, k_cache, meta, scale=scale, window=window, softcap=softcap)
+    if kernel == "gpu_decode":
+        from .gpu_decode import decode_attention
+
+        return decode_attention(q, k_cache, v_cache, meta, scale=scale, interpret=interpret)
+    if kernel == "gpu_ragged":
+        from .gpu_ragged import ragged_attention
+
+        return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None,
+                                interpret=interpret)
+    if layout == PAGES_INTERLEAVED:  # off TPU, or a step without query blocks: costs a copy of the layer's pages
+        k_cache, v_cache = split_pages(k_cache)
     return chunked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
 def write_and_attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page_size: int, scale: float,
                      window: int | None, softcap):
     """Writes the step's k, v [T, KVH, D] into one layer's pages, then attends q [T, KVH, G, D] over them; returns
-    (out [T, KVH, G, D], k_cache, v_cache). Under tensor parallelism the caches are sharded by KV head and each
-    device does both for its own KV heads (shard_map): attention never mixes heads, so no device reads another's
-    pages, and every kernel above (reference, chunked, the GPU Pallas ones) runs unchanged on its shard."""
+    (out [T, KVH, G, D], k_cache, v_cache). The caches are HEADS_FIRST ([KVH, pages, page_size, D] each) or, on
+    TPU, PAGES_INTERLEAVED (k_cache [pages, page_size, 2 * KVH, D], v_cache an empty placeholder). Under tensor
+    parallelism the caches are sharded by KV head and each device does both for its own KV heads (shard_map):
+    attention never mixes heads, so no device reads another's pages, and every kernel above runs unchanged on its
+    shard."""
+    layout = layout_of(v_cache)
 
     def local(q, k, v, k_cache, v_cache, meta):
-        k_cache = write_kv(k_cache, meta.slot_mapping, k, page_size)
-        v_cache = write_kv(v_cache, meta.slot_mapping, v, page_size)
+        if layout == PAGES_INTERLEAVED:
+            k_cache = write_kv_pages(k_cache, meta.slot_mapping, k, v, page_size)
+        else:
+            k_cache = write_kv(k_cache, meta.slot_mapping, k, page_size)
+            v_cache = write_kv(v_cache, meta.slot_mapping, v, page_size)
         out = attend(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
         return out, k_cache, v_cache
 
     if model_parallel_size() == 1:
         return local(q, k, v, k_cache, v_cache, meta)
-    heads, cache = P(None, MODEL_AXIS), P(MODEL_AXIS)
+    heads = P(None, MODEL_AXIS)
+    k_spec, v_spec = (P(None, None, MODEL_AXIS), P()) if layout == PAGES_INTERLEAVED else (P(MODEL_AXIS),) * 2
     # check_vma off: the Pallas kernels inside have no replication rules; the specs say what each output is
-    return jax.shard_map(local, in_specs=(heads, heads, heads, cache, cache, P()), out_specs=(heads, cache, cache),
-                         check_vma=False)(q, k, v, k_cache, v_cache, meta)
+    return jax.shard_map(local, in_specs=(heads, heads, heads, k_spec, v_spec, P()),
+                         out_specs=(heads, k_spec, v_spec), check_vma=False)(q, k, v, k_cache, v_cache, meta)
 
 
-__all__ = ["write_and_attend", "INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "chunked_attention", "paged_attention",
-           "write_kv"]
+__all__ = ["write_and_attend", "INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "choose_kernel",
+           "chunked_attention", "kv_layout", "paged_attention", "write_kv", "HEADS_FIRST", "PAGES_INTERLEAVED"]
