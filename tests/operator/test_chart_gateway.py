@@ -2,23 +2,9 @@
 demand signal need, its URL handed to the operator for status.url; off leaves no trace."""
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
+from helm_chart import needs_helm, template
 
-import pytest
-import yaml
-
-from binaries import cache_folder  # tests/cluster is on the path (tests/operator/conftest.py)
-
-CHART = Path(__file__).parents[2] / "charts" / "capstan"
-HELM = cache_folder() / "helm"
-pytestmark = pytest.mark.skipif(not HELM.exists(), reason="helm not built yet: python3 tests/cluster/binaries.py")
-
-
-def template(*flags: str) -> list[dict]:
-    out = subprocess.run([str(HELM), "template", "capstan", str(CHART), "--namespace", "capstan-system", *flags],
-                         capture_output=True, text=True, check=True, timeout=120).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
+pytestmark = needs_helm
 
 
 def named(docs: list[dict], kind: str, name: str = "capstan-gateway") -> list[dict]:
