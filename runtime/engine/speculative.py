@@ -20,7 +20,6 @@ from ..models.decoder import DecoderModel
 from .packing import Packed
 from .sampler import SampleResult, sample
 from .step import StepInputs
-from ..speculative_config import SpeculativeConfig  # noqa: F401 - re-exported
 
 def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:
     """k tokens following the latest earlier occurrence of tokens' last n-gram (longest n first): what followed
