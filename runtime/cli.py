@@ -147,7 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
         import jax
 
         if jax.process_index() != 0:
-            return run_follower(config)
+            return run_follower(config, args.host, args.port)
         engine = AsyncLLM(config, engine=LockstepEngine(config))
     else:
         engine = AsyncLLM(config)

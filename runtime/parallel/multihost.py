@@ -16,6 +16,8 @@ import dataclasses
 import logging
 import os
 import pickle
+import signal
+import threading
 import time
 
 import jax
@@ -24,6 +26,7 @@ import numpy as np
 from ..engine.engine import LLMEngine
 from ..config import EngineConfig
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from .follower_health import serve_probes
 
 log = logging.getLogger("capstan.multihost")
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -146,12 +149,19 @@ def _refuse_embeddings(inputs) -> None:
                               "input")
 
 
-def run_follower(config: EngineConfig) -> int:
-    """`capstan serve` on a host other than the leader: no HTTP, the leader's steps until it stops or goes away
-    (then jax.distributed ends this process too, and the pod restarts with the group)."""
+def run_follower(config: EngineConfig, host: str = "0.0.0.0", port: int | None = None) -> int:
+    """`capstan serve` on a host other than the leader: no API, the leader's steps until it stops or goes away
+    (then jax.distributed ends this process too, and the pod restarts with the group). With a port, /health and
+    /ready answer the probes. SIGTERM does not stop it: the leader drains its requests, which needs every host's
+    steps, and ends the group when it exits."""
+    ready = threading.Event()
+    if port is not None:
+        serve_probes(host, port, ready)
+    signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: following until the leader has drained"))
     engine = LockstepEngine(config)
     if config.warmup:
         engine.warmup()  # the same programs, in the same order, as the leader's AsyncLLM compiles
+    ready.set()
     log.info("following the leader's steps")
     engine.follow()
     return 0
