@@ -37,13 +37,13 @@ def test_ngram_lookup_takes_the_latest_longest_match():
 
 @pytest.fixture(scope="module")
 def baseline():
-    llm = LLM(str(GOLDEN / "llama-s11"), **ENGINE)
+    llm = LLM(str(GOLDEN / "llama-s11"), warmup=False, **ENGINE)  # compiles what it uses, no more
     return llm.generate(PROMPTS, PARAMS, use_tqdm=False) + llm.generate(["Name: "], GRAMMAR, use_tqdm=False)
 
 
-def speculative_llm(**engine):
-    return LLM(str(GOLDEN / "llama-s11"), speculative_config=SpeculativeConfig(num_speculative_tokens=4),
-               **{**ENGINE, **engine})
+@pytest.fixture(scope="module")
+def speculative_llm():
+    return LLM(str(GOLDEN / "llama-s11"), speculative_config=SpeculativeConfig(num_speculative_tokens=4), **ENGINE)
 
 
 def oracle(llm, baseline, corrupt_every: int = 0):
@@ -77,8 +77,9 @@ def same_outputs(a, b):
 
 
 @pytest.mark.parametrize("corrupt_every", [0, 2])
-def test_outputs_are_those_of_plain_decoding_whatever_is_proposed(baseline, corrupt_every):
-    llm = speculative_llm()
+def test_outputs_are_those_of_plain_decoding_whatever_is_proposed(baseline, speculative_llm, corrupt_every):
+    llm = speculative_llm
+    llm.engine.spec_draft_tokens = llm.engine.spec_accepted_tokens = 0
     oracle(llm, baseline, corrupt_every)
     got = llm.generate(PROMPTS, PARAMS, use_tqdm=False) + llm.generate(["Name: "], GRAMMAR, use_tqdm=False)
     same_outputs(baseline, got)
@@ -94,7 +95,7 @@ def test_outputs_are_those_of_plain_decoding_whatever_is_proposed(baseline, corr
 
 def test_ngram_lookup_and_preemption_keep_the_outputs(baseline):
     # a pool of 14 pages of 8 cannot hold 4 running sequences of ~45 tokens: some are preempted and recomputed
-    llm = LLM(str(GOLDEN / "llama-s11"), num_pages=14, page_size=8,
+    llm = LLM(str(GOLDEN / "llama-s11"), num_pages=14, page_size=8, warmup=False,
               speculative_config=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), **ENGINE)
     got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     same_outputs(baseline[:len(PROMPTS)], got)
