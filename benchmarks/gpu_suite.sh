@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b quant profile peer peer8b structured grammar sampling apitests speculative]
+#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b quant profile peer peer8b structured grammar sampling sampler apitests speculative]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -40,6 +40,7 @@ for part in $parts; do
         python3 benchmarks/throughput.py --shape $shape --workload mixed $greedy --requests 256 --prompt-len 256 \
           --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep -E "output_tokens|phase|Error"; done; done ;;
+    sampler) python3 benchmarks/sampler.py --rows 256 --vocab 128256 2>&1 | grep -v Warning ;;
     structured) for f in 0 0.5; do python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 \
         --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --constrained-fraction $f \
         --json "$OUT/structured-$f.json" 2>&1 | grep -E "output_tokens|seconds|phase|Error"; done ;;

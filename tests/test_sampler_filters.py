@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capstan.runtime.engine.sampler import filters_by_bisection, filters_by_sort
+import functools
+
+from capstan.runtime.engine.sampler import filters_by_bisection, filters_by_search, filters_by_sort, search_passes
 from test_sampler import batch
 
 
@@ -35,7 +37,9 @@ def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None 
     return out
 
 
-@pytest.mark.parametrize("filters", [filters_by_bisection, filters_by_sort], ids=["bisection", "sort"])
+@pytest.mark.parametrize("filters", [filters_by_bisection, functools.partial(filters_by_search, pivots=15),
+                                     functools.partial(filters_by_search, pivots=6), filters_by_sort],
+                         ids=["bisection", "15-pivot search", "6-pivot search", "sort"])
 @pytest.mark.parametrize("V, scale", [(64, 1.0), (1000, 3.0), (32_000, 0.5), (32_000, 8.0)])
 def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
     rng = np.random.default_rng(V)
@@ -70,3 +74,8 @@ def test_seeded_samples_are_the_same_as_with_the_reference_filters():
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
     assert ours.tolist() == np.argmax(reference + np.asarray(gumbel), axis=-1).tolist()
+
+
+def test_the_search_pins_one_key_in_the_passes_it_counts():
+    assert [search_passes(p) for p in (1, 3, 15, 255)] == [32, 16, 8, 4]
+    assert search_passes(6) == 12  # 7^11 < 2^32 <= 7^12

@@ -5,6 +5,8 @@ Logprobs are of the model's raw distribution. A row's random key depends only on
 it samples, so a seeded request draws the same tokens alone or in any batch."""
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple
 
 import equinox as eqx
@@ -128,23 +130,27 @@ def _apply_penalties(x: jax.Array, b: SamplingBatch) -> jax.Array:
     return x - b.presence_penalty[:, None] * (out_counts > 0)
 
 
-def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
+def filters_by_search(x: jax.Array, b: SamplingBatch, pivots: int = 1) -> jax.Array:
     """Top-k, then top-p over what top-k kept (renormalised), then min-p; exact, without sorting the vocabulary:
-    each threshold is found by bisection over the float32 values' ordered bit patterns (32 passes of a compare
-    and a sum), so it is one of the row's own values and the kept set is the one a full sort would give."""
+    each threshold is searched for over the float32 values' ordered bit patterns, `pivots` candidates per pass
+    over the row (1: bisection, 32 passes; 15: 8 passes that each compare every value with 15 candidates), so
+    it is one of the row's own values and the kept set is the one a full sort would give."""
     S, V = x.shape
     keys = _ordered_keys(x)  # [S, V] int32, ordered as x
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
     # top-k: the largest value t with at least k values >= t
-    kth = jax.lax.cond(jnp.any(k < V), lambda: _bisect(keys, lambda t: jnp.sum(keys >= t[:, None], -1) >= k),
+    counts_reach_k = lambda t: jnp.sum(keys[:, :, None] >= t[:, None, :], axis=1) >= k[:, None]  # noqa: E731
+    kth = jax.lax.cond(jnp.any(k < V), lambda: _search(keys, counts_reach_k, pivots),
                        lambda: jnp.full((S,), jnp.iinfo(jnp.int32).min, jnp.int32))
     x = jnp.where(keys >= kth[:, None], x, -jnp.inf)
     probs = jax.nn.softmax(x, axis=-1)  # top-p renormalises after top-k
 
     def top_p_threshold():
         # the smallest value s whose strictly-larger values hold less than top_p of the mass: s and all above stay
-        mass_above = lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), -1)  # noqa: E731
-        return _bisect(keys, lambda t: mass_above(t) >= b.top_p, smallest_false=True)
+        def mass_reaches_p(t):
+            above = jnp.sum(jnp.where(keys[:, :, None] > t[:, None, :], probs[:, :, None], 0.0), axis=1)
+            return above >= b.top_p[:, None]
+        return _search(keys, mass_reaches_p, pivots, smallest_false=True)
 
     pth = jax.lax.cond(jnp.any(b.top_p < 1.0), top_p_threshold, lambda: kth)
     pth = jnp.where(b.top_p < 1.0, pth, kth)
@@ -153,6 +159,10 @@ def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
     min_p_floor = top + jnp.log(jnp.maximum(b.min_p, 1e-30))[:, None]  # p >= min_p * p_max
     keep &= jnp.where(b.min_p[:, None] > 0, x >= min_p_floor, True)
     return jnp.where(keep, x, -jnp.inf)
+
+
+def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
+    return filters_by_search(x, b, pivots=1)
 
 
 def filters_by_sort(x: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -178,26 +188,54 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def _bisect(keys: jax.Array, holds, smallest_false: bool = False) -> jax.Array:
+def search_passes(pivots: int) -> int:
+    """Passes that pin one int32 key when each splits the open interval by `pivots` candidates."""
+    span, passes = 1 << 32, 0
+    while span > 1:
+        span, passes = -(-span // (pivots + 1)), passes + 1
+    return passes
+
+
+def _search(keys: jax.Array, holds, pivots: int, smallest_false: bool = False) -> jax.Array:
     """Per row, over the int32 key range: the largest t where `holds(t)` (true up to a point, then false), or with
-    smallest_false the smallest t where it no longer holds. 32 halvings pin it to one key."""
+    smallest_false the smallest t where it no longer holds. Each pass asks holds([S, pivots] candidates evenly
+    spread over (lo, hi)) and keeps the sub-interval where the answer turns; search_passes(pivots) pin one key."""
     lo = jnp.min(keys, axis=-1) - (1 if smallest_false else 0)  # holds(lo) is true (count >= k, mass >= p)
     hi = jnp.max(keys, axis=-1) + (0 if smallest_false else 1)  # holds(hi) is false
+    j = jnp.arange(1, pivots + 1, dtype=jnp.uint32)
 
-    def halve(_, bounds):
+    def narrow(_, bounds):
         lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
-        ok = holds(mid)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+        span = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)[:, None]  # hi - lo, exact mod 2^32
+        # lo + floor(span * j / (pivots + 1)) without overflowing 32 bits
+        offset = (span // (pivots + 1)) * j + (span % (pivots + 1)) * j // (pivots + 1)
+        t = lo[:, None] + jax.lax.bitcast_convert_type(offset, jnp.int32)  # [S, pivots], wraps back into range
+        ok = holds(t)  # monotone in t: a run of true, then false
+        n = jnp.sum(ok, axis=-1)
+        below = jnp.take_along_axis(t, jnp.maximum(n - 1, 0)[:, None], axis=-1)[:, 0]
+        above = jnp.take_along_axis(t, jnp.minimum(n, pivots - 1)[:, None], axis=-1)[:, 0]
+        return jnp.where(n > 0, below, lo), jnp.where(n < pivots, above, hi)
 
-    lo, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    lo, hi = jax.lax.fori_loop(0, search_passes(pivots), narrow, (lo, hi))
     return hi if smallest_false else lo
 
 
+FILTERS = {"sort": filters_by_sort, "bisection": filters_by_bisection,
+           **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)}}
+
+
+def filters_name(backend: str) -> str:
+    """All are exact; on GPUs the sort is faster than the bisection (H100, mixed workload: 14,070 against 10,970
+    tokens/s), on CPUs (and TPUs, untested) the bisection (2.4x on this repository's CPU benchmark):
+    benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names another (benchmarks/sampler.py compares them)."""
+    name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("sort" if backend == "gpu" else "bisection")
+    if name not in FILTERS:
+        raise ValueError(f"CAPSTAN_SAMPLING_FILTERS={name!r}: not one of {', '.join(FILTERS)}")
+    return name
+
+
 def _apply_filters(x: jax.Array, b: SamplingBatch) -> jax.Array:
-    """Both are exact; on GPUs the sort is faster (H100, mixed workload: 14,070 against 10,970 tokens/s), on CPUs
-    (and TPUs, untested) the bisection (2.4x on this repository's CPU benchmark): benchmarks/RESULTS.md."""
-    return filters_by_sort(x, b) if jax.default_backend() == "gpu" else filters_by_bisection(x, b)
+    return FILTERS[filters_name(jax.default_backend())](x, b)
 
 
 def top_logprobs(lp: jax.Array) -> tuple[jax.Array, jax.Array]:
