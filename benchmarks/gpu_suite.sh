@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b quant profile peer peer8b structured grammar sampling sampler apitests speculative]
+#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b quant profile peer peer8b structured grammar sampling sampler apitests speculative tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -33,6 +33,11 @@ for part in $parts; do
         python3 benchmarks/throughput.py --shape llama-3-8b $flag --requests 64 --prompt-len 256 --output-len 128 \
           --max-num-seqs 64 --max-num-batched-tokens 1024 --smallest-bucket 64 --single-stream-tokens 256 \
           --json "$OUT/quant-llama-3-8b-$q.json" 2>&1 | grep -E "output_tokens|single_stream|compile|Error"; done ;;
+    # issue 16 on two GPUs of one host (nvidia-h200-x2): Llama-3-8B shape, TP=1 vs TP=2, batch and one stream
+    tp) for n in 1 2; do echo "--- tensor parallel $n"
+        python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n --requests 256 --prompt-len 256 \
+          --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+          --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 | grep -E "output_tokens|single_stream|compile|Error"; done ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep -v Warning ;;
     grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep -v Warning ;;
     sampling) for shape in llama-3.2-1b qwen3-0.6b; do for greedy in "" --all-greedy; do
