@@ -9,7 +9,8 @@ import pytest
 
 import functools
 
-from capstan.runtime.engine.sampler import filters_by_bisection, filters_by_search, filters_by_sort, search_passes
+from capstan.runtime.engine.sampler import (filters_by_bisection, filters_by_candidates, filters_by_search, filters_by_sort,
+                                           search_passes)
 from test_sampler import batch
 
 
@@ -38,8 +39,9 @@ def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None 
 
 
 @pytest.mark.parametrize("filters", [filters_by_bisection, functools.partial(filters_by_search, pivots=15),
-                                     functools.partial(filters_by_search, pivots=6), filters_by_sort],
-                         ids=["bisection", "15-pivot search", "6-pivot search", "sort"])
+                                     functools.partial(filters_by_search, pivots=6), filters_by_sort,
+                                     filters_by_candidates],
+                         ids=["bisection", "15-pivot search", "6-pivot search", "sort", "candidates"])
 @pytest.mark.parametrize("V, scale", [(64, 1.0), (1000, 3.0), (32_000, 0.5), (32_000, 8.0)])
 def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
     rng = np.random.default_rng(V)
@@ -79,3 +81,39 @@ def test_seeded_samples_are_the_same_as_with_the_reference_filters():
 def test_the_search_pins_one_key_in_the_passes_it_counts():
     assert [search_passes(p) for p in (1, 3, 15, 255)] == [32, 16, 8, 4]
     assert search_passes(6) == 12  # 7^11 < 2^32 <= 7^12
+
+
+def peaked(rng, S, V):
+    """Zipf-like rows as trained models give: a few tokens hold most of the mass."""
+    ranks = np.argsort(rng.random((S, V)), axis=-1) + 1
+    return (-2.0 * np.log(ranks) + 0.1 * rng.standard_normal((S, V))).astype(np.float32)
+
+
+def test_the_16_largest_values_decide_peaked_rows_and_the_fallback_takes_the_rest():
+    rng = np.random.default_rng(3)
+    S, V = 12, 5000
+    no_fallback = lambda x, b: jnp.full_like(x, jnp.nan)  # noqa: E731: marks a batch the candidates did not decide
+    top_k = np.array([0, 1, 5, 15, 0, 0, 3, 0, 100, 0, 0, 8], np.int32)
+    top_p = np.array([1, 1, 1, 1, 0.9, 0.5, 0.8, 1, 1, 0.7, 1, 0.95], np.float32)
+    min_p = np.array([0, 0, 0, 0, 0, 0, 0.1, 0.05, 0.2, 0, 0, 0], np.float32)
+    b = batch(S=S, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True))
+    for x, decided in ((peaked(rng, S, V), True), (rng.standard_normal((S, V)).astype(np.float32), False)):
+        got = np.asarray(jax.jit(lambda x, b: filters_by_candidates(x, b, no_fallback))(jnp.asarray(x), b))
+        assert np.isnan(got).all() != decided
+        if decided:
+            ambiguous = []
+            want = sorted_reference(x, top_k, top_p, min_p, ambiguous)
+            differ = set(zip(*np.nonzero(np.isfinite(got) != np.isfinite(want))))
+            assert differ <= set(ambiguous)
+            filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
+            assert np.isfinite(got[filtered]).sum(-1).max() < 100 and np.isfinite(got[~filtered]).all()
+    # one row the candidates cannot decide (top-p over a flat row) sends the whole batch to the fallback
+    x = peaked(rng, S, V)
+    x[4] = rng.standard_normal(V)
+    got = np.asarray(jax.jit(filters_by_candidates)(jnp.asarray(x), b))
+    ambiguous = []
+    want = sorted_reference(x, top_k, top_p, min_p, ambiguous)
+    filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)  # the reference's float cumsum may drop a tail at top_p 1
+    differ = set(zip(*np.nonzero(np.isfinite(got) != np.isfinite(want))))
+    assert {(r, i) for r, i in differ if filtered[r]} <= set(ambiguous)
+    assert np.isfinite(got[4]).sum() > 16 and np.isfinite(got[~filtered]).all()
