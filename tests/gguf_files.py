@@ -25,7 +25,9 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder: Path, out: Path, architecture: str | None = None, pre: str = "gpt-2") -> Path:
+def write_gguf(folder: Path, out: Path, architecture: str | None = None, pre: str = "gpt-2", q8_0: bool = False) -> Path:
+    """q8_0: the linear weights quantized to llama.cpp's Q8_0 by gguf-py (as `llama-quantize ... Q8_0` leaves
+    them), everything else float32."""
     hf = json.loads((folder / "config.json").read_text())
     arch = architecture or GGUF_ARCH[hf["architectures"][0]]
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
@@ -56,7 +58,12 @@ def write_gguf(folder: Path, out: Path, architecture: str | None = None, pre: st
             t = t + 1.0
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = permute_rows(t, heads if "q_proj" in name else kv_heads)
-        w.add_tensor(_gguf_name(name, layer_names), np.ascontiguousarray(t, np.float32))
+        t = np.ascontiguousarray(t, np.float32)
+        if q8_0 and name.endswith("_proj.weight"):
+            w.add_tensor(_gguf_name(name, layer_names), gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(_gguf_name(name, layer_names), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -230,3 +230,37 @@ if __name__ == "__main__":  # the child of the split test: one device, then four
                 "tokens": [o.token_ids for o in outs],
                 "logprobs": [[o.logprobs[k][t].logprob for k, t in enumerate(o.token_ids)] for o in outs]}
     print(json.dumps(results))
+
+
+@pytest.mark.parametrize("case", ["qwen3-s13", "llama-s11"])
+def test_gguf_q8_0_weights_are_served_in_their_blocks(tmp_path, case):
+    """A Q8_0 GGUF keeps its linear weights as int8 blocks with one scale per 32 inputs (llama-s11's o_proj, whose
+    blocks would straddle its 16-wide heads, is dequantized), and computes what the dequantized weights compute."""
+    from capstan.runtime.models.gguf_checkpoint import load_gguf_model
+    from gguf_files import write_gguf
+
+    file = write_gguf(GOLDEN / case, tmp_path / f"{case}.q8_0.gguf", q8_0=True)
+    kept, dense = load_gguf_model(file, jnp.float32), load_gguf_model(file, jnp.float32, keep_q8_0=False)
+    layer = kept.layers[0]
+    blocked = [layer.attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    assert all(isinstance(w, QuantizedWeight) and w.block == 32 and w.weight.dtype == jnp.int8 for w in blocked)
+    assert isinstance(layer.attn.o_proj, QuantizedWeight) == (case == "qwen3-s13")
+    assert layer.mlp.down_proj.scale.array.shape == (64, kept.cfg.intermediate_size // 32)  # [Embed, Mlp blocks]
+    np.testing.assert_allclose(np.asarray(layer.mlp.down_proj.dequantize().array),
+                               np.asarray(dense.layers[0].mlp.down_proj.array), rtol=0, atol=0)
+    for got, want in zip(_teacher_forced(kept, case), _teacher_forced(dense, case)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(_teacher_forced(kept, case), [reference_logits(case, i) for i in range(len(reference(case)["prompts"]))]):
+        assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.9  # Q8_0 moves little from the float model
+
+
+def test_gguf_q8_0_in_blocks_is_refused_across_devices_naming_the_way_out(tmp_path):
+    from capstan.runtime.models.gguf_checkpoint import load_gguf_model
+    from capstan.runtime.parallel.tensor_parallel import TensorParallel, TensorParallelError
+    from gguf_files import write_gguf
+
+    model = load_gguf_model(write_gguf(GOLDEN / "qwen3-s13", tmp_path / "q.gguf", q8_0=True), jnp.float32)
+    import jax
+    from jax.sharding import Mesh
+    with pytest.raises(TensorParallelError, match="Q8_0.*--quantization int8"):
+        TensorParallel(Mesh(np.asarray(jax.devices()[:1]), ("model",))).place_model(model)

@@ -15,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig, UnsupportedModelError
+from .quantization import QuantizedTensor
 
 if TYPE_CHECKING:
     from .decoder import DecoderModel
 
 log = logging.getLogger("capstan")
+Q8_0_BLOCK = 32
 # general.architecture -> the Hugging Face architecture whose block we build
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM"}
@@ -125,19 +127,29 @@ def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
     return hf
 
 
-def load_gguf_model(path: str | Path, dtype, quantization: str | None = None) -> DecoderModel:
-    """quantization (fp8, int8): the linear weights, dequantized from llama.cpp's blocks, are requantized per
-    output channel (Q8_0's 32-value blocks do not map onto per-channel scales without that round trip)."""
+def load_gguf_model(path: str | Path, dtype, quantization: str | None = None, keep_q8_0: bool = True) -> DecoderModel:
+    """Linear weights in Q8_0 are served as they are (int8 in blocks of 32, one scale each); other llama.cpp
+    types are dequantized to dtype. quantization (fp8, int8): every linear weight, dequantized, is requantized
+    per output channel instead."""
     from .loader import build_model  # the loader dispatches here; build_model is shared
 
     reader = read_gguf(str(path))
     cfg = ModelConfig.from_hf(hf_config(reader, path))
     if quantization:
         log.info("%s: GGUF weights dequantized, then requantized to %s per output channel", path, quantization)
-    return build_model(cfg, gguf_tensor_source(reader, cfg, path), dtype, quantization)
+    return build_model(cfg, gguf_tensor_source(reader, cfg, path, keep_q8_0), dtype, quantization)
 
 
-def gguf_tensor_source(reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Path):
+def q8_0_blocks(data: np.ndarray, dims: tuple[int, ...]) -> QuantizedTensor:
+    """llama.cpp's Q8_0 as written: per 32 values along a row, a float16 scale then 32 int8 (34 bytes)."""
+    raw = data.reshape(-1, 2 + Q8_0_BLOCK)
+    scale = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(*dims[:-1], dims[-1] // Q8_0_BLOCK)
+    return QuantizedTensor(raw[:, 2:].copy().view(np.int8).reshape(dims), scale, Q8_0_BLOCK)
+
+
+def gguf_tensor_source(reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Path, keep_q8_0: bool = True):
+    """keep_q8_0: linear weights in Q8_0 come as QuantizedTensors in their blocks; every other tensor, and those
+    too without it, dequantized to float32."""
     tensors = {t.name: t for t in reader.tensors}
     arch = architecture(reader, path)
     layer_names = LAYER_TENSORS | (GEMMA3_LAYER_TENSORS if arch == "gemma3" else LLAMA_LAYER_TENSORS)
@@ -147,11 +159,19 @@ def gguf_tensor_source(reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Pa
         if name not in tensors:
             raise UnsupportedModelError(f"{path}: GGUF has no tensor {name} (for {hf_name})")
         t = tensors[name]
-        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        if values.shape != tuple(shape):
-            raise UnsupportedModelError(f"{path}: GGUF tensor {name} has shape {values.shape}, expected {shape}")
-        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = cfg.num_heads if name.split(".")[-2] == "attn_q" else cfg.num_kv_heads
+        dims = tuple(reversed(t.shape.tolist()))
+        if dims != tuple(shape):
+            raise UnsupportedModelError(f"{path}: GGUF tensor {name} has shape {dims}, expected {shape}")
+        permuted = arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k")
+        heads = cfg.num_heads if name.split(".")[-2] == "attn_q" else cfg.num_kv_heads
+        if keep_q8_0 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and hf_name.endswith("_proj.weight"):
+            q = q8_0_blocks(np.asarray(t.data), dims)
+            if permuted:
+                q = QuantizedTensor(unpermute_rows(np.asarray(q.values), heads), unpermute_rows(np.asarray(q.scale), heads),
+                                    q.block)
+            return QuantizedTensor(jnp.asarray(q.values), jnp.asarray(q.scale), q.block)
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(dims)
+        if permuted:
             values = unpermute_rows(values, heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             values = values - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; we apply the 1 ourselves

@@ -17,7 +17,7 @@ from .gemma3 import GEMMA3_BLOCK_WEIGHTS, Gemma3Block
 from .gguf_checkpoint import is_gguf, load_gguf_model
 from .layers import Attention, GatedMLP, ModelAxes
 from .llama import LLAMA_BLOCK_WEIGHTS, LlamaBlock
-from .quantization import FLAG, QuantizedTensor, QuantizedWeight, check_method, quantize_rows
+from .quantization import FLAG, QuantizedTensor, QuantizedWeight, check_method, dequantize_rows, quantize_rows
 from .quantized_checkpoint import RAW_DTYPES, checkpoint_quantization, quantized_source, read_raw_tensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -133,6 +133,18 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
             """Linear weights [out, in] reshaped to the model's axes and joined along an output axis (one matmul
             reads them all); quantized when the checkpoint is or `quantization` asks, dense otherwise."""
             parts = [source(f"model.layers.{i}.{s}", shape) for s, shape in zip(suffixes, shapes)]
+            blocks = {p.block if isinstance(p, QuantizedTensor) else 0 for p in parts}
+            if blocks == {0}:
+                pass
+            elif len(blocks) == 1 and quantization is None and reshapes[0][-1] % max(blocks) == 0:
+                # GGUF Q8_0 kept: every part in blocks of the same size, none straddling the weight's last axis
+                block = blocks.pop()
+                values = join([p.values.reshape(r) for p, r in zip(parts, reshapes)])
+                scale = join([p.scale.reshape(*r[:-1], r[-1] // block) for p, r in zip(parts, reshapes)])
+                per_block = hax.Axis(f"{axes[-1].name}_blocks", reshapes[0][-1] // block)
+                return QuantizedWeight(hax.named(values, axes), hax.named(scale, (*axes[:-1], per_block)), block=block)
+            else:  # blocks mixed with other formats, or another format asked for: dequantized here
+                parts = [dequantize_rows(p) if isinstance(p, QuantizedTensor) and p.block else p for p in parts]
             method = quantization or next((p.method for p in parts if isinstance(p, QuantizedTensor)), None)
             if method is None:
                 return hax.named(join([p.astype(dtype).reshape(r) for p, r in zip(parts, reshapes)]), axes)

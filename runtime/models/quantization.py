@@ -5,6 +5,8 @@ axes (so tensor parallelism splits it as it splits the dense one) and float32 sc
   fp8:  activations cast to e4m3 with a dynamic per-token scale, an e4m3 x e4m3 dot accumulating in float32
         (cuBLASLt FP8 gemms on Hopper; XLA CPU upcasts, so the same math runs in the tests), times both scales.
   int8: weight-only; the weight is upcast to the activations' dtype inside the matmul, then scaled.
+  int8 in blocks (GGUF Q8_0, kept as llama.cpp wrote it): one scale per 32 consecutive inputs of a row; the
+        weight is upcast and scaled block by block inside the jitted matmul (XLA fuses it into the dot's operand).
 Embeddings, norms and the LM head stay in the model dtype."""
 from __future__ import annotations
 
@@ -34,9 +36,11 @@ def check_method(method: str | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedTensor:
-    """A linear weight as loaded, in Hugging Face's [out, in] layout: values (int8 or e4m3) and scale [out]."""
+    """A linear weight as loaded, in Hugging Face's [out, in] layout: values (int8 or e4m3) and scale [out], or
+    with `block` (GGUF Q8_0: 32) scale [out, in / block], one per block of consecutive inputs."""
     values: jax.Array
     scale: jax.Array
+    block: int = 0
 
     @property
     def method(self) -> str:
@@ -54,22 +58,37 @@ def quantize_rows(w, method: str) -> QuantizedTensor:
 
 
 def dequantize_rows(t: QuantizedTensor) -> jax.Array:
+    if t.block:
+        blocks = t.values.astype(jnp.float32).reshape(*t.scale.shape, t.block) * t.scale[..., None]
+        return blocks.reshape(t.values.shape)
     return t.values.astype(jnp.float32) * t.scale[:, None]
 
 
 class QuantizedWeight(eqx.Module):
     weight: NamedArray  # int8 or float8_e4m3fn, the dense weight's axes
-    scale: NamedArray  # float32 per output channel: the weight's axes less the contracted ones
+    scale: NamedArray  # float32 per output channel: the weight's axes less the contracted ones (see `block`)
+    # 0: per output channel; else (GGUF Q8_0) the scale's last axis counts blocks of `block` along the weight's
+    # last axis, the innermost of the contracted ones
+    block: int = eqx.field(static=True, default=0)
 
     @property
     def method(self) -> str:
         return "fp8" if self.weight.dtype == FP8 else "int8"
 
     def dequantize(self, dtype=jnp.float32) -> NamedArray:
+        if self.block:
+            return self._unblocked(dtype)
         return (self.weight.astype(jnp.float32) * self.scale).astype(dtype)
+
+    def _unblocked(self, dtype) -> NamedArray:
+        w = self.weight.array.astype(dtype)
+        blocks = w.reshape(*w.shape[:-1], -1, self.block) * self.scale.array[..., None].astype(dtype)
+        return hax.named(blocks.reshape(w.shape), self.weight.axes)
 
     def __call__(self, x: NamedArray, axis) -> NamedArray:
         """x contracted with the weight over `axis` (what hax.dot(x, dense, axis=axis) computes)."""
+        if self.block:
+            return hax.dot(x, self._unblocked(x.dtype), axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
         if self.method == "fp8":
             x32 = x.astype(jnp.float32)
             x_scale = hax.maximum(hax.max(hax.abs(x32), axis=axis), TINY) / LARGEST["fp8"]

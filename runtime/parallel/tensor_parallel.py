@@ -84,6 +84,10 @@ class TensorParallel:
         every weight placed on the mesh, split along SPLIT_AXES."""
         if self.mesh is None:
             return model
+        if any(isinstance(w, QuantizedWeight) and w.block for w in jax.tree.leaves(
+                model, is_leaf=lambda x: isinstance(x, QuantizedWeight))):
+            raise TensorParallelError(f"{FLAG}={self.size}: GGUF Q8_0 weights are served in their blocks on one device "
+                                      f"only; add --quantization int8 to requantize them per output channel")
         model = replicate_kv_heads(model, self.size)
         model = _pad_vocab(model, self.size)
         placed: dict[int, NamedArray] = {}  # a tied LM head is the embedding itself: place it once
