@@ -28,8 +28,8 @@ for part in $parts; do
     throughput8b) python3 benchmarks/throughput.py --shape llama-3-8b --requests 1 --prompt-len 256 --output-len 16 \
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
         --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep -v Warning ;;
-    # Llama-3-8B shape, bf16 vs FP8 vs INT8 weights: one stream (ms/token) and a batch of 64 (tokens/s)
-    quant) for q in none fp8 int8; do flag=$([ $q = none ] || echo "--quantization $q"); echo "--- $q"
+    # Llama-3-8B shape, bf16 vs FP8 vs INT8 vs GGUF Q8_0 blocks: one stream (ms/token) and a batch of 64 (tokens/s)
+    quant) for q in none fp8 int8 q8_0; do flag=$([ $q = none ] || echo "--quantization $q"); echo "--- $q"
         python3 benchmarks/throughput.py --shape llama-3-8b $flag --requests 64 --prompt-len 256 --output-len 128 \
           --max-num-seqs 64 --max-num-batched-tokens 1024 --smallest-bucket 64 --single-stream-tokens 256 \
           --json "$OUT/quant-llama-3-8b-$q.json" 2>&1 | grep -E "output_tokens|single_stream|compile|Error"; done ;;

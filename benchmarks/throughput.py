@@ -80,8 +80,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--constrained-fraction", type=float, default=0.0,
                     help="this share of the requests follows a JSON schema (structured outputs); the rest is free")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
-    ap.add_argument("--quantization", choices=["fp8", "int8"], default=None,
-                    help="linear weights quantized at load (the random weights, per output channel)")
+    ap.add_argument("--quantization", choices=["fp8", "int8", "q8_0"], default=None,
+                    help="linear weights quantized at load (the random weights, per output channel; q8_0: in GGUF "
+                         "Q8_0's blocks of 32, as a Q8_0 file is served)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")

@@ -264,3 +264,20 @@ def test_gguf_q8_0_in_blocks_is_refused_across_devices_naming_the_way_out(tmp_pa
     from jax.sharding import Mesh
     with pytest.raises(TensorParallelError, match="Q8_0.*--quantization int8"):
         TensorParallel(Mesh(np.asarray(jax.devices()[:1]), ("model",))).place_model(model)
+
+
+def test_q8_0_blocks_as_gguf_writes_them():
+    """quantize_blocks (benchmarks' random Q8_0 weights) is gguf-py's Q8_0, and q8_0_blocks reads gguf's bytes."""
+    import gguf
+
+    from capstan.runtime.models.gguf_checkpoint import q8_0_blocks
+    from capstan.runtime.models.quantization import quantize_blocks
+
+    w = np.random.default_rng(5).standard_normal((6, 96)).astype(np.float32)
+    theirs = q8_0_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), w.shape)
+    ours = quantize_blocks(w)
+    assert theirs.scale.shape == ours.scale.shape == (6, 3) and theirs.block == ours.block == 32
+    np.testing.assert_allclose(theirs.scale, ours.scale, rtol=1e-3)  # gguf stores float16 scales
+    assert np.abs(np.asarray(theirs.values, np.int32) - np.asarray(ours.values, np.int32)).max() <= 1
+    np.testing.assert_allclose(dequantize_rows(theirs), gguf.quants.dequantize(
+        gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0).reshape(w.shape))

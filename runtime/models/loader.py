@@ -17,7 +17,8 @@ from .gemma3 import GEMMA3_BLOCK_WEIGHTS, Gemma3Block
 from .gguf_checkpoint import is_gguf, load_gguf_model
 from .layers import Attention, GatedMLP, ModelAxes
 from .llama import LLAMA_BLOCK_WEIGHTS, LlamaBlock
-from .quantization import FLAG, QuantizedTensor, QuantizedWeight, check_method, dequantize_rows, quantize_rows
+from .quantization import (FLAG, QuantizedTensor, QuantizedWeight, check_method, dequantize_rows, quantize_blocks,
+                           quantize_rows)
 from .quantized_checkpoint import RAW_DTYPES, checkpoint_quantization, quantized_source, read_raw_tensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -70,17 +71,20 @@ def load_model(path: str | Path, dtype: str = "float32", quantization: str | Non
 
 
 def random_model(cfg: ModelConfig, dtype: str = "bfloat16", seed: int = 0, quantization: str | None = None) -> DecoderModel:
-    """Random weights of the right shapes, made on the device (benchmarks need no download)."""
-    check_method(quantization)
+    """Random weights of the right shapes, made on the device (benchmarks need no download). quantization may also
+    be "q8_0": the linear weights in GGUF Q8_0's blocks, as a Q8_0 file is served."""
+    q8_0 = quantization == "q8_0"
+    check_method(None if q8_0 else quantization)
     base = jax.random.PRNGKey(seed)
 
-    def source(name: str, shape: tuple[int, ...]) -> jax.Array:
+    def source(name: str, shape: tuple[int, ...]) -> jax.Array | QuantizedTensor:
         if name.endswith("norm.weight"):
             return jnp.ones(shape, jnp.float32) if "gemma" not in cfg.family else jnp.zeros(shape, jnp.float32)
         key = jax.random.fold_in(base, zlib.crc32(name.encode()))
-        return 0.02 * jax.random.normal(key, shape, parse_dtype(dtype))
+        w = 0.02 * jax.random.normal(key, shape, parse_dtype(dtype))
+        return quantize_blocks(w) if q8_0 and name.endswith("_proj.weight") else w
 
-    return build_model(cfg, source, parse_dtype(dtype), quantization)
+    return build_model(cfg, source, parse_dtype(dtype), None if q8_0 else quantization)
 
 
 class SafetensorsSource:

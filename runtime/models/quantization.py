@@ -57,6 +57,16 @@ def quantize_rows(w, method: str) -> QuantizedTensor:
     return QuantizedTensor(values, scale.astype(jnp.float32))
 
 
+def quantize_blocks(w, block: int = 32) -> QuantizedTensor:
+    """GGUF Q8_0's scheme: per `block` consecutive values of a row, scale = amax / 127, values = round(w / scale)."""
+    w = jnp.asarray(w, jnp.float32)
+    blocks = w.reshape(*w.shape[:-1], w.shape[-1] // block, block)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = jnp.where(amax > 0, amax / LARGEST["int8"], TINY)
+    values = jnp.round(blocks / scale[..., None]).astype(jnp.int8).reshape(w.shape)
+    return QuantizedTensor(values, scale.astype(jnp.float32), block)
+
+
 def dequantize_rows(t: QuantizedTensor) -> jax.Array:
     if t.block:
         blocks = t.values.astype(jnp.float32).reshape(*t.scale.shape, t.block) * t.scale[..., None]
