@@ -36,7 +36,7 @@ class SpeculativeConfig:
         if "model" in fields and "method" not in fields:  # as vLLM: a model alone means a draft model
             fields["method"] = "draft_model"
         if fields.get("method") == "draft_model" and (given := [f for f in NGRAM_FIELDS if f in fields]):
-            raise ValueError(f"--speculative-config: {', '.join(given)} apply to method 'ngram', not 'draft_model'")
+            raise ValueError(f"--speculative-config: {', '.join(given)}: for method 'ngram' only, not 'draft_model'")
         config = cls(**fields)
         config.validate()
         config.check_draft_exists()
