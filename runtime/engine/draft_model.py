@@ -16,8 +16,10 @@ import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
-from ..models.config import ModelConfig
+from ..models.config import UnsupportedModelError
 from ..models.decoder import DecoderModel
+from ..models.loader import load_model, resolve_checkpoint
+from ..parallel.tensor_parallel import TensorParallel, check_size
 from .batch import BatchBuilder
 from .packing import Packed
 from .scheduler import ScheduledChunk
@@ -26,11 +28,20 @@ from .step import StepInputs
 from .sampler import sample
 
 
-def check_compatible(draft: ModelConfig, target: ModelConfig, name: str) -> None:
-    """Proposals are token ids sampled with the target's sampler: the vocabularies must be the same."""
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"--speculative-config: model {name}: vocab_size {draft.vocab_size} differs from the target's "
-                         f"{target.vocab_size}; a draft model needs the target's tokenizer and vocabulary")
+def load_draft(name: str, target: DecoderModel, dtype: str, parallel: TensorParallel,
+               given: DecoderModel | None = None) -> DecoderModel:
+    """The draft checkpoint `name` (or the model given), checked against the target and placed as it is.
+    Proposals are token ids drawn with the target's sampler: the vocabularies must be the same."""
+    try:
+        draft = given if given is not None else load_model(resolve_checkpoint(name), dtype)
+        if draft.cfg.vocab_size != target.cfg.vocab_size:
+            raise UnsupportedModelError(f"vocab_size {draft.cfg.vocab_size} differs from the target's "
+                                        f"{target.cfg.vocab_size}; a draft model needs the target's vocabulary")
+        check_size(draft.cfg, parallel.size, len(jax.devices()))
+    except ValueError as e:  # say which flag names the checkpoint at fault (the loader may have named it already)
+        raise UnsupportedModelError(f"--speculative-config: model {name}: "
+                                    f"{str(e).removeprefix(f'model {name}: ')}") from None
+    return parallel.place_model(draft)
 
 
 def run_draft(model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array,
@@ -38,8 +49,9 @@ def run_draft(model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array
     """packed: each row's catch-up chunk, ending at its last token; steps [S]: the tokens row r proposes (0: it only
     catches up). Returns the proposals [num_steps, S]: step 0 samples after the chunk, step j feeds step j-1's."""
     x: StepInputs = packed.unpack()
+    draws = eqx.tree_at(lambda s: s.want_logprobs, x.sampling, jnp.zeros((), jnp.bool_))  # tokens, no logprobs
     hidden, kv = model(x.tokens, x.meta, kv)
-    first = sample(model.logits(hidden["token", x.sample_index]).array, x.sampling).tokens
+    first = sample(model.logits(hidden["token", x.sample_index]).array, draws).tokens
     meta, page = x.meta, kv.page_size
     S = steps.shape[0]
     rows = jnp.arange(S)
@@ -53,7 +65,7 @@ def run_draft(model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array
         step_meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=rows,
                                       block_tables=meta.block_tables, seq_lens=positions + 1, decode=True)
         h, kv = model(tokens, step_meta, kv)
-        sampling = eqx.tree_at(lambda s: s.position, x.sampling, x.sampling.position + j)  # that position's key
+        sampling = eqx.tree_at(lambda s: s.position, draws, x.sampling.position + j)  # that position's key
         drawn = sample(model.logits(h).array, sampling).tokens
         return (kv, drawn), drawn
 

@@ -14,14 +14,13 @@ import numpy as np
 from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
 from ..kv.page_pool import PagePool
-from ..models.config import UnsupportedModelError
 from ..models.decoder import DecoderModel
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..parallel.tensor_parallel import TensorParallel
 from ..tokenizer import Tokenizer
 from .batch import BatchBuilder
 from .detokenizer import IncrementalDetokenizer
-from .draft_model import DraftModel, check_compatible
+from .draft_model import DraftModel, load_draft
 from .embedder import Embedder
 from .grammar import GrammarTokenizer
 from .logprobs import add_prompt_logprobs, position_logprobs
@@ -71,9 +70,7 @@ class LLMEngine:
         self.speculative = spec = config.speculative_config
         self.draft_model = None
         if spec is not None and spec.method == "draft_model":
-            draft = draft_model if draft_model is not None else self._load_draft(spec.model, dtype)
-            check_compatible(draft.cfg, self.model.cfg, spec.model)
-            self.draft_model = self.parallel.place_model(draft)
+            self.draft_model = load_draft(spec.model, self.model, dtype, self.parallel, given=draft_model)
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(
             resolve_checkpoint(config.tokenizer) if config.tokenizer else path)
         self.model_name = served_model_name(path)
@@ -112,13 +109,6 @@ class LLMEngine:
         if spec is not None and spec.method == "ngram":  # (a sequence's tokens, at most k) -> the tokens it proposes
             self.proposer = lambda tokens, k: propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
         self.compile_seconds = 0.0
-
-    def _load_draft(self, name: str, dtype: str) -> DecoderModel:
-        try:
-            draft = load_model(resolve_checkpoint(name), dtype)
-        except UnsupportedModelError as e:  # say which flag holds the path
-            raise UnsupportedModelError(f"--speculative-config: model {name}: {e}") from None
-        return draft
 
     def _pages_that_fit(self) -> int:
         cfg, c = self.model.cfg, self.config
