@@ -24,8 +24,9 @@ from speculative_cases import ENGINE, GRAMMAR, PARAMS, PROMPTS, same_outputs
 
 LLAMA = GOLDEN / "llama-s11"
 LONG = "the quick brown fox jumps over the lazy dog " * 2  # 57 tokens: 3 full pages, found cached when run again
-ALL_PROMPTS = PROMPTS + [LONG]
-ALL_PARAMS = PARAMS + [SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)]
+# one continuous batch of speculating rows and rows that decode plainly (penalties, a grammar)
+ALL_PROMPTS = PROMPTS + [LONG, "Name: "]
+ALL_PARAMS = PARAMS + [SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True), GRAMMAR]
 
 
 def draft_config(model, k: int = 4) -> SpeculativeConfig:
@@ -33,7 +34,7 @@ def draft_config(model, k: int = 4) -> SpeculativeConfig:
 
 
 def generate_all(llm):
-    return llm.generate(ALL_PROMPTS, ALL_PARAMS, use_tqdm=False) + llm.generate(["Name: "], GRAMMAR, use_tqdm=False)
+    return llm.generate(ALL_PROMPTS, ALL_PARAMS, use_tqdm=False)
 
 
 def write_cut_checkpoint(source, out, num_layers: int) -> None:
