@@ -78,10 +78,10 @@ def main(argv=None) -> None:
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     print(f"shape {a.shape}, {jax.devices()[0].device_kind}, K={a.k}, {a.tokens} output tokens a request, greedy")
     if "draft-small" in a.methods:
-        print(f"draft-small: shape {a.draft_shape} ({draft_cfg.num_layers} layers, hidden {draft_cfg.hidden_size}) with "
-              f"the target's vocabulary ({cfg.vocab_size}), random weights of its own: its acceptance is what two "
-              "unrelated random models happen to agree on (expect it low), not what a trained draft gets; its time is "
-              "what proposing costs")
+        print(f"draft-small: shape {a.draft_shape} ({draft_cfg.num_layers} layers, hidden {draft_cfg.hidden_size}) "
+              f"with the target's vocabulary ({cfg.vocab_size}), random weights of its own: its acceptance is what two "
+              "unrelated random models happen to agree on (low, or high where both just repeat these repeating "
+              "prompts), not what a trained draft gets; its time is what proposing costs")
     for batch in a.batch_sizes:
         phrase = [rng.integers(0, cfg.vocab_size, 24).tolist() for _ in range(batch)]
         prompts = [p * 6 for p in phrase]  # 144 tokens: a phrase repeated, as quoted text or code repeats

@@ -46,8 +46,8 @@ def write_cut_checkpoint(source, out, num_layers: int) -> None:
     config = json.loads((source / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=num_layers)))
     tensors = load_file(source / "model.safetensors")
-    save_file({n: t for n, t in tensors.items()
-               if not n.startswith("model.layers.") or int(n.split(".")[2]) < num_layers}, str(out / "model.safetensors"))
+    kept = {n: t for n, t in tensors.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < num_layers}
+    save_file(kept, str(out / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -180,4 +180,5 @@ def test_bad_draft_configs_are_refused_naming_the_field(fields, message):
 def test_the_draft_flag_parses_as_vllm_spells_it():
     args = build_parser().parse_args(["serve", "--speculative-config",
                                       json.dumps({"model": str(LLAMA), "num_speculative_tokens": 3})])
-    assert args.speculative_config == SpeculativeConfig(method="draft_model", model=str(LLAMA), num_speculative_tokens=3)
+    assert args.speculative_config == SpeculativeConfig(method="draft_model", model=str(LLAMA),
+                                                        num_speculative_tokens=3)

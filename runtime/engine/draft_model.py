@@ -9,6 +9,8 @@ draft identical to the target proposes exactly the tokens the target draws, and 
 stays lossless whatever the draft proposes: its quality only changes how many are accepted."""
 from __future__ import annotations
 
+import logging
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -24,8 +26,10 @@ from .batch import BatchBuilder
 from .packing import Packed
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
-from .step import StepInputs
 from .sampler import sample
+from .step import StepInputs
+
+log = logging.getLogger("capstan.engine")
 
 
 def load_draft(name: str, target: DecoderModel, dtype: str, parallel: TensorParallel,
@@ -106,9 +110,14 @@ class DraftModel:
             steps.append(room if n == behind and room > 0 and reserve(seq, 1 + room) else 0)
         if not chunks:
             return drafts
+        try:
+            inputs = self.builder.build(chunks)
+        except Exception:  # noqa: BLE001 - a request's bad input: no proposals; the target's step isolates it
+            log.exception("building the draft's step failed; decoding without proposals")
+            return drafts
         rows = np.zeros(self.builder.S, np.int32)
         rows[:len(steps)] = steps
-        self.kv, proposals = draft_fn(self.model, self.kv, self.builder.build(chunks), rows, num_steps=self.k)
+        self.kv, proposals = draft_fn(self.model, self.kv, inputs, rows, num_steps=self.k)
         proposals = jax.device_get(proposals).T.tolist()  # [row][step]
         for r, (c, n) in enumerate(zip(chunks, steps)):
             # the draft K/V of its proposals but the last are written too; verification keeps those it accepts
