@@ -1,13 +1,24 @@
 """Speculative decoding on a named shape with random weights: ms per output token and acceptance, plain decoding
-against n-gram lookup and against an oracle draft that proposes the target's own output (acceptance 1: the upper
-bound of the verification machinery, what a draft model identical to the target would give), per batch size.
+against
+  ngram         n-gram prompt lookup;
+  oracle        a proposer that returns the target's own plain output (the verification machinery's upper bound,
+                with no proposal cost);
+  draft-target  a draft model that is the target itself (acceptance 1: the draft-model path's upper bound, paying
+                for a full-size draft);
+  draft-small   a small draft model (--draft-shape, given the target's vocabulary), random weights of its own,
+per batch size.
 
-python benchmarks/speculative.py --shape tiny --batch-sizes 1 4 --tokens 64
+python benchmarks/speculative.py --shape tiny --draft-shape tiny --batch-sizes 1 4 --tokens 64
+python benchmarks/speculative.py --shape llama-3-8b --draft-shape llama-3.2-1b --batch-sizes 1 8 --tokens 64
 Random weights make n-gram acceptance whatever the model's loops give; the prompts repeat a random phrase, the
-kind of input (code, a quoted document) n-gram lookup is for."""
+kind of input (code, a quoted document) n-gram lookup is for. A small draft with random weights of its own agrees
+with the random target only by accident (random models of small weights tend to repeat their input, so the two
+agree on those loops and rarely elsewhere): its row measures what proposing costs, not what a trained draft
+(Llama-3.2-1B for Llama-3-8B: the same vocabulary) would save."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -23,6 +34,8 @@ from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 from capstan.runtime.speculative_config import SpeculativeConfig  # noqa: E402
+
+METHODS = ("ngram", "oracle", "draft-target", "draft-small")
 
 
 def run(engine: LLMEngine, prompts, params) -> tuple[float, dict[str, list[int]]]:
@@ -44,22 +57,40 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--smallest-bucket", type=int, default=16)
+    ap.add_argument("--draft-shape", default=None,
+                    help="draft-small's shape, given the target's vocabulary (default: llama-3.2-1b for llama-3-8b, "
+                         "else tiny)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     a = ap.parse_args(argv)
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     cfg = shape_config(a.shape)
     model = random_model(cfg, dtype)
+    a.draft_shape = a.draft_shape or ("llama-3.2-1b" if a.shape == "llama-3-8b" else "tiny")
+    draft_cfg = dataclasses.replace(shape_config(a.draft_shape), vocab_size=cfg.vocab_size)
+    drafts = {"draft-target": model}
+    if "draft-small" in a.methods:
+        drafts["draft-small"] = random_model(draft_cfg, dtype, seed=1)
     rng = np.random.default_rng(0)
-    spec = SpeculativeConfig(num_speculative_tokens=a.k, prompt_lookup_max=4, prompt_lookup_min=2)
+    ngram = SpeculativeConfig(num_speculative_tokens=a.k, prompt_lookup_max=4, prompt_lookup_min=2)
+    configs = {"ngram": ngram, "oracle": ngram}
+    for name, shape in (("draft-target", a.shape), ("draft-small", a.draft_shape)):  # the models are given below
+        configs[name] = SpeculativeConfig(method="draft_model", model=f"random {shape}", num_speculative_tokens=a.k)
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     print(f"shape {a.shape}, {jax.devices()[0].device_kind}, K={a.k}, {a.tokens} output tokens a request, greedy")
+    if "draft-small" in a.methods:
+        print(f"draft-small: shape {a.draft_shape} ({draft_cfg.num_layers} layers, hidden {draft_cfg.hidden_size}) "
+              f"with the target's vocabulary ({cfg.vocab_size}), random weights of its own: its acceptance is what two "
+              "unrelated random models happen to agree on (low, or high where both just repeat these repeating "
+              "prompts), not what a trained draft gets; its time is what proposing costs")
     for batch in a.batch_sizes:
         phrase = [rng.integers(0, cfg.vocab_size, 24).tolist() for _ in range(batch)]
         prompts = [p * 6 for p in phrase]  # 144 tokens: a phrase repeated, as quoted text or code repeats
         engines = {}
-        for name, speculative in (("plain", None), ("ngram", spec), ("oracle", spec)):
+        for name in ("plain", *a.methods):
             e = LLMEngine(EngineConfig(dtype=dtype, max_model_len=160 + a.tokens + 8, max_num_seqs=max(batch, 1),
                                        max_num_batched_tokens=max(256, batch * (a.k + 1)), smallest_token_bucket=a.smallest_bucket,
-                                       enable_prefix_caching=False, speculative_config=speculative), model=model)
+                                       enable_prefix_caching=False, speculative_config=configs.get(name)),
+                          model=model, draft_model=drafts.get(name))
             e.warmup()
             engines[name] = e
         run(engines["plain"], prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
@@ -72,9 +103,11 @@ def main(argv=None) -> None:
                     return f[len(tokens):len(tokens) + k]
             return []
 
-        engines["oracle"].proposer = oracle
-        line = f"batch {batch:>3}: plain {1000 * plain_s / a.tokens:7.3f} ms/token ({batch * a.tokens / plain_s:8.0f} tok/s)"
-        for name in ("ngram", "oracle"):
+        if "oracle" in engines:
+            engines["oracle"].proposer = oracle
+        print(f"batch {batch:>3}: {'plain':>12} {1000 * plain_s / a.tokens:8.3f} ms/token "
+              f"({batch * a.tokens / plain_s:8.0f} tok/s)", flush=True)
+        for name in a.methods:
             e = engines[name]
             run(e, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
             e.spec_draft_tokens = e.spec_accepted_tokens = 0
@@ -83,9 +116,9 @@ def main(argv=None) -> None:
             # decode step's, so near-ties may flip: the share of outputs identical to plain decoding's is reported
             same = sum(o == p for o, p in zip(out, plain_out)) / len(out)
             rate = e.spec_accepted_tokens / e.spec_draft_tokens if e.spec_draft_tokens else 0.0
-            line += (f" | {name} {1000 * seconds / a.tokens:7.3f} ms/token ({batch * a.tokens / seconds:8.0f} tok/s, "
-                     f"acceptance {rate:.2f}, identical outputs {same:.2f})")
-        print(line, flush=True)
+            print(f"batch {batch:>3}: {name:>12} {1000 * seconds / a.tokens:8.3f} ms/token "
+                  f"({batch * a.tokens / seconds:8.0f} tok/s, acceptance {rate:.2f}, identical outputs {same:.2f})",
+                  flush=True)
         del engines
 
 

@@ -51,7 +51,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="how /v1/embeddings pools the final hidden states: the last token's, or the mean")
     parser.add_argument("--speculative-config", type=_speculative_config, default=None,
                         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup)')
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup), or '
+                             '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4} (a smaller '
+                             "checkpoint with the target's vocabulary proposes; \"model\" alone implies it)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip compiling every shape up front (first requests compile instead)")
 

@@ -67,7 +67,7 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask (vLLM's --max-logprobs)
     embedding_pooling: str = "last"  # /v1/embeddings and LLM.embed: "last" token's hidden state, or "mean"
     tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP, vocabulary, KV cache by KV head)
-    speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (engine/speculative.py)
+    speculative_config: SpeculativeConfig | None = None  # n-gram or draft-model speculative decoding (engine/)
     quantization: str | None = None  # "fp8" or "int8" linear weights; None: dense, or the checkpoint's own format
 
     def validate(self) -> None:

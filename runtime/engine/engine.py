@@ -14,11 +14,13 @@ import numpy as np
 from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
 from ..kv.page_pool import PagePool
+from ..models.decoder import DecoderModel
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..parallel.tensor_parallel import TensorParallel
 from ..tokenizer import Tokenizer
 from .batch import BatchBuilder
 from .detokenizer import IncrementalDetokenizer
+from .draft_model import DraftModel, load_draft
 from .embedder import Embedder
 from .grammar import GrammarTokenizer
 from .logprobs import add_prompt_logprobs, position_logprobs
@@ -53,7 +55,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None,
+                 draft_model: DecoderModel | None = None):
+        """model, draft_model: built already (benchmarks' random weights) instead of loaded from the config's paths."""
         config.validate()
         self.config = config
         path = resolve_checkpoint(config.model)
@@ -63,6 +67,10 @@ class LLMEngine:
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
         self.model = self.parallel.place_model(self.model)  # may replicate KV heads: read cfg after
         cfg = self.model.cfg
+        self.speculative = spec = config.speculative_config
+        self.draft_model = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model = load_draft(spec.model, self.model, dtype, self.parallel, given=draft_model)
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(
             resolve_checkpoint(config.tokenizer) if config.tokenizer else path)
         self.model_name = served_model_name(path)
@@ -81,26 +89,33 @@ class LLMEngine:
                                    self.dtype, sharding=self.parallel.kv_sharding())
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.builder = BatchBuilder(max_num_seqs=config.max_num_seqs,
-                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                    page_size=config.page_size, max_model_len=self.max_model_len,
-                                    vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
-                                    queries_per_kv=cfg.queries_per_kv,
-                                    smallest_bucket=config.smallest_token_bucket)
+        rows = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                    page_size=config.page_size, max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
+                    eos_token_ids=self.eos_token_ids, smallest_bucket=config.smallest_token_bucket)
+        self.builder = BatchBuilder(**rows, queries_per_kv=cfg.queries_per_kv)
+        self.draft: DraftModel | None = None  # speculative decoding with a draft model: its cache over these pages
+        if self.draft_model is not None:
+            d = self.draft_model.cfg
+            self.draft = DraftModel(self.draft_model, BatchBuilder(**rows, queries_per_kv=d.queries_per_kv),
+                                    KVCache.allocate(d.num_layers, num_pages, config.page_size, d.num_kv_heads,
+                                                     d.head_dim, self.dtype, sharding=self.parallel.kv_sharding()),
+                                    spec.num_speculative_tokens)
         self.embedder = Embedder(self, config.embedding_pooling)  # /v1/embeddings: borrows pages from this pool
         self.requests: dict[str, list[Sequence]] = {}
         self.failed: list[tuple[str, BaseException]] = []  # requests failed alone since the owner last took them
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.speculative = spec = config.speculative_config
         self.spec_draft_tokens = self.spec_accepted_tokens = 0
-        if spec is not None:  # (a sequence's tokens, at most k) -> the tokens it proposes
+        if spec is not None and spec.method == "ngram":  # (a sequence's tokens, at most k) -> the tokens it proposes
             self.proposer = lambda tokens, k: propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
         self.compile_seconds = 0.0
 
     def _pages_that_fit(self) -> int:
         cfg, c = self.model.cfg, self.config
         per_page = KVCache.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if self.draft_model is not None:  # a page holds the draft's K/V of its tokens too
+            d = self.draft_model.cfg
+            per_page += KVCache.bytes_per_page(d.num_layers, c.page_size, d.num_kv_heads, d.head_dim, self.dtype)
         per_page //= self.parallel.size  # each device holds its KV heads' share of every page
         useful = c.max_num_seqs * -(-self.max_model_len // c.page_size) + 1  # more than this is never used
         stats = jax.local_devices()[0].memory_stats() or {}  # (devices()[0] may be another host's)
@@ -224,6 +239,9 @@ class LLMEngine:
                     self.kv, out = verify_fn(self.model, self.kv, self.builder.build([], bucket=bucket),
                                              num_positions=self.speculative.num_speculative_tokens + 1)
                 jax.block_until_ready(out)
+            if self.draft is not None:
+                with self._precision():
+                    self.draft.warmup()
         if self.config.decode_steps > 1:
             inputs = self.builder.build([], bucket=self.builder.S)
             with self._precision():
@@ -270,24 +288,40 @@ class LLMEngine:
         return self._collect_all(c.seq.request_id for c in chunks)
 
     def _propose(self, chunks: list[ScheduledChunk]) -> bool:
-        """Proposes tokens for the decoding sequences that can take them (n-gram lookup); True if any got some.
-        Sequences whose sampling needs the host between tokens (penalties, min_tokens bans, grammars) and steps
-        with prompt logprobs are left to plain decoding."""
-        spec, budget = self.speculative, self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+        """Proposes tokens for the decoding sequences that can take them (n-gram lookup or the draft model); True if
+        any got some. Sequences whose sampling needs the host between tokens (penalties, min_tokens bans, grammars)
+        and steps with prompt logprobs are left to plain decoding."""
+        budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
         if any(c.seq.params.prompt_logprobs is not None and not c.seq.prompt_logprobs_done for c in chunks):
             return False
+        if self.draft is not None:
+            takers, rooms = [], []
+            for c in chunks:
+                if (room := self._room(c, budget)) > 0:
+                    takers.append(c)
+                    rooms.append(room)
+                    budget -= room
+            with self._precision():
+                drafts = self.draft.propose([c.seq for c in takers], rooms, self.scheduler.reserve_ahead)
+            for c, draft in zip(takers, drafts):
+                c.draft = draft
+            return any(drafts)
         for c in chunks:
-            seq, p = c.seq, c.seq.params
-            if not (c.num_tokens == 1 and c.samples) or seq.constraint is not None or p.uses_penalties \
-                    or seq.pending_forks or seq.num_output < p.min_tokens or seq.max_tokens == 0:
-                continue
-            room = min(spec.num_speculative_tokens, budget, seq.max_tokens - seq.num_output - 1,
-                       self.max_model_len - seq.num_tokens - 1)
-            draft = self.proposer(seq.token_ids, room) if room > 0 else []
-            if draft and self.scheduler.reserve_ahead(seq, 1 + len(draft)):
+            room = self._room(c, budget)
+            draft = self.proposer(c.seq.token_ids, room) if room > 0 else []
+            if draft and self.scheduler.reserve_ahead(c.seq, 1 + len(draft)):
                 c.draft = draft
                 budget -= len(draft)
         return any(c.draft for c in chunks)
+
+    def _room(self, c: ScheduledChunk, budget: int) -> int:
+        """How many tokens c's sequence may have proposed this step (0: none, it decodes plainly)."""
+        seq, p = c.seq, c.seq.params
+        if not (c.num_tokens == 1 and c.samples) or seq.constraint is not None or p.uses_penalties \
+                or seq.pending_forks or seq.num_output < p.min_tokens or seq.max_tokens == 0:
+            return 0
+        return min(self.speculative.num_speculative_tokens, budget, seq.max_tokens - seq.num_output - 1,
+                   self.max_model_len - seq.num_tokens - 1)
 
     def _verify(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """One step that computes each proposal as a short chunk and samples after every proposed token; a row
@@ -317,6 +351,7 @@ class LLMEngine:
                 self.spec_draft_tokens += len(c.draft)
                 self.spec_accepted_tokens += accepted
                 seq.num_computed = c.start + 1 + accepted  # the accepted tokens' K/V are written
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # not a rejected token's
                 for i in range(accepted + 1):  # the accepted ones, then the target's own next token
                     if seq.finished:
                         break

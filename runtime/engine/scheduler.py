@@ -133,7 +133,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
-        seq.pages, seq.page_hashes, seq.num_computed = [], [], 0
+        seq.pages, seq.page_hashes, seq.num_computed, seq.num_draft_computed = [], [], 0, 0
 
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: name the pages it filled, so the prefix cache can share them."""

@@ -35,6 +35,7 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[PageHash] = dataclasses.field(default_factory=list)  # of the full pages, in order
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_draft_computed: int = 0  # tokens whose draft model's K/V are in its cache (speculative decoding)
     num_cached_tokens: int = 0  # prompt tokens that the prefix cache supplied
     status: Status = Status.WAITING
     finish_reason: str | None = None
