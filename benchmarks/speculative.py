@@ -104,18 +104,18 @@ def main(argv=None) -> None:
             return []
 
         if "oracle" in engines:
-            engines["oracle"].proposer = oracle
+            engines["oracle"].speculator.proposer = oracle
         print(f"batch {batch:>3}: {'plain':>12} {1000 * plain_s / a.tokens:8.3f} ms/token "
               f"({batch * a.tokens / plain_s:8.0f} tok/s)", flush=True)
         for name in a.methods:
             e = engines[name]
             run(e, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
-            e.spec_draft_tokens = e.spec_accepted_tokens = 0
+            e.speculator.draft_tokens = e.speculator.accepted_tokens = 0
             seconds, out = run(e, prompts, params)
             # identical in float32 (tests/test_speculative.py); in bfloat16 a verify chunk's logits round unlike a
             # decode step's, so near-ties may flip: the share of outputs identical to plain decoding's is reported
             same = sum(o == p for o, p in zip(out, plain_out)) / len(out)
-            rate = e.spec_accepted_tokens / e.spec_draft_tokens if e.spec_draft_tokens else 0.0
+            rate = e.speculator.accepted_tokens / e.speculator.draft_tokens if e.speculator.draft_tokens else 0.0
             print(f"batch {batch:>3}: {name:>12} {1000 * seconds / a.tokens:8.3f} ms/token "
                   f"({batch * a.tokens / seconds:8.0f} tok/s, acceptance {rate:.2f}, identical outputs {same:.2f})",
                   flush=True)

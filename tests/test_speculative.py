@@ -53,24 +53,24 @@ def oracle(llm, baseline, corrupt_every: int = 0):
                 return draft
         return []
 
-    llm.engine.proposer = propose
+    llm.engine.speculator.proposer = propose
 
 
 @pytest.mark.parametrize("corrupt_every", [0, 2])
 def test_outputs_are_those_of_plain_decoding_whatever_is_proposed(baseline, speculative_llm, corrupt_every):
     llm = speculative_llm
-    llm.engine.spec_draft_tokens = llm.engine.spec_accepted_tokens = 0
+    llm.engine.speculator.draft_tokens = llm.engine.speculator.accepted_tokens = 0
     oracle(llm, baseline, corrupt_every)
     got = llm.generate(PROMPTS, PARAMS, use_tqdm=False) + llm.generate(["Name: "], GRAMMAR, use_tqdm=False)
     same_outputs(baseline, got)
     e = llm.engine
-    assert e.spec_draft_tokens > 0
+    assert e.speculator.draft_tokens > 0
     if corrupt_every:
-        assert 0 < e.spec_accepted_tokens < e.spec_draft_tokens
+        assert 0 < e.speculator.accepted_tokens < e.speculator.draft_tokens
     else:
-        assert e.spec_accepted_tokens == e.spec_draft_tokens  # the draft is the target: all accepted
+        assert e.speculator.accepted_tokens == e.speculator.draft_tokens  # the draft is the target: all accepted
     e.pool.check_all_free()
-    assert e.stats().spec_draft_tokens == e.spec_draft_tokens
+    assert e.stats().spec_draft_tokens == e.speculator.draft_tokens
 
 
 def test_ngram_lookup_and_preemption_keep_the_outputs(baseline):
@@ -79,7 +79,7 @@ def test_ngram_lookup_and_preemption_keep_the_outputs(baseline):
               speculative_config=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), **ENGINE)
     got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     same_outputs(baseline[:len(PROMPTS)], got)
-    assert llm.engine.spec_draft_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.speculator.draft_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
     llm.engine.pool.check_all_free()
 
 

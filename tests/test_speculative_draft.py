@@ -75,7 +75,7 @@ def cut_draft(tmp_path_factory):
 
 
 def reset_counters(llm):
-    llm.engine.spec_draft_tokens = llm.engine.spec_accepted_tokens = 0
+    llm.engine.speculator.draft_tokens = llm.engine.speculator.accepted_tokens = 0
 
 
 def test_a_draft_equal_to_the_target_has_every_proposal_accepted(baseline, same_draft):
@@ -83,7 +83,7 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(baseline, same_
     for _ in range(2):  # the second time the prompts' full pages come from the prefix cache
         reset_counters(same_draft)
         same_outputs(baseline, generate_all(same_draft))
-        assert e.spec_draft_tokens > 0 and e.spec_accepted_tokens == e.spec_draft_tokens
+        assert e.speculator.draft_tokens > 0 and e.speculator.accepted_tokens == e.speculator.draft_tokens
     assert e.stats().prefix_cache_hit_tokens > 0
     e.pool.check_all_free()
 
@@ -103,7 +103,7 @@ def test_a_draft_that_disagrees_leaves_the_outputs_unchanged_through_preemption(
     reset_counters(cut_draft)
     same_outputs(baseline, generate_all(cut_draft))
     e = cut_draft.engine
-    assert 0 < e.spec_accepted_tokens < e.spec_draft_tokens
+    assert 0 < e.speculator.accepted_tokens < e.speculator.draft_tokens
     assert e.scheduler.num_preemptions > 0
     e.pool.check_all_free()
 
@@ -113,7 +113,7 @@ def test_a_draft_of_another_architecture_leaves_the_outputs_unchanged(baseline):
     llm = LLM(str(LLAMA), warmup=False, speculative_config=draft_config(GOLDEN / "qwen3-s13", k=3), **ENGINE)
     same_outputs(baseline, generate_all(llm))
     e = llm.engine
-    assert e.spec_draft_tokens > 0 and e.spec_accepted_tokens < e.spec_draft_tokens / 2
+    assert e.speculator.draft_tokens > 0 and e.speculator.accepted_tokens < e.speculator.draft_tokens / 2
     e.pool.check_all_free()
 
 
@@ -142,7 +142,8 @@ def test_sampled_outputs_are_distributed_as_the_targets(plain, cut_draft):
     outs = cut_draft.generate([prompt] * len(seeds), [SamplingParams(max_tokens=4, temperature=1.0, top_k=4, seed=s,
                                                                      ignore_eos=True) for s in seeds], use_tqdm=False)
     e = cut_draft.engine
-    assert 0 < e.spec_accepted_tokens < e.spec_draft_tokens  # proposals of the 2nd and 3rd tokens, some rejected
+    # proposals of the 2nd and 3rd tokens, some rejected
+    assert 0 < e.speculator.accepted_tokens < e.speculator.draft_tokens
     pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
     assert set(pairs) <= set(expected)
     counts = {pair: pairs.count(pair) for pair in expected}

@@ -20,7 +20,7 @@ from ..parallel.tensor_parallel import TensorParallel
 from ..tokenizer import Tokenizer
 from .batch import BatchBuilder
 from .detokenizer import IncrementalDetokenizer
-from .draft_model import DraftModel, load_draft
+from .draft_model import load_draft
 from .embedder import Embedder
 from .grammar import GrammarTokenizer
 from .logprobs import add_prompt_logprobs, position_logprobs
@@ -31,7 +31,7 @@ from .sequence import Sequence
 from .grammar import fill_masks, mask_words
 from .multi_step import PIPELINE_BRANCHES, decode_forward_fn, decode_sample_fn, decode_steps_fn, pipeline_branches
 from .sampler import SampleResult
-from .speculative import propose_ngram, verify_fn
+from .speculative import Speculator
 from .step import StepOutputs, step_fn
 from .stop_strings import StopStringMatcher
 
@@ -67,10 +67,9 @@ class LLMEngine:
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
         self.model = self.parallel.place_model(self.model)  # may replicate KV heads: read cfg after
         cfg = self.model.cfg
-        self.speculative = spec = config.speculative_config
-        self.draft_model = None
-        if spec is not None and spec.method == "draft_model":
-            self.draft_model = load_draft(spec.model, self.model, dtype, self.parallel, given=draft_model)
+        spec, draft = config.speculative_config, None
+        if spec is not None and spec.method == "draft_model":  # loaded first: the KV budget counts its pages
+            draft = load_draft(spec.model, self.model, dtype, self.parallel, given=draft_model)
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(
             resolve_checkpoint(config.tokenizer) if config.tokenizer else path)
         self.model_name = served_model_name(path)
@@ -83,7 +82,7 @@ class LLMEngine:
         self.max_prompt_chars = 2 * self.max_model_len * self.tokenizer.max_token_chars
         self.grammar = GrammarTokenizer(self.tokenizer, set(self.tokenizer.end_of_turn_ids()) | self.eos_token_ids,
                                         cfg.vocab_size)
-        num_pages = config.num_pages or self._pages_that_fit()
+        num_pages = config.num_pages or self._pages_that_fit(draft)
         config.num_pages = num_pages
         self.kv = KVCache.allocate(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
                                    self.dtype, sharding=self.parallel.kv_sharding())
@@ -93,28 +92,21 @@ class LLMEngine:
                     page_size=config.page_size, max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
                     eos_token_ids=self.eos_token_ids, smallest_bucket=config.smallest_token_bucket)
         self.builder = BatchBuilder(**rows, queries_per_kv=cfg.queries_per_kv)
-        self.draft: DraftModel | None = None  # speculative decoding with a draft model: its cache over these pages
-        if self.draft_model is not None:
-            d = self.draft_model.cfg
-            self.draft = DraftModel(self.draft_model, BatchBuilder(**rows, queries_per_kv=d.queries_per_kv),
-                                    KVCache.allocate(d.num_layers, num_pages, config.page_size, d.num_kv_heads,
-                                                     d.head_dim, self.dtype, sharding=self.parallel.kv_sharding()),
-                                    spec.num_speculative_tokens)
+        self.speculator: Speculator | None = None  # None: every step decodes plainly
+        if spec is not None:
+            self.speculator = Speculator(self, spec, draft, rows)
         self.embedder = Embedder(self, config.embedding_pooling)  # /v1/embeddings: borrows pages from this pool
         self.requests: dict[str, list[Sequence]] = {}
         self.failed: list[tuple[str, BaseException]] = []  # requests failed alone since the owner last took them
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.spec_draft_tokens = self.spec_accepted_tokens = 0
-        if spec is not None and spec.method == "ngram":  # (a sequence's tokens, at most k) -> the tokens it proposes
-            self.proposer = lambda tokens, k: propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
         self.compile_seconds = 0.0
 
-    def _pages_that_fit(self) -> int:
+    def _pages_that_fit(self, draft_model: DecoderModel | None) -> int:
         cfg, c = self.model.cfg, self.config
         per_page = KVCache.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        if self.draft_model is not None:  # a page holds the draft's K/V of its tokens too
-            d = self.draft_model.cfg
+        if draft_model is not None:  # a page holds the draft's K/V of its tokens too
+            d = draft_model.cfg
             per_page += KVCache.bytes_per_page(d.num_layers, c.page_size, d.num_kv_heads, d.head_dim, self.dtype)
         per_page //= self.parallel.size  # each device holds its KV heads' share of every page
         useful = c.max_num_seqs * -(-self.max_model_len // c.page_size) + 1  # more than this is never used
@@ -216,12 +208,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, e = self.scheduler, self.embedder  # embedding inputs are load too (the autoscaler reads these)
+        spec = self.speculator
         return EngineStats(running=len(s.running) + len(e.running), waiting=len(s.waiting) + len(e.waiting),
                            kv_pages_used=self.pool.num_used,
                            kv_pages_total=self.pool.num_pages, prefix_cache_queried_tokens=s.prefix_queried_tokens,
                            prefix_cache_hit_tokens=s.prefix_hit_tokens, preemptions=s.num_preemptions,
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-                           spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens)
+                           spec_draft_tokens=spec.draft_tokens if spec else 0,
+                           spec_accepted_tokens=spec.accepted_tokens if spec else 0)
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -233,15 +227,8 @@ class LLMEngine:
             with self._precision():
                 self.kv, out = step_fn(self.model, self.kv, inputs)
             jax.block_until_ready(out)
-        if self.speculative is not None:
-            for bucket in self.builder.buckets:
-                with self._precision():
-                    self.kv, out = verify_fn(self.model, self.kv, self.builder.build([], bucket=bucket),
-                                             num_positions=self.speculative.num_speculative_tokens + 1)
-                jax.block_until_ready(out)
-            if self.draft is not None:
-                with self._precision():
-                    self.draft.warmup()
+        if self.speculator is not None:
+            self.speculator.warmup()
         if self.config.decode_steps > 1:
             inputs = self.builder.build([], bucket=self.builder.S)
             with self._precision():
@@ -265,8 +252,10 @@ class LLMEngine:
         chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
             return []
-        if self.speculative is not None and self._propose(chunks):
-            return self._verify(chunks)
+        if self.speculator is not None:  # proposals may take the step's tokens the chunks leave
+            budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+            if self.speculator.propose(chunks, budget):
+                return self.speculator.verify(chunks)
         active = self._multi_step_plan(chunks)
         if active is not None:
             return self._decode_steps(chunks, active)
@@ -285,84 +274,6 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001 - this request's own fault
                     self.fail(seq.request_id, e)
             t += c.num_tokens
-        return self._collect_all(c.seq.request_id for c in chunks)
-
-    def _propose(self, chunks: list[ScheduledChunk]) -> bool:
-        """Proposes tokens for the decoding sequences that can take them (n-gram lookup or the draft model); True if
-        any got some. Sequences whose sampling needs the host between tokens (penalties, min_tokens bans, grammars)
-        and steps with prompt logprobs are left to plain decoding."""
-        budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
-        if any(c.seq.params.prompt_logprobs is not None and not c.seq.prompt_logprobs_done for c in chunks):
-            return False
-        if self.draft is not None:
-            takers, rooms = [], []
-            for c in chunks:
-                if (room := self._room(c, budget)) > 0:
-                    takers.append(c)
-                    rooms.append(room)
-                    budget -= room
-            with self._precision():
-                drafts = self.draft.propose([c.seq for c in takers], rooms, self.scheduler.reserve_ahead)
-            for c, draft in zip(takers, drafts):
-                c.draft = draft
-            return any(drafts)
-        for c in chunks:
-            room = self._room(c, budget)
-            draft = self.proposer(c.seq.token_ids, room) if room > 0 else []
-            if draft and self.scheduler.reserve_ahead(c.seq, 1 + len(draft)):
-                c.draft = draft
-                budget -= len(draft)
-        return any(c.draft for c in chunks)
-
-    def _room(self, c: ScheduledChunk, budget: int) -> int:
-        """How many tokens c's sequence may have proposed this step (0: none, it decodes plainly)."""
-        seq, p = c.seq, c.seq.params
-        if not (c.num_tokens == 1 and c.samples) or seq.constraint is not None or p.uses_penalties \
-                or seq.pending_forks or seq.num_output < p.min_tokens or seq.max_tokens == 0:
-            return 0
-        return min(self.speculative.num_speculative_tokens, budget, seq.max_tokens - seq.num_output - 1,
-                   self.max_model_len - seq.num_tokens - 1)
-
-    def _verify(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
-        """One step that computes each proposal as a short chunk and samples after every proposed token; a row
-        keeps its proposed tokens up to the first the target would not have drawn, then the target's own token.
-        The pages reserved for rejected tokens go back to the pool."""
-        chunks, inputs = self._build(chunks)
-        if not chunks:
-            return []
-        with self._precision():
-            self.kv, out = verify_fn(self.model, self.kv, inputs,
-                                     num_positions=self.speculative.num_speculative_tokens + 1)
-        out = jax.device_get(out)
-        tokens = out.tokens.tolist()  # [row][position]
-        first = StepOutputs(sampled=jax.tree.map(lambda a: a[:, 0], out), prompt=None)
-        page = self.config.page_size
-        for r, c in enumerate(chunks):
-            seq = c.seq
-            if seq.request_id not in self.requests:
-                continue
-            try:
-                if not c.draft:
-                    self._apply_chunk(c, r, 0, first)
-                    continue
-                accepted = 0
-                while accepted < len(c.draft) and c.draft[accepted] == tokens[r][accepted]:
-                    accepted += 1
-                self.spec_draft_tokens += len(c.draft)
-                self.spec_accepted_tokens += accepted
-                seq.num_computed = c.start + 1 + accepted  # the accepted tokens' K/V are written
-                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # not a rejected token's
-                for i in range(accepted + 1):  # the accepted ones, then the target's own next token
-                    if seq.finished:
-                        break
-                    self._append_token(seq, tokens[r][i], out, (r, i))
-                if not seq.finished:
-                    keep = -(-(seq.num_computed + 1) // page)  # through the next token's page
-                    self.pool.release(seq.pages[keep:])
-                    del seq.pages[keep:]
-                    self.scheduler.register_full_pages(seq)
-            except Exception as e:  # noqa: BLE001 - this request's own fault
-                self.fail(seq.request_id, e)
         return self._collect_all(c.seq.request_id for c in chunks)
 
     def _apply_chunk(self, c: ScheduledChunk, r: int, t: int, out: StepOutputs) -> None:

@@ -1,6 +1,8 @@
-"""Speculative decoding by n-gram prompt lookup: a decoding sequence proposes the K tokens that followed the last
-occurrence of its own latest n-gram (in its prompt or output), and one target step verifies them: the proposal is
-computed as a short prefill chunk, and the step samples the next token after every proposed position.
+"""Speculator: speculative decoding for the engine. Each step, the decoding sequences that can take them get proposed
+tokens, by n-gram prompt lookup or from a draft model (draft_model.py); one target step verifies them all. With
+n-gram lookup, a decoding sequence proposes the K tokens that followed the last occurrence of its own latest
+n-gram (in its prompt or output). Verification computes each proposal as a short prefill chunk and samples the
+next token after every proposed position.
 
 Verification is coupled to the engine's sampling: the token at position p is drawn with the key (seed, p), with or
 without speculation, so a proposed token is accepted exactly when it is the token the target would have drawn
@@ -17,9 +19,15 @@ import numpy as np
 
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from ..speculative_config import SpeculativeConfig
+from .batch import BatchBuilder
+from .draft_model import DraftModel
+from .outputs import RequestOutput
 from .packing import Packed
 from .sampler import SampleResult, sample
-from .step import StepInputs
+from .scheduler import ScheduledChunk
+from .step import StepInputs, StepOutputs
+
 
 def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:
     """k tokens following the latest earlier occurrence of tokens' last n-gram (longest n first): what followed
@@ -54,3 +62,116 @@ def run_verify(model: DecoderModel, kv: KVCache, packed: Packed, num_positions: 
 
 
 verify_fn = jax.jit(run_verify, donate_argnums=(1,), static_argnames=("num_positions",))
+
+
+class Speculator:
+    """The engine's speculative decoding: proposes tokens for a step's decoding rows, then verifies them in one
+    target step. It works on the engine's own state (its KV cache, pool, scheduler and requests), as the Embedder
+    does, and applies accepted tokens through the engine's token path so stops and logprobs stay the engine's."""
+
+    def __init__(self, engine, config: SpeculativeConfig, draft_model: DecoderModel | None, rows: dict):
+        """draft_model: loaded and placed already (method draft_model), the engine's pages sized for it too;
+        rows: the target's BatchBuilder arguments, which the draft's steps share."""
+        self.engine, self.k = engine, config.num_speculative_tokens
+        self.draft: DraftModel | None = None  # with a draft model: its cache over the engine's pages
+        self.proposer = None  # n-gram lookup: (tokens, at most k) -> proposal; tests and benchmarks set oracles here
+        if draft_model is not None:
+            d, c = draft_model.cfg, engine.config
+            self.draft = DraftModel(draft_model, BatchBuilder(**rows, queries_per_kv=d.queries_per_kv),
+                                    KVCache.allocate(d.num_layers, c.num_pages, c.page_size, d.num_kv_heads,
+                                                     d.head_dim, engine.dtype, sharding=engine.parallel.kv_sharding()),
+                                    self.k)
+        else:
+            self.proposer = lambda tokens, k: propose_ngram(tokens, k, config.prompt_lookup_max,
+                                                            config.prompt_lookup_min)
+        self.draft_tokens = 0  # tokens proposed (EngineStats.spec_draft_tokens)
+        self.accepted_tokens = 0  # of those, the ones the target verified (EngineStats.spec_accepted_tokens)
+
+    def warmup(self) -> None:
+        """Compiles the verify step of every token bucket and the draft's programs."""
+        engine = self.engine
+        for bucket in engine.builder.buckets:
+            with engine._precision():
+                engine.kv, out = verify_fn(engine.model, engine.kv, engine.builder.build([], bucket=bucket),
+                                           num_positions=self.k + 1)
+            jax.block_until_ready(out)
+        if self.draft is not None:
+            with engine._precision():
+                self.draft.warmup()
+
+    def propose(self, chunks: list[ScheduledChunk], budget: int) -> bool:
+        """Proposes tokens for the decoding sequences that can take them, within budget tokens (n-gram lookup or the
+        draft model); True if any got some. Sequences whose sampling needs the host between tokens (penalties,
+        min_tokens bans, grammars) and steps with prompt logprobs are left to plain decoding."""
+        if any(c.seq.params.prompt_logprobs is not None and not c.seq.prompt_logprobs_done for c in chunks):
+            return False
+        scheduler = self.engine.scheduler
+        if self.draft is not None:
+            takers, rooms = [], []
+            for c in chunks:
+                if (room := self._room(c, budget)) > 0:
+                    takers.append(c)
+                    rooms.append(room)
+                    budget -= room
+            with self.engine._precision():
+                drafts = self.draft.propose([c.seq for c in takers], rooms, scheduler.reserve_ahead)
+            for c, draft in zip(takers, drafts):
+                c.draft = draft
+            return any(drafts)
+        for c in chunks:
+            room = self._room(c, budget)
+            draft = self.proposer(c.seq.token_ids, room) if room > 0 else []
+            if draft and scheduler.reserve_ahead(c.seq, 1 + len(draft)):
+                c.draft = draft
+                budget -= len(draft)
+        return any(c.draft for c in chunks)
+
+    def _room(self, c: ScheduledChunk, budget: int) -> int:
+        """How many tokens c's sequence may have proposed this step (0: none, it decodes plainly)."""
+        seq, p = c.seq, c.seq.params
+        if not (c.num_tokens == 1 and c.samples) or seq.constraint is not None or p.uses_penalties \
+                or seq.pending_forks or seq.num_output < p.min_tokens or seq.max_tokens == 0:
+            return 0
+        return min(self.k, budget, seq.max_tokens - seq.num_output - 1, self.engine.max_model_len - seq.num_tokens - 1)
+
+    def verify(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """One step that computes each proposal as a short chunk and samples after every proposed token; a row
+        keeps its proposed tokens up to the first the target would not have drawn, then the target's own token.
+        The pages reserved for rejected tokens go back to the pool."""
+        engine = self.engine
+        chunks, inputs = engine._build(chunks)
+        if not chunks:
+            return []
+        with engine._precision():
+            engine.kv, out = verify_fn(engine.model, engine.kv, inputs, num_positions=self.k + 1)
+        out = jax.device_get(out)
+        tokens = out.tokens.tolist()  # [row][position]
+        first = StepOutputs(sampled=jax.tree.map(lambda a: a[:, 0], out), prompt=None)
+        page = engine.config.page_size
+        for r, c in enumerate(chunks):
+            seq = c.seq
+            if seq.request_id not in engine.requests:
+                continue
+            try:
+                if not c.draft:
+                    engine._apply_chunk(c, r, 0, first)
+                    continue
+                accepted = 0
+                while accepted < len(c.draft) and c.draft[accepted] == tokens[r][accepted]:
+                    accepted += 1
+                self.draft_tokens += len(c.draft)
+                self.accepted_tokens += accepted
+                seq.num_computed = c.start + 1 + accepted  # the accepted tokens' K/V are written
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # not a rejected token's
+                for i in range(accepted + 1):  # the accepted ones, then the target's own next token
+                    if seq.finished:
+                        break
+                    engine._append_token(seq, tokens[r][i], out, (r, i))
+                if not seq.finished:
+                    keep = -(-(seq.num_computed + 1) // page)  # through the next token's page
+                    engine.pool.release(seq.pages[keep:])
+                    del seq.pages[keep:]
+                    engine.scheduler.register_full_pages(seq)
+            except Exception as e:  # noqa: BLE001 - this request's own fault
+                engine.fail(seq.request_id, e)
+        return engine._collect_all(c.seq.request_id for c in chunks)
