@@ -12,20 +12,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np, jax
 import capstan.runtime.engine.engine as E
 import capstan.runtime.engine.grammar as G
+import capstan.runtime.engine.multi_step as M
 T = collections.Counter(); N = collections.Counter(); L = collections.defaultdict(list)
 def timed(name, f):
     def w(*a, **k):
         t = time.perf_counter(); r = f(*a, **k); d = time.perf_counter() - t
         T[name] += d; N[name] += 1; L[name].append(d); return r
     return w
-E.fill_masks = timed("fill_masks", E.fill_masks)
-E.decode_forward_fn = timed("dispatch_forward", E.decode_forward_fn)
-E.decode_sample_fn = timed("dispatch_sample", E.decode_sample_fn)
+M.fill_masks = timed("fill_masks", M.fill_masks)
+M.decode_forward_fn = timed("dispatch_forward", M.decode_forward_fn)
+M.decode_sample_fn = timed("dispatch_sample", M.decode_sample_fn)
 G.TokenConstraint.accept = timed("accept", G.TokenConstraint.accept)
 _put = jax.device_put
-E.jax.device_put = timed("device_put", _put)
-E.np.full = timed("np_full", np.full)
-E.LLMEngine._decode_pipeline = timed("pipeline_total", E.LLMEngine._decode_pipeline)
+M.jax.device_put = timed("device_put", _put)
+M.np.full = timed("np_full", np.full)
+M.MultiStepDecoder._pipeline = timed("pipeline_total", M.MultiStepDecoder._pipeline)
 E.LLMEngine._build = timed("build", E.LLMEngine._build)
 E.LLMEngine._collect_all = timed("collect", E.LLMEngine._collect_all)
 E.LLMEngine._append_token = timed("append_token", E.LLMEngine._append_token)

@@ -105,8 +105,8 @@ def test_the_decode_pipeline_matches_one_step_at_a_time(llm, monkeypatch):
                    decode_steps=1)
     single = one_step.generate(prompts, params, use_tqdm=False)
     runs = []
-    pipeline = llm.engine._decode_pipeline
-    monkeypatch.setattr(llm.engine, "_decode_pipeline", lambda *a: runs.append(1) or pipeline(*a))
+    pipeline = llm.engine.multi_step._pipeline
+    monkeypatch.setattr(llm.engine.multi_step, "_pipeline", lambda *a: runs.append(1) or pipeline(*a))
     piped = llm.generate(prompts, params, use_tqdm=False)
     assert len(runs) >= 2  # the batch did decode through the pipeline
     for a, b in zip(single, piped):

@@ -9,7 +9,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
@@ -28,8 +27,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence
-from .grammar import fill_masks, mask_words
-from .multi_step import PIPELINE_BRANCHES, decode_forward_fn, decode_sample_fn, decode_steps_fn, pipeline_branches
+from .multi_step import MultiStepDecoder
 from .sampler import SampleResult
 from .speculative import Speculator
 from .step import StepOutputs, step_fn
@@ -96,6 +94,7 @@ class LLMEngine:
         if spec is not None:
             self.speculator = Speculator(self, spec, draft, rows)
         self.embedder = Embedder(self, config.embedding_pooling)  # /v1/embeddings: borrows pages from this pool
+        self.multi_step = MultiStepDecoder(self)  # several decode steps a dispatch (config.decode_steps)
         self.requests: dict[str, list[Sequence]] = {}
         self.failed: list[tuple[str, BaseException]] = []  # requests failed alone since the owner last took them
         self.prompt_tokens = 0
@@ -230,16 +229,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.warmup()
         if self.config.decode_steps > 1:
-            inputs = self.builder.build([], bucket=self.builder.S)
-            with self._precision():
-                self.kv, out = decode_steps_fn(self.model, self.kv, inputs, np.zeros(self.builder.S, np.int32),
-                                               num_steps=self.config.decode_steps)
-                jax.block_until_ready(out)
-                self.kv, logits = decode_forward_fn(self.model, self.kv, inputs, out.tokens[0], out.tokens[0],
-                                                    np.int32(0))  # the pipeline for batches with grammars
-                for branches in PIPELINE_BRANCHES:
-                    jax.block_until_ready(decode_sample_fn(logits, inputs, self.builder.all_allowed, np.int32(0),
-                                                           branches=branches))
+            self.multi_step.warmup()
         self.compile_seconds = time.monotonic() - start
         log.info("compilation done in %.1f s", self.compile_seconds)
 
@@ -256,9 +246,9 @@ class LLMEngine:
             budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
             if self.speculator.propose(chunks, budget):
                 return self.speculator.verify(chunks)
-        active = self._multi_step_plan(chunks)
+        active = self.multi_step.plan(chunks)
         if active is not None:
-            return self._decode_steps(chunks, active)
+            return self.multi_step.decode(chunks, active)
         chunks, inputs = self._build(chunks)
         if not chunks:
             return []
@@ -327,104 +317,6 @@ class LLMEngine:
         with jax.default_matmul_precision("float32" if self.dtype == jnp.float32 else "default"), \
                 self.parallel.context():
             yield
-
-    def _multi_step_plan(self, chunks: list[ScheduledChunk]) -> list[int] | None:
-        """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""
-        k = self.config.decode_steps
-        if k <= 1 or self.scheduler.waiting and len(chunks) < self.builder.S:  # admit waiting requests first
-            return None
-        for c in chunks:
-            p = c.seq.params
-            if not (c.num_tokens == 1 and c.samples) or c.seq.max_tokens == 0 or c.seq.pending_forks \
-                    or p.uses_penalties \
-                    or c.seq.num_output < p.min_tokens or p.prompt_logprobs is not None and not c.seq.prompt_logprobs_done:
-                return None
-        active = [max(1, min(k, c.seq.max_tokens - c.seq.num_output, self.max_model_len - c.seq.num_tokens))
-                  for c in chunks]
-        for c, n in zip(chunks, active):
-            if not self.scheduler.reserve_ahead(c.seq, n):
-                return None
-        return active
-
-    def _decode_steps(self, chunks: list[ScheduledChunk], active: list[int]) -> list[RequestOutput]:
-        steps = {id(c.seq): n for c, n in zip(chunks, active)}
-        constrained = any(c.seq.constraint is not None for c in chunks)
-        chunks, inputs = self._build(chunks, bucket=self.builder.S, masks=not constrained)
-        if not chunks:
-            return []
-        active = [steps[id(c.seq)] for c in chunks]
-        rows = np.zeros(self.builder.S, np.int32)
-        rows[:len(active)] = active
-        grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
-        refused: dict[int, BaseException] = {}  # row -> why its grammar refused a token
-        if constrained:
-            out = self._decode_pipeline(chunks, active, inputs, rows, grammar_end, refused)
-        else:
-            with self._precision():
-                self.kv, out = decode_steps_fn(self.model, self.kv, inputs, rows, num_steps=self.config.decode_steps)
-            out = jax.device_get(out)
-        tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
-        for r, c in enumerate(chunks):
-            seq = c.seq
-            if seq.request_id not in self.requests:
-                continue
-            try:
-                if r in refused:
-                    raise refused[r]
-                seq.num_computed = c.start + active[r]
-                for j in range(active[r]):
-                    if seq.finished:
-                        break
-                    done = None if seq.constraint is None else grammar_end.get(r) == j  # accepted in the pipeline
-                    self._append_token(seq, tokens[j][r], out, (j, r), grammar_done=done)
-                if not seq.finished:
-                    self.scheduler.register_full_pages(seq)
-            except Exception as e:  # noqa: BLE001 - this request's own fault
-                self.fail(seq.request_id, e)
-        return self._collect_all(c.seq.request_id for c in chunks)
-
-    def _decode_pipeline(self, chunks: list[ScheduledChunk], active: list[int], inputs, rows: np.ndarray,
-                         grammar_end: dict[int, int], refused: dict[int, BaseException]) -> SampleResult:
-        """The decode steps of a batch with grammars, two dispatches a step: while the device runs step j's
-        forward, the host advances each grammar by its step j-1 token and computes its step j mask. Returns the
-        steps' samples on the host ([step, row] leading axes) and fills grammar_end and refused."""
-        grammars = [(c.seq.constraint, r) for r, c in enumerate(chunks) if c.seq.constraint is not None]
-        words = mask_words(self.model.cfg.vocab_size)
-        active_rows = jax.device_put(rows)
-        params = [c.seq.params for c in chunks]
-        branches = pipeline_branches(all_greedy=all(p.temperature == 0.0 for p in params),
-                                     any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params),
-                                     want_logprobs=any(p.logprobs is not None for p in params))
-        results: list[SampleResult] = []
-        previous = active_rows  # any [S] i32 array: step 0 reads the packed tokens instead
-
-        def advance(j: int) -> None:
-            """Each live grammar takes its row's token of step j."""
-            tokens = np.asarray(results[j].tokens)
-            for constraint, r in grammars:
-                if j < active[r] and r not in grammar_end and r not in refused:
-                    try:
-                        if constraint.accept(int(tokens[r])):
-                            grammar_end[r] = j
-                    except Exception as e:  # noqa: BLE001 - this request's own fault, failed when applied
-                        refused[r] = e
-
-        with self._precision():
-            for j in range(self.config.decode_steps):
-                self.kv, logits = decode_forward_fn(self.model, self.kv, inputs, previous, active_rows, np.int32(j))
-                if j:
-                    advance(j - 1)  # the forward above is queued: this host work overlaps it
-                live = [(c, r) for c, r in grammars
-                        if j < active[r] and r not in grammar_end and r not in refused]
-                allowed = np.full((self.builder.S, words), -1, np.int32)  # fresh: the last one may still be in flight
-                if live:
-                    fill_masks(live, allowed)
-                results.append(decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j),
-                                                branches=branches))
-                previous = results[-1].tokens
-        advance(self.config.decode_steps - 1)
-        host = jax.device_get(results)
-        return jax.tree.map(lambda *steps: np.stack(steps), *host)
 
     def _fork(self, parent: Sequence) -> None:
         """Choices 1..n-1 start from the parent's computed prompt pages, shared by reference count."""

@@ -9,16 +9,25 @@ the batch is token r; a row stops writing K/V after its `active` steps (its max_
 and the host discards what it sampled past a stop."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from .grammar import fill_masks, mask_words
+from .outputs import RequestOutput
 from .packing import Packed
 from .sampler import Branches, SampleResult, SamplingBatch, sample
+from .scheduler import ScheduledChunk
 from .step import StepInputs
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
 
 
 def _forward(model: DecoderModel, kv: KVCache, x: StepInputs, tokens: jax.Array, active: jax.Array,
@@ -85,3 +94,127 @@ PIPELINE_BRANCHES = sorted({pipeline_branches(all_greedy=g, any_filter=f, want_l
 decode_steps_fn = jax.jit(run_decode_steps, donate_argnums=(1,), static_argnames=("num_steps",))
 decode_forward_fn = jax.jit(run_decode_forward, donate_argnums=(1,))
 decode_sample_fn = jax.jit(run_decode_sample, static_argnames=("branches",))
+
+
+class MultiStepDecoder:
+    """The engine's multi-step decoding (host side): whether a step can take several decode steps, and running
+    them (one scan, or the two-dispatch pipeline for grammars). It works on the engine's own state (its KV cache,
+    scheduler and requests), as the Speculator does, and appends tokens through the engine's token path."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def warmup(self) -> None:
+        """Compiles the scan and the pipeline's programs (its forward and every sampling branch set)."""
+        e = self.engine
+        inputs = e.builder.build([], bucket=e.builder.S)
+        with e._precision():
+            e.kv, out = decode_steps_fn(e.model, e.kv, inputs, np.zeros(e.builder.S, np.int32),
+                                        num_steps=e.config.decode_steps)
+            jax.block_until_ready(out)
+            e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, out.tokens[0], out.tokens[0], np.int32(0))
+            for branches in PIPELINE_BRANCHES:
+                jax.block_until_ready(decode_sample_fn(logits, inputs, e.builder.all_allowed, np.int32(0),
+                                                       branches=branches))
+
+    def plan(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""
+        e = self.engine
+        k = e.config.decode_steps
+        if k <= 1 or e.scheduler.waiting and len(chunks) < e.builder.S:  # admit waiting requests first
+            return None
+        for c in chunks:
+            p = c.seq.params
+            if not (c.num_tokens == 1 and c.samples) or c.seq.max_tokens == 0 or c.seq.pending_forks \
+                    or p.uses_penalties \
+                    or c.seq.num_output < p.min_tokens or p.prompt_logprobs is not None and not c.seq.prompt_logprobs_done:
+                return None
+        active = [max(1, min(k, c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens))
+                  for c in chunks]
+        for c, n in zip(chunks, active):
+            if not e.scheduler.reserve_ahead(c.seq, n):
+                return None
+        return active
+
+    def decode(self, chunks: list[ScheduledChunk], active: list[int]) -> list[RequestOutput]:
+        """Runs the planned steps (row r takes active[r]) and applies each row's tokens up to its stop."""
+        e = self.engine
+        steps = {id(c.seq): n for c, n in zip(chunks, active)}
+        constrained = any(c.seq.constraint is not None for c in chunks)
+        chunks, inputs = e._build(chunks, bucket=e.builder.S, masks=not constrained)
+        if not chunks:
+            return []
+        active = [steps[id(c.seq)] for c in chunks]
+        rows = np.zeros(e.builder.S, np.int32)
+        rows[:len(active)] = active
+        grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
+        refused: dict[int, BaseException] = {}  # row -> why its grammar refused a token
+        if constrained:
+            out = self._pipeline(chunks, active, inputs, rows, grammar_end, refused)
+        else:
+            with e._precision():
+                e.kv, out = decode_steps_fn(e.model, e.kv, inputs, rows, num_steps=e.config.decode_steps)
+            out = jax.device_get(out)
+        tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
+        for r, c in enumerate(chunks):
+            seq = c.seq
+            if seq.request_id not in e.requests:
+                continue
+            try:
+                if r in refused:
+                    raise refused[r]
+                seq.num_computed = c.start + active[r]
+                for j in range(active[r]):
+                    if seq.finished:
+                        break
+                    done = None if seq.constraint is None else grammar_end.get(r) == j  # accepted in the pipeline
+                    e._append_token(seq, tokens[j][r], out, (j, r), grammar_done=done)
+                if not seq.finished:
+                    e.scheduler.register_full_pages(seq)
+            except Exception as err:  # noqa: BLE001 - this request's own fault
+                e.fail(seq.request_id, err)
+        return e._collect_all(c.seq.request_id for c in chunks)
+
+    def _pipeline(self, chunks: list[ScheduledChunk], active: list[int], inputs, rows: np.ndarray,
+                  grammar_end: dict[int, int], refused: dict[int, BaseException]) -> SampleResult:
+        """The decode steps of a batch with grammars, two dispatches a step: while the device runs step j's
+        forward, the host advances each grammar by its step j-1 token and computes its step j mask. Returns the
+        steps' samples on the host ([step, row] leading axes) and fills grammar_end and refused."""
+        e = self.engine
+        grammars = [(c.seq.constraint, r) for r, c in enumerate(chunks) if c.seq.constraint is not None]
+        words = mask_words(e.model.cfg.vocab_size)
+        active_rows = jax.device_put(rows)
+        params = [c.seq.params for c in chunks]
+        branches = pipeline_branches(all_greedy=all(p.temperature == 0.0 for p in params),
+                                     any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params),
+                                     want_logprobs=any(p.logprobs is not None for p in params))
+        results: list[SampleResult] = []
+        previous = active_rows  # any [S] i32 array: step 0 reads the packed tokens instead
+
+        def advance(j: int) -> None:
+            """Each live grammar takes its row's token of step j."""
+            tokens = np.asarray(results[j].tokens)
+            for constraint, r in grammars:
+                if j < active[r] and r not in grammar_end and r not in refused:
+                    try:
+                        if constraint.accept(int(tokens[r])):
+                            grammar_end[r] = j
+                    except Exception as err:  # noqa: BLE001 - this request's own fault, failed when applied
+                        refused[r] = err
+
+        with e._precision():
+            for j in range(e.config.decode_steps):
+                e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, previous, active_rows, np.int32(j))
+                if j:
+                    advance(j - 1)  # the forward above is queued: this host work overlaps it
+                live = [(c, r) for c, r in grammars
+                        if j < active[r] and r not in grammar_end and r not in refused]
+                allowed = np.full((e.builder.S, words), -1, np.int32)  # fresh: the last one may still be in flight
+                if live:
+                    fill_masks(live, allowed)
+                results.append(decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j),
+                                                branches=branches))
+                previous = results[-1].tokens
+        advance(e.config.decode_steps - 1)
+        host = jax.device_get(results)
+        return jax.tree.map(lambda *steps: np.stack(steps), *host)
