@@ -113,12 +113,13 @@ def test_sigterm_with_64_streams_finishes_them_all_then_exits_0(storm_server):
 
 
 def test_drain_timeout_ends_unfinished_streams_with_an_error_event():
-    timeout = 3.0
-    # one decode step per dispatch and one sequence at a time: the work outlasts the drain timeout
+    timeout = 1.5
+    # one decode step per dispatch, two sequences at a time, 2,000 tokens each: the work outlasts the drain timeout
+    # (1,000 tokens against 3 s did not, on an idle 2-core machine: the running streams finished in time)
     with ServeProcess("--max-num-seqs=2", "--decode-steps=1", f"--drain-timeout={timeout}",
-                      "--max-model-len=1024") as proc:
+                      "--max-model-len=2048") as proc:
         async def scenario():
-            body = {"model": MODEL, "prompt": "a very long answer", "max_tokens": 1000, "ignore_eos": True}
+            body = {"model": MODEL, "prompt": "a very long answer", "max_tokens": 2000, "ignore_eos": True}
             async with httpx.AsyncClient(timeout=120) as client:
                 tasks = [asyncio.ensure_future(stream_completion(client, proc.url, body)) for _ in range(4)]
                 deadline = time.monotonic() + 60
