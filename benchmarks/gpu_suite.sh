@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity kernels prefill throughput throughput8b quant profile peer peer8b structured grammar sampling sampler apitests speculative tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput throughput8b quant profile peer peer8b structured grammar sampling sampler apitests speculative tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -21,6 +21,8 @@ for part in $parts; do
       # the 8B shape with a 1B-shaped draft of its vocabulary (random weights: the cost of a draft, not its gain)
       python3 benchmarks/speculative.py --shape llama-3-8b --batch-sizes 1 8 --tokens 64 --smallest-bucket 64 2>&1 \
         | grep -v Warning ;;
+    samplertests) python3 -m pytest -q -p no:cacheprovider tests/test_sampler.py tests/test_sampler_filters.py 2>&1 \
+        | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
     parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
     prefill) python3 benchmarks/prefill.py --shape llama-3.2-1b --tokens 2048 ;;
     throughput) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
@@ -30,7 +32,7 @@ for part in $parts; do
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
         --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep -v Warning ;;
     # Llama-3-8B shape, bf16 vs FP8 vs INT8 vs GGUF Q8_0 blocks: one stream (ms/token) and a batch of 64 (tokens/s)
-    quant) for q in none fp8 int8 q8_0; do flag=$([ $q = none ] || echo "--quantization $q"); echo "--- $q"
+    quant) for q in ${QUANTS:-none fp8 int8 q8_0}; do flag=$([ $q = none ] || echo "--quantization $q"); echo "--- $q"
         python3 benchmarks/throughput.py --shape llama-3-8b $flag --requests 64 --prompt-len 256 --output-len 128 \
           --max-num-seqs 64 --max-num-batched-tokens 1024 --smallest-bucket 64 --single-stream-tokens 256 \
           --json "$OUT/quant-llama-3-8b-$q.json" 2>&1 | grep -E "output_tokens|single_stream|compile|Error"; done ;;
@@ -41,12 +43,13 @@ for part in $parts; do
           --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 | grep -E "output_tokens|single_stream|compile|Error"; done ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep -v Warning ;;
     grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep -v Warning ;;
-    sampling) for shape in llama-3.2-1b qwen3-0.6b; do for greedy in "" --all-greedy; do
+    sampling) for shape in ${SHAPES:-llama-3.2-1b qwen3-0.6b}; do for greedy in "" --all-greedy; do
         echo "--- $shape mixed $greedy"
         python3 benchmarks/throughput.py --shape $shape --workload mixed $greedy --requests 256 --prompt-len 256 \
           --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep -E "output_tokens|phase|Error"; done; done ;;
-    sampler) python3 benchmarks/sampler.py --rows 256 --vocab 128256 2>&1 | grep -v Warning ;;
+    sampler) python3 benchmarks/sampler.py --rows 256 --vocab 128256 --methods sort search15 candidates --repeats 10 \
+        --breakdown 2>&1 | grep -v Warning ;;
     structured) for f in 0 0.5; do python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 \
         --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --constrained-fraction $f \
         --json "$OUT/structured-$f.json" 2>&1 | grep -E "output_tokens|seconds|phase|Error"; done ;;

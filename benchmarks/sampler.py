@@ -10,20 +10,22 @@ all-greedy batch of the same shape; every method must draw the same tokens (they
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
 
 from capstan.runtime.engine.batch import row_key_data  # noqa: E402
-from capstan.runtime.engine.sampler import FILTERS, SamplingBatch, sample  # noqa: E402
+from capstan.runtime.engine.sampler import DRAWS, FILTERS, Branches, SamplingBatch, sample  # noqa: E402
 
 
 def logits_of(kind: str, rows: int, vocab: int, rng) -> np.ndarray:
@@ -53,41 +55,73 @@ def mixed_batch(rows: int, vocab: int, greedy: bool) -> SamplingBatch:
         plain_greedy=np.bool_(greedy))
 
 
+def branches_of(b: SamplingBatch) -> Branches:
+    """The branches the host decides for the batch (the grammar pipeline's way: no lax.cond in the program)."""
+    return Branches(plain_greedy=bool(b.plain_greedy), any_constrained=bool(b.any_constrained),
+                    any_penalty=bool(b.any_penalty), any_filter=bool(b.any_filter),
+                    all_greedy=bool(np.all(b.temperature == 0)), want_logprobs=bool(b.want_logprobs))
+
+
+def breakdown(logits, batch: SamplingBatch, methods, repeats: int) -> None:
+    """Where a sampled step's time goes: the Gumbel noise alone, each filter alone, the draw without filters."""
+    V = logits.shape[1]
+    keys = jnp.asarray(batch.key_data)
+    noise = jax.jit(lambda k: jax.vmap(lambda k: jax.random.gumbel(jax.random.wrap_key_data(k), (V,)))(k))
+    ms, _ = timed(noise, keys, repeats=repeats)
+    print(f"{'':>7} {'gumbel noise':>12}: {ms:8.3f} ms")
+    unfiltered = eqx.tree_at(lambda b: b.any_filter, batch, np.bool_(False))
+    ms, _ = timed(jax.jit(functools.partial(sample, branches=branches_of(unfiltered))), logits,
+                  jax.device_put(unfiltered), repeats=repeats)
+    print(f"{'':>7} {'no filters':>12}: {ms:8.3f} ms  (bias, temperature, Gumbel draw)")
+    for method in [m for m in methods if m in FILTERS]:  # a draw (DRAWS) filters as it draws: no filter alone
+        ms, _ = timed(jax.jit(FILTERS[method]), logits, jax.device_put(batch), repeats=repeats)
+        print(f"{'':>7} {'filter ' + method:>12}: {ms:8.3f} ms")
+
+
 def timed(fn, *args, repeats: int) -> tuple[float, np.ndarray]:
-    out = jax.block_until_ready(fn(*args))  # compile
+    """Median ms of fn(*args) to its result on the host side's hands (a SampleResult's tokens, or the array)."""
+    result = lambda: getattr(out := fn(*args), "tokens", out)  # noqa: E731
+    tokens = jax.block_until_ready(result())  # compile
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(result())
         times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times), np.asarray(out.tokens)
+    return statistics.median(times), np.asarray(tokens)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--methods", nargs="+", default=list(FILTERS), choices=list(FILTERS))
+    ap.add_argument("--methods", nargs="+", default=[*FILTERS, *DRAWS], choices=[*FILTERS, *DRAWS])
     ap.add_argument("--distributions", nargs="+", default=["flat", "peaked"], choices=["flat", "peaked"])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--branches", nargs="+", default=["static", "traced"], choices=["static", "traced"])
+    ap.add_argument("--breakdown", action="store_true", help="also time the noise, each filter and the bare draw")
     a = ap.parse_args(argv)
     print(f"device {jax.devices()[0].device_kind}, {a.rows} rows x {a.vocab} vocabulary, median of {a.repeats}")
     rng = np.random.default_rng(0)
     for dist in a.distributions:
         logits = jnp.asarray(logits_of(dist, a.rows, a.vocab, rng))
-        greedy_ms, _ = timed(jax.jit(sample), logits, mixed_batch(a.rows, a.vocab, True), repeats=a.repeats)
-        print(f"{dist:>7} {'all greedy':>12}: {greedy_ms:8.3f} ms")
-        reference = None
-        for method in a.methods:
-            os.environ["CAPSTAN_SAMPLING_FILTERS"] = method  # read when the sampler is traced
-            ms, tokens = timed(jax.jit(lambda x, b: sample(x, b)), logits, mixed_batch(a.rows, a.vocab, False),
-                               repeats=a.repeats)
-            reference = tokens if reference is None else reference
-            same = "same tokens" if np.array_equal(tokens, reference) else \
-                f"{int(np.sum(tokens != reference))} rows differ (float rounding at a threshold?)"
-            print(f"{dist:>7} {method:>12}: {ms:8.3f} ms  {ms / greedy_ms:5.2f}x greedy  {same}")
-        os.environ.pop("CAPSTAN_SAMPLING_FILTERS", None)
-
+        for how in a.branches:  # static: decided on the host; traced: a lax.cond per branch on the device
+            def fn(batch):
+                return jax.jit(functools.partial(sample, branches=branches_of(batch) if how == "static" else None))
+            greedy = mixed_batch(a.rows, a.vocab, True)
+            greedy_ms, _ = timed(fn(greedy), logits, jax.device_put(greedy), repeats=a.repeats)
+            print(f"{dist:>7} {'all greedy':>12}: {greedy_ms:8.3f} ms  ({how} branches)")
+            reference = None
+            for method in a.methods:
+                os.environ["CAPSTAN_SAMPLING_FILTERS"] = method  # read when the sampler is traced
+                mixed = mixed_batch(a.rows, a.vocab, False)
+                ms, tokens = timed(fn(mixed), logits, jax.device_put(mixed), repeats=a.repeats)
+                reference = tokens if reference is None else reference
+                same = "same tokens" if np.array_equal(tokens, reference) else \
+                    f"{int(np.sum(tokens != reference))} rows differ (float rounding at a threshold?)"
+                print(f"{dist:>7} {method:>12}: {ms:8.3f} ms  {ms / greedy_ms:5.2f}x greedy  {same}")
+            os.environ.pop("CAPSTAN_SAMPLING_FILTERS", None)
+        if a.breakdown:
+            breakdown(logits, mixed_batch(a.rows, a.vocab, False), a.methods, a.repeats)
 
 if __name__ == "__main__":
     main()

@@ -49,6 +49,12 @@ def _at_step(sampling: SamplingBatch, j: jax.Array) -> SamplingBatch:
     return eqx.tree_at(lambda s: s.position, sampling, sampling.position + j)  # each step draws with its own key
 
 
+# the scan never sees grammars (the pipeline takes them) or penalties and bans (plan() refuses them): two
+# lax.cond fewer a step; the rest stay on the device's flags, so one program serves every free batch
+SCAN_BRANCHES = Branches(plain_greedy=None, any_constrained=False, any_penalty=False, any_filter=None, all_greedy=None,
+                         want_logprobs=None)
+
+
 def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: jax.Array,
                      num_steps: int) -> tuple[KVCache, SampleResult]:
     """packed holds one decode token per row (T == S); returns SampleResult with a leading [num_steps] axis."""
@@ -57,7 +63,7 @@ def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: j
     def one(carry, j):
         kv, tokens = carry
         logits, kv = _forward(model, kv, x, tokens, active, j)
-        result = sample(logits, _at_step(x.sampling, j))
+        result = sample(logits, _at_step(x.sampling, j), SCAN_BRANCHES)
         return (kv, result.tokens), result
 
     (kv, _), results = jax.lax.scan(one, (kv, x.tokens), jnp.arange(num_steps))

@@ -48,15 +48,16 @@ class SampleResult(eqx.Module):
 
 
 class Branches(NamedTuple):
-    """A batch's sampling branches decided on the host. A program compiled for them has no lax.cond, whose
-    predicate XLA:GPU copies back to the host: the host would wait there for the device to catch up, and could
-    not queue the next program meanwhile (the decode pipeline for grammars needs it to)."""
-    plain_greedy: bool
-    any_constrained: bool
-    any_penalty: bool
-    any_filter: bool
-    all_greedy: bool
-    want_logprobs: bool
+    """A batch's sampling branches decided on the host (None: left to a lax.cond on the batch's flag). A program
+    compiled for them has no lax.cond, whose predicate XLA:GPU copies back to the host: the host would wait there
+    for the device to catch up, and could not queue the next program meanwhile (the decode pipeline for grammars
+    needs it to)."""
+    plain_greedy: bool | None
+    any_constrained: bool | None
+    any_penalty: bool | None
+    any_filter: bool | None
+    all_greedy: bool | None
+    want_logprobs: bool | None
 
 
 def _branch(static: bool | None, traced: jax.Array, yes, no, *args):
@@ -100,14 +101,17 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | 
     x = _branch(branches and branches.any_penalty, b.any_penalty, _apply_penalties, lambda x, b: x, x, b)
     greedy = b.temperature == 0.0
     x = x / jnp.where(greedy, 1.0, b.temperature)[:, None]
-    x = _branch(branches and branches.any_filter, b.any_filter, _apply_filters, lambda x, b: x, x, b)
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
 
-    def draw(x):
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-        return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x + gumbel, axis=-1))
+    def noise():  # [S, V]: a function of the row's key and the token id only (batch-invariant)
+        return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
 
-    return _branch(branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw,
+    name = filters_name(jax.default_backend())
+    filtered = (lambda x: DRAWS[name](x, b, greedy, noise)) if name in DRAWS else \
+        (lambda x: _draw(FILTERS[name](x, b), greedy, noise))
+    sampled = lambda x: _branch(branches and branches.any_filter, b.any_filter, filtered,  # noqa: E731
+                                lambda x: _draw(x, greedy, noise), x)
+    return _branch(branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), sampled,
                    x).astype(jnp.int32)
 
 
@@ -165,34 +169,55 @@ def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
     return filters_by_search(x, b, pivots=1)
 
 
-CANDIDATES = 16  # XLA:GPU's own top-k kernel covers k <= 16; a larger k is a full sort
+BLOCK, BLOCKS, DRAWN = 32, 256, 16  # candidates: the values of the 256 blocks of 32 with the largest maxima
 
 
-def filters_by_candidates(x: jax.Array, b: SamplingBatch, fallback=filters_by_search) -> jax.Array:
-    """The thresholds read off each row's 16 largest values when those decide them, as on the peaked distributions
-    trained models give (top-k <= 16; the top-p boundary above the 16th value; a min-p floor above it), one pass
-    over the vocabulary for top-p's normaliser; otherwise `fallback` for the whole batch. Exact either way."""
+def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise, fallback=None) -> jax.Array:
+    """Top-k, top-p and min-p, then the Gumbel-max draw, without sorting the vocabulary; the same tokens as
+    `fallback`'s kept set with the same noise. Each row's candidates are the values of its BLOCKS blocks with the
+    largest maxima: every value above t0 (the smallest of those maxima) is among them, so once sorted they give
+    the k-th value exactly for k <= BLOCKS, and top-p's threshold when the values above t0 hold at least top_p of
+    the mass (peaked rows, as trained models give). Where top-p is not decided that way (flat rows), the draw
+    checks its DRAWN best perturbed values, best first: the first whose mass above is below top_p is the token
+    the full kept set would give. A batch with a row neither decides takes `fallback` (a full sort)."""
     S, V = x.shape
-    C = min(CANDIDATES, V)
-    c = jax.lax.top_k(x, C)[0]  # [S, C], descending
-    top, last = c[:, 0], c[:, C - 1]
+    fallback = fallback or filters_by_sort
+    nb = -(-V // BLOCK)
+    if nb <= BLOCKS:  # a small vocabulary: sorting it is the cheap way
+        return _draw(fallback(x, b), greedy, noise)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
+    maxima, which = jax.lax.top_k(jnp.max(blocks, axis=-1), BLOCKS)
+    t0 = maxima[:, -1]
+    c = -jnp.sort(-jnp.take_along_axis(blocks, which[:, :, None], axis=1).reshape(S, BLOCKS * BLOCK), axis=-1)
+    top = jnp.where(jnp.isfinite(c[:, 0]), c[:, 0], 0.0)
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
-    k_on, p_on, floor_on = k < V, b.top_p < 1.0, b.min_p > 0
-    kth = jnp.where(k_on, jnp.take_along_axis(c, jnp.clip(k - 1, 0, C - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
-    # top-p renormalises over {x >= kth}; every value above `last` is a candidate, so the mass strictly above
-    # each candidate is exact, and the boundary is decided when `last` itself has at least top_p above it
-    z = jnp.sum(jnp.where(x >= kth[:, None], jnp.exp(x - top[:, None]), 0.0), axis=-1)
+    k_on, p_on = k < V, b.top_p < 1.0
+    kc = jnp.take_along_axis(c, jnp.clip(k - 1, 0, c.shape[1] - 1)[:, None], axis=-1)[:, 0]
+    kth = jnp.where(k_on, kc, -jnp.inf)
+    k_known = ~k_on | (k <= BLOCKS) | ((k <= c.shape[1]) & (kc > t0))  # every value above t0 is a candidate
+    # top-p renormalises over the top-k set {x >= kth}: its mass from one pass over the row
+    weights = jnp.where(x >= kth[:, None], jnp.exp(x - top[:, None]), 0.0)
+    z = jnp.sum(weights, axis=-1)
     pc = jnp.where(c >= kth[:, None], jnp.exp(c - top[:, None]), 0.0) / z[:, None]
-    above = jnp.sum(jnp.where(c[:, None, :] > c[:, :, None], pc[:, None, :], 0.0), axis=-1)  # [S, C]
-    pth = jnp.min(jnp.where(above < b.top_p[:, None], c, jnp.inf), axis=-1)
-    floor = jnp.where(floor_on, top + jnp.log(jnp.maximum(b.min_p, 1e-30)), -jnp.inf)  # p >= min_p * p_max
-    threshold = jnp.maximum(jnp.maximum(kth, jnp.where(p_on, pth, -jnp.inf)), floor)
-    k_known = ~k_on | (k <= C)
-    p_known = ~p_on | (k_known & (above[:, C - 1] >= b.top_p))
-    # with k > C and no top-p, a min-p floor above the 16th value is the threshold whatever the k-th value is
-    decided = (k_known & p_known) | (~p_on & (floor > last))
-    return jax.lax.cond(jnp.all(decided), lambda: jnp.where(x >= threshold[:, None], x, -jnp.inf),
-                        lambda: fallback(x, b))
+    before = jnp.cumsum(pc, axis=-1) - pc  # exact mass above each candidate above t0
+    pth = jnp.min(jnp.where(before < b.top_p[:, None], c, jnp.inf), axis=-1)
+    p_by_blocks = ~p_on | (k_known & (jnp.sum(jnp.where(c > t0[:, None], pc, 0.0), axis=-1) >= b.top_p))
+    floor = jnp.where(b.min_p > 0, top + jnp.log(jnp.maximum(b.min_p, 1e-30)), -jnp.inf)  # p >= min_p * p_max
+    threshold = jnp.maximum(jnp.maximum(kth, floor), jnp.where(p_on & p_by_blocks, pth, -jnp.inf))
+    drawn, ids = jax.lax.top_k(jnp.where(x >= threshold[:, None], x + noise(), -jnp.inf), DRAWN)
+    # rows whose top-p is still open: the mass above each drawn value (a row reduction per drawn value)
+    xd = jnp.take_along_axis(x, ids, axis=-1)
+    above = jnp.sum(jnp.where(x[:, None, :] > xd[:, :, None], weights[:, None, :], 0.0), axis=-1) / z[:, None]
+    kept = (drawn > -jnp.inf) & (p_by_blocks[:, None] | (above < b.top_p[:, None]))
+    token = jnp.take_along_axis(ids, jnp.argmax(kept, axis=-1)[:, None], axis=-1)[:, 0]
+    decided = greedy | (k_known & jnp.any(kept, axis=-1))
+    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), token)
+    return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
+
+
+def _draw(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
+    """Greedy rows take the argmax, the rest the Gumbel-max draw over what their filters kept."""
+    return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x + noise(), axis=-1))
 
 
 def filters_by_sort(x: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -251,10 +276,8 @@ def _search(keys: jax.Array, holds, pivots: int, smallest_false: bool = False) -
 
 
 FILTERS = {"sort": filters_by_sort, "bisection": filters_by_bisection,
-           **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)},
-           "candidates+search15": functools.partial(
-               filters_by_candidates, fallback=functools.partial(filters_by_search, pivots=15)),
-           "candidates+sort": functools.partial(filters_by_candidates, fallback=filters_by_sort)}
+           **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)}}
+DRAWS = {"candidates": draw_by_candidates}  # methods that filter as they draw
 
 
 def filters_name(backend: str) -> str:
@@ -262,13 +285,9 @@ def filters_name(backend: str) -> str:
     tokens/s), on CPUs (and TPUs, untested) the bisection (2.4x on this repository's CPU benchmark):
     benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names another (benchmarks/sampler.py compares them)."""
     name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("sort" if backend == "gpu" else "bisection")
-    if name not in FILTERS:
-        raise ValueError(f"CAPSTAN_SAMPLING_FILTERS={name!r}: not one of {', '.join(FILTERS)}")
+    if name not in FILTERS and name not in DRAWS:
+        raise ValueError(f"CAPSTAN_SAMPLING_FILTERS={name!r}: not one of {', '.join([*FILTERS, *DRAWS])}")
     return name
-
-
-def _apply_filters(x: jax.Array, b: SamplingBatch) -> jax.Array:
-    return FILTERS[filters_name(jax.default_backend())](x, b)
 
 
 def top_logprobs(lp: jax.Array) -> tuple[jax.Array, jax.Array]:
