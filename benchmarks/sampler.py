@@ -25,7 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from capstan.runtime.engine.batch import row_key_data  # noqa: E402
-from capstan.runtime.engine.sampler import DRAWS, FILTERS, Branches, SamplingBatch, sample  # noqa: E402
+from capstan.runtime.engine.sampler import (DRAWN, DRAWS, FILTERS, Branches, SamplingBatch, block_candidates,  # noqa: E402
+                                           mass_above, sample)
 
 
 def logits_of(kind: str, rows: int, vocab: int, rng) -> np.ndarray:
@@ -73,6 +74,15 @@ def breakdown(logits, batch: SamplingBatch, methods, repeats: int) -> None:
     ms, _ = timed(jax.jit(functools.partial(sample, branches=branches_of(unfiltered))), logits,
                   jax.device_put(unfiltered), repeats=repeats)
     print(f"{'':>7} {'no filters':>12}: {ms:8.3f} ms  (bias, temperature, Gumbel draw)")
+    if "candidates" in methods:  # the candidates draw's stages, each alone
+        ms, _ = timed(jax.jit(block_candidates), logits, repeats=repeats)
+        print(f"{'':>7} {'candidates: blocks':>12}: {ms:8.3f} ms  (block maxima, the top blocks, their sort)")
+        best = jax.jit(lambda x, k: jax.lax.top_k(x + noise(k), DRAWN)[1])
+        ms, ids = timed(best, logits, keys, repeats=repeats)
+        print(f"{'':>7} {'candidates: drawn':>12}: {ms:8.3f} ms  (noise, the {DRAWN} best perturbed values)")
+        drawn = jnp.take_along_axis(logits, jnp.asarray(ids), axis=-1)
+        ms, _ = timed(jax.jit(lambda x, d: mass_above(x, jnp.exp(x), d)), logits, drawn, repeats=repeats)
+        print(f"{'':>7} {'candidates: mass':>12}: {ms:8.3f} ms  (the mass above each drawn value)")
     for method in [m for m in methods if m in FILTERS]:  # a draw (DRAWS) filters as it draws: no filter alone
         ms, _ = timed(jax.jit(FILTERS[method]), logits, jax.device_put(batch), repeats=repeats)
         print(f"{'':>7} {'filter ' + method:>12}: {ms:8.3f} ms")
@@ -87,7 +97,7 @@ def timed(fn, *args, repeats: int) -> tuple[float, np.ndarray]:
         t0 = time.perf_counter()
         jax.block_until_ready(result())
         times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times), np.asarray(tokens)
+    return statistics.median(times), np.asarray(jax.tree.leaves(tokens)[0])
 
 
 def main(argv=None) -> None:

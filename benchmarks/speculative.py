@@ -61,8 +61,10 @@ def main(argv=None) -> None:
                     help="draft-small's shape, given the target's vocabulary (default: llama-3.2-1b for llama-3-8b, "
                          "else tiny)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="auto: float32 on CPUs, bfloat16 elsewhere (where a verify chunk's rounding may flip near-ties)")
     a = ap.parse_args(argv)
-    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
     model = random_model(cfg, dtype)
     a.draft_shape = a.draft_shape or ("llama-3.2-1b" if a.shape == "llama-3-8b" else "tiny")
@@ -76,7 +78,7 @@ def main(argv=None) -> None:
     for name, shape in (("draft-target", a.shape), ("draft-small", a.draft_shape)):  # the models are given below
         configs[name] = SpeculativeConfig(method="draft_model", model=f"random {shape}", num_speculative_tokens=a.k)
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    print(f"shape {a.shape}, {jax.devices()[0].device_kind}, K={a.k}, {a.tokens} output tokens a request, greedy")
+    print(f"shape {a.shape} {dtype}, {jax.devices()[0].device_kind}, K={a.k}, {a.tokens} output tokens a request, greedy")
     if "draft-small" in a.methods:
         print(f"draft-small: shape {a.draft_shape} ({draft_cfg.num_layers} layers, hidden {draft_cfg.hidden_size}) "
               f"with the target's vocabulary ({cfg.vocab_size}), random weights of its own: its acceptance is what two "

@@ -185,10 +185,7 @@ def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise,
     nb = -(-V // BLOCK)
     if nb <= BLOCKS:  # a small vocabulary: sorting it is the cheap way
         return _draw(fallback(x, b), greedy, noise)
-    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
-    maxima, which = jax.lax.top_k(jnp.max(blocks, axis=-1), BLOCKS)
-    t0 = maxima[:, -1]
-    c = -jnp.sort(-jnp.take_along_axis(blocks, which[:, :, None], axis=1).reshape(S, BLOCKS * BLOCK), axis=-1)
+    c, t0 = block_candidates(x)
     top = jnp.where(jnp.isfinite(c[:, 0]), c[:, 0], 0.0)
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
     k_on, p_on = k < V, b.top_p < 1.0
@@ -207,12 +204,27 @@ def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise,
     drawn, ids = jax.lax.top_k(jnp.where(x >= threshold[:, None], x + noise(), -jnp.inf), DRAWN)
     # rows whose top-p is still open: the mass above each drawn value (a row reduction per drawn value)
     xd = jnp.take_along_axis(x, ids, axis=-1)
-    above = jnp.sum(jnp.where(x[:, None, :] > xd[:, :, None], weights[:, None, :], 0.0), axis=-1) / z[:, None]
+    above = mass_above(x, weights, xd) / z[:, None]
     kept = (drawn > -jnp.inf) & (p_by_blocks[:, None] | (above < b.top_p[:, None]))
     token = jnp.take_along_axis(ids, jnp.argmax(kept, axis=-1)[:, None], axis=-1)[:, 0]
     decided = greedy | (k_known & jnp.any(kept, axis=-1))
     tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), token)
     return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
+
+
+def block_candidates(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's candidates, sorted descending [S, BLOCKS * BLOCK], and t0: every value above t0 is among them."""
+    S, V = x.shape
+    nb = -(-V // BLOCK)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
+    maxima, which = jax.lax.top_k(jnp.max(blocks, axis=-1), BLOCKS)
+    c = jnp.take_along_axis(blocks, which[:, :, None], axis=1).reshape(S, BLOCKS * BLOCK)
+    return -jnp.sort(-c, axis=-1), maxima[:, -1]
+
+
+def mass_above(x: jax.Array, weights: jax.Array, values: jax.Array) -> jax.Array:
+    """[S, D]: per row, the sum of weights over the values strictly above each of its D values (D row reductions)."""
+    return jnp.sum(jnp.where(x[:, None, :] > values[:, :, None], weights[:, None, :], 0.0), axis=-1)
 
 
 def _draw(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
@@ -281,10 +293,11 @@ DRAWS = {"candidates": draw_by_candidates}  # methods that filter as they draw
 
 
 def filters_name(backend: str) -> str:
-    """All are exact; on GPUs the sort is faster than the bisection (H100, mixed workload: 14,070 against 10,970
-    tokens/s), on CPUs (and TPUs, untested) the bisection (2.4x on this repository's CPU benchmark):
-    benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names another (benchmarks/sampler.py compares them)."""
-    name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("sort" if backend == "gpu" else "bisection")
+    """All are exact. On GPUs the candidates' draw (H100, mixed workload, Llama-3.2-1B shape: 18,100 tokens/s
+    against the sort's 14,070 and the bisection's 10,970), on CPUs (and TPUs, untested) the bisection (2.4x the
+    sort on this repository's CPU benchmark): benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names another
+    (benchmarks/sampler.py compares them)."""
+    name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("candidates" if backend == "gpu" else "bisection")
     if name not in FILTERS and name not in DRAWS:
         raise ValueError(f"CAPSTAN_SAMPLING_FILTERS={name!r}: not one of {', '.join([*FILTERS, *DRAWS])}")
     return name
