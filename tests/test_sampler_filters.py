@@ -10,8 +10,9 @@ import pytest
 
 import functools
 
-from capstan.runtime.engine.sampler import (BLOCK, BLOCKS, draw_by_candidates, filters_by_bisection, filters_by_search,
-                                           filters_by_sort, search_passes)
+from capstan.runtime.engine.sampler import (BLOCK, BLOCKS, best_by_blocks, best_by_top_k, draw_by_candidates,
+                                           filters_by_bisection, filters_by_search, filters_by_sort, gumbel_at,
+                                           search_passes)
 from test_sampler import batch
 
 
@@ -89,14 +90,24 @@ def peaked(rng, S, V):
     return (-2.0 * np.log(ranks) + 0.1 * rng.standard_normal((S, V))).astype(np.float32)
 
 
-def candidates_draw(x, b, fallback=None):
-    """draw_by_candidates on x with the row keys' Gumbel noise, and that noise."""
+def candidates_draw(x, b, fallback=None, best=best_by_top_k):
+    """draw_by_candidates on x with the row keys' Gumbel noise (jax.random.gumbel over the row), and that noise."""
     V = x.shape[1]
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
     noise = jax.jit(lambda k: jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(k))(keys)
     greedy = jnp.asarray(b.temperature == 0)
-    tokens = jax.jit(lambda x, b: draw_by_candidates(x, b, greedy, lambda: noise, fallback))(jnp.asarray(x), b)
+    at = lambda ids=None: noise if ids is None else jnp.take_along_axis(noise, ids, axis=-1)  # noqa: E731
+    tokens = jax.jit(lambda x, b: draw_by_candidates(x, b, greedy, at, fallback, best))(jnp.asarray(x), b)
     return np.asarray(tokens), np.asarray(noise)
+
+
+def test_the_noise_of_one_id_is_the_full_rows_noise_at_it():
+    keys = jax.vmap(lambda p: jax.random.fold_in(jax.random.key(7), p))(jnp.arange(3))
+    full = jax.vmap(lambda k: jax.random.gumbel(k, (5000,), jnp.float32))(keys)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 5000, (3, 40)))
+    data = jax.random.key_data(keys)
+    np.testing.assert_array_equal(gumbel_at(data, jnp.arange(5000)[None, :]), full)
+    np.testing.assert_array_equal(gumbel_at(data, ids), jnp.take_along_axis(full, ids, axis=-1))
 
 
 def reference_draw(x, noise, top_k, top_p, min_p, greedy):
@@ -108,8 +119,9 @@ def reference_draw(x, noise, top_k, top_p, min_p, greedy):
 V_LARGE = 2 * BLOCK * BLOCKS + 123  # more blocks than candidates, and a ragged last block
 
 
+@pytest.mark.parametrize("best", [best_by_top_k, best_by_blocks], ids=["top-k", "blocks"])
 @pytest.mark.parametrize("rows", ["flat", "peaked", "mixed"])
-def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows):
+def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, best):
     rng = np.random.default_rng(len(rows))
     S, V = 24, V_LARGE
     x = peaked(rng, S, V) if rows == "peaked" else (rng.standard_normal((S, V)) * 1.5).astype(np.float32)
@@ -122,7 +134,7 @@ def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows):
     temperature = rng.choice([0.0, 1.0, 1.0, 1.0], S).astype(np.float32)
     b = batch(S=S, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True),
               position=np.arange(S, dtype=np.int32))
-    got, noise = candidates_draw(x, b)
+    got, noise = candidates_draw(x, b, best=best)
     want, ambiguous = reference_draw(x, noise, top_k, top_p, min_p, temperature == 0)
     unsure = set(ambiguous)  # tokens whose mass above is within float rounding of top_p: either answer is right
     assert [r for r in range(S) if got[r] != want[r] and not {(r, got[r]), (r, want[r])} & unsure] == []

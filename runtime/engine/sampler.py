@@ -12,6 +12,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 from .sampling_params import MAX_LOGPROBS
 
@@ -101,10 +102,11 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | 
     x = _branch(branches and branches.any_penalty, b.any_penalty, _apply_penalties, lambda x, b: x, x, b)
     greedy = b.temperature == 0.0
     x = x / jnp.where(greedy, 1.0, b.temperature)[:, None]
-    keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
+    keys = jax.vmap(lambda k, p: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), p)))(
+        b.key_data, b.position)
 
-    def noise():  # [S, V]: a function of the row's key and the token id only (batch-invariant)
-        return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    def noise(ids=None):  # [S, V], or [S, n] at ids: a function of the row's key and the token id only
+        return gumbel_at(keys, jnp.arange(V)[None, :] if ids is None else ids)
 
     name = filters_name(jax.default_backend())
     filtered = (lambda x: DRAWS[name](x, b, greedy, noise)) if name in DRAWS else \
@@ -113,6 +115,19 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | 
                                 lambda x: _draw(x, greedy, noise), x)
     return _branch(branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), sampled,
                    x).astype(jnp.int32)
+
+
+def gumbel_at(keys: jax.Array, ids: jax.Array) -> jax.Array:
+    """Gumbel noise [S, n] for token ids [S or 1, n] under each row's key data [S, 2]: threefry2x32 of (0, id), so
+    any id's noise can be drawn alone; bit for bit what jax.random.gumbel(key, (V,))[id] gives (JAX's
+    partitionable threefry), so seeded outputs are those of the full-row draw."""
+    shape = jnp.broadcast_shapes(keys[:, :1].shape, ids.shape)
+    ids = jnp.broadcast_to(ids.astype(jnp.uint32), shape)
+    b1, b2 = threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], shape), jnp.broadcast_to(keys[:, 1:], shape),
+                                 jnp.zeros(shape, jnp.uint32), ids)
+    unit = jax.lax.bitcast_convert_type(((b1 ^ b2) >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
+    tiny = jnp.finfo(jnp.float32).tiny
+    return -jnp.log(-jnp.log(jnp.maximum(tiny, unit * (1.0 - tiny) + tiny)))
 
 
 def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -172,7 +187,29 @@ def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
 BLOCK, BLOCKS, DRAWN = 32, 256, 16  # candidates: the values of the 256 blocks of 32 with the largest maxima
 
 
-def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise, fallback=None) -> jax.Array:
+def best_by_top_k(x: jax.Array, threshold: jax.Array, noise) -> tuple[jax.Array, jax.Array]:
+    """The DRAWN largest perturbed values x + noise at or above each row's threshold, and their ids: XLA's top-k."""
+    return jax.lax.top_k(jnp.where(x >= threshold[:, None], x + noise(), -jnp.inf), DRAWN)
+
+
+def best_by_blocks(x: jax.Array, threshold: jax.Array, noise) -> tuple[jax.Array, jax.Array]:
+    """The same by the blocks' trick: the DRAWN largest lie in the DRAWN blocks with the largest maxima, so one
+    fused max-reduction over the row (its noise never stored) and a top-k over DRAWN blocks' values find them."""
+    S, V = x.shape
+    nb = -(-V // BLOCK)
+    ids = jnp.arange(nb * BLOCK)[None, :]
+    y = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf)
+    y = jnp.where(y >= threshold[:, None], y + noise(jnp.minimum(ids, V - 1)), -jnp.inf)
+    _, which = jax.lax.top_k(jnp.max(y.reshape(S, nb, BLOCK), axis=-1), DRAWN)
+    ids = (which[:, :, None] * BLOCK + jnp.arange(BLOCK)).reshape(S, DRAWN * BLOCK)
+    xc = jnp.where(ids < V, jnp.take_along_axis(x, jnp.minimum(ids, V - 1), axis=-1), -jnp.inf)
+    drawn, j = jax.lax.top_k(jnp.where(xc >= threshold[:, None], xc + noise(jnp.minimum(ids, V - 1)), -jnp.inf),
+                             DRAWN)
+    return drawn, jnp.take_along_axis(ids, j, axis=-1)
+
+
+def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise, fallback=None,
+                       best=best_by_top_k) -> jax.Array:
     """Top-k, top-p and min-p, then the Gumbel-max draw, without sorting the vocabulary; the same tokens as
     `fallback`'s kept set with the same noise. Each row's candidates are the values of its BLOCKS blocks with the
     largest maxima: every value above t0 (the smallest of those maxima) is among them, so once sorted they give
@@ -201,7 +238,7 @@ def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise,
     p_by_blocks = ~p_on | (k_known & (jnp.sum(jnp.where(c > t0[:, None], pc, 0.0), axis=-1) >= b.top_p))
     floor = jnp.where(b.min_p > 0, top + jnp.log(jnp.maximum(b.min_p, 1e-30)), -jnp.inf)  # p >= min_p * p_max
     threshold = jnp.maximum(jnp.maximum(kth, floor), jnp.where(p_on & p_by_blocks, pth, -jnp.inf))
-    drawn, ids = jax.lax.top_k(jnp.where(x >= threshold[:, None], x + noise(), -jnp.inf), DRAWN)
+    drawn, ids = best(x, threshold, noise)
     # rows whose top-p is still open: the mass above each drawn value (a row reduction per drawn value)
     xd = jnp.take_along_axis(x, ids, axis=-1)
     above = mass_above(x, weights, xd) / z[:, None]
@@ -289,7 +326,8 @@ def _search(keys: jax.Array, holds, pivots: int, smallest_false: bool = False) -
 
 FILTERS = {"sort": filters_by_sort, "bisection": filters_by_bisection,
            **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)}}
-DRAWS = {"candidates": draw_by_candidates}  # methods that filter as they draw
+DRAWS = {"candidates": draw_by_candidates,  # methods that filter as they draw
+         "candidates-fused": functools.partial(draw_by_candidates, best=best_by_blocks)}
 
 
 def filters_name(backend: str) -> str:
