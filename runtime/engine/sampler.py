@@ -270,7 +270,7 @@ def _draw(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
 
 
 def filters_by_sort(x: jax.Array, b: SamplingBatch) -> jax.Array:
-    """Top-k, top-p, min-p by one descending sort of the vocabulary: the fastest way on GPUs (measured)."""
+    """Top-k, top-p, min-p by one descending sort of the vocabulary: the definition, and the candidates' fallback."""
     S, V = x.shape
     ordered = jnp.sort(x, axis=-1)[:, ::-1]  # descending
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
