@@ -58,7 +58,7 @@ def main() -> None:
         }
         results["forward_decode_kernel_ms"] = timed(step, model, engine.kv, xd)
         # leave-one-out variants (METHOD.md): the same forward without attention, without the K/V writes, without both
-        import capstan.runtime.models.layers as layers
+        import capstan.runtime.attention as layers  # write_and_attend looks both up here when traced
 
         real_attend, real_write = layers.attend, layers.write_kv
         for name, attend, write in (("no_attention", lambda q, *a, **k: q, real_write),

@@ -29,7 +29,7 @@ for part in $parts; do
     parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
     prefill) python3 benchmarks/prefill.py --shape llama-3.2-1b --tokens 2048 ;;
     throughput) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
-        --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --single-stream-tokens 256 \
+        --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --single-stream-tokens 256 --timeline \
         --json "$OUT/capstan-llama-3.2-1b.json" 2>&1 | grep -v Warning ;;
     throughput8b) python3 benchmarks/throughput.py --shape llama-3-8b --requests 1 --prompt-len 256 --output-len 16 \
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
@@ -50,7 +50,7 @@ for part in $parts; do
         echo "--- $shape mixed $greedy"
         python3 benchmarks/throughput.py --shape $shape --workload mixed $greedy --requests 256 --prompt-len 256 \
           --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
-          --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep -E "output_tokens|phase|Error"; done; done ;;
+          --timeline --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep -E "output_tokens|phase|timeline|Error"; done; done ;;
     sampler) python3 benchmarks/sampler.py --rows 256 --vocab 128256 --methods sort search15 candidates candidates-fused --repeats 10 \
         --breakdown 2>&1 | grep -v Warning ;;
     structured) for f in 0 0.5; do python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 \

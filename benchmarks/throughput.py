@@ -39,13 +39,67 @@ def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
     return prompts, params
 
 
-def run(engine: LLMEngine, prompts, params) -> dict:
+class Timeline:
+    """Splits each engine step's wall time (benchmark-only wrappers around the engine's own calls): building the
+    inputs, the jitted call until it returns, waiting for its results, and the host's work on them (the rest)."""
+
+    PARTS = ("build", "call", "fetch")
+
+    def __init__(self, engine: LLMEngine):
+        import capstan.runtime.engine.engine as engine_mod
+        import capstan.runtime.engine.multi_step as multi_mod
+        self.sums = {}  # kind -> {part: seconds, "steps": n, "wall": seconds}
+        self.current = None
+        self.multi_call = multi_mod.decode_steps_fn
+        for owner, name, part in ((engine, "_build", "build"), (engine, "fetch", "fetch"),
+                                  (engine_mod, "step_fn", "call"), (multi_mod, "decode_steps_fn", "call")):
+            setattr(owner, name, self._timed(getattr(owner, name), part))
+
+    def _timed(self, fn, part):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.current is not None:
+                    self.current[part] = self.current.get(part, 0.0) + time.perf_counter() - t0
+                    if fn is self.multi_call:
+                        self.current["kind"] = "multi-step"
+        return wrapper
+
+    def step(self, engine: LLMEngine):
+        self.current = {}
+        t0 = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - t0
+        kind = "multi-step" if "multi-step" in self.current.values() else "single"
+        agg = self.sums.setdefault(kind, {"steps": 0, "wall": 0.0})
+        agg["steps"] += 1
+        agg["wall"] += wall
+        for part, v in self.current.items():
+            if part in self.PARTS:
+                agg[part] = agg.get(part, 0.0) + v
+        self.current = None
+        return outs
+
+    def report(self) -> dict:
+        out = {}
+        for kind, agg in self.sums.items():
+            n = agg["steps"]
+            parts = {p: agg.get(p, 0.0) for p in self.PARTS}
+            parts["host_after"] = agg["wall"] - sum(parts.values())
+            out[kind] = f"{n} steps, {1000 * agg['wall'] / n:.2f} ms each: " + ", ".join(
+                f"{p} {1000 * v / n:.2f}" for p, v in parts.items())
+        return out
+
+
+def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None) -> dict:
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, per_prompt)):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     while engine.has_unfinished():
-        outs = engine.step()
+        outs = timeline.step(engine) if timeline else engine.step()
         steps += 1
         peak_pages = max(peak_pages, engine.pool.num_used)
         out_tokens += sum(len(o.token_ids) for r in outs for o in r.outputs)
@@ -56,7 +110,8 @@ def run(engine: LLMEngine, prompts, params) -> dict:
     prefill_s = (first_decode or end) - start
     return {"seconds": end - start, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / (end - start),
             "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "prefill_phase_s": prefill_s,
-            "decode_phase_s": end - start - prefill_s, "steps": steps, "peak_kv_pages": peak_pages}
+            "decode_phase_s": end - start - prefill_s, "steps": steps, "peak_kv_pages": peak_pages,
+            **({f"timeline_{k}": v for k, v in timeline.report().items()} if timeline else {})}
 
 
 def main(argv=None) -> dict:
@@ -83,6 +138,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--quantization", choices=["fp8", "int8", "q8_0"], default=None,
                     help="linear weights quantized at load (the random weights, per output channel; q8_0: in GGUF "
                          "Q8_0's blocks of 32, as a Q8_0 file is served)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also split each step's time into building, the jitted call, waiting, and the host's work")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -116,7 +173,8 @@ def main(argv=None) -> dict:
     run(engine, prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
     figures = {"shape": a.shape, "dtype": dtype, "quantization": a.quantization or "none", "device": str(jax.devices()[0].device_kind),
                "tensor_parallel_size": a.tensor_parallel_size, "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
-               "weights_init_s": load_s, "compile_s": engine.compile_seconds, **run(engine, prompts, params)}
+               "weights_init_s": load_s, "compile_s": engine.compile_seconds,
+               **run(engine, prompts, params, Timeline(engine) if a.timeline else None)}
     if a.single_stream_tokens:
         one = SamplingParams(max_tokens=a.single_stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         del engine  # its KV pool; one stream gets an engine of one row so it pays for no padding rows

@@ -254,7 +254,7 @@ class LLMEngine:
             return []
         with self._precision():
             self.kv, out = step_fn(self.model, self.kv, inputs)
-        out = jax.device_get(out)
+        out = self.fetch(out)
         t = 0
         for r, c in enumerate(chunks):
             seq = c.seq
@@ -265,6 +265,10 @@ class LLMEngine:
                     self.fail(seq.request_id, e)
             t += c.num_tokens
         return self._collect_all(c.seq.request_id for c in chunks)
+
+    def fetch(self, out):
+        """A device call's results on the host (every step's one wait for the device)."""
+        return jax.device_get(out)
 
     def _apply_chunk(self, c: ScheduledChunk, r: int, t: int, out: StepOutputs) -> None:
         seq = c.seq

@@ -160,7 +160,7 @@ class MultiStepDecoder:
         else:
             with e._precision():
                 e.kv, out = decode_steps_fn(e.model, e.kv, inputs, rows, num_steps=e.config.decode_steps)
-            out = jax.device_get(out)
+            out = e.fetch(out)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
         for r, c in enumerate(chunks):
             seq = c.seq
@@ -222,5 +222,5 @@ class MultiStepDecoder:
                                                 branches=branches))
                 previous = results[-1].tokens
         advance(e.config.decode_steps - 1)
-        host = jax.device_get(results)
+        host = e.fetch(results)
         return jax.tree.map(lambda *steps: np.stack(steps), *host)

@@ -144,7 +144,7 @@ class Speculator:
             return []
         with engine._precision():
             engine.kv, out = verify_fn(engine.model, engine.kv, inputs, num_positions=self.k + 1)
-        out = jax.device_get(out)
+        out = engine.fetch(out)
         tokens = out.tokens.tolist()  # [row][position]
         first = StepOutputs(sampled=jax.tree.map(lambda a: a[:, 0], out), prompt=None)
         page = engine.config.page_size
