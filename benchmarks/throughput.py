@@ -93,19 +93,26 @@ class Timeline:
         return out
 
 
-def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None) -> dict:
+def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None, trace: str | None = None) -> dict:
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, per_prompt)):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
+    trace_step = -1
     while engine.has_unfinished():
+        tracing = trace and steps == trace_step
+        if tracing:  # one decode step's kernels, for benchmarks/trace_summary.py
+            jax.profiler.start_trace(trace, create_perfetto_trace=True)
         outs = timeline.step(engine) if timeline else engine.step()
+        if tracing:
+            jax.profiler.stop_trace()
         steps += 1
         peak_pages = max(peak_pages, engine.pool.num_used)
         out_tokens += sum(len(o.token_ids) for r in outs for o in r.outputs)
         if first_decode is None and not engine.scheduler.waiting and all(
                 not s.in_prefill for s in engine.scheduler.running):
             first_decode = time.perf_counter()
+            trace_step = steps + 2  # the third step of the decode phase: a run's dispatch queued ahead
     end = time.perf_counter()
     prefill_s = (first_decode or end) - start
     return {"seconds": end - start, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / (end - start),
@@ -140,6 +147,7 @@ def main(argv=None) -> dict:
                          "Q8_0's blocks of 32, as a Q8_0 file is served)")
     ap.add_argument("--timeline", action="store_true",
                     help="also split each step's time into building, the jitted call, waiting, and the host's work")
+    ap.add_argument("--trace", help="write a Perfetto trace of one decode-phase engine step here")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -174,7 +182,7 @@ def main(argv=None) -> dict:
     figures = {"shape": a.shape, "dtype": dtype, "quantization": a.quantization or "none", "device": str(jax.devices()[0].device_kind),
                "tensor_parallel_size": a.tensor_parallel_size, "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
                "weights_init_s": load_s, "compile_s": engine.compile_seconds,
-               **run(engine, prompts, params, Timeline(engine) if a.timeline else None)}
+               **run(engine, prompts, params, Timeline(engine) if a.timeline else None, a.trace)}
     if a.single_stream_tokens:
         one = SamplingParams(max_tokens=a.single_stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         del engine  # its KV pool; one stream gets an engine of one row so it pays for no padding rows

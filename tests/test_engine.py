@@ -163,3 +163,47 @@ def test_multi_step_decoding_gives_the_single_step_tokens(llm):
               for i in range(6)]
     a, b = llm.generate(prompts, params), single.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_chained_dispatches_change_no_token_and_free_every_page():
+    """A free batch's run queues its next dispatch before it reads the last one's tokens (multi_step.py): rows
+    that stop mid-run (a stop token found a dispatch late, max_tokens), an abort and a request arriving mid-run give
+    the single-step tokens, and every page comes back."""
+    flags = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
+    chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
+    rng = np.random.default_rng(7)
+    prompts = random_prompts(rng, 6, 1, 40)
+    params = [SamplingParams(temperature=0.7 * (i % 2), seed=i, max_tokens=int(rng.integers(20, 60)), ignore_eos=True,
+                             logprobs=1) for i in range(6)]
+    reference = single.generate(prompts, params)
+    for i in (0, 3):  # stop on a token first sampled mid-output: found in a dispatch the next was queued behind
+        first = reference[i].outputs[0].token_ids
+        params[i].stop_token_ids = [next(t for t in first[9:] if t not in first[:9])]
+    reference = [o.outputs[0] for o in single.generate(prompts, params)]
+    engine, runs = chained.engine, []
+    continue_run = engine.multi_step.continue_run
+    engine.multi_step.continue_run = lambda: runs.append(1) or continue_run()
+    for i in range(5):
+        engine.add_request(f"r{i}", prompts[i], params[i])
+    outputs: dict[str, list] = {}
+    finish: dict[str, str] = {}
+    late_added = aborted = False
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(t for o in out.outputs for t in o.token_ids)
+            finish.update({out.request_id: o.finish_reason for o in out.outputs if o.finish_reason})
+        if engine.multi_step.ahead is not None and not late_added:  # arrives while a dispatch is queued
+            engine.add_request("r5", prompts[5], params[5])
+            late_added = True
+        elif engine.multi_step.ahead is not None and late_added and not aborted and "r5" in engine.requests:
+            engine.abort("r4")
+            aborted = True
+    assert runs and aborted and not engine.has_unfinished()
+    for i in (0, 1, 2, 3, 5):
+        assert outputs[f"r{i}"] == reference[i].token_ids, i
+        assert finish[f"r{i}"] == reference[i].finish_reason
+    assert finish["r0"] == finish["r3"] == "stop"
+    assert outputs["r4"] == reference[4].token_ids[:len(outputs["r4"])]  # its tokens up to the abort
+    engine.pool.check_all_free()

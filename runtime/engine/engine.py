@@ -236,6 +236,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step. A failure that belongs to one request fails that request alone (see `fail`); one that
         belongs to none (the device, a compilation) propagates: the engine cannot go on."""
+        if self.multi_step.ahead is not None:  # queued by the last step while its tokens were applied
+            return self.multi_step.continue_run()
         chunks = self.scheduler.schedule()
         for seq, error in self.scheduler.take_failed():
             self.fail(seq.request_id, error)
@@ -265,6 +267,19 @@ class LLMEngine:
                     self.fail(seq.request_id, e)
             t += c.num_tokens
         return self._collect_all(c.seq.request_id for c in chunks)
+
+    @property
+    def kv(self) -> KVCache:
+        """The KV cache pool; when a decode dispatch was queued ahead (multi_step.py), its output, once its call
+        returns: whoever reads the cache waits for that first."""
+        ahead = self.__dict__.get("multi_step") and self.multi_step.ahead
+        if ahead:
+            self.multi_step.settle()
+        return self._kv
+
+    @kv.setter
+    def kv(self, value: KVCache) -> None:
+        self._kv = value
 
     def fetch(self, out):
         """A device call's results on the host (every step's one wait for the device)."""

@@ -6,9 +6,18 @@ structured outputs need each constrained row's next mask from its last token, so
 two dispatches a step: the forward of step j is queued first, and while the device runs it the host reads
 step j-1's tokens, advances the grammars and computes step j's masks, then queues step j's sampling. Row r of
 the batch is token r; a row stops writing K/V after its `active` steps (its max_tokens or the context ends),
-and the host discards what it sampled past a stop."""
+and the host discards what it sampled past a stop.
+
+A free batch's run goes on past its first dispatch while every row may: before the host reads a dispatch's tokens
+it queues the next one (the same rows, steps offset by num_steps, the first tokens taken on the device from the
+last step's samples), so the device decodes while the host applies tokens, checks stops and builds outputs. The
+next engine step takes that dispatch's results (`continue_run`). A row that stops early (EOS, a stop string, an
+abort) is found one dispatch late: its next dispatch computes tokens the host drops, into pages it still held
+when that dispatch was queued (programs run in queue order, so the pages' next owner writes after it)."""
 from __future__ import annotations
 
+import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -39,8 +48,10 @@ def _forward(model: DecoderModel, kv: KVCache, x: StepInputs, tokens: jax.Array,
     pages = meta.block_tables[rows, jnp.minimum(positions // page, meta.block_tables.shape[1] - 1)]
     writes = (j < active) & (meta.seq_lens > 0)
     slots = jnp.where(writes, pages * page + positions % page, INVALID_SLOT)
+    # a row past its last step (its max_tokens, or found stopped) reads no K/V either: attention skips empty rows
     step_meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=meta.token_seq,
-                                  block_tables=meta.block_tables, seq_lens=meta.seq_lens + j, decode=True)
+                                  block_tables=meta.block_tables, seq_lens=jnp.where(writes, meta.seq_lens + j, 0),
+                                  decode=True)
     hidden, kv = model(tokens, step_meta, kv)
     return model.logits(hidden).array, kv
 
@@ -55,10 +66,13 @@ SCAN_BRANCHES = Branches(plain_greedy=None, any_constrained=False, any_penalty=F
                          want_logprobs=None)
 
 
-def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: jax.Array,
-                     num_steps: int) -> tuple[KVCache, SampleResult]:
-    """packed holds one decode token per row (T == S); returns SampleResult with a leading [num_steps] axis."""
+def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: jax.Array, offset: jax.Array,
+                     previous: jax.Array, block_tables: jax.Array, num_steps: int) -> tuple[KVCache, SampleResult]:
+    """Steps offset .. offset + num_steps - 1 of a run; packed holds one decode token per row (T == S), the first
+    step's tokens at offset 0, else previous[-1] (the dispatch before's last samples, [num_steps, S]); block_tables
+    [S, pages] the rows' pages so far. Returns SampleResult with a leading [num_steps] axis."""
     x: StepInputs = packed.unpack()
+    x = eqx.tree_at(lambda x: x.meta.block_tables, x, block_tables)
 
     def one(carry, j):
         kv, tokens = carry
@@ -66,7 +80,8 @@ def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: j
         result = sample(logits, _at_step(x.sampling, j), SCAN_BRANCHES)
         return (kv, result.tokens), result
 
-    (kv, _), results = jax.lax.scan(one, (kv, x.tokens), jnp.arange(num_steps))
+    first = jnp.where(offset == 0, x.tokens, previous[-1])
+    (kv, _), results = jax.lax.scan(one, (kv, first), offset + jnp.arange(num_steps))
     return kv, results
 
 
@@ -102,6 +117,18 @@ decode_forward_fn = jax.jit(run_decode_forward, donate_argnums=(1,))
 decode_sample_fn = jax.jit(run_decode_sample, static_argnames=("branches",))
 
 
+@dataclasses.dataclass
+class Dispatch:
+    """One dispatch of a free batch's run: steps offset .. offset + num_steps - 1 from each row's chunk start."""
+    chunks: list[ScheduledChunk]  # row r is chunks[r]; c.start is the row's position at the run's first step
+    inputs: Packed
+    limits: list[int]  # the most steps each row may take in the run (its max_tokens, the context's end)
+    offset: int
+    active: np.ndarray  # [S] each row writes K/V for its steps below this (its limit, or where it was found stopped)
+    out: SampleResult | None = None  # on the device
+    future: Future | None = None  # the call, while it runs on the dispatch thread
+
+
 class MultiStepDecoder:
     """The engine's multi-step decoding (host side): whether a step can take several decode steps, and running
     them (one scan, or the two-dispatch pipeline for grammars). It works on the engine's own state (its KV cache,
@@ -109,14 +136,19 @@ class MultiStepDecoder:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self.ahead: Dispatch | None = None  # queued before the last step returned: the next step applies it
+        # a call returns only once the device is nearly done with it (XLA:GPU reads each lax.cond's predicate back
+        # to the host), so the next dispatch is queued from this thread while the engine's applies tokens
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="capstan-dispatch")
 
     def warmup(self) -> None:
         """Compiles the scan and the pipeline's programs (its forward and every sampling branch set)."""
         e = self.engine
         inputs = e.builder.build([], bucket=e.builder.S)
+        k, S = e.config.decode_steps, e.builder.S
         with e._precision():
-            e.kv, out = decode_steps_fn(e.model, e.kv, inputs, np.zeros(e.builder.S, np.int32),
-                                        num_steps=e.config.decode_steps)
+            e.kv, out = decode_steps_fn(e.model, e.kv, inputs, np.zeros(S, np.int32), np.int32(0),
+                                        np.zeros((k, S), np.int32), self._block_tables([]), num_steps=k)
             jax.block_until_ready(out)
             e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, out.tokens[0], out.tokens[0], np.int32(0))
             for branches in PIPELINE_BRANCHES:
@@ -155,12 +187,16 @@ class MultiStepDecoder:
         rows[:len(active)] = active
         grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
         refused: dict[int, BaseException] = {}  # row -> why its grammar refused a token
-        if constrained:
-            out = self._pipeline(chunks, active, inputs, rows, grammar_end, refused)
-        else:
+        if not constrained:
+            k, S = e.config.decode_steps, e.builder.S
+            limits = [max(1, min(c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens))
+                      for c in chunks]
+            d = Dispatch(chunks, inputs, limits, 0, rows)
             with e._precision():
-                e.kv, out = decode_steps_fn(e.model, e.kv, inputs, rows, num_steps=e.config.decode_steps)
-            out = e.fetch(out)
+                e.kv, d.out = decode_steps_fn(e.model, e.kv, inputs, rows, np.int32(0), np.zeros((k, S), np.int32),
+                                              self._block_tables(chunks), num_steps=k)
+            return self._apply(d)
+        out = self._pipeline(chunks, active, inputs, rows, grammar_end, refused)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
         for r, c in enumerate(chunks):
             seq = c.seq
@@ -180,6 +216,77 @@ class MultiStepDecoder:
             except Exception as err:  # noqa: BLE001 - this request's own fault
                 e.fail(seq.request_id, err)
         return e._collect_all(c.seq.request_id for c in chunks)
+
+    def continue_run(self) -> list[RequestOutput]:
+        """The engine step after a dispatch was queued ahead: apply its tokens (queueing the next first)."""
+        d, self.ahead = self.ahead, None
+        self.settle(d)
+        return self._apply(d)
+
+    def settle(self, d: Dispatch | None = None) -> None:
+        """Waits for the queued dispatch's call to return; the engine's KV cache is its output from then on."""
+        d = d or self.ahead
+        if d is not None and d.future is not None:
+            future, d.future = d.future, None
+            self.engine._kv, d.out = future.result()  # re-raises the call's error: a device fault stops the engine
+
+    def _apply(self, d: Dispatch) -> list[RequestOutput]:
+        """Queues the run's next dispatch when it can go on, then applies this one's tokens."""
+        e = self.engine
+        self.ahead = self._queue_next(d)
+        out = e.fetch(d.out)
+        tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
+        k = e.config.decode_steps
+        for r, c in enumerate(d.chunks):
+            seq = c.seq
+            if seq.request_id not in e.requests or seq.finished:
+                continue  # stopped in an earlier dispatch, or aborted: what it computed since is dropped
+            try:
+                end = min(d.limits[r], d.offset + k)
+                seq.num_computed = c.start + end
+                for j in range(d.offset, end):
+                    e._append_token(seq, tokens[j - d.offset][r], out, (j - d.offset, r))
+                    if seq.finished:
+                        break
+                if not seq.finished:
+                    e.scheduler.register_full_pages(seq)
+            except Exception as err:  # noqa: BLE001 - this request's own fault
+                e.fail(seq.request_id, err)
+        return e._collect_all(c.seq.request_id for c in d.chunks)
+
+    def _queue_next(self, d: Dispatch) -> Dispatch | None:
+        """The run's next dispatch, queued on the dispatch thread, when nobody waits for admission and some row
+        goes on past d; None when the run ends with d (the next step schedules afresh)."""
+        e = self.engine
+        k = e.config.decode_steps
+        offset = d.offset + k
+        live = [r for r, c in enumerate(d.chunks)
+                if c.seq.request_id in e.requests and not c.seq.finished]
+        if e.scheduler.waiting or not any(d.limits[r] > offset for r in live):
+            return None
+        active = np.minimum(d.active, offset)  # rows found stopped write nothing more
+        for r in live:
+            c = d.chunks[r]
+            steps = min(d.limits[r], offset + k)
+            if not e.scheduler.reserve_ahead(c.seq, c.start + steps - c.seq.num_computed):
+                return None  # no pages for it: the next step schedules afresh (it may preempt)
+            active[r] = steps
+        nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, active)
+        kv, previous, tables = e.kv, d.out.tokens, self._block_tables(d.chunks)
+
+        def call():
+            with e._precision():
+                return decode_steps_fn(e.model, kv, d.inputs, active, np.int32(offset), previous, tables, num_steps=k)
+
+        nxt.future = self._thread.submit(call)
+        return nxt
+
+    def _block_tables(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+        e = self.engine
+        tables = np.zeros((e.builder.S, e.builder.max_pages), np.int32)
+        for r, c in enumerate(chunks):
+            tables[r, :len(c.seq.pages)] = c.seq.pages
+        return tables
 
     def _pipeline(self, chunks: list[ScheduledChunk], active: list[int], inputs, rows: np.ndarray,
                   grammar_end: dict[int, int], refused: dict[int, BaseException]) -> SampleResult:
