@@ -19,7 +19,7 @@ from timing import median_ms as timed  # noqa: E402
 
 from capstan.runtime.config import EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.multi_step import decode_steps_fn  # noqa: E402
+from capstan.runtime.engine.multi_step import GREEDY_SCAN, decode_steps_fn  # noqa: E402
 from capstan.runtime.engine.sampler import sample  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
@@ -74,7 +74,9 @@ def main() -> None:
         holder = [engine.kv]
 
         def multi(_):
-            holder[0], out = decode_steps_fn(model, holder[0], packed, active, num_steps=8)  # the cache is donated
+            holder[0], out = decode_steps_fn(model, holder[0], packed, active, np.int32(0), np.zeros((8, rows), np.int32),
+                                             engine.multi_step._block_tables(chunks), num_steps=8,
+                                             branches=GREEDY_SCAN)  # the cache is donated
             return out.tokens
 
         results["multi_step_ms_per_step"] = timed(multi, None, repeats=5) / 8

@@ -32,7 +32,7 @@ for part in $parts; do
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --single-stream-tokens 256 --timeline \
         --json "$OUT/capstan-llama-3.2-1b.json" 2>&1 | grep -v Warning ;;
     # the headline run again, with a Perfetto trace of one decode-phase engine step: device busy time against its span
-    decodetrace) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
+    decodetrace) rm -rf /tmp/decodetrace; python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --trace /tmp/decodetrace 2>&1 \
         | grep -E "output_tokens_per_s|Error"; python3 benchmarks/trace_summary.py /tmp/decodetrace --top 25 ;;
     throughput8b) python3 benchmarks/throughput.py --shape llama-3-8b --requests 1 --prompt-len 256 --output-len 16 \

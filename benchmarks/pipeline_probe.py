@@ -57,7 +57,8 @@ for variant in ("pipeline", "pipeline_nomask", "scan", "forward_only"):
             for j in range(16):
                 e.kv, out = decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
         elif variant == "scan":
-            e.kv, out = decode_steps_fn(e.model, e.kv, inputs, rows, num_steps=16)
+            e.kv, out = decode_steps_fn(e.model, e.kv, inputs, rows, np.int32(0), np.zeros((16, 256), np.int32),
+                                        e.multi_step._block_tables([]), num_steps=16)
         else:
             prev = rows
             for j in range(16):

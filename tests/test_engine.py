@@ -207,3 +207,17 @@ def test_chained_dispatches_change_no_token_and_free_every_page():
     assert finish["r0"] == finish["r3"] == "stop"
     assert outputs["r4"] == reference[4].token_ids[:len(outputs["r4"])]  # its tokens up to the abort
     engine.pool.check_all_free()
+
+
+def test_a_plain_greedy_run_takes_its_own_program_and_the_single_step_tokens(monkeypatch):
+    import capstan.runtime.engine.multi_step as multi_step
+    flags = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
+    chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
+    chosen, real = [], multi_step.scan_branches
+    monkeypatch.setattr(multi_step, "scan_branches", lambda params: chosen.append(real(params)) or chosen[-1])
+    prompts = random_prompts(np.random.default_rng(8), 5, 1, 40)
+    params = SamplingParams(max_tokens=37, ignore_eos=True, temperature=0.0)
+    assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in single.generate(prompts, params)]
+    assert chosen and set(chosen) == {multi_step.GREEDY_SCAN}
+    chained.engine.pool.check_all_free()

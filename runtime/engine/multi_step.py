@@ -32,6 +32,7 @@ from .grammar import fill_masks, mask_words
 from .outputs import RequestOutput
 from .packing import Packed
 from .sampler import Branches, SampleResult, SamplingBatch, sample
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk
 from .step import StepInputs
 
@@ -64,10 +65,22 @@ def _at_step(sampling: SamplingBatch, j: jax.Array) -> SamplingBatch:
 # lax.cond fewer a step; the rest stay on the device's flags, so one program serves every free batch
 SCAN_BRANCHES = Branches(plain_greedy=None, any_constrained=False, any_penalty=False, any_filter=None, all_greedy=None,
                          want_logprobs=None)
+# a plain greedy run without logprobs (the argmax of the raw logits) has a program of its own without any lax.cond:
+# XLA:GPU copies each cond's predicate to the host, and the device idles until the host queues the kernels after it
+GREEDY_SCAN = Branches(plain_greedy=True, any_constrained=False, any_penalty=False, any_filter=False, all_greedy=True,
+                       want_logprobs=False)
+SCANS = (SCAN_BRANCHES, GREEDY_SCAN)
+
+
+def scan_branches(params: list[SamplingParams]) -> Branches:
+    """The program for a free batch of these requests (plan() has refused penalties and min_tokens bans)."""
+    plain = all(p.temperature == 0.0 and not p.logit_bias and p.logprobs is None for p in params)
+    return GREEDY_SCAN if plain else SCAN_BRANCHES
 
 
 def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: jax.Array, offset: jax.Array,
-                     previous: jax.Array, block_tables: jax.Array, num_steps: int) -> tuple[KVCache, SampleResult]:
+                     previous: jax.Array, block_tables: jax.Array, num_steps: int,
+                     branches: Branches = SCAN_BRANCHES) -> tuple[KVCache, SampleResult]:
     """Steps offset .. offset + num_steps - 1 of a run; packed holds one decode token per row (T == S), the first
     step's tokens at offset 0, else previous[-1] (the dispatch before's last samples, [num_steps, S]); block_tables
     [S, pages] the rows' pages so far. Returns SampleResult with a leading [num_steps] axis."""
@@ -77,7 +90,7 @@ def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: j
     def one(carry, j):
         kv, tokens = carry
         logits, kv = _forward(model, kv, x, tokens, active, j)
-        result = sample(logits, _at_step(x.sampling, j), SCAN_BRANCHES)
+        result = sample(logits, _at_step(x.sampling, j), branches)
         return (kv, result.tokens), result
 
     first = jnp.where(offset == 0, x.tokens, previous[-1])
@@ -112,7 +125,7 @@ PIPELINE_BRANCHES = sorted({pipeline_branches(all_greedy=g, any_filter=f, want_l
                             for g in (False, True) for f in (False, True) for w in (False, True)})
 
 
-decode_steps_fn = jax.jit(run_decode_steps, donate_argnums=(1,), static_argnames=("num_steps",))
+decode_steps_fn = jax.jit(run_decode_steps, donate_argnums=(1,), static_argnames=("num_steps", "branches"))
 decode_forward_fn = jax.jit(run_decode_forward, donate_argnums=(1,))
 decode_sample_fn = jax.jit(run_decode_sample, static_argnames=("branches",))
 
@@ -125,6 +138,7 @@ class Dispatch:
     limits: list[int]  # the most steps each row may take in the run (its max_tokens, the context's end)
     offset: int
     active: np.ndarray  # [S] each row writes K/V for its steps below this (its limit, or where it was found stopped)
+    branches: Branches  # its program (scan_branches)
     out: SampleResult | None = None  # on the device
     future: Future | None = None  # the call, while it runs on the dispatch thread
 
@@ -147,9 +161,11 @@ class MultiStepDecoder:
         inputs = e.builder.build([], bucket=e.builder.S)
         k, S = e.config.decode_steps, e.builder.S
         with e._precision():
-            e.kv, out = decode_steps_fn(e.model, e.kv, inputs, np.zeros(S, np.int32), np.int32(0),
-                                        np.zeros((k, S), np.int32), self._block_tables([]), num_steps=k)
-            jax.block_until_ready(out)
+            for branches in SCANS:
+                e.kv, out = decode_steps_fn(e.model, e.kv, inputs, np.zeros(S, np.int32), np.int32(0),
+                                            np.zeros((k, S), np.int32), self._block_tables([]), num_steps=k,
+                                            branches=branches)
+                jax.block_until_ready(out)
             e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, out.tokens[0], out.tokens[0], np.int32(0))
             for branches in PIPELINE_BRANCHES:
                 jax.block_until_ready(decode_sample_fn(logits, inputs, e.builder.all_allowed, np.int32(0),
@@ -191,10 +207,10 @@ class MultiStepDecoder:
             k, S = e.config.decode_steps, e.builder.S
             limits = [max(1, min(c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens))
                       for c in chunks]
-            d = Dispatch(chunks, inputs, limits, 0, rows)
+            d = Dispatch(chunks, inputs, limits, 0, rows, scan_branches([c.seq.params for c in chunks]))
             with e._precision():
                 e.kv, d.out = decode_steps_fn(e.model, e.kv, inputs, rows, np.int32(0), np.zeros((k, S), np.int32),
-                                              self._block_tables(chunks), num_steps=k)
+                                              self._block_tables(chunks), num_steps=k, branches=d.branches)
             return self._apply(d)
         out = self._pipeline(chunks, active, inputs, rows, grammar_end, refused)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
@@ -271,12 +287,13 @@ class MultiStepDecoder:
             if not e.scheduler.reserve_ahead(c.seq, c.start + steps - c.seq.num_computed):
                 return None  # no pages for it: the next step schedules afresh (it may preempt)
             active[r] = steps
-        nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, active)
+        nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, active, d.branches)
         kv, previous, tables = e.kv, d.out.tokens, self._block_tables(d.chunks)
 
         def call():
             with e._precision():
-                return decode_steps_fn(e.model, kv, d.inputs, active, np.int32(offset), previous, tables, num_steps=k)
+                return decode_steps_fn(e.model, kv, d.inputs, active, np.int32(offset), previous, tables, num_steps=k,
+                                       branches=d.branches)
 
         nxt.future = self._thread.submit(call)
         return nxt
