@@ -165,16 +165,21 @@ def test_multi_step_decoding_gives_the_single_step_tokens(llm):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
-def test_chained_dispatches_change_no_token_and_free_every_page():
+@pytest.mark.parametrize("programs", ["cpu", "gpu"])
+def test_chained_dispatches_change_no_token_and_free_every_page(programs, monkeypatch):
     """A free batch's run queues its next dispatch before it reads the last one's tokens (multi_step.py): rows
     that stop mid-run (a stop token found a dispatch late, max_tokens), an abort and a request arriving mid-run give
-    the single-step tokens, and every page comes back."""
+    the single-step tokens, and every page comes back; with the CPU's programs and with the GPU's (every branch
+    static: sampled rows always filter)."""
+    import capstan.runtime.engine.multi_step as multi_step
+    real = multi_step.scan_branches
+    monkeypatch.setattr(multi_step, "scan_branches", lambda params, backend: real(params, programs))
     flags = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
     chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
     rng = np.random.default_rng(7)
     prompts = random_prompts(rng, 6, 1, 40)
     params = [SamplingParams(temperature=0.7 * (i % 2), seed=i, max_tokens=int(rng.integers(20, 60)), ignore_eos=True,
-                             logprobs=1) for i in range(6)]
+                             logprobs=1 if i < 3 else None, top_p=0.8 if i == 1 else 1.0) for i in range(6)]
     reference = single.generate(prompts, params)
     for i in (0, 3):  # stop on a token first sampled mid-output: found in a dispatch the next was queued behind
         first = reference[i].outputs[0].token_ids
@@ -214,7 +219,7 @@ def test_a_plain_greedy_run_takes_its_own_program_and_the_single_step_tokens(mon
     flags = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
     chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
     chosen, real = [], multi_step.scan_branches
-    monkeypatch.setattr(multi_step, "scan_branches", lambda params: chosen.append(real(params)) or chosen[-1])
+    monkeypatch.setattr(multi_step, "scan_branches", lambda *a: chosen.append(real(*a)) or chosen[-1])
     prompts = random_prompts(np.random.default_rng(8), 5, 1, 40)
     params = SamplingParams(max_tokens=37, ignore_eos=True, temperature=0.0)
     assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == \
