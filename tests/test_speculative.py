@@ -103,3 +103,23 @@ def test_bad_speculative_configs_are_refused_naming_the_field(text, message):
 def test_the_flag_parses():
     args = build_parser().parse_args(["serve", "--speculative-config", '{"num_speculative_tokens": 3}'])
     assert isinstance(args, argparse.Namespace) and args.speculative_config.num_speculative_tokens == 3
+
+
+def test_a_step_without_proposals_decodes_one_dispatch_and_proposes_again(baseline, speculative_llm):
+    """When nothing is proposed a step runs the plain multi-step decode, but never queues the run's next dispatch
+    ahead (multi_step.py): every later step proposes again."""
+    llm = speculative_llm
+    e = llm.engine
+    oracle(llm, baseline)
+    propose, calls, runs = e.speculator.proposer, [0], []
+    e.speculator.proposer = lambda tokens, k: [] if (calls.__setitem__(0, calls[0] + 1) or calls[0] % 3 == 0) \
+        else propose(tokens, k)
+    continue_run = e.multi_step.continue_run
+    e.multi_step.continue_run = lambda: runs.append(1) or continue_run()
+    e.speculator.draft_tokens = e.speculator.accepted_tokens = 0
+    try:  # one greedy sequence of 40 tokens: each third step has no proposal and decodes 16 plainly
+        same_outputs(baseline[:1], llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False))
+    finally:
+        e.multi_step.continue_run = continue_run
+    assert not runs and e.speculator.accepted_tokens > 0
+    e.pool.check_all_free()

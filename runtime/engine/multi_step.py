@@ -281,14 +281,15 @@ class MultiStepDecoder:
         return e._collect_all(c.seq.request_id for c in d.chunks)
 
     def _queue_next(self, d: Dispatch) -> Dispatch | None:
-        """The run's next dispatch, queued on the dispatch thread, when nobody waits for admission and some row
-        goes on past d; None when the run ends with d (the next step schedules afresh)."""
+        """The run's next dispatch, queued on the dispatch thread, when nobody waits for admission, no speculation
+        would propose, and some row goes on past d; None when the run ends with d (the next step schedules afresh)."""
         e = self.engine
         k = e.config.decode_steps
         offset = d.offset + k
         live = [r for r, c in enumerate(d.chunks)
                 if c.seq.request_id in e.requests and not c.seq.finished]
-        if e.scheduler.waiting or not any(d.limits[r] > offset for r in live):
+        # speculation proposes at every engine step: a run queued ahead would skip its proposals
+        if e.scheduler.waiting or e.speculator is not None or not any(d.limits[r] > offset for r in live):
             return None
         active = np.minimum(d.active, offset)  # rows found stopped write nothing more
         for r in live:
