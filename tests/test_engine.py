@@ -226,3 +226,18 @@ def test_a_plain_greedy_run_takes_its_own_program_and_the_single_step_tokens(mon
         [o.outputs[0].token_ids for o in single.generate(prompts, params)]
     assert chosen and set(chosen) == {multi_step.GREEDY_SCAN}
     chained.engine.pool.check_all_free()
+
+
+def test_a_full_batch_runs_on_while_requests_wait_and_admits_them_when_a_row_frees():
+    flags = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, page_size=4)
+    chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
+    prompts = random_prompts(np.random.default_rng(9), 4, 1, 30)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=i)
+              for i, n in enumerate((41, 13, 30, 22))]
+    runs = []
+    continue_run = chained.engine.multi_step.continue_run
+    chained.engine.multi_step.continue_run = lambda: runs.append(len(chained.engine.scheduler.waiting)) or continue_run()
+    assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in single.generate(prompts, params)]
+    assert any(runs)  # some dispatch was queued ahead while a request waited
+    chained.engine.pool.check_all_free()

@@ -8,9 +8,10 @@ step j-1's tokens, advances the grammars and computes step j's masks, then queue
 the batch is token r; a row stops writing K/V after its `active` steps (its max_tokens or the context ends),
 and the host discards what it sampled past a stop.
 
-A free batch's run goes on past its first dispatch while every row may: before the host reads a dispatch's tokens
-it queues the next one (the same rows, steps offset by num_steps, the first tokens taken on the device from the
-last step's samples), so the device decodes while the host applies tokens, checks stops and builds outputs. The
+A free batch's run goes on past its first dispatch while no waiting request could take a row: before the host
+reads a dispatch's tokens it queues the next one (the same rows, steps offset by num_steps, the first tokens taken
+on the device from the last step's samples), so the device decodes while the host applies tokens, checks stops
+and builds outputs. The
 next engine step takes that dispatch's results (`continue_run`). A row that stops early (EOS, a stop string, an
 abort) is found one dispatch late: its next dispatch computes tokens the host drops, into pages it still held
 when that dispatch was queued (programs run in queue order, so the pages' next owner writes after it)."""
@@ -281,15 +282,20 @@ class MultiStepDecoder:
         return e._collect_all(c.seq.request_id for c in d.chunks)
 
     def _queue_next(self, d: Dispatch) -> Dispatch | None:
-        """The run's next dispatch, queued on the dispatch thread, when nobody waits for admission, no speculation
-        would propose, and some row goes on past d; None when the run ends with d (the next step schedules afresh)."""
+        """The run's next dispatch, queued on the dispatch thread, when some row goes on past d, no speculation would
+        propose, and no waiting request could take a row; None when the run ends with d (the next step schedules
+        afresh)."""
         e = self.engine
         k = e.config.decode_steps
         offset = d.offset + k
         live = [r for r, c in enumerate(d.chunks)
                 if c.seq.request_id in e.requests and not c.seq.finished]
         # speculation proposes at every engine step: a run queued ahead would skip its proposals
-        if e.scheduler.waiting or e.speculator is not None or not any(d.limits[r] > offset for r in live):
+        if e.speculator is not None or not any(d.limits[r] > offset for r in live):
+            return None
+        # a waiting request is admitted as soon as a row frees: the run goes on only while every row stays (a row
+        # ending on EOS or a stop string is found a dispatch late, as vLLM's async scheduling finds it a step late)
+        if e.scheduler.waiting and (len(live) < e.builder.S or any(d.limits[r] <= offset for r in live)):
             return None
         active = np.minimum(d.active, offset)  # rows found stopped write nothing more
         for r in live:
