@@ -11,10 +11,10 @@ and the host discards what it sampled past a stop.
 A free batch's run goes on past its first dispatch while no waiting request could take a row: before the host
 reads a dispatch's tokens it queues the next one (the same rows, steps offset by num_steps, the first tokens taken
 on the device from the last step's samples), so the device decodes while the host applies tokens, checks stops
-and builds outputs. The
-next engine step takes that dispatch's results (`continue_run`). A row that stops early (EOS, a stop string, an
-abort) is found one dispatch late: its next dispatch computes tokens the host drops, into pages it still held
-when that dispatch was queued (programs run in queue order, so the pages' next owner writes after it)."""
+and builds outputs. The next engine step takes that dispatch's results (`continue_run`). A row that stops early
+(EOS, a stop string, an abort) is found one dispatch late: its next dispatch computes tokens the host drops, into
+pages it still held when that dispatch was queued (programs run in queue order, so the pages' next owner writes
+after it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -211,8 +211,6 @@ class MultiStepDecoder:
         active = [steps[id(c.seq)] for c in chunks]
         rows = np.zeros(e.builder.S, np.int32)
         rows[:len(active)] = active
-        grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
-        refused: dict[int, BaseException] = {}  # row -> why its grammar refused a token
         if not constrained:
             k, S = e.config.decode_steps, e.builder.S
             limits = [max(1, min(c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens))
@@ -223,6 +221,8 @@ class MultiStepDecoder:
                 e.kv, d.out = decode_steps_fn(e.model, e.kv, inputs, rows, np.int32(0), np.zeros((k, S), np.int32),
                                               self._block_tables(chunks), num_steps=k, branches=d.branches)
             return self._apply(d)
+        grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
+        refused: dict[int, BaseException] = {}  # row -> why its grammar refused a token
         out = self._pipeline(chunks, active, inputs, rows, grammar_end, refused)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
         for r, c in enumerate(chunks):

@@ -333,9 +333,9 @@ DRAWS = {"candidates": draw_by_candidates,  # methods that filter as they draw
 def filters_name(backend: str) -> str:
     """All are exact. On GPUs the candidates' draw with the best perturbed values found by block maxima (the
     sampler alone, 256 x 128,256 on an H100: 1.62 ms against 2.04 with XLA's top-k and 3.64 for the sort; the
-    mixed workload, Llama-3.2-1B shape: 18,100 tokens/s with XLA's top-k against the sort's 14,070), on CPUs (and TPUs, untested) the bisection (2.4x the
-    sort on this repository's CPU benchmark): benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names another
-    (benchmarks/sampler.py compares them)."""
+    mixed workload, Llama-3.2-1B shape: 18,100 tokens/s with XLA's top-k against the sort's 14,070), on CPUs (and
+    TPUs, untested) the bisection (2.4x the sort on this repository's CPU benchmark): benchmarks/RESULTS.md.
+    CAPSTAN_SAMPLING_FILTERS names another (benchmarks/sampler.py compares them)."""
     name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("candidates-fused" if backend == "gpu" else "bisection")
     if name not in FILTERS and name not in DRAWS:
         raise ValueError(f"CAPSTAN_SAMPLING_FILTERS={name!r}: not one of {', '.join([*FILTERS, *DRAWS])}")
