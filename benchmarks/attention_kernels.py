@@ -2,7 +2,11 @@
 
 python benchmarks/attention_kernels.py [--dtype bfloat16]
 prints milliseconds per call for a decode batch (256 rows) and for mixed prefill steps (2048 tokens), with the
-kernels' relative error against the reference. On CPU the kernels run interpreted (correct, not fast)."""
+kernels' relative error against the reference. On CPU the kernels run interpreted (correct, not fast).
+
+python benchmarks/attention_kernels.py --sweep
+times JAX's decode kernel over its Triton tuning (warps, pipeline stages, pages a block) on decode batches of the
+Llama-3.2-1B and Qwen3-0.6B heads (256 rows of 256-511 tokens, as the headline's decode phase has; one row)."""
 from __future__ import annotations
 
 import argparse
@@ -48,8 +52,11 @@ def rel_err(a, b) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--sweep", action="store_true", help="time the decode kernel's tuning instead")
     a = ap.parse_args()
     dtype = jnp.dtype(a.dtype)
+    if a.sweep:
+        return sweep(dtype)
     interpret = jax.default_backend() != "gpu"
     shape = dict(KVH=8, G=4, D=64, page=16, max_len=528, dtype=dtype)  # Llama-3.2-1B, 512 + 16 tokens of context
     scale = 0.125
@@ -71,6 +78,38 @@ def main() -> None:
             got = kernels[kname](q, k, v, meta)
             line += f" | {kname} {timed(kernels[kname], q, k, v, meta):7.3f} ms (rel err {rel_err(got, want):.1e})"
         print(line, flush=True)
+
+
+def sweep(dtype) -> None:
+    """The decode kernel's Triton tuning, each against the default, on the decode batches serving sees."""
+    import itertools
+
+    rng = np.random.default_rng(1)
+    mixed = [(int(n) - 1, 1) for n in rng.integers(256, 512, 256)]  # 256 rows, contexts 256..511
+    cases = {"1B heads, 256 rows x 256-511": (batch(mixed, decode=True, KVH=8, G=4, D=64, page=16, max_len=528,
+                                                     dtype=dtype), 0.125),
+             "Qwen heads, 256 rows x 256-511": (batch(mixed, decode=True, KVH=8, G=2, D=128, page=16, max_len=528,
+                                                       dtype=dtype), 128 ** -0.5),
+             "1B heads, 1 row x 384": (batch([(383, 1)], decode=True, KVH=8, G=4, D=64, page=16, max_len=528,
+                                             dtype=dtype), 0.125)}
+    print(f"{jax.devices()[0].device_kind}, {jnp.dtype(dtype).name}: decode kernel, ms (rel err vs reference)")
+    for name, ((q, k, v, meta), scale) in cases.items():
+        want = paged_attention(q, k, v, meta, scale=scale)
+        results = []
+        for warps, stages, pages in itertools.product((2, 4, 8), (1, 2, 3), (None, 4, 16)):
+            fn = jax.jit(lambda q, k, v, m, w=warps, s=stages, p=pages: decode_attention(
+                q, k, v, m, scale=scale, num_warps=w, num_stages=s, pages_per_block=p))
+            try:
+                ms, err = timed(fn, q, k, v, meta), rel_err(fn(q, k, v, meta), want)
+            except Exception as e:  # noqa: BLE001 - a tuning Triton cannot build: say so, go on
+                print(f"  {name}: warps {warps} stages {stages} pages {pages}: {type(e).__name__}", flush=True)
+                continue
+            results.append((ms, warps, stages, pages, err))
+        results.sort()
+        default = next(r for r in results if r[1:4] == (8, 2, None))
+        print(f"{name}: default (warps 8, stages 2) {default[0]:.4f} ms", flush=True)
+        for ms, warps, stages, pages, err in results[:6]:
+            print(f"  warps {warps} stages {stages} pages/block {pages or 'auto'}: {ms:.4f} ms ({err:.1e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace throughput8b quant profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace throughput8b quant kernelsweep specpeaked profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -19,6 +19,10 @@ for part in $parts; do
     # float32: a verify chunk rounds as a decode step does, so greedy outputs stay identical (the machinery's bound)
     speculative32) python3 benchmarks/speculative.py --shape llama-3.2-1b --dtype float32 --batch-sizes 1 --tokens 64 \
         --smallest-bucket 64 --methods oracle draft-target 2>&1 | grep -v Warning ;;
+    # bf16 with peaked output rows (clear margins, as a trained model's confident tokens): the machinery's bound
+    # without float32's compile times; each method's steps split into build / draft / call / fetch / host
+    specpeaked) python3 benchmarks/speculative.py --shape llama-3.2-1b --peaked 8 --timeline --batch-sizes 1 8 64 \
+        --tokens 128 --smallest-bucket 16 --methods ngram oracle draft-target 2>&1 | grep -v Warning ;;
     speculative) python3 benchmarks/speculative.py --shape llama-3.2-1b --batch-sizes 1 8 64 --tokens 128 \
         --smallest-bucket 64 --methods ngram oracle draft-target 2>&1 | grep -v Warning
       # the 8B shape with a 1B-shaped draft of its vocabulary (random weights: the cost of a draft, not its gain)
@@ -49,6 +53,7 @@ for part in $parts; do
           --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 | grep -E "output_tokens|single_stream|compile|Error"; done ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep -v Warning ;;
+    kernelsweep) python3 benchmarks/attention_kernels.py --sweep 2>&1 | grep -v Warning ;;
     grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep -v Warning ;;
     sampling) for shape in ${SHAPES:-llama-3.2-1b qwen3-0.6b}; do for greedy in "" --all-greedy; do
         echo "--- $shape mixed $greedy"

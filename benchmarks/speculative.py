@@ -23,11 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
+import haliax as hax
 import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
+from throughput import Timeline  # noqa: E402
 
 from capstan.runtime.config import EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
@@ -38,14 +41,14 @@ from capstan.runtime.speculative_config import SpeculativeConfig  # noqa: E402
 METHODS = ("ngram", "oracle", "draft-target", "draft-small")
 
 
-def run(engine: LLMEngine, prompts, params) -> tuple[float, dict[str, list[int]]]:
+def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None) -> tuple[float, dict[str, list[int]]]:
     ids = [f"s{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
     outputs = {rid: [] for rid in ids}
     start = time.perf_counter()
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in (timeline.step(engine) if timeline else engine.step()):
             outputs[out.request_id] += out.outputs[0].token_ids if out.outputs else []
     return time.perf_counter() - start, [outputs[r] for r in ids]
 
@@ -61,12 +64,21 @@ def main(argv=None) -> None:
                     help="draft-small's shape, given the target's vocabulary (default: llama-3.2-1b for llama-3-8b, "
                          "else tiny)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--peaked", type=float, default=0.0, metavar="GAIN",
+                    help="scale the output rows of 512 random tokens by GAIN (e.g. 8): the model then picks among "
+                         "them with clear margins, as a trained model's confident tokens are, so bf16 rounding "
+                         "(a verify chunk's against a decode step's) no longer flips near-ties")
+    ap.add_argument("--timeline", action="store_true", help="each method's step kinds, split as throughput.py's")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="auto: float32 on CPUs, bfloat16 elsewhere (where a verify chunk's rounding may flip near-ties)")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
     model = random_model(cfg, dtype)
+    if a.peaked:
+        ids = np.random.default_rng(2).choice(cfg.vocab_size, 512, replace=False)
+        head = model.lm_head.array.at[ids].multiply(a.peaked)
+        model = eqx.tree_at(lambda m: m.lm_head, model, hax.named(head, model.lm_head.axes))
     a.draft_shape = a.draft_shape or ("llama-3.2-1b" if a.shape == "llama-3-8b" else "tiny")
     draft_cfg = dataclasses.replace(shape_config(a.draft_shape), vocab_size=cfg.vocab_size)
     drafts = {"draft-target": model}
@@ -96,7 +108,8 @@ def main(argv=None) -> None:
             e.warmup()
             engines[name] = e
         run(engines["plain"], prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
-        plain_s, plain_out = run(engines["plain"], prompts, params)
+        timeline = Timeline(engines["plain"]) if a.timeline else None
+        plain_s, plain_out = run(engines["plain"], prompts, params, timeline)
         futures = [p + o for p, o in zip(prompts, plain_out)]
 
         def oracle(tokens, k):
@@ -109,11 +122,14 @@ def main(argv=None) -> None:
             engines["oracle"].speculator.proposer = oracle
         print(f"batch {batch:>3}: {'plain':>12} {1000 * plain_s / a.tokens:8.3f} ms/token "
               f"({batch * a.tokens / plain_s:8.0f} tok/s)", flush=True)
+        for kind, line in (timeline.report().items() if timeline else ()):
+            print(f"    {kind}: {line}")
         for name in a.methods:
             e = engines[name]
             run(e, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
             e.speculator.draft_tokens = e.speculator.accepted_tokens = 0
-            seconds, out = run(e, prompts, params)
+            timeline = Timeline(e) if a.timeline else None
+            seconds, out = run(e, prompts, params, timeline)
             # identical in float32 (tests/test_speculative.py); in bfloat16 a verify chunk's logits round unlike a
             # decode step's, so near-ties may flip: the share of outputs identical to plain decoding's is reported
             same = sum(o == p for o, p in zip(out, plain_out)) / len(out)
@@ -121,6 +137,8 @@ def main(argv=None) -> None:
             print(f"batch {batch:>3}: {name:>12} {1000 * seconds / a.tokens:8.3f} ms/token "
                   f"({batch * a.tokens / seconds:8.0f} tok/s, acceptance {rate:.2f}, identical outputs {same:.2f})",
                   flush=True)
+            for kind, line in (timeline.report().items() if timeline else ()):
+                print(f"    {kind}: {line}")
         del engines
 
 

@@ -41,23 +41,29 @@ def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
 
 class Timeline:
     """Splits each engine step's wall time (benchmark-only wrappers around the engine's own calls): building the
-    inputs, the jitted call until it returns, waiting for its results, and the host's work on them (the rest). A
-    decode dispatch queued ahead is called on the engine's dispatch thread: its call time lands in the step it ends
-    in, overlapping that step's other parts, so only the steps' wall times add up."""
+    inputs, the jitted call until it returns, waiting for its results, and the host's work on them (the rest); a
+    speculative step's draft-model call (its proposals fetched) is a part of its own. A decode dispatch queued ahead
+    is called on the engine's dispatch thread: its call time lands in the step it ends in, overlapping that step's
+    other parts, so only the steps' wall times add up."""
 
-    PARTS = ("build", "call", "fetch")
+    PARTS = ("build", "draft", "call", "fetch")
 
     def __init__(self, engine: LLMEngine):
         import capstan.runtime.engine.engine as engine_mod
         import capstan.runtime.engine.multi_step as multi_mod
+        import capstan.runtime.engine.speculative as spec_mod
         self.sums = {}  # kind -> {part: seconds, "steps": n, "wall": seconds}
         self.current = None
-        self.multi_call = multi_mod.decode_steps_fn
-        for owner, name, part in ((engine, "_build", "build"), (engine, "fetch", "fetch"),
-                                  (engine_mod, "step_fn", "call"), (multi_mod, "decode_steps_fn", "call")):
-            setattr(owner, name, self._timed(getattr(owner, name), part))
+        # (owner, attribute, part, the step kind a call of it makes)
+        for owner, name, part, kind in ((engine, "_build", "build", None), (engine, "fetch", "fetch", None),
+                                        (engine_mod, "step_fn", "call", None),
+                                        (multi_mod, "decode_steps_fn", "call", "multi-step"),
+                                        (spec_mod, "verify_fn", "call", "verify")):
+            setattr(owner, name, self._timed(getattr(owner, name), part, kind))
+        if engine.speculator is not None and engine.speculator.draft is not None:  # its call and its proposals' fetch
+            engine.speculator.draft.propose = self._timed(engine.speculator.draft.propose, "draft", None)
 
-    def _timed(self, fn, part):
+    def _timed(self, fn, part, kind):
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
@@ -65,8 +71,8 @@ class Timeline:
             finally:
                 if self.current is not None:
                     self.current[part] = self.current.get(part, 0.0) + time.perf_counter() - t0
-                    if fn is self.multi_call:
-                        self.current["kind"] = "multi-step"
+                    if kind:
+                        self.current["kind"] = kind
         return wrapper
 
     def step(self, engine: LLMEngine):
@@ -74,7 +80,7 @@ class Timeline:
         t0 = time.perf_counter()
         outs = engine.step()
         wall = time.perf_counter() - t0
-        kind = "multi-step" if "multi-step" in self.current.values() else "single"
+        kind = self.current.get("kind", "single")
         agg = self.sums.setdefault(kind, {"steps": 0, "wall": 0.0})
         agg["steps"] += 1
         agg["wall"] += wall
@@ -88,7 +94,7 @@ class Timeline:
         out = {}
         for kind, agg in self.sums.items():
             n = agg["steps"]
-            parts = {p: agg.get(p, 0.0) for p in self.PARTS}
+            parts = {p: agg.get(p, 0.0) for p in self.PARTS if p in agg or p != "draft"}
             parts["host_after"] = agg["wall"] - sum(parts.values())
             out[kind] = f"{n} steps, {1000 * agg['wall'] / n:.2f} ms each: " + ", ".join(
                 f"{p} {1000 * v / n:.2f}" for p, v in parts.items())

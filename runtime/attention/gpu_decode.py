@@ -12,6 +12,7 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as p
 from .metadata import AttentionMetadata
 
 PAGES_PER_BLOCK = 8  # pages loaded per inner iteration of the kernel (128 keys with 16-token pages)
+NUM_WARPS, NUM_STAGES = 8, 2  # JAX's defaults
 ENOUGH_PROGRAMS = 1024  # with this many (sequence, kv head) pairs the GPU is full without splitting contexts
 
 
@@ -28,16 +29,19 @@ def supported(S: int, KVH: int, pages_per_seq: int, page_size: int) -> bool:
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *,
-                     scale: float, interpret: bool = False) -> jax.Array:
-    """q[S, KVH, G, D] (row r is sequence r's only token); caches [KVH, pages, page_size, D] of one layer."""
+                     scale: float, interpret: bool = False, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                     pages_per_block: int | None = None) -> jax.Array:
+    """q[S, KVH, G, D] (row r is sequence r's only token); caches [KVH, pages, page_size, D] of one layer.
+    num_warps, num_stages, pages_per_block: Triton's tuning (benchmarks/attention_kernels.py --sweep times them)."""
     S, KVH, G, D = q.shape
     tables = meta.block_tables
-    k_splits, pages_per_block = _layout(S, KVH, tables.shape[1])
+    k_splits, per_block = _layout(S, KVH, tables.shape[1])
+    pages_per_block = pages_per_block or per_block
     pad = -tables.shape[1] % (k_splits * pages_per_block)
     if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     lengths = jnp.where(meta.seq_lens > 0, meta.positions + 1, 0)  # keys 0..position; padding rows see none
     out = pallas_paged_attention((q * scale).reshape(S, KVH * G, D), k_cache, v_cache, tables, lengths,
                                  block_h=max(16, G), pages_per_compute_block=pages_per_block, k_splits=k_splits,
-                                 interpret=interpret)
+                                 num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return out.reshape(S, KVH, G, D)
