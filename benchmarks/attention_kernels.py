@@ -10,6 +10,8 @@ Llama-3.2-1B and Qwen3-0.6B heads (256 rows of 256-511 tokens, as the headline's
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ import numpy as np
 from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, paged_attention, query_blocks
 from capstan.runtime.attention.gpu_decode import decode_attention
 from capstan.runtime.attention.gpu_ragged import ragged_attention
-from timing import median_ms
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import median_ms  # noqa: E402
 
 
 def batch(chunks, *, KVH, G, D, page, max_len, dtype, decode=False, seed=0):

@@ -21,7 +21,7 @@ for part in $parts; do
         --smallest-bucket 64 --methods oracle draft-target 2>&1 | grep -v Warning ;;
     # bf16 with peaked output rows (clear margins, as a trained model's confident tokens): the machinery's bound
     # without float32's compile times; each method's steps split into build / draft / call / fetch / host
-    specpeaked) python3 benchmarks/speculative.py --shape llama-3.2-1b --peaked 8 --timeline --batch-sizes 1 8 64 \
+    specpeaked) python3 benchmarks/speculative.py --shape llama-3.2-1b --peaked 8 --timeline --batch-sizes ${SPEC_BATCHES:-1 8 64} \
         --tokens 128 --smallest-bucket 16 --methods ngram oracle draft-target 2>&1 | grep -v Warning ;;
     speculative) python3 benchmarks/speculative.py --shape llama-3.2-1b --batch-sizes 1 8 64 --tokens 128 \
         --smallest-bucket 64 --methods ngram oracle draft-target 2>&1 | grep -v Warning

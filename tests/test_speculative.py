@@ -10,6 +10,7 @@ import pytest
 
 from capstan.runtime.cli import build_parser
 from capstan.runtime.engine.llm import LLM
+from capstan.runtime.engine.sampling_params import SamplingParams
 from capstan.runtime.engine.speculative import propose_ngram
 from capstan.runtime.speculative_config import SpeculativeConfig
 
@@ -71,6 +72,29 @@ def test_outputs_are_those_of_plain_decoding_whatever_is_proposed(baseline, spec
         assert e.speculator.accepted_tokens == e.speculator.draft_tokens  # the draft is the target: all accepted
     e.pool.check_all_free()
     assert e.stats().spec_draft_tokens == e.speculator.draft_tokens
+
+
+@pytest.mark.parametrize("programs", ["cpu", "gpu"])
+def test_every_verify_program_keeps_the_outputs(speculative_llm, programs, monkeypatch):
+    """Greedy, sampled and mixed batches (logprobs, penalties, filters) verified with the CPU's traced program and
+    with the GPU's (its branches decided on the host) give plain decoding's tokens, proposals half corrupted."""
+    import capstan.runtime.engine.speculative as speculative
+    used, real = [], speculative.verify_branches
+    monkeypatch.setattr(speculative, "verify_branches",
+                        lambda chunks, backend: used.append(b := real(chunks, programs)) or b)
+    llm, e = speculative_llm, speculative_llm.engine
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=4, ignore_eos=True)
+    for prompts, params in ((PROMPTS[:3], greedy), (PROMPTS[:3], sampled), (PROMPTS, PARAMS)):
+        e.speculator.proposer = lambda tokens, k: []  # no proposals: plain decoding
+        plain = llm.generate(prompts, params, use_tqdm=False)
+        oracle(llm, plain, corrupt_every=2)
+        same_outputs(plain, llm.generate(prompts, params, use_tqdm=False))
+    if programs == "gpu":
+        assert set(used) == {speculative.GREEDY_SCAN, speculative.SAMPLED_SCANS[False], speculative.VERIFY_GENERAL}
+    else:
+        assert set(used) == {None}
+    e.pool.check_all_free()
 
 
 def test_ngram_lookup_and_preemption_keep_the_outputs(baseline):

@@ -88,6 +88,29 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(baseline, same_
     e.pool.check_all_free()
 
 
+def test_with_the_gpus_programs_a_draft_equal_to_the_target_has_every_proposal_accepted(baseline, same_draft,
+                                                                                     monkeypatch):
+    """On GPUs the draft's and the verify step's sampling branches are decided on the host (greedy, sampled,
+    general): the same tokens as the CPU's traced programs, every proposal of a draft equal to the target accepted,
+    plain greedy batches included."""
+    import capstan.runtime.engine.draft_model as draft_model
+    import capstan.runtime.engine.speculative as speculative
+    used = []
+    for module, name in ((draft_model, "draft_branches"), (speculative, "verify_branches")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda rows, backend, real=real: used.append(b := real(rows, "gpu")) or b)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain_greedy = [o for p in PROMPTS[:2] for o in same_draft.generate([p], greedy, use_tqdm=False)]
+    e = same_draft.engine
+    reset_counters(same_draft)
+    same_outputs(baseline, generate_all(same_draft))
+    same_outputs(plain_greedy, same_draft.generate(PROMPTS[:2], greedy, use_tqdm=False))
+    assert e.speculator.draft_tokens > 0 and e.speculator.accepted_tokens == e.speculator.draft_tokens
+    assert {speculative.GREEDY_SCAN, speculative.SAMPLED_SCANS[False], speculative.VERIFY_GENERAL} <= set(used)
+    assert None not in used
+    e.pool.check_all_free()
+
+
 def test_metrics_count_the_proposed_and_accepted_tokens(same_draft):
     reset_counters(same_draft)
     for seed in (None, 7):  # greedy, then seeded sampling

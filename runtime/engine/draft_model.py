@@ -26,7 +26,8 @@ from .batch import BatchBuilder
 from .packing import Packed
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
-from .sampler import sample
+from .multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
+from .sampler import Branches, sample
 from .step import StepInputs
 
 log = logging.getLogger("capstan.engine")
@@ -48,14 +49,27 @@ def load_draft(name: str, target: DecoderModel, dtype: str, parallel: TensorPara
     return parallel.place_model(draft)
 
 
-def run_draft(model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array,
-              num_steps: int) -> tuple[KVCache, jax.Array]:
+def draft_programs(backend: str) -> tuple[Branches | None, ...]:
+    """The draft's sampling programs: on GPUs decided on the host (greedy, sampled; proposals need no logprobs),
+    as the decode scan's are (multi_step.py); CPUs keep one traced program."""
+    return (GREEDY_SCAN, SAMPLED_SCANS[False]) if backend == "gpu" else (None,)
+
+
+def draft_branches(seqs: list[Sequence], backend: str) -> Branches | None:
+    """The program for proposals to these sequences (the speculator drafts no grammar, penalty or ban rows)."""
+    if backend != "gpu":
+        return None
+    return GREEDY_SCAN if scan_branches([s.params for s in seqs], backend) is GREEDY_SCAN else SAMPLED_SCANS[False]
+
+
+def run_draft(model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array, num_steps: int,
+              branches: Branches | None = None) -> tuple[KVCache, jax.Array]:
     """packed: each row's catch-up chunk, ending at its last token; steps [S]: the tokens row r proposes (0: it only
     catches up). Returns the proposals [num_steps, S]: step 0 samples after the chunk, step j feeds step j-1's."""
     x: StepInputs = packed.unpack()
     draws = eqx.tree_at(lambda s: s.want_logprobs, x.sampling, jnp.zeros((), jnp.bool_))  # tokens, no logprobs
     hidden, kv = model(x.tokens, x.meta, kv)
-    first = sample(model.logits(hidden["token", x.sample_index]).array, draws).tokens
+    first = sample(model.logits(hidden["token", x.sample_index]).array, draws, branches).tokens
     meta, page = x.meta, kv.page_size
     S = steps.shape[0]
     rows = jnp.arange(S)
@@ -70,14 +84,14 @@ def run_draft(model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array
                                       block_tables=meta.block_tables, seq_lens=positions + 1, decode=True)
         h, kv = model(tokens, step_meta, kv)
         sampling = eqx.tree_at(lambda s: s.position, draws, x.sampling.position + j)  # that position's key
-        drawn = sample(model.logits(h).array, sampling).tokens
+        drawn = sample(model.logits(h).array, sampling, branches).tokens
         return (kv, drawn), drawn
 
     (kv, _), rest = jax.lax.scan(one, (kv, first), jnp.arange(1, num_steps))
     return kv, jnp.concatenate([first[None], rest], axis=0)
 
 
-draft_fn = jax.jit(run_draft, donate_argnums=(1,), static_argnames=("num_steps",))
+draft_fn = jax.jit(run_draft, donate_argnums=(1,), static_argnames=("num_steps", "branches"))
 
 
 class DraftModel:
@@ -89,9 +103,10 @@ class DraftModel:
 
     def warmup(self) -> None:
         for bucket in self.builder.buckets:
-            self.kv, out = draft_fn(self.model, self.kv, self.builder.build([], bucket=bucket),
-                                    np.zeros(self.builder.S, np.int32), num_steps=self.k)
-            jax.block_until_ready(out)
+            for branches in draft_programs(jax.default_backend()):
+                self.kv, out = draft_fn(self.model, self.kv, self.builder.build([], bucket=bucket),
+                                        np.zeros(self.builder.S, np.int32), num_steps=self.k, branches=branches)
+                jax.block_until_ready(out)
 
     def propose(self, seqs: list[Sequence], rooms: list[int], reserve) -> list[list[int]]:
         """Catches the draft up on each sequence's unseen tokens and proposes up to rooms[i] tokens for it, once its
@@ -117,7 +132,8 @@ class DraftModel:
             return drafts
         rows = np.zeros(self.builder.S, np.int32)
         rows[:len(steps)] = steps
-        self.kv, proposals = draft_fn(self.model, self.kv, inputs, rows, num_steps=self.k)
+        self.kv, proposals = draft_fn(self.model, self.kv, inputs, rows, num_steps=self.k,
+                                      branches=draft_branches([c.seq for c in chunks], jax.default_backend()))
         proposals = jax.device_get(proposals).T.tolist()  # [row][step]
         for r, (c, n) in enumerate(zip(chunks, steps)):
             # the draft K/V of its proposals but the last are written too; verification keeps those it accepts

@@ -12,6 +12,8 @@ is a single token (n-gram lookup proposes one token per position with certainty)
 target's probability of it, as rejection sampling does."""
 from __future__ import annotations
 
+from array import array
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -24,44 +26,88 @@ from .batch import BatchBuilder
 from .draft_model import DraftModel
 from .outputs import RequestOutput
 from .packing import Packed
-from .sampler import SampleResult, sample
+from .multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
+from .sampler import Branches, SampleResult, sample
 from .scheduler import ScheduledChunk
 from .step import StepInputs, StepOutputs
 
 
 def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:
     """k tokens following the latest earlier occurrence of tokens' last n-gram (longest n first): what followed
-    it, and as the text since then repeats it, that again; none when no n-gram recurs."""
+    it, and as the text since then repeats it, that again; none when no n-gram recurs. The search is bytes.rfind
+    over the tokens' int32 bytes (C speed: a batch of rows proposes in well under a millisecond)."""
     if k <= 0 or len(tokens) <= shortest:
         return []
-    ids = np.asarray(tokens, np.int64)
-    for n in range(min(longest, len(ids) - 1), shortest - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every earlier n-gram but the last
-        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            period = len(ids) - start  # the text since that occurrence, assumed to repeat
-            return ids[start + np.arange(k) % period].tolist()
+    data, L = array("i", tokens).tobytes(), len(tokens)
+    for n in range(min(longest, L - 1), shortest - 1, -1):
+        pattern, end = data[-4 * n:], 4 * (L - 1)  # every earlier n-gram but the last
+        while (i := data.rfind(pattern, 0, end)) >= 0:
+            if i % 4 == 0:  # a whole-token match
+                start = i // 4 + n
+                period = L - start  # the text since that occurrence, assumed to repeat
+                return [tokens[start + j % period] for j in range(k)]
+            end = i + 4 * n - 1  # a match straddling tokens: look further back
     return []
 
 
-def run_verify(model: DecoderModel, kv: KVCache, packed: Packed, num_positions: int) -> tuple[KVCache, SampleResult]:
-    """One step whose rows sample after each of their last num_positions tokens (a row with d proposed tokens
-    uses d + 1 of them; the rest repeat its last). Returns SampleResult with leading [S, num_positions] axes."""
+# On GPUs a verify step's sampling branches are decided on the host, as the decode scan's are (multi_step.py): a
+# plain greedy batch, a sampled one, and one that takes every processor (grammar masks, penalties and bans applied
+# to all rows are exact for rows without them, and logprobs), so no lax.cond waits on the device. CPUs keep one
+# traced program.
+VERIFY_GENERAL = Branches(plain_greedy=False, any_constrained=True, any_penalty=True, any_filter=True,
+                          all_greedy=False, want_logprobs=True)
+
+
+def verify_programs(backend: str) -> tuple[Branches | None, ...]:
+    return (GREEDY_SCAN, SAMPLED_SCANS[False], VERIFY_GENERAL) if backend == "gpu" else (None,)
+
+
+def verify_branches(chunks: list[ScheduledChunk], backend: str) -> Branches | None:
+    """The verify program for a step of these chunks (verify_programs)."""
+    if backend != "gpu":
+        return None
+    if any(c.seq.constraint is not None or c.seq.params.uses_penalties or c.seq.num_output < c.seq.params.min_tokens
+           or c.seq.params.logprobs is not None for c in chunks):
+        return VERIFY_GENERAL
+    return scan_branches([c.seq.params for c in chunks], backend)
+
+
+def verify_points(seq_lens: jax.Array, draft_lens: jax.Array, num_points: int) -> tuple[jax.Array, jax.Array]:
+    """The step's sampling points, row by row: row r (a real row: seq_lens > 0) samples after its last token and
+    each of its draft_lens[r] proposed ones. Returns (row, step) [num_points], step 0 .. draft_lens[row]; points past
+    the last are row S - 1's step 0 (drawn, never read)."""
+    counts = jnp.where(seq_lens > 0, draft_lens + 1, 0)
+    ends = jnp.cumsum(counts)
+    q = jnp.arange(num_points)
+    row = jnp.minimum(jnp.searchsorted(ends, q, side="right"), seq_lens.shape[0] - 1)
+    step = jnp.where(q < ends[-1], q - (ends[row] - counts[row]), 0)
+    return row, step
+
+
+def point_bases(chunks: list[ScheduledChunk]) -> list[int]:
+    """Each chunk's first sampling point (verify_points' order, on the host)."""
+    return np.cumsum([0] + [len(c.draft) + 1 for c in chunks[:-1]]).tolist()
+
+
+def run_verify(model: DecoderModel, kv: KVCache, packed: Packed, num_positions: int,
+               branches: Branches | None = None) -> tuple[KVCache, SampleResult]:
+    """One step whose rows sample after their last token and each proposed one (a row with d proposed tokens at
+    most num_positions - 1 takes d + 1 points). Logits are computed at the points only: min(tokens, rows x
+    num_positions) of them, so a small batch's verify projects a few rows onto the vocabulary, not every padded
+    row's K + 1. Returns SampleResult with a leading [points] axis (point_bases gives each row's first)."""
     x: StepInputs = packed.unpack()
     hidden, kv = model(x.tokens, x.meta, kv)
-    S, K1 = x.sample_index.shape[0], num_positions
-    steps = jnp.minimum(jnp.arange(K1)[None, :], x.draft_lens[:, None])  # [S, K1]: 0..d, then d again
-    index = x.sample_index[:, None] - x.draft_lens[:, None] + steps
-    logits = model.logits(hidden["token", index.reshape(-1)]).array
-    rows = jax.tree.map(lambda a: jnp.repeat(a, K1, axis=0) if a.ndim else a, x.sampling)
-    # the draw for each position uses that position's key, as decoding without speculation does
-    rows = eqx.tree_at(lambda s: s.position, rows, rows.position + steps.reshape(-1))
-    result = sample(logits, rows)
-    return kv, jax.tree.map(lambda a: a.reshape(S, K1, *a.shape[1:]), result)
+    num_points = min(x.tokens.shape[0], x.sample_index.shape[0] * num_positions)
+    row, step = verify_points(x.meta.seq_lens, x.draft_lens, num_points)
+    index = x.sample_index[row] - x.draft_lens[row] + step
+    logits = model.logits(hidden["token", index]).array
+    rows = jax.tree.map(lambda a: a[row] if a.ndim else a, x.sampling)
+    # the draw at each point uses that position's key, as decoding without speculation does
+    rows = eqx.tree_at(lambda s: s.position, rows, rows.position + step)
+    return kv, sample(logits, rows, branches)
 
 
-verify_fn = jax.jit(run_verify, donate_argnums=(1,), static_argnames=("num_positions",))
+verify_fn = jax.jit(run_verify, donate_argnums=(1,), static_argnames=("num_positions", "branches"))
 
 
 class Speculator:
@@ -91,10 +137,11 @@ class Speculator:
         """Compiles the verify step of every token bucket and the draft's programs."""
         engine = self.engine
         for bucket in engine.builder.buckets:
-            with engine._precision():
-                engine.kv, out = verify_fn(engine.model, engine.kv, engine.builder.build([], bucket=bucket),
-                                           num_positions=self.k + 1)
-            jax.block_until_ready(out)
+            for branches in verify_programs(jax.default_backend()):
+                with engine._precision():
+                    engine.kv, out = verify_fn(engine.model, engine.kv, engine.builder.build([], bucket=bucket),
+                                               num_positions=self.k + 1, branches=branches)
+                jax.block_until_ready(out)
         if self.draft is not None:
             with engine._precision():
                 self.draft.warmup()
@@ -143,10 +190,12 @@ class Speculator:
         if not chunks:
             return []
         with engine._precision():
-            engine.kv, out = verify_fn(engine.model, engine.kv, inputs, num_positions=self.k + 1)
+            engine.kv, out = verify_fn(engine.model, engine.kv, inputs, num_positions=self.k + 1,
+                                       branches=verify_branches(chunks, jax.default_backend()))
         out = engine.fetch(out)
-        tokens = out.tokens.tolist()  # [row][position]
-        first = StepOutputs(sampled=jax.tree.map(lambda a: a[:, 0], out), prompt=None)
+        tokens = out.tokens.tolist()  # [point]
+        bases = point_bases(chunks)
+        first = StepOutputs(sampled=jax.tree.map(lambda a: a[bases], out), prompt=None)
         page = engine.config.page_size
         for r, c in enumerate(chunks):
             seq = c.seq
@@ -157,7 +206,8 @@ class Speculator:
                     engine._apply_chunk(c, r, 0, first)
                     continue
                 accepted = 0
-                while accepted < len(c.draft) and c.draft[accepted] == tokens[r][accepted]:
+                base = bases[r]
+                while accepted < len(c.draft) and c.draft[accepted] == tokens[base + accepted]:
                     accepted += 1
                 self.draft_tokens += len(c.draft)
                 self.accepted_tokens += accepted
@@ -166,7 +216,7 @@ class Speculator:
                 for i in range(accepted + 1):  # the accepted ones, then the target's own next token
                     if seq.finished:
                         break
-                    engine._append_token(seq, tokens[r][i], out, (r, i))
+                    engine._append_token(seq, tokens[base + i], out, base + i)
                 if not seq.finished:
                     keep = -(-(seq.num_computed + 1) // page)  # through the next token's page
                     engine.pool.release(seq.pages[keep:])
