@@ -48,7 +48,7 @@ def choose_kernel(backend: str, *, layout: str, decode: bool, ragged: bool, dtyp
     if backend == "gpu":
         dtype = jnp.dtype(dtype)
         if decode and window is None and not softcap and dtype != jnp.float32 and decode_supported(
-                batch, kv_heads, pages_per_seq, page_size):
+                batch, kv_heads, pages_per_seq, page_size, head_dim):
             return "gpu_decode"
         if (decode or ragged) and ragged_supported(head_dim, page_size, dtype.itemsize):
             return "gpu_ragged"

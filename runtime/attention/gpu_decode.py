@@ -11,32 +11,40 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as p
 
 from .metadata import AttentionMetadata
 
-PAGES_PER_BLOCK = 8  # pages loaded per inner iteration of the kernel (128 keys with 16-token pages)
-NUM_WARPS, NUM_STAGES = 8, 2  # JAX's defaults
+SPLIT_PAGES = 8  # a long context is split into parts of at least this many pages (flash-decoding)
 ENOUGH_PROGRAMS = 1024  # with this many (sequence, kv head) pairs the GPU is full without splitting contexts
+# Triton's tuning (num_warps, num_stages, pages loaded per inner iteration), from `python
+# benchmarks/attention_kernels.py --sweep` on an H100 (2026-11-25, bf16, 16-token pages; JAX's defaults are 8, 2, 8):
+# 256 rows of 256-511 tokens, head_dim 64 (Llama-3.2-1B): 0.304 -> 0.209 ms a layer; head_dim 128 (Qwen3-0.6B):
+# 0.395 -> 0.322; one row of 384 (split): 0.087 -> 0.065. Short blocks of 4 pages won everywhere.
+FULL_BATCH_TUNING = {64: (2, 2, 4), 128: (8, 1, 4)}  # by head_dim; others take 128's
+SPLIT_TUNING = (4, 1, 4)
 
 
-def _layout(S: int, KVH: int, pages_per_seq: int) -> tuple[int, int]:
-    """(k_splits, pages_per_block): split long contexts across blocks (flash-decoding) only when the batch alone
-    cannot fill the GPU; Triton tiles have power-of-two sides, so a short context's block is rounded up."""
-    k_splits = 1 if S * KVH >= ENOUGH_PROGRAMS else max(1, min(8, pages_per_seq // PAGES_PER_BLOCK))
-    return k_splits, min(PAGES_PER_BLOCK, 1 << (-(-pages_per_seq // k_splits) - 1).bit_length())
+def _layout(S: int, KVH: int, pages_per_seq: int, D: int) -> tuple[int, int, int, int]:
+    """(k_splits, pages_per_block, num_warps, num_stages): split long contexts across blocks (flash-decoding) only
+    when the batch alone cannot fill the GPU; Triton tiles have power-of-two sides, so a short context's block is
+    rounded up."""
+    full = S * KVH >= ENOUGH_PROGRAMS
+    k_splits = 1 if full else max(1, min(8, pages_per_seq // SPLIT_PAGES))
+    warps, stages, per_block = FULL_BATCH_TUNING.get(D, FULL_BATCH_TUNING[128]) if full else SPLIT_TUNING
+    return k_splits, min(per_block, 1 << (-(-pages_per_seq // k_splits) - 1).bit_length()), warps, stages
 
 
-def supported(S: int, KVH: int, pages_per_seq: int, page_size: int) -> bool:
-    block_k = page_size * _layout(S, KVH, pages_per_seq)[1]
+def supported(S: int, KVH: int, pages_per_seq: int, page_size: int, head_dim: int) -> bool:
+    block_k = page_size * _layout(S, KVH, pages_per_seq, head_dim)[1]
     return block_k >= 16 and block_k & (block_k - 1) == 0
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *,
-                     scale: float, interpret: bool = False, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                     pages_per_block: int | None = None) -> jax.Array:
+                     scale: float, interpret: bool = False, num_warps: int | None = None,
+                     num_stages: int | None = None, pages_per_block: int | None = None) -> jax.Array:
     """q[S, KVH, G, D] (row r is sequence r's only token); caches [KVH, pages, page_size, D] of one layer.
-    num_warps, num_stages, pages_per_block: Triton's tuning (benchmarks/attention_kernels.py --sweep times them)."""
+    num_warps, num_stages, pages_per_block: Triton's tuning, else _layout's (attention_kernels.py --sweep)."""
     S, KVH, G, D = q.shape
     tables = meta.block_tables
-    k_splits, per_block = _layout(S, KVH, tables.shape[1])
-    pages_per_block = pages_per_block or per_block
+    k_splits, per_block, warps, stages = _layout(S, KVH, tables.shape[1], D)
+    pages_per_block, num_warps, num_stages = pages_per_block or per_block, num_warps or warps, num_stages or stages
     pad = -tables.shape[1] % (k_splits * pages_per_block)
     if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
