@@ -1,6 +1,7 @@
 """Where a decode step's time goes, on a named shape with random weights (GPU diagnostic).
 
 python benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256
+python benchmarks/decode_profile.py --shape llama-3-8b --quantization fp8 --rows 1 --trace /tmp/fp8trace
 Times, per row count: one model forward with the decode kernel and with the reference attention, the sampler,
 and one step of the multi-step decode."""
 from __future__ import annotations
@@ -31,9 +32,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--trace", help="also write a Perfetto trace of one multi-step dispatch per row count here")
+    ap.add_argument("--quantization", choices=["fp8", "int8", "q8_0"], default=None)
     a = ap.parse_args()
     cfg = shape_config(a.shape)
-    model = random_model(cfg, "bfloat16")
+    model = random_model(cfg, "bfloat16", quantization=a.quantization)
 
     for rows in a.rows:
         engine = LLMEngine(EngineConfig(dtype="bfloat16", max_model_len=a.context + 64, max_num_seqs=rows,

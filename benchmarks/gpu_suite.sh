@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace throughput8b quant kernelsweep specpeaked profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -66,6 +66,13 @@ for part in $parts; do
         --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --constrained-fraction $f \
         --json "$OUT/structured-$f.json" 2>&1 | grep -E "output_tokens|seconds|phase|Error"; done ;;
     profile) python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256 --context 384 2>&1 | grep rows= ;;
+    # issue 15's FP8 goal: where one Llama-3-8B FP8 stream's step goes (bf16 for comparison), kernels from the trace
+    fp8profile) for q in bf16 fp8; do flag=$([ $q = bf16 ] || echo "--quantization $q"); rm -rf /tmp/trace-$q
+        python3 benchmarks/decode_profile.py --shape llama-3-8b $flag --rows 1 --context 384 --trace /tmp/trace-$q 2>&1 \
+          | grep rows=; python3 benchmarks/trace_summary.py /tmp/trace-$q/rows1 --top 15; done ;;
+    # issue 15's case (c): the 8B shape with a 1B-shaped draft, and n-gram, per step (batch 1 and 8)
+    spec8b) python3 benchmarks/speculative.py --shape llama-3-8b --peaked 8 --timeline --batch-sizes 1 8 --tokens 64 \
+        --smallest-bucket 16 --methods ngram oracle draft-small 2>&1 | grep -v Warning ;;
     peer) python3 benchmarks/peer_transformers.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --single-tokens 256 --json "$OUT/transformers-llama-3.2-1b.json" 2>&1 | grep -v Warning | tail -25 ;;
     peer8b) python3 benchmarks/peer_transformers.py --shape llama-3-8b --phases single --single-tokens 256 \
