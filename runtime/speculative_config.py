@@ -18,6 +18,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: the longest n-gram looked up (tried first)
     prompt_lookup_min: int = 2  # ngram: the shortest
     model: str | None = None  # draft_model: checkpoint folder, .gguf file or hf://org/name[@revision]
+    # vLLM's: no proposals while this many sequences or more are running (where a batch's decode step is no longer
+    # bound by reading the weights, verifying costs more than it saves: benchmarks/RESULTS.md)
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -50,6 +53,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 2):
+            raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer of at least 2 (or "
+                             f"null), got {size!r}")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be at most "
                              f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")

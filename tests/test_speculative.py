@@ -113,6 +113,8 @@ def test_ngram_lookup_and_preemption_keep_the_outputs(baseline):
     ('{"num_speculative_tokens": 17}', "num_speculative_tokens must be at most 16"),
     ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min (5) must not exceed"),
     ('{"k": 4}', "unknown field(s) k"),
+    ('{"disable_by_batch_size": 1}', "disable_by_batch_size must be an integer of at least 2"),
+    ('{"disable_by_batch_size": 2.5}', "disable_by_batch_size must be an integer of at least 2"),
     ("[4]", "must be a JSON object"),
     ("{", "not JSON"),
 ])
@@ -122,6 +124,27 @@ def test_bad_speculative_configs_are_refused_naming_the_field(text, message):
     assert message in str(e.value)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", text])
+
+
+def test_no_proposals_while_the_batch_is_at_disable_by_batch_size(baseline):
+    """vLLM's disable_by_batch_size: while 2 or more sequences run, steps decode plainly (and a decode run queues its
+    next dispatch ahead, as without speculation); once one is left it proposes again; outputs unchanged."""
+    llm = LLM(str(GOLDEN / "llama-s11"), warmup=False, **ENGINE, speculative_config=SpeculativeConfig(
+        num_speculative_tokens=4, disable_by_batch_size=2))
+    e = llm.engine
+    running, runs = [], []
+    propose, continue_run = e.speculator.propose, e.multi_step.continue_run
+    e.speculator.propose = lambda chunks, budget: running.append(len(e.scheduler.running)) or propose(chunks, budget)
+    e.multi_step.continue_run = lambda: runs.append(1) or continue_run()
+    oracle(llm, baseline)
+    params = [PARAMS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]  # the second ends first
+    plain = [baseline[0]] + LLM(str(GOLDEN / "llama-s11"), warmup=False, **ENGINE).generate(
+        PROMPTS[1:2], params[1:], use_tqdm=False)
+    got = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    same_outputs(plain, got)
+    assert running and max(running) < 2  # proposals only once one sequence was left
+    assert e.speculator.draft_tokens > 0 and runs  # and plain runs chained while two were
+    e.pool.check_all_free()
 
 
 def test_the_flag_parses():

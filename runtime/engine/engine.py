@@ -244,7 +244,7 @@ class LLMEngine:
         chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
             return []
-        if self.speculator is not None:  # proposals may take the step's tokens the chunks leave
+        if self.speculator is not None and self.speculator.active():  # proposals take tokens the chunks leave
             budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
             if self.speculator.propose(chunks, budget):
                 return self.speculator.verify(chunks)

@@ -290,8 +290,9 @@ class MultiStepDecoder:
         offset = d.offset + k
         live = [r for r, c in enumerate(d.chunks)
                 if c.seq.request_id in e.requests and not c.seq.finished]
-        # speculation proposes at every engine step: a run queued ahead would skip its proposals
-        if e.speculator is not None or not any(d.limits[r] > offset for r in live):
+        # speculation proposes at every engine step (unless the batch is too large for it): a run queued ahead would
+        # skip its proposals
+        if e.speculator is not None and e.speculator.active() or not any(d.limits[r] > offset for r in live):
             return None
         # a waiting request is admitted as soon as a row frees: the run goes on only while every row stays (a row
         # ending on EOS or a stop string is found a dispatch late, as vLLM's async scheduling finds it a step late)

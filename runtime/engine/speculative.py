@@ -119,6 +119,7 @@ class Speculator:
         """draft_model: loaded and placed already (method draft_model), the engine's pages sized for it too;
         rows: the target's BatchBuilder arguments, which the draft's steps share."""
         self.engine, self.k = engine, config.num_speculative_tokens
+        self.disable_by_batch_size = config.disable_by_batch_size
         self.draft: DraftModel | None = None  # with a draft model: its cache over the engine's pages
         self.proposer = None  # n-gram lookup: (tokens, at most k) -> proposal; tests and benchmarks set oracles here
         if draft_model is not None:
@@ -145,6 +146,11 @@ class Speculator:
         if self.draft is not None:
             with engine._precision():
                 self.draft.warmup()
+
+    def active(self) -> bool:
+        """Whether steps propose now: not while disable_by_batch_size or more sequences are running."""
+        size = self.disable_by_batch_size
+        return size is None or len(self.engine.scheduler.running) < size
 
     def propose(self, chunks: list[ScheduledChunk], budget: int) -> bool:
         """Proposes tokens for the decoding sequences that can take them, within budget tokens (n-gram lookup or the
