@@ -42,7 +42,8 @@ def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
 class Timeline:
     """Splits each engine step's wall time (benchmark-only wrappers around the engine's own calls): building the
     inputs, the jitted call until it returns, waiting for its results, and the host's work on them (the rest); a
-    speculative step's draft-model call (its proposals fetched) is a part of its own. A decode dispatch queued ahead
+    speculative step's draft-model call (its proposals fetched) is a part of its own; each kind's wall time over
+    the output tokens its steps yielded (all rows together) is its ms a token. A decode dispatch queued ahead
     is called on the engine's dispatch thread: its call time lands in the step it ends in, overlapping that step's
     other parts, so only the steps' wall times add up."""
 
@@ -81,9 +82,10 @@ class Timeline:
         outs = engine.step()
         wall = time.perf_counter() - t0
         kind = self.current.get("kind", "single")
-        agg = self.sums.setdefault(kind, {"steps": 0, "wall": 0.0})
+        agg = self.sums.setdefault(kind, {"steps": 0, "wall": 0.0, "tokens": 0})
         agg["steps"] += 1
         agg["wall"] += wall
+        agg["tokens"] += sum(len(o.token_ids) for r in outs for o in r.outputs)  # what the step's kind yields
         for part, v in self.current.items():
             if part in self.PARTS:
                 agg[part] = agg.get(part, 0.0) + v
@@ -96,7 +98,8 @@ class Timeline:
             n = agg["steps"]
             parts = {p: agg.get(p, 0.0) for p in self.PARTS if p in agg or p != "draft"}
             parts["host_after"] = agg["wall"] - sum(parts.values())
-            out[kind] = f"{n} steps, {1000 * agg['wall'] / n:.2f} ms each: " + ", ".join(
+            per_token = f", {1000 * agg['wall'] / agg['tokens']:.3f} ms a token" if agg["tokens"] else ""
+            out[kind] = f"{n} steps, {1000 * agg['wall'] / n:.2f} ms each{per_token}: " + ", ".join(
                 f"{p} {1000 * v / n:.2f}" for p, v in parts.items())
         return out
 
