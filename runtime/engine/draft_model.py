@@ -3,7 +3,8 @@
 Its KV cache has the target's pages (same page size and count, its own layers and heads), so a sequence's page
 table serves both models and the scheduler's allocation covers the draft too. The draft catches up lazily: a
 step first runs it over the tokens of each sequence it has not seen (a ragged chunk, [num_draft_computed, len)),
-samples the first proposal after them, then takes K-1 single-token decode steps, all in one dispatch. Every
+samples the first proposal after them, then takes K-1 single-token decode steps, all in one dispatch; the
+proposals stay on the device for the verify step queued behind it (speculative.run_verify). Every
 proposal is sampled by the target's sampler with the target's rows and position keys (seed, position), so a
 draft identical to the target proposes exactly the tokens the target draws, and verification (speculative.py)
 stays lossless whatever the draft proposes: its quality only changes how many are accepted."""
@@ -108,12 +109,14 @@ class DraftModel:
                                         np.zeros(self.builder.S, np.int32), num_steps=self.k, branches=branches)
                 jax.block_until_ready(out)
 
-    def propose(self, seqs: list[Sequence], rooms: list[int], reserve) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], rooms: list[int], reserve) -> tuple[jax.Array | None, list[int]]:
         """Catches the draft up on each sequence's unseen tokens and proposes up to rooms[i] tokens for it, once its
         pages for them are reserved (reserve(seq, n) -> bool: pages for n tokens from seq.num_computed). A sequence
-        further behind than the step's token budget catches up partly and proposes nothing this step."""
+        further behind than the step's token budget catches up partly and proposes nothing this step. Returns the
+        proposals on the device ([K, S]: seqs[i]'s in column i), left there for the verify step that follows them
+        in the device's queue (the host builds that step meanwhile), and how many of seqs[i]'s count."""
         budget = self.builder.buckets[-1]
-        chunks, steps, drafts = [], [], [[] for _ in seqs]
+        chunks, steps = [], []
         for seq, room in zip(seqs, rooms):
             behind = seq.num_tokens - seq.num_draft_computed
             assert behind >= 1, "the target computes each sequence's last token in this step: the draft has not"
@@ -123,20 +126,19 @@ class DraftModel:
             budget -= n
             chunks.append(ScheduledChunk(seq, seq.num_draft_computed, n))
             steps.append(room if n == behind and room > 0 and reserve(seq, 1 + room) else 0)
+        counts = steps + [0] * (len(seqs) - len(steps))
         if not chunks:
-            return drafts
+            return None, counts
         try:
             inputs = self.builder.build(chunks)
         except Exception:  # noqa: BLE001 - a request's bad input: no proposals; the target's step isolates it
             log.exception("building the draft's step failed; decoding without proposals")
-            return drafts
+            return None, [0] * len(seqs)
         rows = np.zeros(self.builder.S, np.int32)
         rows[:len(steps)] = steps
         self.kv, proposals = draft_fn(self.model, self.kv, inputs, rows, num_steps=self.k,
                                       branches=draft_branches([c.seq for c in chunks], jax.default_backend()))
-        proposals = jax.device_get(proposals).T.tolist()  # [row][step]
-        for r, (c, n) in enumerate(zip(chunks, steps)):
+        for c, n in zip(chunks, steps):
             # the draft K/V of its proposals but the last are written too; verification keeps those it accepts
             c.seq.num_draft_computed = c.start + c.num_tokens + max(n - 1, 0)
-            drafts[r] = proposals[r][:n]
-        return drafts
+        return proposals, counts

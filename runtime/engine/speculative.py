@@ -89,14 +89,22 @@ def point_bases(chunks: list[ScheduledChunk]) -> list[int]:
     return np.cumsum([0] + [len(c.draft) + 1 for c in chunks[:-1]]).tolist()
 
 
-def run_verify(model: DecoderModel, kv: KVCache, packed: Packed, num_positions: int,
-               branches: Branches | None = None) -> tuple[KVCache, SampleResult]:
+def run_verify(model: DecoderModel, kv: KVCache, packed: Packed, proposals: jax.Array, draft_at: jax.Array,
+               draft_row: jax.Array, num_positions: int,
+               branches: Branches | None = None) -> tuple[KVCache, tuple[SampleResult, jax.Array]]:
     """One step whose rows sample after their last token and each proposed one (a row with d proposed tokens at
-    most num_positions - 1 takes d + 1 points). Logits are computed at the points only: min(tokens, rows x
-    num_positions) of them, so a small batch's verify projects a few rows onto the vocabulary, not every padded
-    row's K + 1. Returns SampleResult with a leading [points] axis (point_bases gives each row's first)."""
+    most num_positions - 1 takes d + 1 points). A draft model's proposals [K, S] come as the device left them:
+    row r's d tokens go to the step's tokens from index draft_at[r] (-1: its proposals are in the packed tokens
+    already, as n-gram lookup's are), taken from proposals' column draft_row[r]. Logits are computed at the points
+    only: min(tokens, rows x num_positions) of them, so a small batch's verify projects a few rows onto the
+    vocabulary, not every padded row's K + 1. Returns (SampleResult with a leading [points] axis, point_bases
+    giving each row's first; the proposals, for the host)."""
     x: StepInputs = packed.unpack()
-    hidden, kv = model(x.tokens, x.meta, kv)
+    j = jnp.arange(proposals.shape[0])[:, None]
+    fill = (draft_at[None, :] >= 0) & (j < x.draft_lens[None, :])
+    at = jnp.where(fill, draft_at[None, :] + j, x.tokens.shape[0])  # out of range: dropped
+    tokens = x.tokens.at[at.reshape(-1)].set(proposals[j, draft_row[None, :]].reshape(-1), mode="drop")
+    hidden, kv = model(tokens, x.meta, kv)
     num_points = min(x.tokens.shape[0], x.sample_index.shape[0] * num_positions)
     row, step = verify_points(x.meta.seq_lens, x.draft_lens, num_points)
     index = x.sample_index[row] - x.draft_lens[row] + step
@@ -104,7 +112,7 @@ def run_verify(model: DecoderModel, kv: KVCache, packed: Packed, num_positions: 
     rows = jax.tree.map(lambda a: a[row] if a.ndim else a, x.sampling)
     # the draw at each point uses that position's key, as decoding without speculation does
     rows = eqx.tree_at(lambda s: s.position, rows, rows.position + step)
-    return kv, sample(logits, rows, branches)
+    return kv, (sample(logits, rows, branches), proposals)
 
 
 verify_fn = jax.jit(run_verify, donate_argnums=(1,), static_argnames=("num_positions", "branches"))
@@ -131,6 +139,8 @@ class Speculator:
         else:
             self.proposer = lambda tokens, k: propose_ngram(tokens, k, config.prompt_lookup_max,
                                                             config.prompt_lookup_min)
+        self.proposals: jax.Array | None = None  # the draft's last proposals, on the device
+        self.columns: dict[int, int] = {}  # id(chunk) -> its proposals' column there
         self.draft_tokens = 0  # tokens proposed (EngineStats.spec_draft_tokens)
         self.accepted_tokens = 0  # of those, the ones the target verified (EngineStats.spec_accepted_tokens)
 
@@ -141,7 +151,8 @@ class Speculator:
             for branches in verify_programs(jax.default_backend()):
                 with engine._precision():
                     engine.kv, out = verify_fn(engine.model, engine.kv, engine.builder.build([], bucket=bucket),
-                                               num_positions=self.k + 1, branches=branches)
+                                               *self._no_device_proposals(), num_positions=self.k + 1,
+                                               branches=branches)
                 jax.block_until_ready(out)
         if self.draft is not None:
             with engine._precision():
@@ -156,6 +167,7 @@ class Speculator:
         """Proposes tokens for the decoding sequences that can take them, within budget tokens (n-gram lookup or the
         draft model); True if any got some. Sequences whose sampling needs the host between tokens (penalties,
         min_tokens bans, grammars) and steps with prompt logprobs are left to plain decoding."""
+        self.proposals, self.columns = None, {}
         if any(c.seq.params.prompt_logprobs is not None and not c.seq.prompt_logprobs_done for c in chunks):
             return False
         scheduler = self.engine.scheduler
@@ -167,10 +179,11 @@ class Speculator:
                     rooms.append(room)
                     budget -= room
             with self.engine._precision():
-                drafts = self.draft.propose([c.seq for c in takers], rooms, scheduler.reserve_ahead)
-            for c, draft in zip(takers, drafts):
-                c.draft = draft
-            return any(drafts)
+                self.proposals, counts = self.draft.propose([c.seq for c in takers], rooms, scheduler.reserve_ahead)
+            for column, (c, n) in enumerate(zip(takers, counts)):
+                if n:  # placeholders: the verify step takes the tokens from the device (run_verify)
+                    c.draft, self.columns[id(c)] = [0] * n, column
+            return any(counts)
         for c in chunks:
             room = self._room(c, budget)
             draft = self.proposer(c.seq.token_ids, room) if room > 0 else []
@@ -178,6 +191,11 @@ class Speculator:
                 c.draft = draft
                 budget -= len(draft)
         return any(c.draft for c in chunks)
+
+    def _no_device_proposals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """verify_fn's proposals arguments for a step whose proposals are all in its packed tokens."""
+        S = self.engine.builder.S
+        return np.zeros((self.k, S), np.int32), np.full(S, -1, np.int32), np.zeros(S, np.int32)
 
     def _room(self, c: ScheduledChunk, budget: int) -> int:
         """How many tokens c's sequence may have proposed this step (0: none, it decodes plainly)."""
@@ -192,13 +210,28 @@ class Speculator:
         keeps its proposed tokens up to the first the target would not have drawn, then the target's own token.
         The pages reserved for rejected tokens go back to the pool."""
         engine = self.engine
+        columns, self.columns = self.columns, {}
+        proposals, self.proposals = self.proposals, None
         chunks, inputs = engine._build(chunks)
         if not chunks:
             return []
+        if columns:  # a draft model's: where each row's go in the step's tokens, and which column they are
+            S = engine.builder.S
+            draft_at, draft_row = np.full(S, -1, np.int32), np.zeros(S, np.int32)
+            t = 0
+            for r, c in enumerate(chunks):
+                if id(c) in columns:
+                    draft_at[r], draft_row[r] = t + c.num_tokens, columns[id(c)]
+                t += c.num_step_tokens
+        else:
+            proposals, draft_at, draft_row = self._no_device_proposals()
         with engine._precision():
-            engine.kv, out = verify_fn(engine.model, engine.kv, inputs, num_positions=self.k + 1,
-                                       branches=verify_branches(chunks, jax.default_backend()))
-        out = engine.fetch(out)
+            engine.kv, out = verify_fn(engine.model, engine.kv, inputs, proposals, draft_at, draft_row,
+                                       num_positions=self.k + 1, branches=verify_branches(chunks, jax.default_backend()))
+        out, proposals = engine.fetch(out)
+        for c in chunks:
+            if id(c) in columns:
+                c.draft = proposals[:len(c.draft), columns[id(c)]].tolist()
         tokens = out.tokens.tolist()  # [point]
         bases = point_bases(chunks)
         first = StepOutputs(sampled=jax.tree.map(lambda a: a[bases], out), prompt=None)
