@@ -87,7 +87,9 @@ def test_disconnect_storm_frees_every_page(storm_server):
 
 def test_sigterm_with_64_streams_finishes_them_all_then_exits_0(storm_server):
     async def scenario():
-        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 120, "ignore_eos": True}
+        # 360 tokens each: the drain outlasts the late request below even when a loaded machine lets the server run
+        # far ahead of this client's polling (at 120 a CI run saw every stream end, and the server exit, within 0.3 s)
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 360, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=80)) as client:
             tasks = [asyncio.ensure_future(stream_completion(client, storm_server.url, body)) for _ in range(64)]
             deadline = time.monotonic() + 60
