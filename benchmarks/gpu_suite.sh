@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -39,6 +39,11 @@ for part in $parts; do
     decodetrace) rm -rf /tmp/decodetrace; python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --trace /tmp/decodetrace 2>&1 \
         | grep -E "output_tokens_per_s|Error"; python3 benchmarks/trace_summary.py /tmp/decodetrace --top 25 ;;
+    # the mixed workload's sampled run with a trace of one decode-phase step: what the sampler costs inside the scan
+    sampledtrace) rm -rf /tmp/sampledtrace; python3 benchmarks/throughput.py --shape llama-3.2-1b --workload mixed \
+        --requests 256 --prompt-len 256 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 \
+        --smallest-bucket 256 --trace /tmp/sampledtrace 2>&1 | grep -E "output_tokens_per_s|Error"
+      python3 benchmarks/trace_summary.py /tmp/sampledtrace --top 30 ;;
     throughput8b) python3 benchmarks/throughput.py --shape llama-3-8b --requests 1 --prompt-len 256 --output-len 16 \
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
         --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep -v Warning ;;
