@@ -75,7 +75,9 @@ def cut_draft(tmp_path_factory):
 
 
 def reset_counters(llm):
-    llm.engine.speculator.draft_tokens = llm.engine.speculator.accepted_tokens = 0
+    s = llm.engine.speculator
+    s.draft_tokens = s.accepted_tokens = s.drafts = 0
+    s.accepted_per_pos = [0] * s.k
 
 
 def test_a_draft_equal_to_the_target_has_every_proposal_accepted(baseline, same_draft):
@@ -120,6 +122,14 @@ def test_metrics_count_the_proposed_and_accepted_tokens(same_draft):
     # each: the prefill samples token 1; 4 proposed and accepted, the target's own 6th; the 2 that max_tokens leaves
     stats = same_draft.engine.stats()
     assert (stats.spec_draft_tokens, stats.spec_accepted_tokens) == (12, 12)
+    # two proposals each (4 tokens, then 2), accepted whole: positions 0 and 1 four times, 2 and 3 twice
+    assert stats.spec_drafts == 4 and stats.spec_accepted_per_pos == (4, 4, 2, 2)
+    from capstan.runtime.server.metrics import ServerMetrics  # what /metrics exports of them
+    text = ServerMetrics(same_draft.engine).render().decode()
+    for line in ("capstan_spec_decode_draft_tokens_total 12.0", "capstan_spec_decode_drafts_total 4.0",
+                 'capstan_spec_decode_accepted_tokens_per_pos_total{position="0"} 4.0',
+                 'capstan_spec_decode_accepted_tokens_per_pos_total{position="3"} 2.0'):
+        assert line in text.splitlines(), line
 
 
 def test_a_draft_that_disagrees_leaves_the_outputs_unchanged_through_preemption(baseline, cut_draft):

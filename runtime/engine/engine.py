@@ -50,6 +50,8 @@ class EngineStats:
     generation_tokens: int
     spec_draft_tokens: int = 0  # tokens proposed by speculative decoding
     spec_accepted_tokens: int = 0  # of those, the ones the target verified
+    spec_drafts: int = 0  # rows verified with a proposal (draft tokens / drafts: the mean proposal length)
+    spec_accepted_per_pos: tuple[int, ...] = ()  # accepted proposals by position 0..K-1 (where acceptance falls off)
 
 
 class LLMEngine:
@@ -214,7 +216,9 @@ class LLMEngine:
                            prefix_cache_hit_tokens=s.prefix_hit_tokens, preemptions=s.num_preemptions,
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
                            spec_draft_tokens=spec.draft_tokens if spec else 0,
-                           spec_accepted_tokens=spec.accepted_tokens if spec else 0)
+                           spec_accepted_tokens=spec.accepted_tokens if spec else 0,
+                           spec_drafts=spec.drafts if spec else 0,
+                           spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else ())
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def warmup(self) -> None:

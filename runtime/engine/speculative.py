@@ -143,6 +143,8 @@ class Speculator:
         self.columns: dict[int, int] = {}  # id(chunk) -> its proposals' column there
         self.draft_tokens = 0  # tokens proposed (EngineStats.spec_draft_tokens)
         self.accepted_tokens = 0  # of those, the ones the target verified (EngineStats.spec_accepted_tokens)
+        self.drafts = 0  # rows verified with proposals (EngineStats.spec_drafts)
+        self.accepted_per_pos = [0] * self.k  # accepted proposals by their position in the proposal
 
     def warmup(self) -> None:
         """Compiles the verify step of every token bucket and the draft's programs."""
@@ -250,6 +252,9 @@ class Speculator:
                     accepted += 1
                 self.draft_tokens += len(c.draft)
                 self.accepted_tokens += accepted
+                self.drafts += 1
+                for i in range(accepted):
+                    self.accepted_per_pos[i] += 1
                 seq.num_computed = c.start + 1 + accepted  # the accepted tokens' K/V are written
                 seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # not a rejected token's
                 for i in range(accepted + 1):  # the accepted ones, then the target's own next token

@@ -47,8 +47,15 @@ class EngineCollector:
             (names.SPEC_DRAFT_TOKENS, "Tokens proposed by speculative decoding.", s.spec_draft_tokens),
             (names.SPEC_ACCEPTED_TOKENS, "Proposed tokens the target model verified (accepted).",
              s.spec_accepted_tokens),
+            (names.SPEC_DRAFTS, "Proposals verified (a sequence's tokens proposed for one step).", s.spec_drafts),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        per_pos = CounterMetricFamily(names.SPEC_ACCEPTED_PER_POS, "Accepted proposed tokens by their position in "
+                                      "the proposal (0 first): where acceptance falls off, for choosing K.",
+                                      labels=["position"])
+        for position, value in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([str(position)], value)
+        yield per_pos
 
 
 class ServerMetrics:
