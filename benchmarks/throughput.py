@@ -42,10 +42,10 @@ def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
 class Timeline:
     """Splits each engine step's wall time (benchmark-only wrappers around the engine's own calls): building the
     inputs, the jitted call until it returns, waiting for its results, and the host's work on them (the rest); a
-    speculative step's draft-model call (its proposals fetched) is a part of its own; each kind's wall time over
-    the output tokens its steps yielded (all rows together) is its ms a token. A decode dispatch queued ahead
-    is called on the engine's dispatch thread: its call time lands in the step it ends in, overlapping that step's
-    other parts, so only the steps' wall times add up."""
+    speculative step's draft-model dispatch (its proposals stay on the device) is a part of its own; each kind's
+    wall time over the output tokens its steps yielded (all rows together) is its ms a token. A decode dispatch
+    queued ahead is called on the engine's dispatch thread: its call time lands in the step it ends in, overlapping
+    that step's other parts, so only the steps' wall times add up."""
 
     PARTS = ("build", "draft", "call", "fetch")
 
@@ -61,7 +61,7 @@ class Timeline:
                                         (multi_mod, "decode_steps_fn", "call", "multi-step"),
                                         (spec_mod, "verify_fn", "call", "verify")):
             setattr(owner, name, self._timed(getattr(owner, name), part, kind))
-        if engine.speculator is not None and engine.speculator.draft is not None:  # its call and its proposals' fetch
+        if engine.speculator is not None and engine.speculator.draft is not None:  # its dispatch
             engine.speculator.draft.propose = self._timed(engine.speculator.draft.propose, "draft", None)
 
     def _timed(self, fn, part, kind):
