@@ -140,6 +140,9 @@ class Speculator:
             self.proposer = lambda tokens, k: propose_ngram(tokens, k, config.prompt_lookup_max,
                                                             config.prompt_lookup_min)
         self.proposals: jax.Array | None = None  # the draft's last proposals, on the device
+        S = engine.builder.S  # verify_fn's proposal arguments for steps whose proposals are in the packed tokens
+        self.no_device_proposals = tuple(jax.device_put([np.zeros((self.k, S), np.int32), np.full(S, -1, np.int32),
+                                                         np.zeros(S, np.int32)]))
         self.columns: dict[int, int] = {}  # id(chunk) -> its proposals' column there
         self.draft_tokens = 0  # tokens proposed (EngineStats.spec_draft_tokens)
         self.accepted_tokens = 0  # of those, the ones the target verified (EngineStats.spec_accepted_tokens)
@@ -153,7 +156,7 @@ class Speculator:
             for branches in verify_programs(jax.default_backend()):
                 with engine._precision():
                     engine.kv, out = verify_fn(engine.model, engine.kv, engine.builder.build([], bucket=bucket),
-                                               *self._no_device_proposals(), num_positions=self.k + 1,
+                                               *self.no_device_proposals, num_positions=self.k + 1,
                                                branches=branches)
                 jax.block_until_ready(out)
         if self.draft is not None:
@@ -194,11 +197,6 @@ class Speculator:
                 budget -= len(draft)
         return any(c.draft for c in chunks)
 
-    def _no_device_proposals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """verify_fn's proposals arguments for a step whose proposals are all in its packed tokens."""
-        S = self.engine.builder.S
-        return np.zeros((self.k, S), np.int32), np.full(S, -1, np.int32), np.zeros(S, np.int32)
-
     def _room(self, c: ScheduledChunk, budget: int) -> int:
         """How many tokens c's sequence may have proposed this step (0: none, it decodes plainly)."""
         seq, p = c.seq, c.seq.params
@@ -226,7 +224,7 @@ class Speculator:
                     draft_at[r], draft_row[r] = t + c.num_tokens, columns[id(c)]
                 t += c.num_step_tokens
         else:
-            proposals, draft_at, draft_row = self._no_device_proposals()
+            proposals, draft_at, draft_row = self.no_device_proposals
         with engine._precision():
             engine.kv, out = verify_fn(engine.model, engine.kv, inputs, proposals, draft_at, draft_row,
                                        num_positions=self.k + 1, branches=verify_branches(chunks, jax.default_backend()))
