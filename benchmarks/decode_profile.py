@@ -26,6 +26,21 @@ from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 
 
+def leave_one_out(results: dict, step, model, kv, xd) -> None:
+    """The forward with the decode kernel, and (METHOD.md) the same without attention, the K/V writes, or both."""
+    results["forward_decode_kernel_ms"] = timed(step, model, kv, xd)
+    import capstan.runtime.attention as layers  # write_and_attend looks both up here when traced
+
+    real_attend, real_write = layers.attend, layers.write_kv
+    for name, attend, write in (("no_attention", lambda q, *a, **k: q, real_write),
+                                ("no_kv_write", real_attend, lambda cache, *a: cache),
+                                ("no_attention_no_kv_write", lambda q, *a, **k: q, lambda cache, *a: cache)):
+        layers.attend, layers.write_kv = attend, write
+        variant = jax.jit(lambda m, kv, x: m(x.tokens, x.meta, kv)[0].array)
+        results[f"forward_{name}_ms"] = timed(variant, model, kv, xd)
+    layers.attend, layers.write_kv = real_attend, real_write
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")
@@ -33,6 +48,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--trace", help="also write a Perfetto trace of one multi-step dispatch per row count here")
     ap.add_argument("--quantization", choices=["fp8", "int8", "q8_0"], default=None)
+    ap.add_argument("--quick", action="store_true", help="time the multi-step decode only (flag comparisons)")
     a = ap.parse_args()
     cfg = shape_config(a.shape)
     model = random_model(cfg, "bfloat16", quantization=a.quantization)
@@ -54,22 +70,12 @@ def main() -> None:
         decode_meta = x.meta.__class__(**{**x.meta.__dict__, "decode": True})
         xd = x.__class__(**{**x.__dict__, "meta": decode_meta})
         logits = jnp.zeros((rows, cfg.vocab_size), jnp.float32)
-        results = {
+        results = {} if a.quick else {
             "forward_reference_ms": timed(step, model, engine.kv, x),
             "sampler_ms": timed(jax.jit(sample), logits, x.sampling),
         }
-        results["forward_decode_kernel_ms"] = timed(step, model, engine.kv, xd)
-        # leave-one-out variants (METHOD.md): the same forward without attention, without the K/V writes, without both
-        import capstan.runtime.attention as layers  # write_and_attend looks both up here when traced
-
-        real_attend, real_write = layers.attend, layers.write_kv
-        for name, attend, write in (("no_attention", lambda q, *a, **k: q, real_write),
-                                    ("no_kv_write", real_attend, lambda cache, *a: cache),
-                                    ("no_attention_no_kv_write", lambda q, *a, **k: q, lambda cache, *a: cache)):
-            layers.attend, layers.write_kv = attend, write
-            variant = jax.jit(lambda m, kv, x: m(x.tokens, x.meta, kv)[0].array)
-            results[f"forward_{name}_ms"] = timed(variant, model, engine.kv, xd)
-        layers.attend, layers.write_kv = real_attend, real_write
+        if not a.quick:
+            leave_one_out(results, step, model, engine.kv, xd)
         for c in chunks:
             engine.scheduler.reserve_ahead(c.seq, 9)
         active = jnp.full((rows,), 8, jnp.int32)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace onestream throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -71,10 +71,21 @@ for part in $parts; do
         --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --constrained-fraction $f \
         --json "$OUT/structured-$f.json" 2>&1 | grep -E "output_tokens|seconds|phase|Error"; done ;;
     profile) python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256 --context 384 2>&1 | grep rows= ;;
+    # one Llama-3.2-1B stream's decode step kernel by kernel, with one layer's chain in order (issue 14's 1.3 ms)
+    layertrace) rm -rf /tmp/trace-1b; python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 --context 384 \
+        --trace /tmp/trace-1b 2>&1 | grep rows=; python3 benchmarks/trace_summary.py /tmp/trace-1b/rows1 --top 20 --sequence 40 ;;
+    # one stream's decode step (ms, multi-step) under XLA's GEMM and CUDA-graph options, and FP8's two small-batch paths
+    onestream) for flags in "" "--xla_gpu_enable_triton_gemm=false" \
+          "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
+        for shape in llama-3.2-1b llama-3-8b; do echo "--- $shape XLA_FLAGS='$flags'"
+          XLA_FLAGS="$flags" python3 benchmarks/decode_profile.py --shape $shape --rows 1 --context 384 --quick 2>&1 | grep rows=; done; done
+      for rows in 0 8; do echo "--- llama-3-8b fp8, weight-only at <= $rows rows"
+        CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS=$rows python3 benchmarks/decode_profile.py --shape llama-3-8b --quantization fp8 \
+          --rows 1 --context 384 --quick 2>&1 | grep rows=; done ;;
     # issue 15's FP8 goal: where one Llama-3-8B FP8 stream's step goes (bf16 for comparison), kernels from the trace
     fp8profile) for q in bf16 fp8; do flag=$([ $q = bf16 ] || echo "--quantization $q"); rm -rf /tmp/trace-$q
         python3 benchmarks/decode_profile.py --shape llama-3-8b $flag --rows 1 --context 384 --trace /tmp/trace-$q 2>&1 \
-          | grep rows=; python3 benchmarks/trace_summary.py /tmp/trace-$q/rows1 --top 15; done ;;
+          | grep rows=; python3 benchmarks/trace_summary.py /tmp/trace-$q/rows1 --top 15 --sequence 30; done ;;
     # issue 15's case (c): the 8B shape with a 1B-shaped draft, and n-gram, per step (batch 1 and 8)
     spec8b) python3 benchmarks/speculative.py --shape llama-3-8b --peaked 8 --timeline --batch-sizes 1 8 --tokens 64 \
         --smallest-bucket 16 --methods ngram oracle draft-small 2>&1 | grep -v Warning ;;

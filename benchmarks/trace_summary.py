@@ -1,6 +1,8 @@
 """Summarises a Perfetto trace from `decode_profile.py --trace DIR`: GPU kernels by total time.
 
-python benchmarks/trace_summary.py DIR/rows1 [--top 30]"""
+python benchmarks/trace_summary.py DIR/rows1 [--top 30] [--sequence 40]
+--sequence N: also N consecutive kernels from the middle of the trace, in order, each with its gap after the last
+(one layer's chain of launches: whether the GPU waits between them)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +16,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace_dir")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--sequence", type=int, default=0)
     a = ap.parse_args()
     path = next(Path(a.trace_dir).rglob("*.trace.json.gz"))
     events = json.loads(gzip.decompress(path.read_bytes()))
@@ -23,12 +26,14 @@ def main() -> None:
     pids = {e.get("pid"): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     total, count = collections.Counter(), collections.Counter()
     span = [float("inf"), 0.0]
+    kernels = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         where = f"{pids.get(e.get('pid'), '')} {names.get((e.get('pid'), e.get('tid')), '')}"
         if "GPU" not in where.upper() and "STREAM" not in where.upper():
             continue
+        kernels.append((e["ts"], e["dur"], e["name"]))
         total[e["name"]] += e["dur"]
         count[e["name"]] += 1
         span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e["dur"])]
@@ -39,6 +44,14 @@ def main() -> None:
     print(f"{path}: {sum(count.values())} GPU events, busy {busy / 1000:.3f} ms, span {(span[1] - span[0]) / 1000:.3f} ms")
     for name, us in total.most_common(a.top):
         print(f"{us / 1000:9.3f} ms {count[name]:6d}x  {name[:110]}")
+    if a.sequence:
+        kernels.sort()
+        start = len(kernels) // 2
+        print(f"{a.sequence} kernels in order from #{start}: duration, gap before it (us)")
+        end = kernels[start - 1][0] + kernels[start - 1][1]
+        for ts, dur, name in kernels[start:start + a.sequence]:
+            print(f"{dur:8.1f} {ts - end:8.1f}  {name[:100]}")
+            end = max(end, ts + dur)
 
 
 if __name__ == "__main__":

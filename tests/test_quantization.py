@@ -54,6 +54,32 @@ def test_round_trip_error_is_within_half_a_step(method, bound):
     assert np.allclose(np.abs(deq).max(-1), amax[:, 0], rtol=1e-6)  # the largest value of a row is exact
 
 
+def test_fp8_reads_its_weight_upcast_for_a_few_rows_and_quantizes_activations_for_more():
+    """A step of at most FP8_WEIGHT_ONLY_MAX_ROWS rows is the dot with the dequantized weight (the activations kept
+    as they are); a larger step rounds the activations to e4m3 too, so its rows differ, within e4m3's error."""
+    import haliax as hax
+
+    from capstan.runtime.models import quantization
+
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(48, 64)).astype(np.float32)
+    q = quantize_rows(w, "fp8")
+    Out, In = hax.Axis("out", 48), hax.Axis("in", 64)
+    weight = QuantizedWeight(hax.named(q.values, (Out, In)), hax.named(q.scale, (Out,)))
+    dense = np.asarray(dequantize_rows(q))
+    few = quantization.FP8_WEIGHT_ONLY_MAX_ROWS
+    assert few >= 1
+    for rows in (1, few, few + 1):
+        x = rng.normal(size=(rows, 64)).astype(np.float32)
+        got = np.asarray(weight(hax.named(jnp.asarray(x), (hax.Axis("token", rows), In)), In).array)
+        exact = x @ dense.T
+        if rows <= few:
+            np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+        else:
+            assert not np.allclose(got, exact, rtol=1e-5, atol=1e-5)  # the activations' rounding shows
+            np.testing.assert_allclose(got, exact, rtol=0.15, atol=0.15 * np.abs(exact).max())
+
+
 def _teacher_forced(model, case):
     """Logits at every position of each golden prompt + continuation, one forward each."""
     ref = reference(case)

@@ -4,6 +4,9 @@ A QuantizedWeight stands where a linear layer's NamedArray would: the low-precis
 axes (so tensor parallelism splits it as it splits the dense one) and float32 scales over the output axes.
   fp8:  activations cast to e4m3 with a dynamic per-token scale, an e4m3 x e4m3 dot accumulating in float32
         (cuBLASLt FP8 gemms on Hopper; XLA CPU upcasts, so the same math runs in the tests), times both scales.
+        Steps of at most FP8_WEIGHT_ONLY_MAX_ROWS rows (one stream's decode) read the same e4m3 weight upcast
+        inside the matmul instead: at a few rows the step is weight-bound either way, and the activations'
+        quantization kernels around every matmul cost more than the FP8 gemm saves.
   int8: weight-only; the weight is upcast to the activations' dtype inside the matmul, then scaled.
   int8 in blocks (GGUF Q8_0, kept as llama.cpp wrote it): one scale per 32 consecutive inputs of a row; the
         weight is upcast and scaled block by block inside the jitted matmul (XLA fuses it into the dot's operand).
@@ -11,6 +14,7 @@ Embeddings, norms and the LM head stay in the model dtype."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import equinox as eqx
 import haliax as hax
@@ -27,6 +31,8 @@ FP8 = jnp.float8_e4m3fn
 STORAGE = {"fp8": FP8, "int8": jnp.int8}
 LARGEST = {"fp8": 448.0, "int8": 127.0}  # the largest finite e4m3 value; the int8 range kept symmetric
 TINY = 1e-12  # the scale of an all-zero row or token (any positive number would do)
+# see the module's docstring; CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS=0 keeps the FP8 gemm at every size (benchmarks compare)
+FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS", "8"))
 
 
 def check_method(method: str | None) -> None:
@@ -99,7 +105,8 @@ class QuantizedWeight(eqx.Module):
         """x contracted with the weight over `axis` (what hax.dot(x, dense, axis=axis) computes)."""
         if self.block:
             return hax.dot(x, self._unblocked(x.dtype), axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
-        if self.method == "fp8":
+        rows = x.size // hax.axis_size(x.resolve_axis(axis))  # tokens (the axes not contracted)
+        if self.method == "fp8" and rows > FP8_WEIGHT_ONLY_MAX_ROWS:
             x32 = x.astype(jnp.float32)
             x_scale = hax.maximum(hax.max(hax.abs(x32), axis=axis), TINY) / LARGEST["fp8"]
             xq = hax.clip(x32 / x_scale, -LARGEST["fp8"], LARGEST["fp8"]).astype(FP8)
