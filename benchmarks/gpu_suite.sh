@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace onestream throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace onestream hlodump throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -15,83 +15,87 @@ parts=${*:-parity prefill throughput throughput8b peer}
 for part in $parts; do
   echo "=== $part"
   case $part in
-    apitests) python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py tests/test_offline_api.py 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
+    apitests) python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py tests/test_offline_api.py 2>&1 | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30 ;;
     # float32: a verify chunk rounds as a decode step does, so greedy outputs stay identical (the machinery's bound)
     speculative32) python3 benchmarks/speculative.py --shape llama-3.2-1b --dtype float32 --batch-sizes 1 --tokens 64 \
-        --smallest-bucket 64 --methods oracle draft-target 2>&1 | grep -v Warning ;;
+        --smallest-bucket 64 --methods oracle draft-target 2>&1 | grep --line-buffered -v Warning ;;
     # bf16 with peaked output rows (clear margins, as a trained model's confident tokens): the machinery's bound
     # without float32's compile times; each method's steps split into build / draft / call / fetch / host
     specpeaked) python3 benchmarks/speculative.py --shape llama-3.2-1b --peaked 8 --timeline --batch-sizes ${SPEC_BATCHES:-1 8 64} \
-        --tokens 128 --smallest-bucket 16 --methods ngram oracle draft-target 2>&1 | grep -v Warning ;;
+        --tokens 128 --smallest-bucket 16 --methods ngram oracle draft-target 2>&1 | grep --line-buffered -v Warning ;;
     speculative) python3 benchmarks/speculative.py --shape llama-3.2-1b --batch-sizes 1 8 64 --tokens 128 \
-        --smallest-bucket 64 --methods ngram oracle draft-target 2>&1 | grep -v Warning
+        --smallest-bucket 64 --methods ngram oracle draft-target 2>&1 | grep --line-buffered -v Warning
       # the 8B shape with a 1B-shaped draft of its vocabulary (random weights: the cost of a draft, not its gain)
       python3 benchmarks/speculative.py --shape llama-3-8b --batch-sizes 1 8 --tokens 64 --smallest-bucket 64 2>&1 \
-        | grep -v Warning ;;
+        | grep --line-buffered -v Warning ;;
     samplertests) python3 -m pytest -q -p no:cacheprovider tests/test_sampler.py tests/test_sampler_filters.py 2>&1 \
-        | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
-    parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
+        | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30 ;;
+    parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30 ;;
     prefill) python3 benchmarks/prefill.py --shape llama-3.2-1b --tokens 2048 ;;
     throughput) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --single-stream-tokens 256 --timeline \
-        --json "$OUT/capstan-llama-3.2-1b.json" 2>&1 | grep -v Warning ;;
+        --json "$OUT/capstan-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
     # the headline run again, with a Perfetto trace of one decode-phase engine step: device busy time against its span
     decodetrace) rm -rf /tmp/decodetrace; python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --trace /tmp/decodetrace 2>&1 \
-        | grep -E "output_tokens_per_s|Error"; python3 benchmarks/trace_summary.py /tmp/decodetrace --top 25 ;;
+        | grep --line-buffered -E "output_tokens_per_s|Error"; python3 benchmarks/trace_summary.py /tmp/decodetrace --top 25 ;;
     # the mixed workload's sampled run with a trace of one decode-phase step: what the sampler costs inside the scan
     sampledtrace) rm -rf /tmp/sampledtrace; python3 benchmarks/throughput.py --shape llama-3.2-1b --workload mixed \
         --requests 256 --prompt-len 256 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 \
-        --smallest-bucket 256 --trace /tmp/sampledtrace 2>&1 | grep -E "output_tokens_per_s|Error"
+        --smallest-bucket 256 --trace /tmp/sampledtrace 2>&1 | grep --line-buffered -E "output_tokens_per_s|Error"
       python3 benchmarks/trace_summary.py /tmp/sampledtrace --top 30 ;;
     throughput8b) python3 benchmarks/throughput.py --shape llama-3-8b --requests 1 --prompt-len 256 --output-len 16 \
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
-        --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep -v Warning ;;
+        --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep --line-buffered -v Warning ;;
     # Llama-3-8B shape, bf16 vs FP8 vs INT8 vs GGUF Q8_0 blocks: one stream (ms/token) and a batch of 64 (tokens/s)
     quant) for q in ${QUANTS:-none fp8 int8 q8_0}; do flag=$([ $q = none ] || echo "--quantization $q"); echo "--- $q"
         python3 benchmarks/throughput.py --shape llama-3-8b $flag --requests 64 --prompt-len 256 --output-len 128 \
           --max-num-seqs 64 --max-num-batched-tokens 1024 --smallest-bucket 64 --single-stream-tokens 256 \
-          --json "$OUT/quant-llama-3-8b-$q.json" 2>&1 | grep -E "output_tokens|single_stream|compile|Error"; done ;;
+          --json "$OUT/quant-llama-3-8b-$q.json" 2>&1 | grep --line-buffered -E "output_tokens|single_stream|compile|Error"; done ;;
     # issue 16 on two GPUs of one host (nvidia-h200-x2): Llama-3-8B shape, TP=1 vs TP=2, batch and one stream
     tp) for n in 1 2; do echo "--- tensor parallel $n"
         python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n --requests 256 --prompt-len 256 \
           --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
-          --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 | grep -E "output_tokens|single_stream|compile|Error"; done ;;
-    kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep -v Warning ;;
-    kernelsweep) python3 benchmarks/attention_kernels.py --sweep 2>&1 | grep -v Warning ;;
-    grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep -v Warning ;;
+          --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 | grep --line-buffered -E "output_tokens|single_stream|compile|Error"; done ;;
+    kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep --line-buffered -v Warning ;;
+    kernelsweep) python3 benchmarks/attention_kernels.py --sweep 2>&1 | grep --line-buffered -v Warning ;;
+    grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep --line-buffered -v Warning ;;
     sampling) for shape in ${SHAPES:-llama-3.2-1b qwen3-0.6b}; do for greedy in "" --all-greedy; do
         echo "--- $shape mixed $greedy"
         python3 benchmarks/throughput.py --shape $shape --workload mixed $greedy --requests 256 --prompt-len 256 \
           --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
-          --timeline --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep -E "output_tokens|phase|timeline|Error"; done; done ;;
+          --timeline --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep --line-buffered -E "output_tokens|phase|timeline|Error"; done; done ;;
     sampler) python3 benchmarks/sampler.py --rows 256 --vocab 128256 --methods sort search15 candidates candidates-fused --repeats 10 \
-        --breakdown 2>&1 | grep -v Warning ;;
+        --breakdown 2>&1 | grep --line-buffered -v Warning ;;
     structured) for f in 0 0.5; do python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 \
         --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --constrained-fraction $f \
-        --json "$OUT/structured-$f.json" 2>&1 | grep -E "output_tokens|seconds|phase|Error"; done ;;
-    profile) python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256 --context 384 2>&1 | grep rows= ;;
+        --json "$OUT/structured-$f.json" 2>&1 | grep --line-buffered -E "output_tokens|seconds|phase|Error"; done ;;
+    profile) python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256 --context 384 2>&1 | grep --line-buffered rows= ;;
     # one Llama-3.2-1B stream's decode step kernel by kernel, with one layer's chain in order (issue 14's 1.3 ms)
     layertrace) rm -rf /tmp/trace-1b; python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 --context 384 \
-        --trace /tmp/trace-1b 2>&1 | grep rows=; python3 benchmarks/trace_summary.py /tmp/trace-1b/rows1 --top 20 --sequence 40 ;;
+        --trace /tmp/trace-1b 2>&1 | grep --line-buffered rows=; python3 benchmarks/trace_summary.py /tmp/trace-1b/rows1 --top 20 --sequence 40 ;;
     # one stream's decode step (ms, multi-step) under XLA's GEMM and CUDA-graph options, and FP8's two small-batch paths
     onestream) for flags in "" "--xla_gpu_enable_triton_gemm=false" \
           "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
         for shape in llama-3.2-1b llama-3-8b; do echo "--- $shape XLA_FLAGS='$flags'"
-          XLA_FLAGS="$flags" python3 benchmarks/decode_profile.py --shape $shape --rows 1 --context 384 --quick 2>&1 | grep rows=; done; done
+          XLA_FLAGS="$flags" python3 benchmarks/decode_profile.py --shape $shape --rows 1 --context 384 --quick 2>&1 | grep --line-buffered rows=; done; done
       for rows in 0 8; do echo "--- llama-3-8b fp8, weight-only at <= $rows rows"
         CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS=$rows python3 benchmarks/decode_profile.py --shape llama-3-8b --quantization fp8 \
-          --rows 1 --context 384 --quick 2>&1 | grep rows=; done ;;
+          --rows 1 --context 384 --quick 2>&1 | grep --line-buffered rows=; done ;;
+    # the optimized HLO of one Llama-3.2-1B stream's multi-step decode, to name the trace's fusions (into $OUT/hlo)
+    hlodump) XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" python3 \
+        benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 --context 384 --quick 2>&1 | grep --line-buffered rows=
+      mkdir -p "$OUT/hlo"; f=$(ls -S /tmp/hlo/*after_optimizations.txt | head -1); echo "$f"; gzip -c "$f" > "$OUT/hlo/decode.txt.gz" ;;
     # issue 15's FP8 goal: where one Llama-3-8B FP8 stream's step goes (bf16 for comparison), kernels from the trace
     fp8profile) for q in bf16 fp8; do flag=$([ $q = bf16 ] || echo "--quantization $q"); rm -rf /tmp/trace-$q
         python3 benchmarks/decode_profile.py --shape llama-3-8b $flag --rows 1 --context 384 --trace /tmp/trace-$q 2>&1 \
-          | grep rows=; python3 benchmarks/trace_summary.py /tmp/trace-$q/rows1 --top 15 --sequence 30; done ;;
+          | grep --line-buffered rows=; python3 benchmarks/trace_summary.py /tmp/trace-$q/rows1 --top 15 --sequence 30; done ;;
     # issue 15's case (c): the 8B shape with a 1B-shaped draft, and n-gram, per step (batch 1 and 8)
-    spec8b) python3 benchmarks/speculative.py --shape llama-3-8b --peaked 8 --timeline --batch-sizes 1 8 --tokens 64 \
-        --smallest-bucket 16 --methods ngram oracle draft-small 2>&1 | grep -v Warning ;;
+    spec8b) python3 benchmarks/speculative.py --shape llama-3-8b --peaked 8 --timeline --batch-sizes ${SPEC_BATCHES:-1 8} --tokens 64 \
+        --smallest-bucket ${SPEC_BUCKET:-16} --methods ${SPEC_METHODS:-ngram oracle draft-small} 2>&1 | grep --line-buffered -v Warning ;;
     peer) python3 benchmarks/peer_transformers.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
-        --single-tokens 256 --json "$OUT/transformers-llama-3.2-1b.json" 2>&1 | grep -v Warning | tail -25 ;;
+        --single-tokens 256 --json "$OUT/transformers-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning | tail -25 ;;
     peer8b) python3 benchmarks/peer_transformers.py --shape llama-3-8b --phases single --single-tokens 256 \
-        --json "$OUT/transformers-llama-3-8b.json" 2>&1 | grep -v Warning | tail -8 ;;
+        --json "$OUT/transformers-llama-3-8b.json" 2>&1 | grep --line-buffered -v Warning | tail -8 ;;
   esac
 done

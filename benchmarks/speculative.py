@@ -105,7 +105,9 @@ def main(argv=None) -> None:
                                        max_num_batched_tokens=max(256, batch * (a.k + 1)), smallest_token_bucket=a.smallest_bucket,
                                        enable_prefix_caching=False, speculative_config=configs.get(name)),
                           model=model, draft_model=drafts.get(name))
+            started = time.perf_counter()
             e.warmup()
+            print(f"batch {batch:>3}: {name} engine warmed up in {time.perf_counter() - started:.0f} s", flush=True)
             engines[name] = e
         run(engines["plain"], prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
         timeline = Timeline(engines["plain"]) if a.timeline else None
