@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace onestream hlodump throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -82,6 +82,16 @@ for part in $parts; do
       for rows in 0 8; do echo "--- llama-3-8b fp8, weight-only at <= $rows rows"
         CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS=$rows python3 benchmarks/decode_profile.py --shape llama-3-8b --quantization fp8 \
           --rows 1 --context 384 --quick 2>&1 | grep --line-buffered rows=; done ;;
+    # one stream's linear layers: the GEMV kernel compiled by Triton against numpy, then timed against XLA's dot
+    gemv) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemv.py 2>&1 | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30
+      python3 benchmarks/gemv.py --shapes llama-3.2-1b llama-3-8b --weights ${WEIGHTS:-bf16 fp8 int8 q8_0} 2>&1 | grep --line-buffered -v Warning ;;
+    gemvsweep) python3 benchmarks/gemv.py --shapes ${SHAPES:-llama-3.2-1b llama-3-8b} --weights ${WEIGHTS:-bf16 fp8} --sweep 2>&1 \
+        | grep --line-buffered -v Warning ;;
+    # one stream's whole decode step (ms, multi-step) with the GEMV kernel on every weight and with XLA's dots
+    gemvstep) for spec in ${STEP_MODELS:-llama-3.2-1b llama-3-8b llama-3-8b:fp8 llama-3-8b:int8}; do for gemv in 1 0; do
+        shape=${spec%%:*}; q=$([ "$shape" = "$spec" ] || echo "--quantization ${spec#*:}"); echo "--- CAPSTAN_GEMV=$gemv $shape $q"
+        CAPSTAN_GEMV=$gemv python3 benchmarks/decode_profile.py --shape $shape $q --rows ${STEP_ROWS:-1} --context 384 --quick 2>&1 \
+          | grep --line-buffered -E "rows=|Error"; done; done ;;
     # the optimized HLO of one Llama-3.2-1B stream's multi-step decode, to name the trace's fusions (into $OUT/hlo)
     hlodump) XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" python3 \
         benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 --context 384 --quick 2>&1 | grep --line-buffered rows=

@@ -14,6 +14,7 @@ Embeddings, norms and the LM head stay in the model dtype."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import equinox as eqx
@@ -23,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
 
+from ..parallel.mesh import model_parallel_size
+from . import gpu_gemv
 from .config import UnsupportedModelError
 
 QUANTIZATIONS = ("fp8", "int8")
@@ -117,10 +120,40 @@ class QuantizedWeight(eqx.Module):
 
 
 def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray:
-    """A linear layer's matmul for a dense or a quantized weight."""
+    """A linear layer's matmul for a dense or a quantized weight; a few tokens' (one stream's decode) through the
+    GEMV kernel where it applies."""
+    y = _few_rows(x, w, axis)
+    if y is not None:
+        return y
     if isinstance(w, QuantizedWeight):
         return w(x, axis)
     return hax.dot(x, w, axis=axis)
+
+
+def _few_rows(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray | None:
+    """x contracted with w by gpu_gemv's kernel, or None where it does not apply (gpu_gemv.applies: by default GGUF
+    Q8_0 blocks only), for a weight split over devices, or contracted axes that are not the weight's last (its
+    [out, in] layout)."""
+    weight, scale = (w.weight, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
+    block = w.block if isinstance(w, QuantizedWeight) else 0
+    if model_parallel_size() != 1:
+        return None
+    names = [a.name if isinstance(a, hax.Axis) else a for a in (axis if isinstance(axis, (tuple, list)) else (axis,))]
+    if [a.name for a in weight.axes[len(weight.axes) - len(names):]] != names:
+        return None
+    out_axes = weight.axes[:len(weight.axes) - len(names)]
+    batch = tuple(a for a in x.axes if a.name not in names)
+    k, n = weight.size // math.prod(a.size for a in out_axes), math.prod(a.size for a in out_axes)
+    rows = x.size // k
+    if not gpu_gemv.applies(rows, k, n, weight.dtype, block):
+        return None
+    xs = x.rearrange((*batch, *names)).array.reshape(rows, k)
+    if block:  # the scale's axes are the weight's, its last counting blocks (QuantizedWeight._unblocked)
+        s = scale.array.reshape(n, k // block)
+    else:
+        s = None if scale is None else scale.rearrange(out_axes).array.reshape(n)
+    y = gpu_gemv.gemv(xs, weight.array.reshape(n, k), s, block=block)
+    return hax.named(y.reshape(*(a.size for a in batch), *(a.size for a in out_axes)), (*batch, *out_axes))
 
 
 def as_numpy_scale(scale, rows: int, name: str) -> np.ndarray:

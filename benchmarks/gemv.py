@@ -1,0 +1,103 @@
+"""One stream's linear layers, XLA's dot against Capstan's Pallas GEMV kernel (GPU microbenchmark).
+
+python benchmarks/gemv.py --shapes llama-3.2-1b llama-3-8b --weights bf16 fp8 int8 --rows 1 8
+python benchmarks/gemv.py --shapes llama-3-8b --weights fp8 --sweep      # Triton tunings, best first
+Each layer's projection (fused QKV, o, fused gate-up, down) as the model holds it ([out, in], per-channel scales
+for fp8 and int8, a scale per 32 inputs for GGUF's q8_0), a stack of distinct copies big enough to miss the L2 cache, called back to back (the host's
+dispatch overlaps the device); prints microseconds per matmul and the weight's read rate in GB/s."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import shape_config  # noqa: E402
+
+from capstan.runtime.models import gpu_gemv  # noqa: E402
+
+STORED = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "q8_0": jnp.int8}
+BLOCK = {"q8_0": 32}  # GGUF Q8_0: int8 with a scale per 32 inputs of a row
+STACK_BYTES = 200e6  # four times the H100's 50 MB L2
+
+
+def projections(shape: str) -> dict[str, tuple[int, int]]:
+    c = shape_config(shape)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
+
+
+def xla_linear(x, w, scale):
+    """What QuantizedWeight / hax.dot run without the kernel: the weight upcast inside the dot, then scaled (Q8_0:
+    upcast and scaled block by block first, as QuantizedWeight._unblocked)."""
+    if scale is not None and scale.ndim == 2:
+        blocks = w.astype(x.dtype).reshape(*scale.shape, -1) * scale[..., None].astype(x.dtype)
+        return jnp.einsum("rk,nk->rn", x, blocks.reshape(w.shape), preferred_element_type=jnp.float32).astype(x.dtype)
+    y = jnp.einsum("rk,nk->rn", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y if scale is None else y * scale).astype(x.dtype)
+
+
+def per_call_us(matmul, x, ws, scale, calls: int = 20) -> float:
+    """Microseconds per matmul over a stack of weights, dispatched back to back."""
+    run = jax.jit(lambda x, ws, s: [matmul(x, w, s) for w in ws])
+    jax.block_until_ready(run(x, ws, scale))
+    t0 = time.perf_counter()
+    outs = [run(x, ws, scale) for _ in range(calls)]
+    jax.block_until_ready(outs)
+    return 1e6 * (time.perf_counter() - t0) / calls / len(ws)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3-8b"])
+    ap.add_argument("--weights", nargs="+", choices=list(STORED), default=["bf16", "fp8"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1])
+    ap.add_argument("--sweep", action="store_true", help="also try Triton tunings (block_n, block_k, warps, stages)")
+    a = ap.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}; kernel default tuning (block_n, warps, stages, reduce) {gpu_gemv.TUNING}")
+    key = jax.random.key(0)
+    for shape, stored, rows in itertools.product(a.shapes, a.weights, a.rows):
+        for name, (n, k) in projections(shape).items():
+            copies = int(min(32, max(2, STACK_BYTES // (n * k * jnp.dtype(STORED[stored]).itemsize))))
+            ws = [(jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 8).astype(STORED[stored])
+                  for i in range(copies)]
+            block = BLOCK.get(stored, 0)
+            scale = (None if stored == "bf16" else jnp.full((n, k // block) if block else (n,), 0.01, jnp.float32))
+            x = jax.random.normal(key, (rows, k), jnp.float32).astype(jnp.bfloat16)
+            gb = n * k * jnp.dtype(STORED[stored]).itemsize / 1e9
+            ref = np.asarray(xla_linear(x, ws[0], scale), np.float32)
+            kernel = lambda x, w, s, block=block, **tuning: gpu_gemv.gemv(x, w, s, block=block, **tuning)  # noqa: E731
+            got = np.asarray(kernel(x, ws[0], scale), np.float32)
+            err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-9))
+            xla = per_call_us(xla_linear, x, ws, scale)
+            results = [(per_call_us(kernel, x, ws, scale), "default")]
+            if a.sweep:
+                for reduce, (bn, bk), warps, stages in itertools.product(
+                        (False, True), ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)), (4, 8), (2, 4)):
+                    if k % bk or n % bn:
+                        continue
+                    tuned = lambda x, w, s, t=(bn, bk, warps, stages, reduce): kernel(  # noqa: E731
+                        x, w, s, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], reduce=t[4])
+                    label = f"{'reduce' if reduce else 'dot'} bn={bn} bk={bk} w={warps} s={stages}"
+                    try:
+                        results.append((per_call_us(tuned, x, ws, scale, calls=10), label))
+                    except Exception as e:  # a tuning Triton cannot compile (shared memory) is skipped, named
+                        print(f"   skipped {label}: {type(e).__name__}")
+            results.sort()
+            best_us, best = results[0]
+            print(f"{shape:>13} {stored:>4} rows={rows:<2} {name:>7} [{n}x{k}] xla {xla:7.1f} us {gb / xla * 1e6:6.0f} GB/s"
+                  f" | kernel {dict((b, u) for u, b in results)['default']:7.1f} us | best {best_us:7.1f} us "
+                  f"{gb / best_us * 1e6:6.0f} GB/s ({best}) | max rel err {err:.1e}", flush=True)
+            if a.sweep:
+                print("      top:", "; ".join(f"{u:.1f} {b}" for u, b in results[:5]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
