@@ -15,7 +15,7 @@ from test_models import PAGE, _fresh_cache, _run
 
 
 @pytest.mark.parametrize("rows, n, k, splits", [(1, 128, 1024, None), (5, 64, 384, None), (16, 96, 160, 1),
-                                                (3, 256, 2048, 4)])
+                                                (3, 256, 2048, 4), (40, 64, 256, None), (130, 32, 256, 2)])
 @pytest.mark.parametrize("stored", ["float32", "bfloat16", "float8_e4m3fn", "int8", "q8_0"])
 @pytest.mark.parametrize("reduce", [False, True])
 def test_kernel_sums_as_numpy_does(rows, n, k, splits, stored, reduce):
@@ -51,6 +51,8 @@ def test_it_takes_few_rows_and_sizes_triton_can_tile(monkeypatch):
     assert not gpu_gemv.applies(1, 4096, 6144, jnp.int8, block=24, backend="gpu")  # blocks must tile a slice
     monkeypatch.setattr(gpu_gemv, "MODE", "q8_0")  # the default: GGUF blocks, which XLA dequantizes every step
     assert gpu_gemv.applies(1, 4096, 6144, jnp.int8, block=32, backend="gpu")
+    assert gpu_gemv.applies(gpu_gemv.Q8_0_MAX_ROWS, 4096, 6144, jnp.int8, block=32, backend="gpu")  # a batch's decode
+    assert not gpu_gemv.applies(gpu_gemv.Q8_0_MAX_ROWS + 1, 4096, 6144, jnp.int8, block=32, backend="gpu")
     assert not gpu_gemv.applies(1, 4096, 6144, jnp.int8, backend="gpu")
     assert not gpu_gemv.applies(1, 4096, 6144, jnp.bfloat16, backend="gpu")
 

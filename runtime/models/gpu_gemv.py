@@ -1,12 +1,14 @@
 """A few tokens times a linear weight on NVIDIA GPUs: one Pallas (Triton) kernel that streams the weight once.
 
-At one stream's decode (one to a few rows) a linear layer is a matrix-vector product, bound by reading the weight.
-XLA's GEMMs reach 57-85% of the H100's bandwidth there (benchmarks/RESULTS.md, "Where the time goes") and upcast an
-FP8 or INT8 weight no better. Here a program owns `block_n` output channels: it walks the contracted axis in
-`block_k` slices, loads the weight's slice in its stored dtype (bf16, e4m3 or int8: half the bytes), upcasts it in
-registers and accumulates in float32; the per-channel scale is applied once at the end. When the output channels
-alone cannot fill the GPU, the contracted axis is split across programs too (split-K) and XLA sums the float32
-partials (fused into the next operation). The weight keeps Hugging Face's [out, in] layout, so nothing is copied."""
+At a decode step a linear layer is bound by reading its weight. For GGUF Q8_0 blocks (int8, a scale per 32 inputs)
+XLA has no fused path: it writes a bf16 copy of the weight every step and reads that (3x bf16's time). Here a
+program owns `block_m` rows and `block_n` output channels: it walks the contracted axis in `block_k` slices, loads
+the weight's slice as stored (int8 blocks and their scales, or bf16, e4m3, int8 with per-channel scales), scales
+and upcasts it in registers, and accumulates in float32. When the programs would not fill the GPU, the
+contracted axis is split across them too (split-K) and XLA sums the float32 partials (fused into the next
+operation). The weight keeps Hugging Face's [out, in] layout, so nothing is copied. For bf16, FP8 and INT8 weights
+XLA's own GEMMs were as fast or faster (benchmarks/RESULTS.md, "One stream's matmuls"), so by default only Q8_0
+comes here."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MAX_ROWS = 16  # Triton's dots need 16 rows; more tokens than this is a GEMM's job (XLA's)
+MAX_ROWS = 16  # tokens a step up to which a per-channel or dense weight may come here (its GEMV regime)
+Q8_0_MAX_ROWS = 256  # Q8_0: a batch's decode too (larger steps, prefill chunks, dequantize once and run a GEMM)
+MAX_BLOCK_M = 64  # rows a program takes; Triton's dots need at least 16
 # Where it runs (CAPSTAN_GEMV): "q8_0" (the default) for GGUF Q8_0 blocks only, which XLA dequantizes into a bf16
 # copy of the weight every step; for bf16, FP8 and INT8 weights XLA's own dot was as fast or faster on an H100
 # (benchmarks/RESULTS.md, "One stream's matmuls"). "1" for every weight; "0" nowhere; "interpret" for every weight
@@ -34,14 +38,22 @@ def applies(rows: int, k: int, n: int, stored, block: int = 0, backend: str | No
     their own scales, or not): MODE, few rows, sizes Triton can tile, a GPU."""
     if MODE == "0" or MODE == "q8_0" and not block:
         return False
-    b = _block_k(k)
-    if rows > MAX_ROWS or b is None or n % 16 or block and (b % block or block & (block - 1)):
+    b = _block_k(k, _block_m(rows))
+    if rows > (Q8_0_MAX_ROWS if block else MAX_ROWS) or b is None or n % 16:
+        return False
+    if block and (b % block or block & (block - 1)):
         return False
     return MODE == "interpret" or (backend or jax.default_backend()) == "gpu"
 
 
-def _block_k(k: int) -> int | None:
-    return next((b for b in BLOCK_K if k % b == 0), None)
+def _block_m(rows: int) -> int:
+    return min(MAX_BLOCK_M, max(16, 1 << (rows - 1).bit_length()))
+
+
+def _block_k(k: int, block_m: int = 16) -> int | None:
+    """The largest slice of BLOCK_K dividing k; at most 128 for taller row blocks (their tiles, staged, must fit
+    shared memory)."""
+    return next((b for b in BLOCK_K if k % b == 0 and (block_m <= 16 or b <= 128)), None)
 
 
 def _block_n(n: int, most: int) -> int:
@@ -91,34 +103,37 @@ def gemv(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, block: i
     rows, k = x.shape
     n = w.shape[0]
     bn, warps, stages, by_reduce = TUNING
-    reduce = by_reduce if reduce is None else reduce
+    reduce = (by_reduce if reduce is None else reduce) and rows <= 16  # multiply-adds: a GEMV's few rows only
     block_n = _block_n(n, block_n or bn)
-    block_k = block_k or _block_k(k)
+    block_m = 1 << (rows - 1).bit_length() if reduce else _block_m(rows)
+    block_k = block_k or _block_k(k, block_m)
     assert not block or block_k % block == 0, (block_k, block)
     steps = k // block_k
-    splits = splits or _splits(n // block_n, steps)
-    padded = 1 << (rows - 1).bit_length() if reduce else -(-rows // 16) * 16
+    m_blocks = -(-rows // block_m)
+    splits = splits or _splits(n // block_n * m_blocks, steps)
+    assert steps % splits == 0, (steps, splits)
+    padded = m_blocks * block_m
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     fused_scale = scale is not None and (splits == 1 or block)
     out_dtype = x.dtype if splits == 1 else jnp.float32
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, block_k=block_k, steps=steps // splits, precision=precision,
                                reduce=reduce, block=block)
-    scale_spec = (pl.BlockSpec((block_n, k // block), lambda j, s: (j, 0)) if block
-                  else pl.BlockSpec((block_n,), lambda j, s: (j,)))
+    scale_spec = (pl.BlockSpec((block_n, k // block), lambda j, s, i: (j, 0)) if block
+                  else pl.BlockSpec((block_n,), lambda j, s, i: (j,)))
     out = pl.pallas_call(
         kernel,
-        grid=(n // block_n, splits),
+        grid=(n // block_n, splits, m_blocks),
         in_specs=[
-            pl.BlockSpec((padded, k), lambda j, s: (0, 0)),
-            pl.BlockSpec((block_n, k), lambda j, s: (j, 0)),
+            pl.BlockSpec((block_m, k), lambda j, s, i: (i, 0)),
+            pl.BlockSpec((block_n, k), lambda j, s, i: (j, 0)),
             scale_spec if fused_scale else None,
         ],
-        out_specs=pl.BlockSpec((None, padded, block_n), lambda j, s: (s, 0, j)),
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda j, s, i: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, padded, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or warps, num_stages=num_stages or stages),
         interpret=MODE == "interpret" or jax.default_backend() != "gpu",
-        name=f"gemv_{block_n=}_{block_k=}_{splits=}",
+        name=f"gemv_{block_m=}_{block_n=}_{block_k=}_{splits=}",
     )(xp, w, scale if fused_scale else None)
     y = out[0] if splits == 1 else out.sum(axis=0)
     if scale is not None and not fused_scale:

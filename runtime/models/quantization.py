@@ -9,7 +9,8 @@ axes (so tensor parallelism splits it as it splits the dense one) and float32 sc
         quantization kernels around every matmul cost more than the FP8 gemm saves.
   int8: weight-only; the weight is upcast to the activations' dtype inside the matmul, then scaled.
   int8 in blocks (GGUF Q8_0, kept as llama.cpp wrote it): one scale per 32 consecutive inputs of a row; the
-        weight is upcast and scaled block by block inside the jitted matmul (XLA fuses it into the dot's operand).
+        weight is upcast and scaled block by block, then multiplied (XLA writes that bf16 copy each step); on GPUs
+        a decode step's matmuls read the blocks in place instead (gpu_gemv.py: 3x faster).
 Embeddings, norms and the LM head stay in the model dtype."""
 from __future__ import annotations
 
