@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace onestream hlodump gemv gemvsweep gemvstep kvwrite throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -92,10 +92,6 @@ for part in $parts; do
         shape=${spec%%:*}; q=$([ "$shape" = "$spec" ] || echo "--quantization ${spec#*:}"); echo "--- CAPSTAN_GEMV=$gemv $shape $q"
         CAPSTAN_GEMV=$gemv python3 benchmarks/decode_profile.py --shape $shape $q --rows ${STEP_ROWS:-1} --context 384 --quick 2>&1 \
           | grep --line-buffered -E "rows=|Error"; done; done ;;
-    # the decode step (ms, multi-step) with padding rows' K/V written to the spare page (clip) or dropped
-    kvwrite) for shape in llama-3.2-1b llama-3-8b; do for mode in clip drop; do echo "--- $shape CAPSTAN_KV_WRITE=$mode"
-        CAPSTAN_KV_WRITE=$mode python3 benchmarks/decode_profile.py --shape $shape --rows ${STEP_ROWS:-1 256} --context 384 \
-          --quick 2>&1 | grep --line-buffered -E "rows=|Error"; done; done ;;
     # the optimized HLO of one Llama-3.2-1B stream's multi-step decode, to name the trace's fusions (into $OUT/hlo)
     hlodump) XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" python3 \
         benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 --context 384 --quick 2>&1 | grep --line-buffered rows=

@@ -67,9 +67,9 @@ def both_layouts(seed, **kw):
     """The step's caches written through each layout's own write path: (q, meta, n, heads-first k and v, pages)."""
     q, k, v, meta, ctx_slots, ctx_k, ctx_v, n, num_pages = mixed_step(seed, **kw)
     KVH, D, page = k.shape[1], k.shape[2], kw.get("page", 8)
-    k_cache = v_cache = jnp.zeros((KVH, num_pages + 1, page, D), k.dtype)  # + the spare page padding writes to
-    k_cache = write_kv(write_kv(k_cache, ctx_slots, ctx_k, page), meta.slot_mapping, k, page)[:, :num_pages]
-    v_cache = write_kv(write_kv(v_cache, ctx_slots, ctx_v, page), meta.slot_mapping, v, page)[:, :num_pages]
+    k_cache = v_cache = jnp.zeros((KVH, num_pages, page, D), k.dtype)
+    k_cache = write_kv(write_kv(k_cache, ctx_slots, ctx_k, page), meta.slot_mapping, k, page)
+    v_cache = write_kv(write_kv(v_cache, ctx_slots, ctx_v, page), meta.slot_mapping, v, page)
     kv_pages = jnp.zeros((num_pages, page, 2 * KVH, D), k.dtype)
     kv_pages = write_kv_pages(kv_pages, ctx_slots, ctx_k, ctx_v, page)
     kv_pages = write_kv_pages(kv_pages, meta.slot_mapping, k, v, page)
@@ -109,7 +109,7 @@ def test_shapes_the_tpu_kernel_cannot_tile_keep_the_heads_first_layout(kv_heads,
 def test_the_cache_is_allocated_in_the_chosen_layout():
     tpu = KVCache.allocate(2, 10, 8, 2, 128, jnp.bfloat16, layout=PAGES_INTERLEAVED)
     assert tpu.k[0].shape == (10, 8, 4, 128) and tpu.v[0].size == 0
-    assert KVCache.allocate(2, 10, 8, 2, 128, jnp.bfloat16).k[0].shape == (2, 10 + 1, 8, 128)  # CPU: heads first
+    assert KVCache.allocate(2, 10, 8, 2, 128, jnp.bfloat16).k[0].shape == (2, 10, 8, 128)  # CPU: heads first
 
 
 def test_interleaved_write_holds_the_same_pages_as_the_heads_first_one():
@@ -142,13 +142,12 @@ def test_write_and_attend_off_tpu_reads_interleaved_pages_as_the_reference():
     q, k, v, meta, ctx_slots, ctx_k, ctx_v, n, num_pages = mixed_step(3)
     page, KVH, D = 8, k.shape[1], k.shape[2]
     kv_pages = write_kv_pages(jnp.zeros((num_pages, page, 2 * KVH, D)), ctx_slots, ctx_k, ctx_v, page)
-    # heads first with the spare page padding rows write to (KVCache.allocate's)
-    heads = [write_kv(jnp.zeros((KVH, num_pages + 1, page, D)), ctx_slots, c, page) for c in (ctx_k, ctx_v)]
+    heads = [write_kv(jnp.zeros((KVH, num_pages, page, D)), ctx_slots, c, page) for c in (ctx_k, ctx_v)]
     attn = dict(page_size=page, scale=0.1, window=None, softcap=None)
     got, kv_pages, empty = write_and_attend(q, k, v, kv_pages, jnp.zeros((0,)), meta, **attn)
     want, k_cache, v_cache = write_and_attend(q, k, v, *heads, meta, **attn)
     assert empty.size == 0 and rel_err(np.asarray(got)[:n], np.asarray(want)[:n]) < 1e-6
-    np.testing.assert_array_equal(split_pages(kv_pages)[0], k_cache[:, :num_pages])
+    np.testing.assert_array_equal(split_pages(kv_pages)[0], k_cache)
 
 
 # What JAX's interpreters do with the kernel (JAX 0.10.2 here; 0.11.2, on a lent GPU machine's CPU, fails the same):

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# A slot index past any cache: padding tokens' K/V writes land in the cache's spare last page (write_kv clips it
-# there) or are dropped (the TPU layout's write_kv_pages), so no sequence's page is touched.
+# A slot index past any cache: scatters with mode="drop" ignore it, so padding tokens write nothing.
 INVALID_SLOT = jnp.iinfo(jnp.int32).max
 QUERY_ROWS = 64  # (token, query head) rows per program of the ragged GPU kernel: one kv head's group of heads
 

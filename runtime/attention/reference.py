@@ -1,26 +1,18 @@
 """Paged attention in plain XLA: gather each token's pages, mask, softmax. The definition of correct."""
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
 from .metadata import AttentionMetadata
 
-KV_WRITE = os.environ.get("CAPSTAN_KV_WRITE", "clip")  # see write_kv
-
 
 def write_kv(cache: jax.Array, slots: jax.Array, values: jax.Array, page_size: int) -> jax.Array:
     """cache[KVH, pages, page_size, D] (one layer); values[T, KVH, D] go to slots (page * page_size + offset).
 
-    INVALID_SLOT (padding rows) is clipped into the last page, a spare that no sequence is given (KVCache.allocate):
-    with nothing to drop, XLA writes a decode step's row as one in-place update with its rope fused in, where a
-    dropped write costs a select and a separate rope kernel a layer (benchmarks/RESULTS.md). CAPSTAN_KV_WRITE=drop
-    keeps the dropping write (benchmarks compare)."""
-    mode = "drop" if KV_WRITE == "drop" else "clip"
+    INVALID_SLOT lands past the last page and is dropped."""
     return cache.at[:, slots // page_size, slots % page_size].set(
-        jnp.swapaxes(values, 0, 1).astype(cache.dtype), mode=mode)
+        jnp.swapaxes(values, 0, 1).astype(cache.dtype), mode="drop")
 
 
 def paged_attention(

@@ -12,9 +12,8 @@ from ..parallel.mesh import MODEL_AXIS
 
 
 class KVCache(eqx.Module):
-    """k, v: one [kv_heads, num_pages + 1, page_size, head_dim] array per layer (each head's pages contiguous, as
-    kernels read them; separate arrays so that a layer's update and read never copy the others; the last page is a
-    spare that padding rows write to and no sequence is given). On TPUs whose
+    """k, v: one [kv_heads, num_pages, page_size, head_dim] array per layer (each head's pages contiguous, as
+    kernels read them; separate arrays so that a layer's update and read never copy the others). On TPUs whose
     kernel takes the model's shapes (attention.kv_layout): k holds each layer's [num_pages, page_size,
     2 * kv_heads, head_dim] with K and V interleaved by head, as JAX's TPU kernel reads it, and v empty arrays."""
 
@@ -35,7 +34,7 @@ class KVCache(eqx.Module):
             return KVCache(tuple(allocate_pages(num_pages, page_size, kv_heads, head_dim, dtype, sharding)
                                  for _ in range(num_layers)),
                            tuple(jnp.zeros((0,), dtype, device=empty) for _ in range(num_layers)), page_size)
-        shape = (kv_heads, num_pages + 1, page_size, head_dim)  # + the spare page padding rows write to (write_kv)
+        shape = (kv_heads, num_pages, page_size, head_dim)
         return KVCache(tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
                        tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)), page_size)
 
