@@ -3,8 +3,9 @@
 python benchmarks/gemv.py --shapes llama-3.2-1b llama-3-8b --weights bf16 fp8 int8 --rows 1 8
 python benchmarks/gemv.py --shapes llama-3-8b --weights fp8 --sweep      # Triton tunings, best first
 Each layer's projection (fused QKV, o, fused gate-up, down) as the model holds it ([out, in], per-channel scales
-for fp8 and int8, a scale per 32 inputs for GGUF's q8_0), a stack of distinct copies big enough to miss the L2 cache, called back to back (the host's
-dispatch overlaps the device); prints microseconds per matmul and the weight's read rate in GB/s."""
+for fp8 and int8, a scale per 32 inputs for GGUF's q8_0), a stack of distinct copies big enough to miss the L2
+cache, called back to back (the host's dispatch overlaps the device); prints microseconds per matmul and the
+weight's read rate in GB/s."""
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,6 @@
-"""The GEMV kernel for a few tokens (runtime/models/gpu_gemv.py), run in Pallas' interpreter on CPU: its sums against
-numpy's, and the models wired through it still match transformers' logits (the GPU suite's parity part runs the
-same tests compiled by Triton)."""
+"""The GEMV kernel for a decode step's tokens (runtime/models/gpu_gemv.py), run in Pallas' interpreter on CPU: its
+sums against numpy's, and the golden models decoded through it give the logits of XLA's dots (`bash
+benchmarks/gpu_suite.sh gemv` runs the same tests compiled by Triton)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -121,9 +121,9 @@ class QuantizedWeight(eqx.Module):
 
 
 def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray:
-    """A linear layer's matmul for a dense or a quantized weight; a few tokens' (one stream's decode) through the
-    GEMV kernel where it applies."""
-    y = _few_rows(x, w, axis)
+    """A linear layer's matmul for a dense or a quantized weight; a decode step's through gpu_gemv's kernel where it
+    applies (by default GGUF Q8_0 blocks)."""
+    y = _in_gemv_kernel(x, w, axis)
     if y is not None:
         return y
     if isinstance(w, QuantizedWeight):
@@ -131,7 +131,7 @@ def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray:
     return hax.dot(x, w, axis=axis)
 
 
-def _few_rows(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray | None:
+def _in_gemv_kernel(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray | None:
     """x contracted with w by gpu_gemv's kernel, or None where it does not apply (gpu_gemv.applies: by default GGUF
     Q8_0 blocks only), for a weight split over devices, or contracted axes that are not the weight's last (its
     [out, in] layout)."""
@@ -144,7 +144,8 @@ def _few_rows(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArra
         return None
     out_axes = weight.axes[:len(weight.axes) - len(names)]
     batch = tuple(a for a in x.axes if a.name not in names)
-    k, n = weight.size // math.prod(a.size for a in out_axes), math.prod(a.size for a in out_axes)
+    n = math.prod(a.size for a in out_axes)
+    k = weight.size // n
     rows = x.size // k
     if not gpu_gemv.applies(rows, k, n, weight.dtype, block):
         return None
