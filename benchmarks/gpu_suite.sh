@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -74,6 +74,11 @@ for part in $parts; do
     # one Llama-3.2-1B stream's decode step kernel by kernel, with one layer's chain in order (issue 14's 1.3 ms)
     layertrace) rm -rf /tmp/trace-1b; python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 --context 384 \
         --trace /tmp/trace-1b 2>&1 | grep --line-buffered rows=; python3 benchmarks/trace_summary.py /tmp/trace-1b/rows1 --top 20 --sequence 40 ;;
+    # issue 14: norms, rope and the K/V write inside the decode kernel (gpu_fused_decode) against separate kernels
+    fused) for shape in ${FUSED_SHAPES:-llama-3.2-1b llama-3-8b qwen3-0.6b}; do for fused in 1 0; do
+        echo "--- CAPSTAN_FUSED_DECODE=$fused $shape"
+        CAPSTAN_FUSED_DECODE=$fused python3 benchmarks/decode_profile.py --shape $shape --rows ${FUSED_ROWS:-1 256} \
+          --context 384 --quick 2>&1 | grep --line-buffered -E "rows=|Error"; done; done ;;
     # one stream's decode step (ms, multi-step) under XLA's GEMM and CUDA-graph options, and FP8's two small-batch paths
     onestream) for flags in "" "--xla_gpu_enable_triton_gemm=false" \
           "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do

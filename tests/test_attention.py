@@ -164,3 +164,92 @@ def test_chunked_attention_in_bfloat16():
     want = np.asarray(paged_attention(q, k, v, meta, scale=0.125), np.float32)[:n]
     got = np.asarray(chunked_attention(q, k, v, meta, scale=0.125), np.float32)[:n]
     assert rel_err(got, want) < 2e-2  # bf16 probabilities, normalised at the end instead of before the product
+
+
+def fused_decode_case(seed, S=5, KVH=2, G=4, D=64, page=16, pages_per_seq=10, dtype=jnp.float32, norms=False):
+    """A decode step as the QKV matmul leaves it: qkv [S, KVH, G + 2, D], rope tables, caches, and each row's slot
+    at its position (the last row padding: no length, INVALID_SLOT)."""
+    from capstan.runtime.models.rope import rotary_tables
+
+    _, k, v, meta = random_decode_batch(seed, S=S, KVH=KVH, G=G, D=D, page=page, pages_per_seq=pages_per_seq,
+                                        dtype=dtype)
+    rng = np.random.default_rng(seed + 100)
+    pos, tables = np.asarray(meta.positions), np.asarray(meta.block_tables)
+    slots = tables[np.arange(S), pos // page] * page + pos % page
+    slots[-1] = INVALID_SLOT
+    meta = AttentionMetadata(positions=meta.positions, slot_mapping=jnp.asarray(slots, jnp.int32),
+                             token_seq=meta.token_seq, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
+                             decode=True)
+    qkv = jnp.asarray(rng.normal(size=(S, KVH, G + 2, D)), dtype)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2) / D))
+    cos, sin = rotary_tables(jnp.asarray(inv_freq, jnp.float32), meta.positions)
+    q_norm = jnp.asarray(rng.normal(1.0, 0.3, size=D), dtype) if norms else None
+    k_norm = jnp.asarray(rng.normal(1.0, 0.3, size=D), dtype) if norms else None
+    return qkv, cos, sin, k, v, meta, q_norm, k_norm
+
+
+def reference_decode_step(qkv, cos, sin, k_cache, v_cache, meta, scale, q_norm, k_norm, eps, one_plus):
+    """What the layers do without the fused kernel: norms, rope, write_kv, then the reference attention."""
+    from capstan.runtime.models.rope import apply_rotary
+
+    G = qkv.shape[2] - 2
+    q, k, v = qkv[:, :, :G], qkv[:, :, G], qkv[:, :, G + 1]
+
+    def norm(x, w):  # layers.rms_norm on plain arrays
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (normed * (1.0 + w.astype(jnp.float32))).astype(x.dtype) if one_plus else w * normed.astype(x.dtype)
+
+    if q_norm is not None:
+        q, k = norm(q, q_norm), norm(k, k_norm)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    page = k_cache.shape[2]
+    k_cache = write_kv(k_cache, meta.slot_mapping, k, page)
+    v_cache = write_kv(v_cache, meta.slot_mapping, v, page)
+    return paged_attention(q, k_cache, v_cache, meta, scale=scale), k_cache, v_cache
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"pages_per_seq": 3}, {"pages_per_seq": 40},  # 40: contexts split across programs
+    {"G": 1, "D": 128}, {"G": 2, "D": 16, "KVH": 4}, {"G": 8, "KVH": 1}, {"G": 3}, {"page": 4, "pages_per_seq": 24},
+    {"norms": True}, {"norms": True, "one_plus": True}, {"dtype": jnp.bfloat16}, {"dtype": jnp.bfloat16, "norms": True},
+])
+def test_fused_decode_kernel_matches_norms_rope_write_and_attention(kw):
+    from capstan.runtime.attention.gpu_fused_decode import fused_decode_attention
+
+    kw = dict(kw)
+    one_plus = kw.pop("one_plus", False)
+    qkv, cos, sin, k, v, meta, q_norm, k_norm = fused_decode_case(7, **kw)
+    args = dict(scale=0.125, q_norm=q_norm, k_norm=k_norm, eps=1e-6, one_plus=one_plus)
+    want, want_k, want_v = reference_decode_step(qkv, cos, sin, k, v, meta, args["scale"], q_norm, k_norm,
+                                                 args["eps"], one_plus)
+    got, got_k, got_v = fused_decode_attention(qkv, cos, sin, k, v, meta, interpret=INTERPRET, **args)
+    live = np.asarray(meta.seq_lens) > 0
+    assert np.isfinite(np.asarray(got, np.float32)[live]).all()
+    bf16 = qkv.dtype == jnp.bfloat16
+    assert rel_err(np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live]) < (
+        2e-2 if bf16 else DECODE_KERNEL_TOLERANCE)
+    # the step's K/V land in their slots (rope in float32 then rounded once: within a bf16 ulp of the reference's
+    # bf16 arithmetic), and nothing else in the caches moves
+    slots = np.asarray(meta.slot_mapping)[live]
+    page = k.shape[2]
+    for got_c, want_c, before in ((got_k, want_k, k), (got_v, want_v, v)):
+        got_c, want_c, before = (np.asarray(a, np.float32) for a in (got_c, want_c, before))
+        np.testing.assert_allclose(got_c[:, slots // page, slots % page], want_c[:, slots // page, slots % page],
+                                   rtol=1e-2 if bf16 else 1e-5, atol=1e-2 if bf16 else 1e-5)
+        untouched = np.ones(got_c.shape[1:3], bool)
+        untouched[slots // page, slots % page] = False
+        np.testing.assert_array_equal(got_c[:, untouched], before[:, untouched])
+
+
+def test_fused_decode_kernel_on_a_splitting_batch_of_one():
+    """One sequence of a long context: the split-context path and the first split's write."""
+    from capstan.runtime.attention.gpu_fused_decode import fused_decode_attention
+
+    qkv, cos, sin, k, v, meta, _, _ = fused_decode_case(11, S=2, pages_per_seq=64)
+    want, want_k, _ = reference_decode_step(qkv, cos, sin, k, v, meta, 0.1, None, None, 0.0, False)
+    for splits in (1, 4, 8):
+        got, got_k, _ = fused_decode_attention(qkv, cos, sin, k, v, meta, scale=0.1, interpret=INTERPRET,
+                                               k_splits=splits)
+        assert rel_err(np.asarray(got)[:1], np.asarray(want)[:1]) < DECODE_KERNEL_TOLERANCE, splits
+        np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ def test_golden_greedy_tokens_and_logprobs_in_a_mixed_batch(case):
     check_golden_in_a_mixed_batch(case)
 
 
-@pytest.mark.parametrize("case", ["llama-s11", "gemma3-s14"])
+@pytest.mark.parametrize("case", ["llama-s11", "qwen3-s13", "gemma3-s14"])
 def test_golden_through_the_gpu_kernels_interpreted_on_cpu(case, monkeypatch):
     """The GPU path's wiring, in CI: query blocks from the batch builder, the ragged kernel for prefill chunks,
     mixed steps, Gemma-3's sliding windows and float32 decode (Pallas interpreted). llama-s11 is the sensitive

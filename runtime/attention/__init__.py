@@ -1,4 +1,6 @@
 """Paged attention: the plain-XLA reference defines correctness; faster kernels are chosen by backend."""
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -15,6 +17,9 @@ KERNELS_INTERPRETED_ON_CPU = False
 # Tests set this to lay the KV cache out as on TPUs, so CI covers that layout's path through the engine (its
 # attention reads the split pages there: the TPU kernel does not run interpreted with this JAX).
 TPU_LAYOUT_ON_CPU = False
+# CAPSTAN_FUSED_DECODE=0 keeps GPU decode steps on separate norm, rope and K/V-write kernels before JAX's decode
+# kernel (gpu_decode) instead of gpu_fused_decode's one kernel (benchmarks/RESULTS.md compares them)
+FUSED_DECODE = os.environ.get("CAPSTAN_FUSED_DECODE", "1") != "0"
 
 
 def kv_layout(backend: str, kv_heads: int, head_dim: int, dtype, tpu_version: int | None = None) -> str:
@@ -90,6 +95,33 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     return chunked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
+def decode_fuses(k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *, kv_heads: int,
+                 head_dim: int, window: int | None, softcap) -> bool:
+    """Whether a step's norms, rope, K/V write and attention run as gpu_fused_decode's one kernel: a decode step
+    on a GPU (or the kernels interpreted on CPU) on one device, with a layer gpu_decode's layout takes and no
+    window or soft-capping; float32 too (its dots are IEEE)."""
+    backend = jax.default_backend()
+    if backend == "cpu" and KERNELS_INTERPRETED_ON_CPU:
+        backend = "gpu"
+    if not (FUSED_DECODE and meta.decode and backend == "gpu" and model_parallel_size() == 1
+            and layout_of(v_cache) == HEADS_FIRST and window is None and not softcap):
+        return False
+    from .gpu_decode import supported
+
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and supported(
+        meta.block_tables.shape[0], kv_heads, meta.block_tables.shape[1], k_cache.shape[2], head_dim)
+
+
+def fused_decode(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, q_norm, k_norm,
+                 eps: float, one_plus: bool):
+    """qkv [T, KVH, G + 2, D] straight from the QKV matmul; returns (out [T, KVH, G, D], k_cache, v_cache):
+    gpu_fused_decode's kernel, where decode_fuses says so."""
+    from .gpu_fused_decode import fused_decode_attention
+
+    return fused_decode_attention(qkv, cos, sin, k_cache, v_cache, meta, scale=scale, q_norm=q_norm, k_norm=k_norm,
+                                  eps=eps, one_plus=one_plus, interpret=jax.default_backend() != "gpu")
+
+
 def write_and_attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page_size: int, scale: float,
                      window: int | None, softcap):
     """Writes the step's k, v [T, KVH, D] into one layer's pages, then attends q [T, KVH, G, D] over them; returns
@@ -118,5 +150,5 @@ def write_and_attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page
                          out_specs=(heads, k_spec, v_spec), check_vma=False)(q, k, v, k_cache, v_cache, meta)
 
 
-__all__ = ["write_and_attend", "INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "choose_kernel",
+__all__ = ["write_and_attend", "decode_fuses", "fused_decode", "INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "choose_kernel",
            "chunked_attention", "kv_layout", "paged_attention", "write_kv", "HEADS_FIRST", "PAGES_INTERLEAVED"]
