@@ -21,7 +21,13 @@ from jax.experimental.pallas import triton as plgpu
 from .gpu_decode import _layout
 from .metadata import AttentionMetadata
 
-# "num_warps,num_stages,pages_per_block" for every call instead of gpu_decode's layout: the benchmarks' sweep knob
+# Triton's tuning (num_warps, num_stages, pages per inner iteration), swept on an H200 (2026-11-26, bf16, 16-token
+# pages, context 384, whole decode steps: `CAPSTAN_FUSED_DECODE_TUNING=w,s,p python3 benchmarks/decode_profile.py
+# --rows R --context 384 --quick`): 256 rows, Llama-3.2-1B (head_dim 64) 2,1,4 2.082 ms a step against gpu_decode's
+# 2,2,4 2.325; Qwen3-0.6B (128) 4,1,4 3.217 against 8,1,4 3.434; one row of Llama-3.2-1B 1.11-1.24 for all six tried
+FULL_BATCH_TUNING = {64: (2, 1, 4), 128: (4, 1, 4)}  # by head_dim; others take 128's
+SPLIT_TUNING = (4, 1, 4)
+# "num_warps,num_stages,pages_per_block" for every call instead: the sweep's knob
 TUNING = os.environ.get("CAPSTAN_FUSED_DECODE_TUNING")
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a finite -inf: fully masked blocks never meet exp(inf - inf)
 
@@ -114,9 +120,11 @@ def fused_decode_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cac
     S, KVH, rows, D = qkv.shape
     G = rows - 2
     tables = meta.block_tables
-    splits, per_block, warps, stages = _layout(S, KVH, tables.shape[1], D)
+    splits = _layout(S, KVH, tables.shape[1], D)[0]  # gpu_decode's rule for splitting contexts
+    warps, stages, most = SPLIT_TUNING if splits > 1 else FULL_BATCH_TUNING.get(D, FULL_BATCH_TUNING[128])
     if TUNING:
-        warps, stages, per_block = (int(t) for t in TUNING.split(","))
+        warps, stages, most = (int(t) for t in TUNING.split(","))
+    per_block = min(most, 1 << (-(-tables.shape[1] // splits) - 1).bit_length())  # Triton: a power of two
     k_splits = k_splits or splits
     pages_per_block = pages_per_block or per_block
     pad = -tables.shape[1] % (k_splits * pages_per_block)
