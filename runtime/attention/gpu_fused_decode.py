@@ -27,7 +27,7 @@ from .metadata import AttentionMetadata
 # 2,2,4 2.325; Qwen3-0.6B (128) 4,1,4 3.217 against 8,1,4 3.434; one row of Llama-3.2-1B 1.11-1.24 for all six tried
 FULL_BATCH_TUNING = {64: (2, 1, 4), 128: (4, 1, 4)}  # by head_dim; others take 128's
 SPLIT_TUNING = (4, 1, 4)
-# "num_warps,num_stages,pages_per_block" for every call instead: the sweep's knob
+# "num_warps,num_stages,pages_per_block[,k_splits]" for every call instead: the sweep's knob
 TUNING = os.environ.get("CAPSTAN_FUSED_DECODE_TUNING")
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a finite -inf: fully masked blocks never meet exp(inf - inf)
 
@@ -116,17 +116,17 @@ def fused_decode_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cac
     """qkv[S, KVH, G + 2, D]: row r's query heads, key and value before norms and rope (row r is sequence r's only
     token, at meta.positions[r]); cos, sin [S, D] float32; caches [KVH, pages, page_size, D] of one layer;
     q_norm, k_norm [D] or None. Returns (out [S, KVH, G, D], k_cache, v_cache with the step's K/V written at
-    meta.slot_mapping; INVALID_SLOT writes nothing). The tuning arguments default to gpu_decode's layout."""
+    meta.slot_mapping; INVALID_SLOT writes nothing). The tuning arguments default to the tables above."""
     S, KVH, rows, D = qkv.shape
     G = rows - 2
     tables = meta.block_tables
-    splits = _layout(S, KVH, tables.shape[1], D)[0]  # gpu_decode's rule for splitting contexts
-    warps, stages, most = SPLIT_TUNING if splits > 1 else FULL_BATCH_TUNING.get(D, FULL_BATCH_TUNING[128])
+    k_splits = k_splits or _layout(S, KVH, tables.shape[1], D)[0]  # gpu_decode's rule for splitting contexts
+    warps, stages, most = SPLIT_TUNING if k_splits > 1 else FULL_BATCH_TUNING.get(D, FULL_BATCH_TUNING[128])
     if TUNING:
-        warps, stages, most = (int(t) for t in TUNING.split(","))
-    per_block = min(most, 1 << (-(-tables.shape[1] // splits) - 1).bit_length())  # Triton: a power of two
-    k_splits = k_splits or splits
-    pages_per_block = pages_per_block or per_block
+        warps, stages, most, *rest = (int(t) for t in TUNING.split(","))
+        k_splits = rest[0] if rest else k_splits
+    # pages a program loads at once: a power of two (Triton's tiles)
+    pages_per_block = pages_per_block or min(most, 1 << (-(-tables.shape[1] // k_splits) - 1).bit_length())
     pad = -tables.shape[1] % (k_splits * pages_per_block)
     if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
