@@ -95,10 +95,10 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     return chunked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
-def decode_fuses(k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *, kv_heads: int,
-                 head_dim: int, window: int | None, softcap) -> bool:
+def decode_fuses(k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *, head_dim: int,
+                 window: int | None, softcap) -> bool:
     """Whether a step's norms, rope, K/V write and attention run as gpu_fused_decode's one kernel: a decode step
-    on a GPU (or the kernels interpreted on CPU) on one device, with a layer gpu_decode's layout takes and no
+    on a GPU (or the kernels interpreted on CPU) on one device, caches HEADS_FIRST, shapes the kernel tiles, no
     window or soft-capping; float32 too (its dots are IEEE)."""
     backend = jax.default_backend()
     if backend == "cpu" and KERNELS_INTERPRETED_ON_CPU:
@@ -106,10 +106,9 @@ def decode_fuses(k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata
     if not (FUSED_DECODE and meta.decode and backend == "gpu" and model_parallel_size() == 1
             and layout_of(v_cache) == HEADS_FIRST and window is None and not softcap):
         return False
-    from .gpu_decode import supported
+    from .gpu_fused_decode import supported
 
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and supported(
-        meta.block_tables.shape[0], kv_heads, meta.block_tables.shape[1], k_cache.shape[2], head_dim)
+    return supported(k_cache.shape[2], head_dim)
 
 
 def fused_decode(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, q_norm, k_norm,

@@ -5,7 +5,7 @@ the q/k RMSNorms (Qwen3), rope of q and of k, the v slice, the K and V writes in
 Llama-3.2-1B layer's ~70 at one stream (benchmarks/RESULTS.md, "One stream, kernel by kernel"). Here a program
 per (sequence, kv head, context split) loads its query heads and its key straight from the QKV matmul's output,
 norms and rotates them in registers (rotate-half as a dot with a signed permutation: exact), attends over the
-cached context (flash-decoding: splits combined after, as in gpu_decode), adds the step's own key and value from
+cached context (flash-decoding: the pages a sequence has filled shared by splits, combined after), adds the step's own key and value from
 registers, and the first split writes them into their page slot, so no program reads a slot another writes.
 Float32 takes IEEE dots (JAX's decode kernel multiplies in TF32), so golden float32 parity holds through it."""
 from __future__ import annotations
@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .gpu_decode import _layout
 from .metadata import AttentionMetadata
 
 # Triton's tuning (num_warps, num_stages, pages per inner iteration), swept on an H200 (2026-11-26, bf16, 16-token
@@ -27,19 +26,27 @@ from .metadata import AttentionMetadata
 # 2,2,4 2.325; Qwen3-0.6B (128) 4,1,4 3.217 against 8,1,4 3.434; one row of Llama-3.2-1B 1.11-1.24 for all six tried
 FULL_BATCH_TUNING = {64: (2, 1, 4), 128: (4, 1, 4)}  # by head_dim; others take 128's
 SPLIT_TUNING = (4, 1, 4)
+ENOUGH_PROGRAMS = 1024  # (sequence, kv head) pairs that fill the GPU alone; fewer split their contexts too
+MAX_SPLITS = 16
 # "num_warps,num_stages,pages_per_block[,k_splits]" for every call instead: the sweep's knob
 TUNING = os.environ.get("CAPSTAN_FUSED_DECODE_TUNING")
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a finite -inf: fully masked blocks never meet exp(inf - inf)
+
+
+def supported(page_size: int, head_dim: int) -> bool:
+    """Shapes Triton can tile: power-of-two head_dim (at least a dot's 16) and blocks of at least 16 keys."""
+    pages = min(p for *_, p in (*FULL_BATCH_TUNING.values(), SPLIT_TUNING))
+    pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+    return head_dim >= 16 and pow2(head_dim) and pow2(page_size) and page_size * pages >= 16
 
 
 def _kernel(qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, tables_ref, row_ref, k_ref, v_ref,
             o_ref, *rest, groups: int, pages_per_block: int, scale: float, eps: float, one_plus: bool,
             normalize: bool, precision):
     l_ref, m_ref, k_out_ref, v_out_ref = (None, None, *rest) if normalize else rest
-    split = pl.program_id(2)
+    split, splits = pl.program_id(2), pl.num_programs(2)
     block_h, D = o_ref.shape
     pages, page_size = k_ref.shape[0], k_ref.shape[1]
-    pages_per_split = tables_ref.shape[0]
     block_k = pages_per_block * page_size
     dtype = qkv_ref.dtype
     length, slot = row_ref[0], row_ref[1]  # length 0: a padding row
@@ -68,11 +75,12 @@ def _kernel(qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, tables_ref, row_r
 
     def block(b, carry):
         o, m, l = carry
-        ids = tables_ref[pl.ds(b * pages_per_block, pages_per_block)]
+        first_page = pl.multiple_of(start + b * pages_per_block, pages_per_block)
+        ids = tables_ref[pl.ds(first_page, pages_per_block)]
         k = k_ref[ids].reshape(block_k, D)
         v = v_ref[ids].reshape(block_k, D)
         s = plgpu.dot(q, k.astype(dtype), trans_b=True, precision=precision) * scale  # [block_h, block_k]
-        first = (split * pages_per_split + b * pages_per_block) * page_size
+        first = first_page * page_size
         s = jnp.where(first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < pos, s, MASKED)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_next)
@@ -80,9 +88,12 @@ def _kernel(qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, tables_ref, row_r
         o = o * correction[:, None] + plgpu.dot(p.astype(dtype), v.astype(dtype), precision=precision)
         return o, m_next, l * correction + jnp.sum(p, axis=1)
 
-    start = split * pages_per_split
-    end = jnp.minimum(pl.cdiv(jnp.maximum(pos, 0), page_size), start + pages_per_split)
-    blocks = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)  # each holds at least one key before pos
+    # the splits share the pages this sequence has filled (not the table's width, which is max_model_len's), in
+    # whole blocks: every block holds at least one key before pos
+    filled = pl.cdiv(jnp.maximum(pos, 0), page_size)
+    per_split = pl.cdiv(pl.cdiv(filled, splits), pages_per_block) * pages_per_block
+    start = split * per_split
+    blocks = pl.cdiv(jnp.maximum(jnp.minimum(filled, start + per_split) - start, 0), pages_per_block)
     init = (jnp.zeros((block_h, D), jnp.float32), jnp.full((block_h,), MASKED, jnp.float32),
             jnp.zeros((block_h,), jnp.float32))
     o, m, l = jax.lax.fori_loop(0, blocks, block, init)
@@ -120,18 +131,15 @@ def fused_decode_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cac
     S, KVH, rows, D = qkv.shape
     G = rows - 2
     tables = meta.block_tables
-    k_splits = k_splits or _layout(S, KVH, tables.shape[1], D)[0]  # gpu_decode's rule for splitting contexts
+    k_splits = k_splits or max(1, min(MAX_SPLITS, ENOUGH_PROGRAMS // (S * KVH)))  # fill the GPU
     warps, stages, most = SPLIT_TUNING if k_splits > 1 else FULL_BATCH_TUNING.get(D, FULL_BATCH_TUNING[128])
     if TUNING:
         warps, stages, most, *rest = (int(t) for t in TUNING.split(","))
         k_splits = rest[0] if rest else k_splits
-    # pages a program loads at once: a power of two (Triton's tiles)
-    pages_per_block = pages_per_block or min(most, 1 << (-(-tables.shape[1] // k_splits) - 1).bit_length())
-    pad = -tables.shape[1] % (k_splits * pages_per_block)
+    pages_per_block = pages_per_block or most  # pages a program loads at once
+    pad = -tables.shape[1] % pages_per_block
     if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
-    per_split = tables.shape[1] // k_splits
-    tables = tables.reshape(S, k_splits, per_split)
     row = jnp.stack([jnp.where(meta.seq_lens > 0, meta.positions + 1, 0), meta.slot_mapping], axis=1)
     block_h = max(16, 1 << G.bit_length())  # G query rows and the key's, a power of two, at least a dot's 16
     normalize = k_splits == 1
@@ -157,7 +165,7 @@ def fused_decode_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cac
             pl.BlockSpec((None, D), lambda s, h, k: (s, 0)),
             None if q_norm is None else norm_spec,
             None if k_norm is None else norm_spec,
-            pl.BlockSpec((None, None, per_split), lambda s, h, k: (s, k, 0)),
+            pl.BlockSpec((None, tables.shape[1]), lambda s, h, k: (s, 0)),
             pl.BlockSpec((None, 2), lambda s, h, k: (s, 0)),
             cache_spec,
             cache_spec,

@@ -73,8 +73,8 @@ class Attention(eqx.Module):
             qkv = qkv + self.qkv_bias
         gemma = cfg.family == "gemma3"
         tokens = qkv.resolve_axis(Token.name)
-        if decode_fuses(k_cache, v_cache, meta, kv_heads=ax.KVHeads.size, head_dim=ax.HeadSize.size,
-                        window=window, softcap=cfg.attn_logit_softcapping):  # one kernel from here to attention's out
+        if decode_fuses(k_cache, v_cache, meta, head_dim=ax.HeadSize.size, window=window,
+                        softcap=cfg.attn_logit_softcapping):  # one kernel from here to attention's out
             out, k_cache, v_cache = fused_decode(
                 qkv.rearrange((Token.name, ax.KVHeads, ax.QKV, ax.HeadSize)).array, cos, sin, k_cache, v_cache, meta,
                 scale=cfg.attention_scale, q_norm=None if self.q_norm is None else self.q_norm.array,
