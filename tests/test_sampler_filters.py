@@ -12,7 +12,7 @@ import functools
 
 from capstan.runtime.engine.sampler import (BLOCK, BLOCKS, best_by_blocks, best_by_top_k, draw_by_candidates,
                                            filters_by_bisection, filters_by_search, filters_by_sort, gumbel_at,
-                                           search_passes)
+                                           mass_above, search_passes)
 from test_sampler import batch
 
 
@@ -90,14 +90,15 @@ def peaked(rng, S, V):
     return (-2.0 * np.log(ranks) + 0.1 * rng.standard_normal((S, V))).astype(np.float32)
 
 
-def candidates_draw(x, b, fallback=None, best=best_by_top_k):
+def candidates_draw(x, b, fallback=None, best=best_by_top_k, in_one_pass=False):
     """draw_by_candidates on x with the row keys' Gumbel noise (jax.random.gumbel over the row), and that noise."""
     V = x.shape[1]
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
     noise = jax.jit(lambda k: jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(k))(keys)
     greedy = jnp.asarray(b.temperature == 0)
     at = lambda ids=None: noise if ids is None else jnp.take_along_axis(noise, ids, axis=-1)  # noqa: E731
-    tokens = jax.jit(lambda x, b: draw_by_candidates(x, b, greedy, at, fallback, best))(jnp.asarray(x), b)
+    tokens = jax.jit(lambda x, b: draw_by_candidates(x, b, greedy, at, fallback, best, in_one_pass))(
+        jnp.asarray(x), b)
     return np.asarray(tokens), np.asarray(noise)
 
 
@@ -119,9 +120,10 @@ def reference_draw(x, noise, top_k, top_p, min_p, greedy):
 V_LARGE = 2 * BLOCK * BLOCKS + 123  # more blocks than candidates, and a ragged last block
 
 
-@pytest.mark.parametrize("best", [best_by_top_k, best_by_blocks], ids=["top-k", "blocks"])
+@pytest.mark.parametrize("best, in_one_pass", [(best_by_top_k, False), (best_by_blocks, False), (best_by_blocks, True)],
+                         ids=["top-k", "blocks", "blocks-one-pass"])
 @pytest.mark.parametrize("rows", ["flat", "peaked", "mixed"])
-def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, best):
+def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, best, in_one_pass):
     rng = np.random.default_rng(len(rows))
     S, V = 24, V_LARGE
     x = peaked(rng, S, V) if rows == "peaked" else (rng.standard_normal((S, V)) * 1.5).astype(np.float32)
@@ -134,7 +136,7 @@ def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, bes
     temperature = rng.choice([0.0, 1.0, 1.0, 1.0], S).astype(np.float32)
     b = batch(S=S, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True),
               position=np.arange(S, dtype=np.int32))
-    got, noise = candidates_draw(x, b, best=best)
+    got, noise = candidates_draw(x, b, best=best, in_one_pass=in_one_pass)
     want, ambiguous = reference_draw(x, noise, top_k, top_p, min_p, temperature == 0)
     unsure = set(ambiguous)  # tokens whose mass above is within float rounding of top_p: either answer is right
     assert [r for r in range(S) if got[r] != want[r] and not {(r, got[r]), (r, want[r])} & unsure] == []
@@ -161,3 +163,22 @@ def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback(
     assert (candidates_draw(x, b, fallback=only_last)[0] == V - 1).all()
     got, noise = candidates_draw(x, b)
     assert got.tolist() == reference_draw(x, noise, np.asarray(b.top_k), top_p, min_p, np.zeros(S, bool))[0].tolist()
+
+
+@pytest.mark.parametrize("V", [V_LARGE, 4096, 1000])  # a ragged end, whole chunks, a row shorter than a chunk
+def test_the_one_pass_mass_kernel_gives_each_values_mass_above(V):
+    from capstan.runtime.engine.gpu_mass_above import mass_above as one_pass
+
+    rng = np.random.default_rng(V)
+    S, D = 6, 16
+    x = (rng.standard_normal((S, V)) * 2).astype(np.float32)
+    x[0, :50] = x[0, 50]  # ties with a drawn value
+    x[1, -7:] = -np.inf  # tokens a grammar or ban removed
+    cut = np.where(np.arange(S) % 2 == 0, -np.inf, np.sort(x, axis=1)[:, -40]).astype(np.float32)  # top-k on odd rows
+    top = x.max(axis=1)
+    values = np.take_along_axis(x, rng.integers(0, V, (S, D)), axis=1)
+    weights = jnp.where(x >= cut[:, None], jnp.exp(x - top[:, None]), 0.0)
+    want = mass_above(jnp.asarray(x), weights, jnp.asarray(values))
+    got = one_pass(jnp.asarray(x), jnp.asarray(cut), jnp.asarray(top), jnp.asarray(values),
+                   interpret=jax.default_backend() != "gpu")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6)

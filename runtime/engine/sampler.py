@@ -209,14 +209,15 @@ def best_by_blocks(x: jax.Array, threshold: jax.Array, noise) -> tuple[jax.Array
 
 
 def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise, fallback=None,
-                       best=best_by_top_k) -> jax.Array:
+                       best=best_by_top_k, in_one_pass: bool = False) -> jax.Array:
     """Top-k, top-p and min-p, then the Gumbel-max draw, without sorting the vocabulary; the same tokens as
     `fallback`'s kept set with the same noise. Each row's candidates are the values of its BLOCKS blocks with the
     largest maxima: every value above t0 (the smallest of those maxima) is among them, so once sorted they give
     the k-th value exactly for k <= BLOCKS, and top-p's threshold when the values above t0 hold at least top_p of
     the mass (peaked rows, as trained models give). Where top-p is not decided that way (flat rows), the draw
     checks its DRAWN best perturbed values, best first: the first whose mass above is below top_p is the token
-    the full kept set would give. A batch with a row neither decides takes `fallback` (a full sort)."""
+    the full kept set would give. A batch with a row neither decides takes `fallback` (a full sort).
+    in_one_pass: those masses from gpu_mass_above's one pass over each row, not one XLA reduction per value."""
     S, V = x.shape
     fallback = fallback or filters_by_sort
     nb = -(-V // BLOCK)
@@ -241,7 +242,12 @@ def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise,
     drawn, ids = best(x, threshold, noise)
     # rows whose top-p is still open: the mass above each drawn value (a row reduction per drawn value)
     xd = jnp.take_along_axis(x, ids, axis=-1)
-    above = mass_above(x, weights, xd) / z[:, None]
+    if in_one_pass:
+        from .gpu_mass_above import mass_above as one_pass
+
+        above = one_pass(x, kth, top, xd, interpret=jax.default_backend() != "gpu") / z[:, None]
+    else:
+        above = mass_above(x, weights, xd) / z[:, None]
     kept = (drawn > -jnp.inf) & (p_by_blocks[:, None] | (above < b.top_p[:, None]))
     token = jnp.take_along_axis(ids, jnp.argmax(kept, axis=-1)[:, None], axis=-1)[:, 0]
     decided = greedy | (k_known & jnp.any(kept, axis=-1))
@@ -327,7 +333,8 @@ def _search(keys: jax.Array, holds, pivots: int, smallest_false: bool = False) -
 FILTERS = {"sort": filters_by_sort, "bisection": filters_by_bisection,
            **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)}}
 DRAWS = {"candidates": draw_by_candidates,  # methods that filter as they draw
-         "candidates-fused": functools.partial(draw_by_candidates, best=best_by_blocks)}
+         "candidates-fused": functools.partial(draw_by_candidates, best=best_by_blocks),
+         "candidates-kernel": functools.partial(draw_by_candidates, best=best_by_blocks, in_one_pass=True)}
 
 
 def filters_name(backend: str) -> str:
