@@ -149,5 +149,6 @@ def write_and_attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page
                          out_specs=(heads, k_spec, v_spec), check_vma=False)(q, k, v, k_cache, v_cache, meta)
 
 
-__all__ = ["write_and_attend", "decode_fuses", "fused_decode", "INVALID_SLOT", "AttentionMetadata", "query_blocks", "attend", "choose_kernel",
-           "chunked_attention", "kv_layout", "paged_attention", "write_kv", "HEADS_FIRST", "PAGES_INTERLEAVED"]
+__all__ = ["write_and_attend", "decode_fuses", "fused_decode", "INVALID_SLOT", "AttentionMetadata", "query_blocks",
+           "attend", "choose_kernel", "chunked_attention", "kv_layout", "paged_attention", "write_kv", "HEADS_FIRST",
+           "PAGES_INTERLEAVED"]

@@ -5,8 +5,9 @@ the q/k RMSNorms (Qwen3), rope of q and of k, the v slice, the K and V writes in
 Llama-3.2-1B layer's ~70 at one stream (benchmarks/RESULTS.md, "One stream, kernel by kernel"). Here a program
 per (sequence, kv head, context split) loads its query heads and its key straight from the QKV matmul's output,
 norms and rotates them in registers (rotate-half as a dot with a signed permutation: exact), attends over the
-cached context (flash-decoding: the pages a sequence has filled shared by splits, combined after), adds the step's own key and value from
-registers, and the first split writes them into their page slot, so no program reads a slot another writes.
+cached context (flash-decoding: splits share the pages the sequence has filled, combined after), adds the step's
+own key and value from registers, and the first split writes them into their page slot, so no program reads a
+slot another writes.
 Float32 takes IEEE dots (JAX's decode kernel multiplies in TF32), so golden float32 parity holds through it."""
 from __future__ import annotations
 
