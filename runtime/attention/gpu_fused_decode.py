@@ -68,10 +68,8 @@ def _kernel(qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, tables_ref, row_r
     rotated = plgpu.dot(x.astype(dtype), turn.astype(dtype), precision=precision)
     cos = cos_ref[...].astype(dtype).astype(jnp.float32)[None, :]
     sin = sin_ref[...].astype(dtype).astype(jnp.float32)[None, :]
-    x = (x * cos + rotated * sin).astype(dtype)  # [block_h, D]: rotated query heads, then the rotated key
-    q = x
-    k_new = jnp.sum(jnp.where(rows == groups, x.astype(jnp.float32), 0.0), axis=0)  # [D]: the key row
-    k_new = k_new.astype(k_ref.dtype)
+    q = (x * cos + rotated * sin).astype(dtype)  # [block_h, D]: rotated query heads, then the rotated key
+    k_new = jnp.sum(jnp.where(rows == groups, q.astype(jnp.float32), 0.0), axis=0).astype(k_ref.dtype)  # the key row
     v_new = qkv_ref[groups + 1].astype(v_ref.dtype)  # [D]
 
     def block(b, carry):
@@ -100,7 +98,7 @@ def _kernel(qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, tables_ref, row_r
     o, m, l = jax.lax.fori_loop(0, blocks, block, init)
     # the step's own key and value, from registers, counted once: by the first split
     own = (split == 0) & (length > 0)
-    s_own = jnp.sum(x.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale
+    s_own = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale
     m_next = jnp.where(own, jnp.maximum(m, s_own), m)
     correction = jnp.exp(m - m_next)
     p_own = jnp.where(own, jnp.exp(s_own - m_next), 0.0)

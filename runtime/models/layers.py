@@ -72,28 +72,26 @@ class Attention(eqx.Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         gemma = cfg.family == "gemma3"
-        tokens = qkv.resolve_axis(Token.name)
         if decode_fuses(k_cache, v_cache, meta, head_dim=ax.HeadSize.size, window=window,
                         softcap=cfg.attn_logit_softcapping):  # one kernel from here to attention's out
             out, k_cache, v_cache = fused_decode(
                 qkv.rearrange((Token.name, ax.KVHeads, ax.QKV, ax.HeadSize)).array, cos, sin, k_cache, v_cache, meta,
                 scale=cfg.attention_scale, q_norm=None if self.q_norm is None else self.q_norm.array,
                 k_norm=None if self.k_norm is None else self.k_norm.array, eps=cfg.rms_norm_eps, one_plus=gemma)
-            out = hax.named(out, (tokens, ax.KVHeads, ax.QPerKV, ax.HeadSize))
-            return linear(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize)), k_cache, v_cache
-        G = ax.QPerKV.size
-        q = qkv[ax.QKV.name, hax.dslice(0, G)].rename({ax.QKV.name: ax.QPerKV.name})
-        k, v = qkv[ax.QKV.name, G], qkv[ax.QKV.name, G + 1]
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, ax.HeadSize, cfg.rms_norm_eps, one_plus=gemma)
-            k = rms_norm(k, self.k_norm, ax.HeadSize, cfg.rms_norm_eps, one_plus=gemma)
-        q_arr = apply_rotary(q.rearrange((Token.name, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
-        k_arr = apply_rotary(k.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array, cos, sin)
-        v_arr = v.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array
-        out, k_cache, v_cache = write_and_attend(q_arr, k_arr, v_arr, k_cache, v_cache, meta, page_size=page_size,
-                                                 scale=cfg.attention_scale, window=window,
-                                                 softcap=cfg.attn_logit_softcapping)
-        out = hax.named(out, (tokens, ax.KVHeads, ax.QPerKV, ax.HeadSize))
+        else:
+            G = ax.QPerKV.size
+            q = qkv[ax.QKV.name, hax.dslice(0, G)].rename({ax.QKV.name: ax.QPerKV.name})
+            k, v = qkv[ax.QKV.name, G], qkv[ax.QKV.name, G + 1]
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, ax.HeadSize, cfg.rms_norm_eps, one_plus=gemma)
+                k = rms_norm(k, self.k_norm, ax.HeadSize, cfg.rms_norm_eps, one_plus=gemma)
+            q_arr = apply_rotary(q.rearrange((Token.name, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
+            k_arr = apply_rotary(k.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array, cos, sin)
+            v_arr = v.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array
+            out, k_cache, v_cache = write_and_attend(q_arr, k_arr, v_arr, k_cache, v_cache, meta,
+                                                     page_size=page_size, scale=cfg.attention_scale, window=window,
+                                                     softcap=cfg.attn_logit_softcapping)
+        out = hax.named(out, (qkv.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
         y = linear(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
         return y, k_cache, v_cache
 
