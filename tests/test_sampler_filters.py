@@ -10,9 +10,10 @@ import pytest
 
 import functools
 
-from capstan.runtime.engine.sampler import (BLOCK, BLOCKS, best_by_blocks, best_by_top_k, draw_by_candidates,
-                                           filters_by_bisection, filters_by_search, filters_by_sort, gumbel_at,
-                                           mass_above, search_passes)
+from capstan.runtime.engine.sampler import (BLOCK, BLOCKS, RowNoise, best_by_blocks, best_by_top_k,
+                                           draw_by_candidates, draw_by_kernels, filters_by_bisection,
+                                           filters_by_search, filters_by_sort, gumbel_at, mass_above, row_keys,
+                                           search_passes)
 from test_sampler import batch
 
 
@@ -90,16 +91,19 @@ def peaked(rng, S, V):
     return (-2.0 * np.log(ranks) + 0.1 * rng.standard_normal((S, V))).astype(np.float32)
 
 
-def candidates_draw(x, b, fallback=None, best=best_by_top_k, in_one_pass=False):
-    """draw_by_candidates on x with the row keys' Gumbel noise (jax.random.gumbel over the row), and that noise."""
+def candidates_draw(x, b, fallback=None, best=best_by_top_k, in_one_pass=False, kernels=False):
+    """draw_by_candidates (or with kernels, draw_by_kernels: the noise its own threefry) on x with the row keys'
+    Gumbel noise (jax.random.gumbel over the row), and that noise."""
     V = x.shape[1]
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
     noise = jax.jit(lambda k: jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(k))(keys)
     greedy = jnp.asarray(b.temperature == 0)
     at = lambda ids=None: noise if ids is None else jnp.take_along_axis(noise, ids, axis=-1)  # noqa: E731
-    tokens = jax.jit(lambda x, b: draw_by_candidates(x, b, greedy, at, fallback, best, in_one_pass))(
-        jnp.asarray(x), b)
-    return np.asarray(tokens), np.asarray(noise)
+    if kernels:
+        draw = lambda x, b: draw_by_kernels(x, b, greedy, RowNoise(row_keys(b), V), fallback)  # noqa: E731
+    else:
+        draw = lambda x, b: draw_by_candidates(x, b, greedy, at, fallback, best, in_one_pass)  # noqa: E731
+    return np.asarray(jax.jit(draw)(jnp.asarray(x), b)), np.asarray(noise)
 
 
 def test_the_noise_of_one_id_is_the_full_rows_noise_at_it():
@@ -120,10 +124,11 @@ def reference_draw(x, noise, top_k, top_p, min_p, greedy):
 V_LARGE = 2 * BLOCK * BLOCKS + 123  # more blocks than candidates, and a ragged last block
 
 
-@pytest.mark.parametrize("best, in_one_pass", [(best_by_top_k, False), (best_by_blocks, False), (best_by_blocks, True)],
-                         ids=["top-k", "blocks", "blocks-one-pass"])
+@pytest.mark.parametrize("best, in_one_pass, kernels",
+                         [(best_by_top_k, False, False), (best_by_blocks, False, False), (best_by_blocks, True, False),
+                          (None, False, True)], ids=["top-k", "blocks", "blocks-one-pass", "kernels"])
 @pytest.mark.parametrize("rows", ["flat", "peaked", "mixed"])
-def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, best, in_one_pass):
+def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, best, in_one_pass, kernels):
     rng = np.random.default_rng(len(rows))
     S, V = 24, V_LARGE
     x = peaked(rng, S, V) if rows == "peaked" else (rng.standard_normal((S, V)) * 1.5).astype(np.float32)
@@ -136,14 +141,15 @@ def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, bes
     temperature = rng.choice([0.0, 1.0, 1.0, 1.0], S).astype(np.float32)
     b = batch(S=S, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True),
               position=np.arange(S, dtype=np.int32))
-    got, noise = candidates_draw(x, b, best=best, in_one_pass=in_one_pass)
+    got, noise = candidates_draw(x, b, best=best, in_one_pass=in_one_pass, kernels=kernels)
     want, ambiguous = reference_draw(x, noise, top_k, top_p, min_p, temperature == 0)
     unsure = set(ambiguous)  # tokens whose mass above is within float rounding of top_p: either answer is right
     assert [r for r in range(S) if got[r] != want[r] and not {(r, got[r]), (r, want[r])} & unsure] == []
     assert (got == want).mean() > 0.8
 
 
-def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback():
+@pytest.mark.parametrize("kernels", [False, True], ids=["xla", "kernels"])
+def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback(kernels):
     rng = np.random.default_rng(4)
     S, V = 16, V_LARGE
     only_last = lambda x, b: jnp.where(jnp.arange(x.shape[1]) == x.shape[1] - 1, 0.0, -jnp.inf)  # noqa: E731
@@ -152,7 +158,7 @@ def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback(
     min_p = np.array([0, 0, 0.05, 0, 0, 0.1, 0.05, 0.2, 0, 0, 0, 0, 0, 0, 0, 0], np.float32)
     b = batch(S=S, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True))
     for x in (peaked(rng, S, V), rng.standard_normal((S, V)).astype(np.float32)):  # trained-like, then flat
-        got, noise = candidates_draw(x, b, fallback=only_last)
+        got, noise = candidates_draw(x, b, fallback=only_last, kernels=kernels)
         want, ambiguous = reference_draw(x, noise, top_k, top_p, min_p, np.zeros(S, bool))
         assert (got != V - 1).all() and (got == want).all()
     # a flat row whose top-k (beyond the candidates) is open sends the whole batch to the fallback
@@ -160,8 +166,8 @@ def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback(
     x[0] = rng.standard_normal(V)
     b = batch(S=S, top_k=np.where(np.arange(S) == 0, 3000, top_k).astype(np.int32), top_p=top_p, min_p=min_p,
               any_filter=np.bool_(True))
-    assert (candidates_draw(x, b, fallback=only_last)[0] == V - 1).all()
-    got, noise = candidates_draw(x, b)
+    assert (candidates_draw(x, b, fallback=only_last, kernels=kernels)[0] == V - 1).all()
+    got, noise = candidates_draw(x, b, kernels=kernels)
     assert got.tolist() == reference_draw(x, noise, np.asarray(b.top_k), top_p, min_p, np.zeros(S, bool))[0].tolist()
 
 
@@ -182,3 +188,13 @@ def test_the_one_pass_mass_kernel_gives_each_values_mass_above(V):
     got = one_pass(jnp.asarray(x), jnp.asarray(cut), jnp.asarray(top), jnp.asarray(values),
                    interpret=jax.default_backend() != "gpu")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6)
+
+
+def test_the_kernels_threefry_is_jaxs():
+    from capstan.runtime.engine.gpu_sampler import gumbel
+
+    keys = jax.random.key_data(jax.vmap(lambda p: jax.random.fold_in(jax.random.key(11), p))(jnp.arange(4)))
+    ids = jnp.arange(3000)
+    want = gumbel_at(keys, ids[None, :])
+    got = jax.jit(jax.vmap(lambda k: gumbel(k[0], k[1], ids)))(keys)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

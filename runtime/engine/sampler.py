@@ -102,12 +102,7 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | 
     x = _branch(branches and branches.any_penalty, b.any_penalty, _apply_penalties, lambda x, b: x, x, b)
     greedy = b.temperature == 0.0
     x = x / jnp.where(greedy, 1.0, b.temperature)[:, None]
-    keys = jax.vmap(lambda k, p: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), p)))(
-        b.key_data, b.position)
-
-    def noise(ids=None):  # [S, V], or [S, n] at ids: a function of the row's key and the token id only
-        return gumbel_at(keys, jnp.arange(V)[None, :] if ids is None else ids)
-
+    noise = RowNoise(row_keys(b), V)
     name = filters_name(jax.default_backend())
     filtered = (lambda x: DRAWS[name](x, b, greedy, noise)) if name in DRAWS else \
         (lambda x: _draw(FILTERS[name](x, b), greedy, noise))
@@ -115,6 +110,23 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | 
                                 lambda x: _draw(x, greedy, noise), x)
     return _branch(branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), sampled,
                    x).astype(jnp.int32)
+
+
+def row_keys(b: SamplingBatch) -> jax.Array:
+    """[S, 2] u32: each row's key data with the position it samples folded in."""
+    return jax.vmap(lambda k, p: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), p)))(
+        b.key_data, b.position)
+
+
+class RowNoise:
+    """Each row's Gumbel noise, a function of its key [S, 2] (row_keys) and the token id only: [S, V], or [S, n]
+    at ids."""
+
+    def __init__(self, keys: jax.Array, vocab: int):
+        self.keys, self.vocab = keys, vocab
+
+    def __call__(self, ids: jax.Array | None = None) -> jax.Array:
+        return gumbel_at(self.keys, jnp.arange(self.vocab)[None, :] if ids is None else ids)
 
 
 def gumbel_at(keys: jax.Array, ids: jax.Array) -> jax.Array:
@@ -255,6 +267,25 @@ def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise,
     return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
 
 
+def draw_by_kernels(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise: RowNoise, fallback=None) -> jax.Array:
+    """draw_by_candidates' tokens from gpu_sampler's Pallas kernels, where each row does only the stages it needs
+    (the candidates' thresholds by bisection in registers, the vocabulary's noise only for rows whose kept set
+    reaches past the candidates). The block maxima and the candidate blocks are XLA's; a batch with a row the
+    kernels leave undecided takes `fallback` (a full sort). Off GPUs the kernels are interpreted (tests only)."""
+    from .gpu_sampler import draw
+
+    S, V = x.shape
+    fallback = fallback or filters_by_sort
+    nb = -(-V // BLOCK)
+    if nb <= BLOCKS:  # a small vocabulary: sorting it is the cheap way
+        return _draw(fallback(x, b), greedy, noise)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
+    maxima, which = jax.lax.top_k(jnp.max(blocks, axis=-1), BLOCKS)
+    tokens, decided = draw(x, which, maxima[:, -1], b.top_k, b.top_p, b.min_p, greedy, noise.keys,
+                           interpret=jax.default_backend() != "gpu")
+    return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
+
+
 def block_candidates(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each row's candidates, sorted descending [S, BLOCKS * BLOCK], and t0: every value above t0 is among them."""
     S, V = x.shape
@@ -334,7 +365,8 @@ FILTERS = {"sort": filters_by_sort, "bisection": filters_by_bisection,
            **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)}}
 DRAWS = {"candidates": draw_by_candidates,  # methods that filter as they draw
          "candidates-fused": functools.partial(draw_by_candidates, best=best_by_blocks),
-         "candidates-kernel": functools.partial(draw_by_candidates, best=best_by_blocks, in_one_pass=True)}
+         "candidates-kernel": functools.partial(draw_by_candidates, best=best_by_blocks, in_one_pass=True),
+         "kernels": draw_by_kernels}
 
 
 def filters_name(backend: str) -> str:

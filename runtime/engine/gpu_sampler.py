@@ -1,0 +1,213 @@
+"""The candidates draw on NVIDIA GPUs as Pallas (Triton) kernels: each row does only the work it needs.
+
+sampler.draw_by_candidates in XLA does every stage for every row of the batch: the sort of each row's 8,192
+candidates, the threefry noise of the whole row, the 16 best perturbed values and the mass above each (1.29-1.43
+ms for 256 x 128,256 on an H100 against greedy's 0.28; benchmarks/RESULTS.md). Here:
+  choose, a program a row: the candidates' values gathered from the row, the top-k value and top-p's threshold
+    found by bisection over them in registers (no sort), and the draw itself where the candidates hold the whole
+    kept set (greedy rows, top-k rows, top-p on peaked rows): noise for 8,192 values, not the vocabulary;
+  drawn, a program per row and part of it, for the rows choose left open only (top-p on flat rows, no filters):
+    each part's best perturbed values, merged by XLA into the row's best in order;
+  gpu_mass_above, for the rows whose top-p is still open only: the mass above each drawn value.
+The tokens are draw_by_candidates' (the same thresholds, the same noise: JAX's threefry of (row key, token id),
+here in plain uint32 operations Triton can lower)."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .gpu_mass_above import mass_above, row_chunks
+from .sampler import BLOCK, BLOCKS, DRAWN
+
+PART = 2048  # values a `drawn` program perturbs
+PER_PART = 4  # best perturbed values each part reports (the row's best in order down to the parts' 4th best)
+CHOOSE_TUNING = (16, 1)  # num_warps, num_stages: 8,192 candidates with their noise in registers
+DRAWN_TUNING = (4, 1)
+OPEN, UNDECIDED = -1, -2  # choose's token for rows `drawn` takes, and rows only the fallback decides
+ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+NO_ID = jnp.iinfo(jnp.int32).max
+
+
+def threefry2x32(k0, k1, x0, x1):
+    """JAX's threefry2x32 (20 rounds, key injections every 4) in uint32 adds, shifts and xors."""
+    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = x0 ^ ((x1 << jnp.uint32(r)) | (x1 >> jnp.uint32(32 - r)))
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x0, x1
+
+
+def gumbel(k0, k1, ids):
+    """sampler.gumbel_at for one row's key (k0, k1) at token ids, bit for bit."""
+    ids = ids.astype(jnp.uint32)
+    b1, b2 = threefry2x32(k0, k1, jnp.zeros_like(ids), ids)
+    unit = jax.lax.bitcast_convert_type(((b1 ^ b2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    tiny = jnp.finfo(jnp.float32).tiny
+    return -jnp.log(-jnp.log(jnp.maximum(tiny, unit * (1.0 - tiny) + tiny)))
+
+
+def _ordered(x):
+    """int32 keys in the order of the float32 values (sampler._ordered_keys)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _value(key):
+    bits = jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_holding(lo, hi, holds):
+    """The largest int32 t in [lo, hi) where holds(t), given holds(lo), not holds(hi), and holds true then false."""
+    def narrow(_, bounds):
+        lo, hi = bounds
+        mid = lo + jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(hi - lo, jnp.uint32) >> jnp.uint32(1),
+                                                jnp.int32)  # hi - lo exact mod 2^32
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    return jax.lax.fori_loop(0, 32, narrow, (lo, hi))[0]
+
+
+def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int, part: int):
+    t0, top_p, min_p, greedy = f_ref[0], f_ref[1], f_ref[2], f_ref[3] > 0
+    k, k0, k1 = k_ref[0], key_ref[0], key_ref[1]
+    C = which_ref.shape[0] * BLOCK
+    lane = jnp.arange(C, dtype=jnp.int32)
+    ids = which_ref[lane // BLOCK] * BLOCK + lane % BLOCK  # the candidate blocks' token ids
+    c = jnp.where(ids < vocab, x_ref[jnp.minimum(ids, vocab - 1)], -jnp.inf)
+    top_c = jnp.max(c)  # the row's largest value: its block is a candidate
+    top = jnp.where(jnp.isfinite(top_c), top_c, 0.0)
+    keys = _ordered(c)
+    kk = jnp.where(k > 0, jnp.minimum(k, vocab), vocab)
+    k_on = kk < vocab
+    # top-k: the largest key with at least k candidates at or above it (every value above t0 is a candidate)
+    at_least_k = lambda t: jnp.sum((keys >= t).astype(jnp.int32)) >= kk  # noqa: E731
+    kth_key = jax.lax.cond(k_on & (kk <= C), lambda: _largest_holding(jnp.min(keys), jnp.max(keys) + 1, at_least_k),
+                           lambda: jnp.int32(jnp.iinfo(jnp.int32).min))
+    kth = jnp.where(k_on, _value(kth_key), -jnp.inf)
+    k_known = ~k_on | (kk <= BLOCKS) | ((kk <= C) & (kth > t0))
+    # top-p renormalises over the top-k set {x >= kth}: its mass from the candidates when they hold all of it
+    w = jnp.where(c >= kth, jnp.exp(c - top), 0.0)
+    p_on = top_p < 1.0
+
+    def row_mass():
+        def add(x, valid, acc):
+            return acc + jnp.sum(jnp.where(valid & (x >= kth), jnp.exp(x - top), 0.0))
+        return row_chunks(x_ref, vocab, part, add, jnp.float32(0.0))
+
+    z = jax.lax.cond(p_on & ~(k_on & (kth > t0)), row_mass, lambda: jnp.sum(w))
+    p_decided = ~p_on | (k_known & (jnp.sum(jnp.where(c > t0, w, 0.0)) / z >= top_p))
+
+    def top_p_threshold():  # the smallest key whose strictly larger candidates hold less than top_p of the mass
+        below_p = lambda t: jnp.sum(jnp.where(keys > t, w, 0.0)) / z < top_p  # noqa: E731
+        return _largest_holding(jnp.min(keys) - 1, jnp.max(keys), lambda t: ~below_p(t)) + 1
+
+    pth = jax.lax.cond(p_on & p_decided, lambda: _value(top_p_threshold()), lambda: jnp.float32(-jnp.inf))
+    floor = jnp.where(min_p > 0, top + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)  # p >= min_p * p_max
+    base = jnp.maximum(kth, floor)
+    threshold = jnp.maximum(base, pth)
+
+    def draw():  # Gumbel-max over the kept candidates; ties go to the lowest id, as an argmax over the row
+        y = jnp.where(c >= threshold, c + gumbel(k0, k1, ids), -jnp.inf)
+        return jnp.min(jnp.where(y == jnp.max(y), ids, NO_ID))
+
+    in_candidates = ~greedy & k_known & p_decided & (threshold > t0)
+    token = jax.lax.cond(in_candidates, draw, lambda: jnp.int32(OPEN))
+    argmax = jnp.min(jnp.where(c == top_c, ids, NO_ID))
+    token = jnp.where(greedy, jnp.where(top_c > t0, argmax, UNDECIDED), jnp.where(k_known, token, UNDECIDED))
+    slot4, slot2 = jnp.arange(4), jnp.arange(2)
+    out_f_ref[...] = jnp.where(slot4 == 0, jnp.where(p_decided, threshold, base),
+                               jnp.where(slot4 == 1, kth, jnp.where(slot4 == 2, top, z)))
+    out_i_ref[...] = jnp.where(slot2 == 0, token, (p_on & ~p_decided).astype(jnp.int32))
+
+
+def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, part: int):
+    first = pl.program_id(1) * part
+    D = y_ref.shape[0]
+
+    @pl.when(i_ref[0] == OPEN)
+    def _():
+        start = jnp.minimum(first, vocab - part)  # the last part is the row's last `part` values, masked
+        ids = start + jnp.arange(part, dtype=jnp.int32)
+        x = x_ref[pl.ds(start, part)]
+        y = jnp.where((ids >= first) & (x >= f_ref[0]), x + gumbel(key_ref[0], key_ref[1], ids), -jnp.inf)
+        slot = jnp.arange(D)
+
+        def take(d, carry):  # the part's next best perturbed value, its logit and id
+            y, ys, xs, js = carry
+            best = jnp.max(y)
+            j = jnp.min(jnp.where(y == best, ids, NO_ID))
+            xj = jnp.max(jnp.where(ids == j, x, -jnp.inf))
+            return (jnp.where(ids == j, -jnp.inf, y), jnp.where(slot == d, best, ys), jnp.where(slot == d, xj, xs),
+                    jnp.where(slot == d, j, js))
+
+        none = jnp.full((D,), -jnp.inf, jnp.float32)
+        _, ys, xs, js = jax.lax.fori_loop(0, D, take, (y, none, none, jnp.zeros((D,), jnp.int32)))
+        y_ref[...], xs_ref[...], ids_ref[...] = ys, xs, js
+
+    @pl.when(i_ref[0] != OPEN)
+    def _():
+        y_ref[...] = jnp.full((D,), -jnp.inf, jnp.float32)
+        xs_ref[...] = jnp.full((D,), -jnp.inf, jnp.float32)
+        ids_ref[...] = jnp.zeros((D,), jnp.int32)
+
+
+def draw(x: jax.Array, which: jax.Array, t0: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+         greedy: jax.Array, keys: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Tokens [S] and whether each is decided, for rows x [S, V] whose candidate blocks (of BLOCK values) are
+    `which` [S, BLOCKS] with t0 the smallest of their maxima; keys [S, 2] the rows' threefry key data. A row left
+    undecided (top-k beyond the candidates, a tie across all of them, top-p open past the parts' best values)
+    needs the fallback."""
+    S, V = x.shape
+    x = x.astype(jnp.float32)
+    part = min(PART, 1 << (V.bit_length() - 1))  # a power of two no longer than the row
+    row = lambda n: pl.BlockSpec((None, n), lambda s, *_: (s, 0))  # noqa: E731
+    rowf = jnp.stack([t0, top_p, min_p, greedy.astype(jnp.float32)], axis=1).astype(jnp.float32)
+    rowk = jnp.stack([top_k, jnp.zeros_like(top_k)], axis=1).astype(jnp.int32)
+    keys = keys.astype(jnp.uint32)
+    warps, stages = CHOOSE_TUNING
+    out_f, out_i = pl.pallas_call(
+        functools.partial(_choose, vocab=V, part=part),
+        grid=(S,),
+        in_specs=[row(V), row(which.shape[1]), row(4), row(2), row(2)],
+        out_specs=[row(4), row(2)],
+        out_shape=[jax.ShapeDtypeStruct((S, 4), jnp.float32), jax.ShapeDtypeStruct((S, 2), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret, name="sampler_choose",
+    )(x, which.astype(jnp.int32), rowf, rowk, keys)
+    token, p_open = out_i[:, 0], out_i[:, 1] > 0
+    kth, top, z = out_f[:, 1], out_f[:, 2], out_f[:, 3]
+    parts = -(-V // part)
+    warps, stages = DRAWN_TUNING
+    part_spec = pl.BlockSpec((None, None, PER_PART), lambda s, p: (s, p, 0))
+    ys, xs, js = pl.pallas_call(
+        functools.partial(_drawn, vocab=V, part=part),
+        grid=(S, parts),
+        in_specs=[row(V), row(4), row(2), row(2)],
+        out_specs=[part_spec] * 3,
+        out_shape=[jax.ShapeDtypeStruct((S, parts, PER_PART), jnp.float32)] * 2
+        + [jax.ShapeDtypeStruct((S, parts, PER_PART), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret, name="sampler_drawn",
+    )(x, out_f, out_i, keys)
+    # the row's best perturbed values in order, exact down to the largest of the parts' last reported values
+    boundary = jnp.max(ys[:, :, -1], axis=1)
+    n = min(DRAWN, parts * PER_PART)
+    drawn, order = jax.lax.top_k(ys.reshape(S, -1), n)
+    ids = jnp.take_along_axis(js.reshape(S, -1), order, axis=-1)
+    xd = jnp.take_along_axis(xs.reshape(S, -1), order, axis=-1)
+    exact = (drawn > boundary[:, None]) | (jnp.arange(n) == 0)[None, :]
+    above = mass_above(x, kth, top, xd, rows=p_open, interpret=interpret) / z[:, None]
+    kept = (drawn > -jnp.inf) & exact & (~p_open[:, None] | (above < top_p[:, None]))
+    opened = jnp.take_along_axis(ids, jnp.argmax(kept, axis=-1)[:, None], axis=-1)[:, 0]
+    tokens = jnp.where(token >= 0, token, opened)
+    return tokens, (token >= 0) | ((token == OPEN) & jnp.any(kept, axis=-1))
