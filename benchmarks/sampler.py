@@ -109,6 +109,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--branches", nargs="+", default=["static", "traced"], choices=["static", "traced"])
     ap.add_argument("--breakdown", action="store_true", help="also time the noise, each filter and the bare draw")
+    ap.add_argument("--trace", help="a Perfetto trace of 3 calls of each method in DIR/<logits>-<method> "
+                    "(benchmarks/trace_summary.py summarises one)")
     a = ap.parse_args(argv)
     print(f"device {jax.devices()[0].device_kind}, {a.rows} rows x {a.vocab} vocabulary, median of {a.repeats}")
     rng = np.random.default_rng(0)
@@ -129,6 +131,9 @@ def main(argv=None) -> None:
                 same = "same tokens" if np.array_equal(tokens, reference) else \
                     f"{int(np.sum(tokens != reference))} rows differ (float rounding at a threshold?)"
                 print(f"{dist:>7} {method:>12}: {ms:8.3f} ms  {ms / greedy_ms:5.2f}x greedy  {same}")
+                if a.trace:
+                    with jax.profiler.trace(f"{a.trace}/{dist}-{method}", create_perfetto_trace=True):
+                        timed(fn(mixed), logits, jax.device_put(mixed), repeats=3)
             os.environ.pop("CAPSTAN_SAMPLING_FILTERS", None)
         if a.breakdown:
             breakdown(logits, mixed_batch(a.rows, a.vocab, False), a.methods, a.repeats)

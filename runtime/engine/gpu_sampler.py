@@ -20,10 +20,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .gpu_mass_above import mass_above, row_chunks
+from .gpu_mass_above import mass_above
 from .sampler import BLOCK, BLOCKS, DRAWN
 
 PART = 2048  # values a `drawn` program perturbs
+GROUP = 256  # block maxima a step of the candidate blocks' choice takes
 PER_PART = 4  # best perturbed values each part reports (the row's best in order down to the parts' 4th best)
 CHOOSE_TUNING = (16, 1)  # num_warps, num_stages: 8,192 candidates with their noise in registers
 DRAWN_TUNING = (4, 1)
@@ -77,12 +78,37 @@ def _largest_holding(lo, hi, holds):
     return jax.lax.fori_loop(0, 32, narrow, (lo, hi))[0]
 
 
-def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int, part: int):
-    t0, top_p, min_p, greedy = f_ref[0], f_ref[1], f_ref[2], f_ref[3] > 0
+def _candidate_blocks(bm_ref):
+    """The BLOCKS blocks with the largest maxima (ties at the smallest in block order), by bisection over the
+    maxima bm_ref [NB] in registers: their ids [BLOCKS] and t0, the smallest of their maxima."""
+    keys = _ordered(bm_ref[...])
+    t0_key = _largest_holding(jnp.min(keys), jnp.max(keys) + 1,
+                              lambda t: jnp.sum((keys >= t).astype(jnp.int32)) >= BLOCKS)
+    ties_wanted = BLOCKS - jnp.sum((keys > t0_key).astype(jnp.int32))
+    slots = jnp.arange(BLOCKS, dtype=jnp.int32)
+
+    def group(g, carry):  # a block's slot is the number of chosen blocks before it
+        which, ties, taken = carry
+        ids = g * GROUP + jnp.arange(GROUP, dtype=jnp.int32)
+        keys = _ordered(bm_ref[pl.ds(pl.multiple_of(g * GROUP, GROUP), GROUP)])
+        tie = keys == t0_key
+        chosen = (keys > t0_key) | (tie & (ties + jnp.cumsum(tie.astype(jnp.int32)) <= ties_wanted))
+        slot = taken + jnp.cumsum(chosen.astype(jnp.int32)) - 1
+        hit = chosen[None, :] & (slot[None, :] == slots[:, None])  # [BLOCKS, GROUP]
+        return (which + jnp.sum(jnp.where(hit, ids[None, :], 0), axis=1), ties + jnp.sum(tie.astype(jnp.int32)),
+                taken + jnp.sum(chosen.astype(jnp.int32)))
+
+    which, _, _ = jax.lax.fori_loop(0, bm_ref.shape[0] // GROUP, group,
+                                    (jnp.zeros((BLOCKS,), jnp.int32), t0_key * 0, t0_key * 0))
+    return which, _value(t0_key)
+
+
+def _choose(x_ref, bm_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int):
+    top_p, min_p, greedy, z_row = f_ref[0], f_ref[1], f_ref[2] > 0, f_ref[3]
     k, k0, k1 = k_ref[0], key_ref[0], key_ref[1]
-    C = which_ref.shape[0] * BLOCK
-    lane = jnp.arange(C, dtype=jnp.int32)
-    ids = which_ref[lane // BLOCK] * BLOCK + lane % BLOCK  # the candidate blocks' token ids
+    which, t0 = _candidate_blocks(bm_ref)
+    C = BLOCKS * BLOCK
+    ids = which[:, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]  # [BLOCKS, BLOCK] token ids
     c = jnp.where(ids < vocab, x_ref[jnp.minimum(ids, vocab - 1)], -jnp.inf)
     top_c = jnp.max(c)  # the row's largest value: its block is a candidate
     top = jnp.where(jnp.isfinite(top_c), top_c, 0.0)
@@ -91,27 +117,24 @@ def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vo
     k_on = kk < vocab
     # top-k: the largest key with at least k candidates at or above it (every value above t0 is a candidate)
     at_least_k = lambda t: jnp.sum((keys >= t).astype(jnp.int32)) >= kk  # noqa: E731
+    # a branch's constant is computed from a loaded value: Pallas' Triton lowering of cond yields only values
     kth_key = jax.lax.cond(k_on & (kk <= C), lambda: _largest_holding(jnp.min(keys), jnp.max(keys) + 1, at_least_k),
-                           lambda: jnp.int32(jnp.iinfo(jnp.int32).min))
+                           lambda: k * 0 + jnp.iinfo(jnp.int32).min)
     kth = jnp.where(k_on, _value(kth_key), -jnp.inf)
     k_known = ~k_on | (kk <= BLOCKS) | ((kk <= C) & (kth > t0))
-    # top-p renormalises over the top-k set {x >= kth}: its mass from the candidates when they hold all of it
     w = jnp.where(c >= kth, jnp.exp(c - top), 0.0)
     p_on = top_p < 1.0
-
-    def row_mass():
-        def add(x, valid, acc):
-            return acc + jnp.sum(jnp.where(valid & (x >= kth), jnp.exp(x - top), 0.0))
-        return row_chunks(x_ref, vocab, part, add, jnp.float32(0.0))
-
-    z = jax.lax.cond(p_on & ~(k_on & (kth > t0)), row_mass, lambda: jnp.sum(w))
-    p_decided = ~p_on | (k_known & (jnp.sum(jnp.where(c > t0, w, 0.0)) / z >= top_p))
+    # top-p renormalises over the top-k set {x >= kth}: from the candidates when they hold all of it, else the
+    # row's whole mass (rows without top-k, summed before this kernel); a tie at t0 leaves it to the fallback
+    z_known = ~k_on | (kth > t0)
+    z = jnp.where(k_on, jnp.sum(w), z_row)
+    p_decided = ~p_on | (k_known & z_known & (jnp.sum(jnp.where(c > t0, w, 0.0)) / z >= top_p))
 
     def top_p_threshold():  # the smallest key whose strictly larger candidates hold less than top_p of the mass
         below_p = lambda t: jnp.sum(jnp.where(keys > t, w, 0.0)) / z < top_p  # noqa: E731
         return _largest_holding(jnp.min(keys) - 1, jnp.max(keys), lambda t: ~below_p(t)) + 1
 
-    pth = jax.lax.cond(p_on & p_decided, lambda: _value(top_p_threshold()), lambda: jnp.float32(-jnp.inf))
+    pth = jax.lax.cond(p_on & p_decided, lambda: _value(top_p_threshold()), lambda: top_p * 0.0 - jnp.inf)
     floor = jnp.where(min_p > 0, top + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)  # p >= min_p * p_max
     base = jnp.maximum(kth, floor)
     threshold = jnp.maximum(base, pth)
@@ -121,9 +144,10 @@ def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vo
         return jnp.min(jnp.where(y == jnp.max(y), ids, NO_ID))
 
     in_candidates = ~greedy & k_known & p_decided & (threshold > t0)
-    token = jax.lax.cond(in_candidates, draw, lambda: jnp.int32(OPEN))
+    token = jax.lax.cond(in_candidates, draw, lambda: k * 0 + OPEN)
     argmax = jnp.min(jnp.where(c == top_c, ids, NO_ID))
-    token = jnp.where(greedy, jnp.where(top_c > t0, argmax, UNDECIDED), jnp.where(k_known, token, UNDECIDED))
+    known = k_known & (~p_on | z_known)
+    token = jnp.where(greedy, jnp.where(top_c > t0, argmax, UNDECIDED), jnp.where(known, token, UNDECIDED))
     slot4, slot2 = jnp.arange(4), jnp.arange(2)
     out_f_ref[...] = jnp.where(slot4 == 0, jnp.where(p_decided, threshold, base),
                                jnp.where(slot4 == 1, kth, jnp.where(slot4 == 2, top, z)))
@@ -161,29 +185,36 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
         ids_ref[...] = jnp.zeros((D,), jnp.int32)
 
 
-def draw(x: jax.Array, which: jax.Array, t0: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-         greedy: jax.Array, keys: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Tokens [S] and whether each is decided, for rows x [S, V] whose candidate blocks (of BLOCK values) are
-    `which` [S, BLOCKS] with t0 the smallest of their maxima; keys [S, 2] the rows' threefry key data. A row left
-    undecided (top-k beyond the candidates, a tie across all of them, top-p open past the parts' best values)
-    needs the fallback."""
+def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, greedy: jax.Array,
+         keys: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Tokens [S] and whether each is decided, for rows x [S, V] whose blocks of BLOCK values have the maxima
+    [S, ceil(V / BLOCK)] (more than BLOCKS); keys [S, 2] the rows' threefry key data. A row left undecided (top-k
+    beyond the candidates, a tie across all of them, top-p open past the parts' best values) needs the fallback."""
     S, V = x.shape
     x = x.astype(jnp.float32)
     part = min(PART, 1 << (V.bit_length() - 1))  # a power of two no longer than the row
+    width = max(GROUP, 1 << (maxima.shape[1] - 1).bit_length())  # the maxima padded to a power of two
+    maxima = jnp.pad(maxima.astype(jnp.float32), ((0, 0), (0, width - maxima.shape[1])), constant_values=-jnp.inf)
     row = lambda n: pl.BlockSpec((None, n), lambda s, *_: (s, 0))  # noqa: E731
-    rowf = jnp.stack([t0, top_p, min_p, greedy.astype(jnp.float32)], axis=1).astype(jnp.float32)
+    # the whole row's mass where top-p needs it and top-k does not bound it to the candidates
+    top = jnp.max(maxima, axis=1)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    whole = (top_p < 1.0) & ((top_k <= 0) | (top_k >= V))
+    z_row = mass_above(x, jnp.full((S,), -jnp.inf), top, jnp.full((S, 2), -jnp.inf), rows=whole,
+                       interpret=interpret)[:, 0]
+    rowf = jnp.stack([top_p, min_p, greedy.astype(jnp.float32), z_row], axis=1)
     rowk = jnp.stack([top_k, jnp.zeros_like(top_k)], axis=1).astype(jnp.int32)
     keys = keys.astype(jnp.uint32)
     warps, stages = CHOOSE_TUNING
     out_f, out_i = pl.pallas_call(
-        functools.partial(_choose, vocab=V, part=part),
+        functools.partial(_choose, vocab=V),
         grid=(S,),
-        in_specs=[row(V), row(which.shape[1]), row(4), row(2), row(2)],
+        in_specs=[row(V), row(width), row(4), row(2), row(2)],
         out_specs=[row(4), row(2)],
         out_shape=[jax.ShapeDtypeStruct((S, 4), jnp.float32), jax.ShapeDtypeStruct((S, 2), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret, name="sampler_choose",
-    )(x, which.astype(jnp.int32), rowf, rowk, keys)
+    )(x, maxima, rowf, rowk, keys)
     token, p_open = out_i[:, 0], out_i[:, 1] > 0
     kth, top, z = out_f[:, 1], out_f[:, 2], out_f[:, 3]
     parts = -(-V // part)

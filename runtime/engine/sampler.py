@@ -269,9 +269,9 @@ def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise,
 
 def draw_by_kernels(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise: RowNoise, fallback=None) -> jax.Array:
     """draw_by_candidates' tokens from gpu_sampler's Pallas kernels, where each row does only the stages it needs
-    (the candidates' thresholds by bisection in registers, the vocabulary's noise only for rows whose kept set
-    reaches past the candidates). The block maxima and the candidate blocks are XLA's; a batch with a row the
-    kernels leave undecided takes `fallback` (a full sort). Off GPUs the kernels are interpreted (tests only)."""
+    (the candidate blocks and thresholds by bisection in registers, the vocabulary's noise only for rows whose
+    kept set reaches past the candidates). The block maxima are XLA's; a batch with a row the kernels leave
+    undecided takes `fallback` (a full sort). Off GPUs the kernels are interpreted (tests only)."""
     from .gpu_sampler import draw
 
     S, V = x.shape
@@ -280,8 +280,7 @@ def draw_by_kernels(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise: Ro
     if nb <= BLOCKS:  # a small vocabulary: sorting it is the cheap way
         return _draw(fallback(x, b), greedy, noise)
     blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
-    maxima, which = jax.lax.top_k(jnp.max(blocks, axis=-1), BLOCKS)
-    tokens, decided = draw(x, which, maxima[:, -1], b.top_k, b.top_p, b.min_p, greedy, noise.keys,
+    tokens, decided = draw(x, jnp.max(blocks, axis=-1), b.top_k, b.top_p, b.min_p, greedy, noise.keys,
                            interpret=jax.default_backend() != "gpu")
     return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
 
