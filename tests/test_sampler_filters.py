@@ -31,9 +31,9 @@ def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None 
         ordered = np.where(np.arange(V) < k, ordered, -np.inf)
         probs = np.exp(ordered - ordered[0]) / np.sum(np.exp(ordered - ordered[0]))
         before = np.cumsum(probs) - probs
-        pth = np.min(np.where(before < top_p[r], ordered, np.inf))
-        if ambiguous is not None:
-            ambiguous += [(r, i) for i in order[np.abs(before - top_p[r]) < 1e-5]]
+        pth = np.min(np.where(before < top_p[r], ordered, np.inf)) if top_p[r] < 1 else -np.inf  # 1: off
+        if ambiguous is not None and top_p[r] < 1:  # among the top-k only: the rest are out either way
+            ambiguous += [(r, i) for i in order[:k][np.abs(before[:k] - top_p[r]) < 1e-5]]
         threshold = max(kth, pth)
         if min_p[r] > 0:
             threshold = max(threshold, ordered[0] + np.log(min_p[r]))
@@ -169,6 +169,26 @@ def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback(
     assert (candidates_draw(x, b, fallback=only_last, kernels=kernels)[0] == V - 1).all()
     got, noise = candidates_draw(x, b, kernels=kernels)
     assert got.tolist() == reference_draw(x, noise, np.asarray(b.top_k), top_p, min_p, np.zeros(S, bool))[0].tolist()
+
+
+def test_the_exact_kernel_draws_the_rows_the_candidates_leave_open():
+    rng = np.random.default_rng(5)
+    S, V = 16, V_LARGE
+    x = rng.standard_normal((S, V)).astype(np.float32)  # flat: top-k cuts most of the mass
+    x[-1] = 1.5  # a greedy row tied across every block: its argmax is not among the candidates' decisions
+    top_k = np.array([300, 1000, 5000, 300, 1000, 5000, 700, 2000] * 2, np.int32)  # beyond the candidates
+    top_p = np.array([1, 1, 1, 0.9, 0.5, 0.3, 1, 0.8] * 2, np.float32)
+    min_p = np.array([0] * 8 + [0.01, 0, 0.05, 0, 0.02, 0, 0, 0.1], np.float32)
+    temperature = np.where(np.arange(S) == S - 1, 0.0, 1.0).astype(np.float32)
+    b = batch(S=S, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True),
+              position=np.arange(S, dtype=np.int32))
+    only_last = lambda x, b: jnp.where(jnp.arange(x.shape[1]) == x.shape[1] - 1, 0.0, -jnp.inf)  # noqa: E731
+    assert (candidates_draw(x, b, fallback=only_last, kernels=True)[0][:-1] == V - 1).all()  # left open
+    got, noise = candidates_draw(x, b, kernels=True)
+    want, ambiguous = reference_draw(x, noise, top_k, top_p, min_p, temperature == 0)
+    unsure = set(ambiguous)
+    assert got[-1] == 0
+    assert [r for r in range(S) if got[r] != want[r] and not {(r, got[r]), (r, want[r])} & unsure] == []
 
 
 @pytest.mark.parametrize("V", [V_LARGE, 4096, 1000])  # a ragged end, whole chunks, a row shorter than a chunk

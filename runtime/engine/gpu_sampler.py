@@ -24,9 +24,10 @@ from .gpu_mass_above import mass_above
 from .sampler import BLOCK, BLOCKS, DRAWN
 
 PART = 2048  # values a `drawn` program perturbs
-GROUP = 256  # block maxima a step of the candidate blocks' choice takes
 PER_PART = 4  # best perturbed values each part reports (the row's best in order down to the parts' 4th best)
-CHOOSE_TUNING = (16, 1)  # num_warps, num_stages: 8,192 candidates with their noise in registers
+SELECT_TUNING = (8, 1)
+CHOOSE_TUNING = (16, 1)
+EXACT_TUNING = (8, 1)  # num_warps, num_stages: 8,192 candidates with their noise in registers
 DRAWN_TUNING = (4, 1)
 OPEN, UNDECIDED = -1, -2  # choose's token for rows `drawn` takes, and rows only the fallback decides
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -78,37 +79,27 @@ def _largest_holding(lo, hi, holds):
     return jax.lax.fori_loop(0, 32, narrow, (lo, hi))[0]
 
 
-def _candidate_blocks(bm_ref):
-    """The BLOCKS blocks with the largest maxima (ties at the smallest in block order), by bisection over the
-    maxima bm_ref [NB] in registers: their ids [BLOCKS] and t0, the smallest of their maxima."""
+def _select(bm_ref, which_ref, t0_ref):
+    """The BLOCKS blocks with the largest maxima (ties at the smallest in block order), by bisection over the row's
+    block maxima bm_ref [NB] in registers: their ids into which_ref [BLOCKS], in block order, each at its slot
+    (the number of chosen blocks before it), and t0, the smallest of their maxima."""
     keys = _ordered(bm_ref[...])
     t0_key = _largest_holding(jnp.min(keys), jnp.max(keys) + 1,
                               lambda t: jnp.sum((keys >= t).astype(jnp.int32)) >= BLOCKS)
+    tie = keys == t0_key
     ties_wanted = BLOCKS - jnp.sum((keys > t0_key).astype(jnp.int32))
-    slots = jnp.arange(BLOCKS, dtype=jnp.int32)
-
-    def group(g, carry):  # a block's slot is the number of chosen blocks before it
-        which, ties, taken = carry
-        ids = g * GROUP + jnp.arange(GROUP, dtype=jnp.int32)
-        keys = _ordered(bm_ref[pl.ds(pl.multiple_of(g * GROUP, GROUP), GROUP)])
-        tie = keys == t0_key
-        chosen = (keys > t0_key) | (tie & (ties + jnp.cumsum(tie.astype(jnp.int32)) <= ties_wanted))
-        slot = taken + jnp.cumsum(chosen.astype(jnp.int32)) - 1
-        hit = chosen[None, :] & (slot[None, :] == slots[:, None])  # [BLOCKS, GROUP]
-        return (which + jnp.sum(jnp.where(hit, ids[None, :], 0), axis=1), ties + jnp.sum(tie.astype(jnp.int32)),
-                taken + jnp.sum(chosen.astype(jnp.int32)))
-
-    which, _, _ = jax.lax.fori_loop(0, bm_ref.shape[0] // GROUP, group,
-                                    (jnp.zeros((BLOCKS,), jnp.int32), t0_key * 0, t0_key * 0))
-    return which, _value(t0_key)
+    chosen = (keys > t0_key) | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= ties_wanted))
+    slot = jnp.cumsum(chosen.astype(jnp.int32)) - 1
+    ids = jnp.arange(keys.shape[0], dtype=jnp.int32)
+    plgpu.store(which_ref.at[jnp.where(chosen, slot, 0)], ids, mask=chosen)
+    t0_ref[...] = jnp.full(t0_ref.shape, _value(t0_key), jnp.float32)
 
 
-def _choose(x_ref, bm_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int):
-    top_p, min_p, greedy, z_row = f_ref[0], f_ref[1], f_ref[2] > 0, f_ref[3]
+def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int):
+    top_p, min_p, greedy, z_row, t0 = f_ref[0], f_ref[1], f_ref[2] > 0, f_ref[3], f_ref[4]
     k, k0, k1 = k_ref[0], key_ref[0], key_ref[1]
-    which, t0 = _candidate_blocks(bm_ref)
     C = BLOCKS * BLOCK
-    ids = which[:, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]  # [BLOCKS, BLOCK] token ids
+    ids = which_ref[...][:, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]  # [BLOCKS, BLOCK] token ids
     c = jnp.where(ids < vocab, x_ref[jnp.minimum(ids, vocab - 1)], -jnp.inf)
     top_c = jnp.max(c)  # the row's largest value: its block is a candidate
     top = jnp.where(jnp.isfinite(top_c), top_c, 0.0)
@@ -185,15 +176,71 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
         ids_ref[...] = jnp.zeros((D,), jnp.int32)
 
 
+def _fold(x_ref, vocab: int, chunk: int, add, acc):
+    """acc through add(x, ids, acc) over a row ref in chunks of `chunk` values; the ragged end's values that a
+    whole chunk took are -inf."""
+    def step(i, acc):
+        start = jnp.minimum(i * chunk, vocab - chunk)
+        ids = start + jnp.arange(chunk, dtype=jnp.int32)
+        return add(jnp.where(ids >= i * chunk, x_ref[pl.ds(start, chunk)], -jnp.inf), ids, acc)
+    return jax.lax.fori_loop(0, -(-vocab // chunk), step, acc)
+
+
+def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chunk: int):
+    """The sorted definition for a row the other kernels left undecided, by passes over the whole row: its top-k
+    value and top-p threshold by bisection (a pass a step), then the Gumbel-max draw over what they keep. Slow
+    (tens of passes), and rare: top-k beyond the candidates, ties across all of them, or top-p open past the 16
+    best perturbed values. Other rows pass their token through."""
+    token = token_ref[0]
+
+    @pl.when(token >= 0)
+    def _():
+        out_ref[...] = jnp.full(out_ref.shape, token, jnp.int32)
+
+    @pl.when(token < 0)
+    def _():
+        top_p, min_p, greedy, k = f_ref[0], f_ref[1], f_ref[2] > 0, k_ref[0]
+        fold = functools.partial(_fold, x_ref, vocab, chunk)
+        top = fold(lambda x, ids, m: jnp.maximum(m, jnp.max(x)), top_p * 0.0 - jnp.inf)
+        floor_key = _ordered(top_p * 0.0 - jnp.inf)  # the key of -inf: every value is at or above it
+        kk = jnp.where(k > 0, jnp.minimum(k, vocab), vocab)
+        count_at_least = lambda t: fold(  # noqa: E731
+            lambda x, ids, n: n + jnp.sum((_ordered(x) >= t).astype(jnp.int32)), k * 0)
+        kth = _value(_largest_holding(floor_key, _ordered(top) + 1, lambda t: count_at_least(t) >= kk))
+        kth = jnp.where(kk < vocab, kth, -jnp.inf)
+        scale = jnp.where(jnp.isfinite(top), top, 0.0)
+        z = fold(lambda x, ids, z: z + jnp.sum(jnp.where(x >= kth, jnp.exp(x - scale), 0.0)), top_p * 0.0)
+        above = lambda t: fold(  # noqa: E731
+            lambda x, ids, m: m + jnp.sum(jnp.where((x >= kth) & (_ordered(x) > t), jnp.exp(x - scale), 0.0)),
+            top_p * 0.0)
+        pth = _value(_largest_holding(floor_key - 1, _ordered(top), lambda t: above(t) / z >= top_p) + 1)
+        pth = jnp.where(top_p < 1.0, pth, -jnp.inf)
+        floor = jnp.where(min_p > 0, top + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)  # p >= min_p * p_max
+        threshold = jnp.where(greedy, top, jnp.maximum(jnp.maximum(kth, pth), floor))
+
+        def best(x, ids, carry):  # the largest perturbed value kept, lowest id among ties (greedy: x itself)
+            value, at = carry
+            noise = jnp.where(greedy, 0.0, gumbel(key_ref[0], key_ref[1], ids))
+            y = jnp.where(x >= threshold, x + noise, -jnp.inf)
+            m = jnp.max(y)
+            here = jnp.min(jnp.where(y == m, ids, NO_ID))
+            at = jnp.where(m > value, here, jnp.where(m == value, jnp.minimum(at, here), at))
+            return jnp.maximum(m, value), at
+
+        _, at = fold(best, (top_p * 0.0 - jnp.inf, k * 0 + NO_ID))
+        out_ref[...] = jnp.full(out_ref.shape, jnp.where(at == NO_ID, 0, at), jnp.int32)
+
+
 def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, greedy: jax.Array,
-         keys: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+         keys: jax.Array, *, exact: bool = True, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Tokens [S] and whether each is decided, for rows x [S, V] whose blocks of BLOCK values have the maxima
-    [S, ceil(V / BLOCK)] (more than BLOCKS); keys [S, 2] the rows' threefry key data. A row left undecided (top-k
-    beyond the candidates, a tie across all of them, top-p open past the parts' best values) needs the fallback."""
+    [S, ceil(V / BLOCK)] (more than BLOCKS); keys [S, 2] the rows' threefry key data. A row the candidates leave
+    undecided (top-k beyond them, a tie across all of them, top-p open past the parts' best values) is decided
+    by the `_exact` kernel, or with exact=False left to the caller's fallback."""
     S, V = x.shape
     x = x.astype(jnp.float32)
     part = min(PART, 1 << (V.bit_length() - 1))  # a power of two no longer than the row
-    width = max(GROUP, 1 << (maxima.shape[1] - 1).bit_length())  # the maxima padded to a power of two
+    width = 1 << (maxima.shape[1] - 1).bit_length()  # the maxima padded to a power of two
     maxima = jnp.pad(maxima.astype(jnp.float32), ((0, 0), (0, width - maxima.shape[1])), constant_values=-jnp.inf)
     row = lambda n: pl.BlockSpec((None, n), lambda s, *_: (s, 0))  # noqa: E731
     # the whole row's mass where top-p needs it and top-k does not bound it to the candidates
@@ -202,19 +249,26 @@ def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, mi
     whole = (top_p < 1.0) & ((top_k <= 0) | (top_k >= V))
     z_row = mass_above(x, jnp.full((S,), -jnp.inf), top, jnp.full((S, 2), -jnp.inf), rows=whole,
                        interpret=interpret)[:, 0]
-    rowf = jnp.stack([top_p, min_p, greedy.astype(jnp.float32), z_row], axis=1)
+    which, t0 = pl.pallas_call(
+        _select, grid=(S,), in_specs=[row(width)], out_specs=[row(BLOCKS), row(2)],
+        out_shape=[jax.ShapeDtypeStruct((S, BLOCKS), jnp.int32), jax.ShapeDtypeStruct((S, 2), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=SELECT_TUNING[0], num_stages=SELECT_TUNING[1]),
+        interpret=interpret, name="sampler_select",
+    )(maxima)
+    zero = jnp.zeros_like(top_p)
+    rowf = jnp.stack([top_p, min_p, greedy.astype(jnp.float32), z_row, t0[:, 0], zero, zero, zero], axis=1)
     rowk = jnp.stack([top_k, jnp.zeros_like(top_k)], axis=1).astype(jnp.int32)
     keys = keys.astype(jnp.uint32)
     warps, stages = CHOOSE_TUNING
     out_f, out_i = pl.pallas_call(
         functools.partial(_choose, vocab=V),
         grid=(S,),
-        in_specs=[row(V), row(width), row(4), row(2), row(2)],
+        in_specs=[row(V), row(BLOCKS), row(8), row(2), row(2)],
         out_specs=[row(4), row(2)],
         out_shape=[jax.ShapeDtypeStruct((S, 4), jnp.float32), jax.ShapeDtypeStruct((S, 2), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret, name="sampler_choose",
-    )(x, maxima, rowf, rowk, keys)
+    )(x, which, rowf, rowk, keys)
     token, p_open = out_i[:, 0], out_i[:, 1] > 0
     kth, top, z = out_f[:, 1], out_f[:, 2], out_f[:, 3]
     parts = -(-V // part)
@@ -236,9 +290,21 @@ def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, mi
     drawn, order = jax.lax.top_k(ys.reshape(S, -1), n)
     ids = jnp.take_along_axis(js.reshape(S, -1), order, axis=-1)
     xd = jnp.take_along_axis(xs.reshape(S, -1), order, axis=-1)
-    exact = (drawn > boundary[:, None]) | (jnp.arange(n) == 0)[None, :]
+    in_order = (drawn > boundary[:, None]) | (jnp.arange(n) == 0)[None, :]
     above = mass_above(x, kth, top, xd, rows=p_open, interpret=interpret) / z[:, None]
-    kept = (drawn > -jnp.inf) & exact & (~p_open[:, None] | (above < top_p[:, None]))
+    kept = (drawn > -jnp.inf) & in_order & (~p_open[:, None] | (above < top_p[:, None]))
     opened = jnp.take_along_axis(ids, jnp.argmax(kept, axis=-1)[:, None], axis=-1)[:, 0]
     tokens = jnp.where(token >= 0, token, opened)
-    return tokens, (token >= 0) | ((token == OPEN) & jnp.any(kept, axis=-1))
+    decided = (token >= 0) | ((token == OPEN) & jnp.any(kept, axis=-1))
+    if not exact:
+        return tokens, decided
+    tokens = pl.pallas_call(  # the undecided rows by the definition, in a kernel: no lax.cond, no host round trip
+        functools.partial(_exact, vocab=V, chunk=part),
+        grid=(S,),
+        in_specs=[row(V), row(8), row(2), row(2), row(2)],
+        out_specs=row(2),
+        out_shape=jax.ShapeDtypeStruct((S, 2), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=EXACT_TUNING[0], num_stages=EXACT_TUNING[1]),
+        interpret=interpret, name="sampler_exact",
+    )(x, rowf, rowk, keys, jnp.stack([jnp.where(decided, tokens, -1)] * 2, axis=1))[:, 0]
+    return tokens, jnp.ones_like(decided)

@@ -270,18 +270,21 @@ def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise,
 def draw_by_kernels(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise: RowNoise, fallback=None) -> jax.Array:
     """draw_by_candidates' tokens from gpu_sampler's Pallas kernels, where each row does only the stages it needs
     (the candidate blocks and thresholds by bisection in registers, the vocabulary's noise only for rows whose
-    kept set reaches past the candidates). The block maxima are XLA's; a batch with a row the kernels leave
-    undecided takes `fallback` (a full sort). Off GPUs the kernels are interpreted (tests only)."""
+    kept set reaches past the candidates). The block maxima are XLA's. A row the candidates leave undecided is
+    drawn by the definition in a kernel too, so the program has no lax.cond (whose predicate XLA:GPU copies to
+    the host: see Branches); with `fallback` given (tests), a batch with such a row takes it instead. Off GPUs the
+    kernels are interpreted (tests only)."""
     from .gpu_sampler import draw
 
     S, V = x.shape
-    fallback = fallback or filters_by_sort
     nb = -(-V // BLOCK)
     if nb <= BLOCKS:  # a small vocabulary: sorting it is the cheap way
-        return _draw(fallback(x, b), greedy, noise)
+        return _draw((fallback or filters_by_sort)(x, b), greedy, noise)
     blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
     tokens, decided = draw(x, jnp.max(blocks, axis=-1), b.top_k, b.top_p, b.min_p, greedy, noise.keys,
-                           interpret=jax.default_backend() != "gpu")
+                           exact=fallback is None, interpret=jax.default_backend() != "gpu")
+    if fallback is None:  # the kernels decided every row (the undecided by the definition, in a kernel)
+        return tokens
     return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
 
 
@@ -369,12 +372,12 @@ DRAWS = {"candidates": draw_by_candidates,  # methods that filter as they draw
 
 
 def filters_name(backend: str) -> str:
-    """All are exact. On GPUs the candidates' draw with the best perturbed values found by block maxima (the
-    sampler alone, 256 x 128,256 on an H100: 1.62 ms against 2.04 with XLA's top-k and 3.64 for the sort; the
-    mixed workload, Llama-3.2-1B shape: 18,100 tokens/s with XLA's top-k against the sort's 14,070), on CPUs (and
-    TPUs, untested) the bisection (2.4x the sort on this repository's CPU benchmark): benchmarks/RESULTS.md.
-    CAPSTAN_SAMPLING_FILTERS names another (benchmarks/sampler.py compares them)."""
-    name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("candidates-fused" if backend == "gpu" else "bisection")
+    """All are exact. On GPUs gpu_sampler's kernels (the sampler alone, 256 x 128,256 on an H100: 0.78 ms on flat
+    rows and 0.63 on peaked ones, against 1.35 and 1.37 for candidates-fused, XLA's candidates draw with the best
+    perturbed values found by block maxima, and 3.6 for the sort), on CPUs (and TPUs, untested) the bisection
+    (2.4x the sort on this repository's CPU benchmark): benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names
+    another (benchmarks/sampler.py compares them)."""
+    name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("kernels" if backend == "gpu" else "bisection")
     if name not in FILTERS and name not in DRAWS:
         raise ValueError(f"CAPSTAN_SAMPLING_FILTERS={name!r}: not one of {', '.join([*FILTERS, *DRAWS])}")
     return name
