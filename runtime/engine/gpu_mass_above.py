@@ -8,6 +8,7 @@ the parts. Rows not asked for read nothing (gpu_sampler asks only for rows whose
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,8 @@ from jax.experimental.pallas import triton as plgpu
 CHUNK = 2048  # values a program takes at a time
 CHUNKS_PER_PROGRAM = 4  # a row's programs: one alone was latency-bound (0.16 ms for 85 rows of 128,256 on an H100)
 TUNING = (8, 3)  # num_warps, num_stages: a first choice
+if os.environ.get("CAPSTAN_MASS_ABOVE_TUNING"):  # "num_warps,num_stages,chunks_per_program": a sweep's knob
+    *TUNING, CHUNKS_PER_PROGRAM = map(int, os.environ["CAPSTAN_MASS_ABOVE_TUNING"].split(","))
 
 
 def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_program: int):
