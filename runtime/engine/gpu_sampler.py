@@ -26,12 +26,12 @@ from .sampler import BLOCK, BLOCKS, DRAWN
 
 PART = 2048  # values a `drawn` program perturbs
 PER_PART = 4  # best perturbed values each part reports (the row's best in order down to the parts' 4th best)
-SELECT_TUNING = (8, 1)
-CHOOSE_TUNING = (16, 1)
+SELECT_TUNING = (8, 1)  # num_warps, num_stages
+CHOOSE_TUNING = (16, 1)  # 8,192 candidates with their noise in registers
+DRAWN_TUNING = (4, 1)
 EXACT_TUNING = (8, 1)
 if os.environ.get("CAPSTAN_DRAWN_TUNING"):  # "num_warps,num_stages,part": a sweep's knob
-    *DRAWN_TUNING, PART = map(int, os.environ["CAPSTAN_DRAWN_TUNING"].split(","))  # num_warps, num_stages: 8,192 candidates with their noise in registers
-DRAWN_TUNING = (4, 1)
+    *DRAWN_TUNING, PART = map(int, os.environ["CAPSTAN_DRAWN_TUNING"].split(","))
 OPEN, UNDECIDED = -1, -2  # choose's token for rows `drawn` takes, and rows only the fallback decides
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 NO_ID = jnp.iinfo(jnp.int32).max
