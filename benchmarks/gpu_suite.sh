@@ -65,7 +65,7 @@ for part in $parts; do
         python3 benchmarks/throughput.py --shape $shape --workload mixed $greedy --requests 256 --prompt-len 256 \
           --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --timeline --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep --line-buffered -E "output_tokens|phase|timeline|Error"; done; done ;;
-    sampler) python3 benchmarks/sampler.py --rows 256 --vocab 128256 --methods sort search15 candidates candidates-fused --repeats 10 \
+    sampler) python3 benchmarks/sampler.py --rows 256 --vocab 128256 --methods sort search15 candidates-fused kernels --repeats 10 \
         --breakdown 2>&1 | grep --line-buffered -v Warning ;;
     structured) for f in 0 0.5; do python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 \
         --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --constrained-fraction $f \

@@ -1,14 +1,18 @@
 """The candidates draw on NVIDIA GPUs as Pallas (Triton) kernels: each row does only the work it needs.
 
 sampler.draw_by_candidates in XLA does every stage for every row of the batch: the sort of each row's 8,192
-candidates, the threefry noise of the whole row, the 16 best perturbed values and the mass above each (1.29-1.43
-ms for 256 x 128,256 on an H100 against greedy's 0.28; benchmarks/RESULTS.md). Here:
-  choose, a program a row: the candidates' values gathered from the row, the top-k value and top-p's threshold
-    found by bisection over them in registers (no sort), and the draw itself where the candidates hold the whole
-    kept set (greedy rows, top-k rows, top-p on peaked rows): noise for 8,192 values, not the vocabulary;
+candidates, the threefry noise of the whole row, the 16 best perturbed values and the mass above each (1.35-1.41
+ms for 256 x 128,256 on an H100 against greedy's 0.22; benchmarks/RESULTS.md), and a lax.cond for the fallback.
+Here (0.61-0.68 ms):
+  select, a program a row: the 256 blocks of 32 values with the largest maxima, by bisection over the maxima;
+  choose, a program a row: those blocks' values gathered from the row, the top-k value and top-p's threshold
+    found by bisection over them in registers (no sort), and the draw itself where they hold the whole kept set
+    (greedy rows, top-k rows, top-p on peaked rows): noise for 8,192 values, not the vocabulary;
   drawn, a program per row and part of it, for the rows choose left open only (top-p on flat rows, no filters):
     each part's best perturbed values, merged by XLA into the row's best in order;
-  gpu_mass_above, for the rows whose top-p is still open only: the mass above each drawn value.
+  gpu_mass_above, for the rows whose top-p is still open only: the mass above each drawn value;
+  exact, for the rare rows still undecided: the sorted definition by passes over the row, so the program needs
+    no lax.cond (whose predicate XLA:GPU copies back to the host).
 The tokens are draw_by_candidates' (the same thresholds, the same noise: JAX's threefry of (row key, token id),
 here in plain uint32 operations Triton can lower)."""
 from __future__ import annotations
