@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .gpu_mass_above import mass_above
-from .sampler import BLOCK, BLOCKS, DRAWN
+from .sampler import BLOCK, BLOCKS, DRAWN, gumbel_of_bits
+from .sampler import _ordered_keys as _ordered
 
 PART = 2048  # values a `drawn` program perturbs
 PER_PART = 4  # best perturbed values each part reports (the row's best in order down to the parts' 4th best)
@@ -57,19 +58,11 @@ def threefry2x32(k0, k1, x0, x1):
 def gumbel(k0, k1, ids):
     """sampler.gumbel_at for one row's key (k0, k1) at token ids, bit for bit."""
     ids = ids.astype(jnp.uint32)
-    b1, b2 = threefry2x32(k0, k1, jnp.zeros_like(ids), ids)
-    unit = jax.lax.bitcast_convert_type(((b1 ^ b2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-    tiny = jnp.finfo(jnp.float32).tiny
-    return -jnp.log(-jnp.log(jnp.maximum(tiny, unit * (1.0 - tiny) + tiny)))
-
-
-def _ordered(x):
-    """int32 keys in the order of the float32 values (sampler._ordered_keys)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return gumbel_of_bits(*threefry2x32(k0, k1, jnp.zeros_like(ids), ids))
 
 
 def _value(key):
+    """The float32 value of an ordered key (the inverse of sampler._ordered_keys)."""
     bits = jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 

@@ -142,9 +142,13 @@ def gumbel_at(keys: jax.Array, ids: jax.Array) -> jax.Array:
     partitionable threefry), so seeded outputs are those of the full-row draw."""
     shape = jnp.broadcast_shapes(keys[:, :1].shape, ids.shape)
     ids = jnp.broadcast_to(ids.astype(jnp.uint32), shape)
-    b1, b2 = threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], shape), jnp.broadcast_to(keys[:, 1:], shape),
-                                 jnp.zeros(shape, jnp.uint32), ids)
-    unit = jax.lax.bitcast_convert_type(((b1 ^ b2) >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
+    return gumbel_of_bits(*threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], shape),
+                                               jnp.broadcast_to(keys[:, 1:], shape), jnp.zeros(shape, jnp.uint32), ids))
+
+
+def gumbel_of_bits(b1: jax.Array, b2: jax.Array) -> jax.Array:
+    """Gumbel noise from threefry2x32's two output words, as jax.random.gumbel makes it (gpu_sampler's too)."""
+    unit = jax.lax.bitcast_convert_type(((b1 ^ b2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
     tiny = jnp.finfo(jnp.float32).tiny
     return -jnp.log(-jnp.log(jnp.maximum(tiny, unit * (1.0 - tiny) + tiny)))
 
@@ -379,8 +383,8 @@ DRAWS = {"candidates": draw_by_candidates,  # methods that filter as they draw
 
 
 def filters_name(backend: str) -> str:
-    """All are exact. On GPUs gpu_sampler's kernels (the sampler alone, 256 x 128,256 on an H100: 0.78 ms on flat
-    rows and 0.63 on peaked ones, against 1.35 and 1.37 for candidates-fused, XLA's candidates draw with the best
+    """All are exact. On GPUs gpu_sampler's kernels (the sampler alone, 256 x 128,256 on an H100: 0.69 ms on flat
+    rows and 0.61 on peaked ones, against 1.35 and 1.41 for candidates-fused, XLA's candidates draw with the best
     perturbed values found by block maxima, and 3.6 for the sort), on CPUs (and TPUs, untested) the bisection
     (2.4x the sort on this repository's CPU benchmark): benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names
     another (benchmarks/sampler.py compares them)."""
