@@ -133,6 +133,13 @@ class ModelCacheSpec(_Resource):
     access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = "ReadWriteMany"
 
 
+class SecuritySpec(_Resource):
+    """Every serving pod passes the `restricted` Pod Security Standard unless this asks for more."""
+
+    privileged: bool = Field(False, description="run the serving container privileged: only for TPUs on GKE before "
+                             "1.28; its namespace must allow the privileged Pod Security level")
+
+
 class PodTemplateMetadata(_Resource):
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
@@ -197,6 +204,7 @@ class InferenceServiceSpec(_Resource):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] | None = None
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
     pod_template: PodTemplateOverrides | None = None
 
     def bounds(self) -> tuple[int, int]:

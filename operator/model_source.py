@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from capstan.operator import pod_security
+
 CACHE_MOUNT = "/var/cache/capstan"  # weights, Hugging Face downloads and XLA's compilation cache
 SOURCE_MOUNT = "/mnt/models"  # a pvc:// model, read-only
 DOWNLOADER_IMAGE = "rclone/rclone:1.69"  # one tool for gs:// and s3://, incremental into the cache
@@ -53,7 +55,9 @@ def model_source(uri: str) -> ModelSource:
         "args": ["copy", "--fast-list", "--transfers=16", remote, local],
         # Credentials come from the pod's identity (workload identity, IRSA) or env the user adds.
         "env": [{"name": "RCLONE_GCS_ENV_AUTH", "value": "true"}, {"name": "RCLONE_S3_ENV_AUTH", "value": "true"},
-                {"name": "RCLONE_S3_PROVIDER", "value": "AWS"}],
-        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}],
+                {"name": "RCLONE_S3_PROVIDER", "value": "AWS"},
+                {"name": "HOME", "value": pod_security.SCRATCH_MOUNT}],  # rclone's config and cache, off the read-only root
+        "securityContext": pod_security.container_security_context(),
+        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}, pod_security.scratch_mount()],
     }
     return ModelSource(local, init_containers=[download])

@@ -9,7 +9,7 @@ import copy
 import math
 from typing import Any
 
-from capstan.operator import api
+from capstan.operator import api, pod_security
 from capstan.operator.accelerators import ACCELERATORS, TPU_TOPOLOGY_LABEL, is_tpu
 from capstan.operator.model_source import CACHE_MOUNT, model_source, served_model_name
 
@@ -142,13 +142,16 @@ def render_pod_template(name: str, spec: api.InferenceServiceSpec) -> dict[str, 
         "readinessProbe": _probe("/ready", 5, 2),
         "livenessProbe": _probe("/health", 10, 6),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
-        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}, *source.mounts],
+        "securityContext": pod_security.container_security_context(spec.security.privileged),
+        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}, pod_security.scratch_mount(),
+                         *source.mounts],
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": [cache_volume, *source.volumes],
+        "securityContext": pod_security.pod_security_context(),
+        "volumes": [cache_volume, pod_security.scratch_volume(), *source.volumes],
         "terminationGracePeriodSeconds": PRESTOP_SECONDS + spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
         "enableServiceLinks": False,
         **_scheduling(spec),
@@ -160,7 +163,8 @@ def render_pod_template(name: str, spec: api.InferenceServiceSpec) -> dict[str, 
 
 
 def apply_pod_overrides(template: dict[str, Any], overrides: api.PodTemplateOverrides | None) -> dict[str, Any]:
-    """Metadata maps merge; spec fields replace, except containers, which merge by name."""
+    """Metadata maps merge; spec fields replace, except containers (fields merge by name) and volumes (replace by
+    name), so that overriding one volume keeps the others the containers mount."""
     if overrides is None:
         return template
     merged = copy.deepcopy(template)
@@ -169,15 +173,18 @@ def apply_pod_overrides(template: dict[str, Any], overrides: api.PodTemplateOver
     if overrides.metadata.annotations:
         meta["annotations"] = {**meta.get("annotations", {}), **overrides.metadata.annotations}
     for key, value in overrides.spec.items():
-        if key != "containers":
+        if key not in ("containers", "volumes"):
             merged["spec"][key] = copy.deepcopy(value)
             continue
-        ours = {c["name"]: c for c in merged["spec"]["containers"]}
-        for container in value:
-            if container.get("name") in ours:
-                ours[container["name"]].update(copy.deepcopy(container))
+        ours = {item["name"]: item for item in merged["spec"].setdefault(key, [])}
+        for item in value:
+            if item.get("name") not in ours:
+                merged["spec"][key].append(copy.deepcopy(item))
+            elif key == "containers":
+                ours[item["name"]].update(copy.deepcopy(item))
             else:
-                merged["spec"]["containers"].append(copy.deepcopy(container))
+                ours[item["name"]].clear()
+                ours[item["name"]].update(copy.deepcopy(item))
     return merged
 
 
