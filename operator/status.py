@@ -99,6 +99,9 @@ def compute_status(*, name: str, namespace: str, generation: int, spec: api.Infe
     for condition in observed.get("conditions", []):
         if condition.get("reason") == "ProgressDeadlineExceeded" and problem is None:
             problem = Problem("ProgressDeadlineExceeded", condition.get("message", ""))
+        # The API server refused the pods themselves, e.g. a namespace's Pod Security level: its words, verbatim.
+        if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
+            problem = Problem("PodsRejected", condition.get("message", ""))
 
     rolled_out = deployment_current and updated == desired and replicas == desired and available >= desired
     progress = f"{updated} of {desired} replicas updated, {ready} ready"

@@ -92,3 +92,12 @@ def test_url_through_the_gateway_when_one_routes():
                        url="http://capstan-gateway.capstan-system.svc.cluster.local/v1")
     assert s["url"] == "http://capstan-gateway.capstan-system.svc.cluster.local/v1"
     assert "capstan-gateway" in next(c for c in s["conditions"] if c["type"] == "Ready")["message"]
+
+
+def test_pods_the_api_server_refused_are_degraded_with_its_words():
+    refused = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+               "message": 'pods "m-1" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true'}
+    s = status_of(deployment(replicas=0, ready=0, updated=0, available=0, conditions=[refused]))
+    assert conditions(s)["Degraded"] == ("True", "PodsRejected")
+    degraded = next(c for c in s["conditions"] if c["type"] == "Degraded")
+    assert "violates PodSecurity" in degraded["message"]
