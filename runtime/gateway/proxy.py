@@ -22,11 +22,13 @@ from ..server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from ..server.drain import Drain, DrainMiddleware
 from ..server.error_body import APIError, error_body, error_response
 from ..server.metrics import CONTENT_TYPE
+from .access import Access, Admission
 from .demand import DemandSignal
 from .gateway_metrics import GatewayMetrics
 from .hold_queue import HoldQueue
 from .replica_pool import Replica, ReplicaPool
 from .routing_policy import DEFAULT_PREFIX_CHARS, RoutingPolicy, routing_key
+from .usage_meter import UsageMeter, ask_for_usage
 
 log = logging.getLogger("capstan.gateway")
 PROXIED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
@@ -46,6 +48,7 @@ class Gateway:
     demand: DemandSignal
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     max_attempts: int = 3
+    access: Access | None = None  # client keys and budgets; None: open, Authorization passes through
 
     def __post_init__(self):
         self.metrics = GatewayMetrics(self.pool, self.holds)
@@ -60,14 +63,40 @@ class Gateway:
 
     async def forward(self, request: Request, path: str) -> Response:
         arrival = time.perf_counter()
+        client = self.access.authenticate(request.headers.get("authorization")) if self.access else None
         raw = await request.body()
         body = _parse_body(raw)
         model = body["model"]
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        if client is None:
+            return await self._route(request, path, model, body, raw, headers, arrival, None, None)
+        admission = self.access.admit(client, model)  # 403 before 404: a key learns nothing of others' models
+        upstream_body, client_wants_usage = ask_for_usage(body)
+        if upstream_body is not body:
+            raw = json.dumps(upstream_body).encode()
+        headers.pop("authorization", None)  # the client's key stays here; replicas get the service's own
+        if admission.upstream_authorization:
+            headers["authorization"] = admission.upstream_authorization
+        meter = UsageMeter(streaming=bool(body.get("stream")), client_wants_usage=client_wants_usage)
+        try:
+            response = await self._route(request, path, model, body, raw, headers, arrival, admission, meter)
+        except APIError as error:
+            self.access.finish(admission, error.status, 0, 0)
+            raise
+        except BaseException:
+            self.access.finish(admission, 499, 0, 0)
+            raise
+        if not isinstance(response, StreamingResponse):  # answered here, nothing relayed: no tokens
+            self.access.finish(admission, response.status_code, 0, 0)
+        response.headers.update(self.access.budgets.headers(client))
+        return response
+
+    async def _route(self, request: Request, path: str, model: str, body: dict, raw: bytes, headers: dict,
+                     arrival: float, admission: Admission | None, meter: UsageMeter | None) -> Response:
         if not self.pool.serves(model):
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         self.demand.note(model)
         key = routing_key(body, self.prefix_chars)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         tried: set[str] = set()
         attempts = 0
         last: tuple[int, bytes, dict] | None = None
@@ -104,7 +133,7 @@ class Gateway:
             self.metrics.routed.labels(replica=replica.url).inc()
             self.metrics.time_to_first_byte.observe(time.perf_counter() - arrival)
             self.metrics.requests.labels(model=model, code=str(upstream.status_code)).inc()
-            return StreamingResponse(self._relay(upstream, replica), status_code=upstream.status_code,
+            return StreamingResponse(self._relay(upstream, replica, admission, meter), status_code=upstream.status_code,
                                      headers=_response_headers(upstream))
         status, content, response_headers = last or (503, b"", {})
         self.metrics.requests.labels(model=model, code=str(status)).inc()
@@ -126,10 +155,16 @@ class Gateway:
         finally:
             waiting.cancel()
 
-    async def _relay(self, upstream: httpx.Response, replica: Replica):
+    async def _relay(self, upstream: httpx.Response, replica: Replica, admission: Admission | None = None,
+                     meter: UsageMeter | None = None):
         try:
             async for chunk in upstream.aiter_raw():
-                yield chunk
+                if meter is not None:
+                    chunk = meter.feed(chunk)
+                if chunk:
+                    yield chunk
+            if meter is not None and (tail := meter.close()):
+                yield tail
         except httpx.HTTPError as error:  # the replica died mid-response; part of it is the client's: no retry
             log.warning("replica %s broke off a response: %s", replica.url, error)
             self.metrics.broken.inc()
@@ -141,6 +176,8 @@ class Gateway:
         finally:
             replica.in_flight -= 1
             await upstream.aclose()
+            if admission is not None:
+                self.access.finish(admission, upstream.status_code, meter.prompt_tokens, meter.completion_tokens)
 
     async def list_models(self) -> dict:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "capstan"}
@@ -169,10 +206,13 @@ def build_gateway_app(gateway: Gateway, max_body_bytes: int = DEFAULT_MAX_BODY_B
     async def lifespan(app: FastAPI):
         await gateway.pool.refresh()  # know the replicas before the first request
         poller = asyncio.create_task(gateway.pool.run())
+        key_watch = asyncio.create_task(gateway.access.watch()) if gateway.access else None
         try:
             yield
         finally:
             poller.cancel()
+            if key_watch:
+                key_watch.cancel()
             await gateway.client.aclose()
             await gateway.pool.close()
 
@@ -190,8 +230,12 @@ def build_gateway_app(gateway: Gateway, max_body_bytes: int = DEFAULT_MAX_BODY_B
         app.add_api_route(route, proxied, methods=["POST"])
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return await gateway.list_models()
+    async def models(request: Request) -> dict:
+        listed = await gateway.list_models()
+        if gateway.access:  # with client keys: a key sees the models it may use, and nothing without one
+            client = gateway.access.authenticate(request.headers.get("authorization"))
+            listed["data"] = [m for m in listed["data"] if client.may_use(m["id"])]
+        return listed
 
     @app.get("/health")
     async def health() -> dict:

@@ -8,6 +8,9 @@ import logging
 import uvicorn
 
 from ..server.drain import DrainingServer
+from .access import Access, UpstreamKeys
+from .budgets import DEFAULT_WINDOW_SECONDS, Budgets
+from .client_keys import KeyRing
 from .demand import DemandSignal
 from .discovery import EndpointSliceDiscovery, StaticDiscovery, parse_replica
 from .hold_queue import DEFAULT_HOLD_TIMEOUT_SECONDS, DEFAULT_MAX_HELD, HoldQueue
@@ -44,6 +47,16 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
                         help="replicas tried for a request that fails before its first byte")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--client-keys", action="append", default=[], metavar="PATH",
+                        help="YAML of client keys, models and budgets (docs/gateway.md), a file or a folder (a mounted "
+                             "Secret; repeatable); read again when it changes. Without it the gateway is open")
+    parser.add_argument("--upstream-keys", default=None, metavar="PATH",
+                        help="with --client-keys: YAML `MODEL: KEY` (\"*\": any model), the key sent to that model's "
+                             "replicas instead of the client's")
+    parser.add_argument("--budget-window", type=float, default=DEFAULT_WINDOW_SECONDS,
+                        help="seconds of one budget window; the per-minute budgets scale to it")
+    parser.add_argument("--budget-shares", type=int, default=1,
+                        help="gateway replicas sharing the budgets: each enforces 1/N of every budget")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -66,9 +79,22 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     pool = ReplicaPool(discovery, poll_interval=args.poll_interval)
     policy = POLICIES[args.routing](args.load_factor) if args.routing == PrefixAffinityPolicy.name \
         else POLICIES[args.routing]()
-    return Gateway(pool=pool, holds=HoldQueue(pool, args.max_held, args.hold_timeout), policy=policy,
-                   demand=DemandSignal(discovery.services), prefix_chars=args.prefix_chars,
-                   max_attempts=args.max_attempts)
+    access_parts = _access_parts(args)
+    gateway = Gateway(pool=pool, holds=HoldQueue(pool, args.max_held, args.hold_timeout), policy=policy,
+                      demand=DemandSignal(discovery.services), prefix_chars=args.prefix_chars,
+                      max_attempts=args.max_attempts)
+    if access_parts:
+        gateway.access = Access(*access_parts, registry=gateway.metrics.registry)
+    return gateway
+
+
+def _access_parts(args: argparse.Namespace) -> tuple[KeyRing, Budgets, UpstreamKeys] | None:
+    if not args.client_keys:
+        if args.upstream_keys:
+            raise ValueError("--upstream-keys needs --client-keys: without client keys anyone could use the "
+                             "replicas' keys through the gateway")
+        return None
+    return KeyRing(args.client_keys), Budgets(args.budget_window, args.budget_shares), UpstreamKeys(args.upstream_keys)
 
 
 def run_gateway(args: argparse.Namespace) -> int:

@@ -33,3 +33,7 @@ GATEWAY_REPLICAS_READY = PREFIX + "gateway_replicas_ready"  # gauge, label model
 GATEWAY_REPLICA_LOAD = PREFIX + "gateway_replica_load"  # gauge, label replica: the load the policy sees
 GATEWAY_ROUTED = PREFIX + "gateway_routed"  # counter (_total), label replica
 GATEWAY_TIME_TO_FIRST_BYTE = PREFIX + "gateway_time_to_first_byte_seconds"  # histogram: arrival to upstream headers
+GATEWAY_CLIENT_REQUESTS = PREFIX + "gateway_client_requests"  # counter (_total), labels client, code: admitted
+GATEWAY_CLIENT_TOKENS = PREFIX + "gateway_client_tokens"  # counter (_total), labels client, kind (prompt, completion)
+GATEWAY_CLIENT_REJECTIONS = PREFIX + "gateway_client_rejections"  # counter (_total), labels client, reason
+GATEWAY_UNAUTHENTICATED = PREFIX + "gateway_unauthenticated"  # counter (_total): 401s, no key or an unknown one
