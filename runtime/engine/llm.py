@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
+from ..generation_config import sampling_defaults
 from .engine import LLMEngine
 from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -20,7 +21,9 @@ PromptType = str | Sequence[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
-        config = EngineConfig(**engine_args) if model is None else EngineConfig(model=model, **engine_args)
+        config = EngineConfig(model=model, **engine_args)  # None: the default model, as `capstan serve` serves
+        config.validate()
+        self.sampling_defaults = sampling_defaults(config)  # the model's generation config, and the override
         self.engine = LLMEngine(config)
         if config.warmup:
             self.engine.warmup()
@@ -33,12 +36,16 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: the model's recommended sampling (vLLM's)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs every prompt to completion, batched; results in the order of the prompts."""
         prompts = [_engine_prompt(p, i) for i, p in enumerate(_as_list(prompts))]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
@@ -66,7 +73,7 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
             list(c), add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
             for c in conversations]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         stops = self.tokenizer.end_of_turn_ids()
         params = [p if p.ignore_eos else dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids or [])

@@ -13,6 +13,7 @@ from . import chat, completions, embeddings, model_list, probes, tokenize, versi
 from ..engine.async_llm import RequestCancelledError
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from ..generation_config import describe as describe_defaults, sampling_defaults
 from .context import ServerContext
 from .drain import Drain, DrainingServer, DrainMiddleware
 from .errors import install_error_handlers
@@ -47,9 +48,11 @@ def make_context(engine, served_model_names: list[str] | None = None, log_prompt
                  tracer_provider=None, tool_call_parser: str | None = None) -> ServerContext:
     names = served_model_names or [engine.model_name]
     tracer = tracer_provider.get_tracer("capstan.server") if tracer_provider is not None else None
+    defaults = sampling_defaults(engine.config)  # from the config and the checkpoint's files: no device needed
+    log.info(describe_defaults(defaults, engine.config))
     return ServerContext(engine=engine, served_model_names=names, metrics=ServerMetrics(engine), drain=Drain(),
                          tracer=tracer, log_prompts=log_prompts,
-                         tool_parser=parser_for(tool_call_parser, engine.tokenizer))
+                         tool_parser=parser_for(tool_call_parser, engine.tokenizer), sampling_defaults=defaults)
 
 
 async def _log_warmup(engine) -> None:

@@ -35,7 +35,7 @@ def render_prompt(body: ChatCompletionRequest, tokenizer, engine) -> list[int]:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  ctx: ServerContext = Depends(get_context)):
     model = ctx.resolve_model(body.model)
-    params = body.to_sampling_params(ctx.engine.config.max_logprobs)
+    params = body.to_sampling_params(ctx.engine.config.max_logprobs, ctx.sampling_defaults)
     ctx.validate(params, 1)  # every limit, before anything is built per choice
     tokenizer = ctx.engine.tokenizer
     if not params.ignore_eos:

@@ -16,7 +16,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(get_context)):
     model = ctx.resolve_model(body.model)
-    params = body.to_sampling_params(ctx.engine.config.max_logprobs)
+    params = body.to_sampling_params(ctx.engine.config.max_logprobs, ctx.sampling_defaults)
     prompts = body.prompts()
     ctx.validate(params, len(prompts))  # every limit, before anything is built per prompt or per choice
     ctx.check_ready()

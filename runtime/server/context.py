@@ -22,6 +22,8 @@ class ServerContext:
     tracer: Any = None  # an OpenTelemetry tracer, or None when no OTLP endpoint is configured
     log_prompts: bool = False
     tool_parser: Any = None  # parses `tool_choice: auto` answers (tool_parsers.py)
+    # what a request's left-out sampling fields take (generation_config.py): override > model > SamplingParams'
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property

@@ -31,6 +31,8 @@ Probability = finite(0.0, 1.0)
 Penalty = finite(-limits.PENALTY_RANGE, limits.PENALTY_RANGE)
 TokenId = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
 StopString = Annotated[Text, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
+# request fields that fall back to the model's generation config when left out (generation_config.SAMPLING_KEYS)
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class _Request(BaseModel):
@@ -71,7 +73,10 @@ class _SamplingFields(StructuredFields):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None):
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None):
+        """defaults: what a field the request leaves out takes (the model's generation config and the server's
+        override, generation_config.py), before SamplingParams' own."""
         bias = None
         if self.logit_bias:
             try:
@@ -79,18 +84,15 @@ class _SamplingFields(StructuredFields):
             except ValueError:
                 raise InvalidRequestError("logit_bias: keys must be token ids (integers as strings)", "logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        defaults = SamplingParams()
+        # request > --override-generation-config > the model's generation config > SamplingParams' own defaults
+        sampling = {name: value for name, value in (defaults or {}).items() if name in DEFAULTED_FIELDS}
+        sampling |= {name: getattr(self, name) for name in DEFAULTED_FIELDS if getattr(self, name) is not None}
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            top_k=defaults.top_k if self.top_k is None else self.top_k,
-            min_p=defaults.min_p if self.min_p is None else self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=defaults.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias,
             seed=self.seed,
             stop=stop or None,
@@ -100,6 +102,7 @@ class _SamplingFields(StructuredFields):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured=self.structured_output(),
+            **sampling,
         )
 
 
@@ -126,8 +129,12 @@ class CompletionRequest(_SamplingFields):
             return [list(prompt)]
         return list(prompt)
 
-    def to_sampling_params(self, max_logprobs: int = limits.MAX_LOGPROBS) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int = limits.MAX_LOGPROBS,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check_stream_options()
+        defaults = defaults or {}
+        max_tokens = self.max_tokens if "max_tokens" in self.model_fields_set else defaults.get("max_tokens",
+                                                                                              self.max_tokens)
         if self.logprobs is not None and self.logprobs > max_logprobs:
             raise InvalidRequestError(f"logprobs: must be at most {max_logprobs} (the server's max_logprobs), "
                                       f"got {self.logprobs}", "logprobs")
@@ -135,11 +142,11 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("suffix: not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of: only best_of equal to n is supported", "best_of")
-        if self.max_tokens == 0 and not self.echo:
+        if max_tokens == 0 and not self.echo:
             raise InvalidRequestError("max_tokens: must be at least 1; 0 is allowed only with echo (the prompt and its "
                                       "logprobs, nothing generated)", "max_tokens")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class CompletionLogprobs(BaseModel):
@@ -225,7 +232,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[Name, FreeJSON], Field(max_length=limits.MAX_TEMPLATE_KWARGS)] | None = None
 
-    def to_sampling_params(self, max_logprobs: int = limits.MAX_LOGPROBS) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int = limits.MAX_LOGPROBS,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check_stream_options()
         if self.top_logprobs is not None and self.top_logprobs > max_logprobs:
             raise InvalidRequestError(f"top_logprobs: must be at most {max_logprobs} (the server's max_logprobs), "
@@ -233,8 +241,10 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:  # neither given: the model's max_new_tokens, else up to the end of the context
+            max_tokens = (defaults or {}).get("max_tokens")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self.sampling_params(max_tokens, logprobs)
+        params = self.sampling_params(max_tokens, logprobs, defaults=defaults)
         forced, _ = forced_tool_output(self.tools, self.tool_choice, self.parallel_tool_calls)
         if forced is not None:
             if params.structured is not None:

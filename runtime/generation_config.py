@@ -1,0 +1,133 @@
+"""The model's own sampling defaults, as vLLM's `--generation-config` and `--override-generation-config` mean them.
+
+A request field left out takes, in order: `--override-generation-config`, then the model's generation config
+(generation_config.json beside the weights, a GGUF file's `general.sampling.*` keys, or, for the default model,
+its publisher's recommendation), then SamplingParams' own default. `--generation-config vllm` ignores the model's.
+Computed from the EngineConfig and the checkpoint's files only: the HTTP frontend needs neither JAX nor the weights.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .engine.sampling_params import InvalidRequestError, SamplingParams
+from .gguf_metadata import GGUFMetadataError, read_metadata
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+
+log = logging.getLogger("capstan")
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults
+SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# llama.cpp's GGUF keys (gguf.Keys.General.SAMPLING_*) -> SamplingParams field
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+# The default model's card (HuggingFaceTB/SmolLM2-135M-Instruct) samples with these; its files carry none.
+SMOLLM2_RECOMMENDED = {"temperature": 0.2, "top_p": 0.9}
+
+
+def sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
+    """SamplingParams fields a request (or LLM.generate without sampling_params) takes when it leaves them out."""
+    model = {} if config.generation_config == "vllm" else model_defaults(config.model, config.generation_config)
+    override = parse_sampling_keys(config.override_generation_config or {}, "--override-generation-config",
+                                   strict=True)
+    return {**model, **override}
+
+
+def describe(defaults: dict[str, float | int], config: EngineConfig) -> str:
+    """One log line: which defaults are in force and where they came from."""
+    if not defaults:
+        return "default sampling parameters: SamplingParams' own (the model's generation config has none)"
+    source = "--override-generation-config" if config.generation_config == "vllm" else (
+        f"the model's generation config ({config.generation_config})" + (
+            " and --override-generation-config" if config.override_generation_config else ""))
+    fields = ", ".join(f"{k}={v}" for k, v in sorted(defaults.items()))
+    return (f"default sampling parameters from {source}: {fields}; a request's own fields win "
+            "(--generation-config vllm ignores the model's)")
+
+
+def model_defaults(model: str, source: str = "auto") -> dict[str, float | int]:
+    """The sampling defaults the checkpoint recommends. source: "auto" (the checkpoint's own files) or a folder
+    holding a generation_config.json."""
+    if source != "auto":
+        return _json_defaults(Path(source) / GENERATION_CONFIG_FILE)
+    if model.startswith("hf://"):
+        found = _hub_generation_config(model)
+        return _json_defaults(found) if found is not None else {}
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return _gguf_defaults(path)
+    return _json_defaults(path / GENERATION_CONFIG_FILE) if path.is_dir() else {}
+
+
+def parse_sampling_keys(raw: dict, source: str, strict: bool = False) -> dict[str, float | int]:
+    """generation_config.json's sampling keys as SamplingParams fields, each checked against the request limits.
+    strict: other keys are refused (a typo in a flag must not pass silently); a file's other keys are ignored."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    if strict:
+        unknown = sorted(set(raw) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {unknown}; use {sorted(SAMPLING_KEYS)}")
+    fields = {SAMPLING_KEYS[k]: v for k, v in raw.items() if k in SAMPLING_KEYS and v is not None}
+    return check_fields(fields, source)
+
+
+def check_fields(fields: dict, source: str) -> dict:
+    """The same limits a request meets (SamplingParams.validate), plus at least one token to generate."""
+    try:
+        SamplingParams(**fields).validate(vocab_size=1, max_n=1)
+    except (InvalidRequestError, TypeError) as e:
+        raise ValueError(f"{source}: {e}") from None
+    if fields.get("max_tokens") == 0:
+        raise ValueError(f"{source}: max_new_tokens must be at least 1, got 0")
+    return fields
+
+
+def _json_defaults(path: Path) -> dict[str, float | int]:
+    if not path.is_file():
+        if path.parent.is_dir():
+            return {}
+        raise ValueError(f"--generation-config: {path.parent} is not a folder (give auto, vllm or a folder holding "
+                         f"{GENERATION_CONFIG_FILE})")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable JSON: {e}") from None
+    return parse_sampling_keys(raw, str(path))
+
+
+def _gguf_defaults(path: Path) -> dict[str, float | int]:
+    from .config import SMOLLM2_FILE
+
+    try:
+        found = read_metadata(path, set(GGUF_SAMPLING_KEYS))
+    except (GGUFMetadataError, OSError) as e:
+        raise ValueError(str(e)) from None
+    fields = {GGUF_SAMPLING_KEYS[k]: v for k, v in found.items()}
+    if isinstance(fields.get("top_k"), float):  # int or float: the key's type is the converter's choice
+        fields["top_k"] = int(fields["top_k"])
+    if not fields and path.name == SMOLLM2_FILE:
+        return dict(SMOLLM2_RECOMMENDED)
+    return check_fields(fields, f"{path} (general.sampling.*)")
+
+
+def _hub_generation_config(model: str) -> Path | None:
+    """generation_config.json of an hf:// model, from the local cache or the hub; None when it has none."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    repo, _, revision = model[len("hf://"):].partition("@")
+    cached = try_to_load_from_cache(repo, GENERATION_CONFIG_FILE, revision=revision or None)
+    if isinstance(cached, str):
+        return Path(cached)
+    try:
+        return Path(hf_hub_download(repo, GENERATION_CONFIG_FILE, revision=revision or None))
+    except Exception as e:  # no network, no such file: the model recommends nothing we can read
+        log.warning("%s: no %s read (%s: %s); SamplingParams' own defaults apply", model, GENERATION_CONFIG_FILE,
+                    type(e).__name__, e)
+        return None
