@@ -3,11 +3,13 @@ with the same SIGTERM drain as `capstan serve`."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 import uvicorn
 
 from ..server.drain import DrainingServer
+from ..server.tls import add_tls_flags, serving_certificate
 from .access import Access, UpstreamKeys
 from .budgets import DEFAULT_WINDOW_SECONDS, Budgets
 from .client_keys import KeyRing
@@ -57,6 +59,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds of one budget window; the per-minute budgets scale to it")
     parser.add_argument("--budget-shares", type=int, default=1,
                         help="gateway replicas sharing the budgets: each enforces 1/N of every budget")
+    add_tls_flags(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -98,12 +101,18 @@ def _access_parts(args: argparse.Namespace) -> tuple[KeyRing, Budgets, UpstreamK
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    certificate = serving_certificate(args.ssl_keyfile, args.ssl_certfile)
     gateway = build_gateway(args)
     app = build_gateway_app(gateway)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, **(certificate.uvicorn_options() if certificate else {}))
+    on_start, watches = None, []  # the list keeps the certificate's watch task referenced
+    if certificate:
+        certificate.attach(config)
+        on_start = lambda server: watches.append(asyncio.ensure_future(certificate.watch()))  # noqa: E731
     source = f"{len(args.replica)} static replica(s)" if args.replica else \
         f"InferenceServices in {', '.join(args.namespace) or 'all namespaces'}"
-    log.info("gateway on http://%s:%d routing %s over %s", args.host, args.port, args.routing, source)
-    DrainingServer(config, gateway.drain, args.drain_timeout).run()
+    log.info("gateway on %s://%s:%d routing %s over %s", "https" if certificate else "http", args.host, args.port,
+             args.routing, source)
+    DrainingServer(config, gateway.drain, args.drain_timeout, on_start=on_start).run()
     return 0
