@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
 
-from capstan.runtime.config import EngineConfig  # noqa: E402
+from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
         import capstan.runtime.attention as attention
 
         attention.chunked_attention = attention.paged_attention  # attend()'s CPU path, as it was
-    config = EngineConfig(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+    config = EngineConfig(model=str(DEFAULT_MODEL), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                           max_num_batched_tokens=a.max_num_batched_tokens, decode_steps=a.decode_steps,
                           enable_prefix_caching=False)
     model = None

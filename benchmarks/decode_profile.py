@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
 from timing import median_ms as timed  # noqa: E402
 
-from capstan.runtime.config import EngineConfig  # noqa: E402
+from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.multi_step import GREEDY_SCAN, decode_steps_fn  # noqa: E402
 from capstan.runtime.engine.sampler import sample  # noqa: E402
@@ -54,7 +54,7 @@ def main() -> None:
     model = random_model(cfg, "bfloat16", quantization=a.quantization)
 
     for rows in a.rows:
-        engine = LLMEngine(EngineConfig(dtype="bfloat16", max_model_len=a.context + 64, max_num_seqs=rows,
+        engine = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype="bfloat16", max_model_len=a.context + 64, max_num_seqs=rows,
                                         max_num_batched_tokens=max(rows, 512), decode_steps=1,
                                         enable_prefix_caching=False, warmup=False), model=model)
         rng = np.random.default_rng(0)

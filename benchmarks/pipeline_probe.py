@@ -38,12 +38,12 @@ for k in sorted(T, key=T.get, reverse=True):
           f"p90 {np.percentile(last, 90):9.1f} us")
 # device-only cost of a step: forward + sample chained with no host work, against the scan
 from capstan.runtime.engine.multi_step import decode_forward_fn, decode_sample_fn, decode_steps_fn, pipeline_branches
-from capstan.runtime.config import EngineConfig
+from capstan.runtime.config import DEFAULT_MODEL, EngineConfig
 from capstan.runtime.engine.engine import LLMEngine
 from capstan.runtime.models.loader import random_model
 from shapes import shape_config
 cfg = shape_config(os.environ.get("SHAPE", "llama-3.2-1b"))
-e = LLMEngine(EngineConfig(dtype="bfloat16" if jax.default_backend() == "gpu" else "float32", max_model_len=1024,
+e = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype="bfloat16" if jax.default_backend() == "gpu" else "float32", max_model_len=1024,
                            max_num_seqs=256, max_num_batched_tokens=2048, smallest_token_bucket=256,
                            enable_prefix_caching=False), model=random_model(cfg, "bfloat16" if jax.default_backend() == "gpu" else "float32"))
 e.warmup()

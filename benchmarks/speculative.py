@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
 from throughput import Timeline  # noqa: E402
 
-from capstan.runtime.config import EngineConfig  # noqa: E402
+from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
         prompts = [p * 6 for p in phrase]  # 144 tokens: a phrase repeated, as quoted text or code repeats
         engines = {}
         for name in ("plain", *a.methods):
-            e = LLMEngine(EngineConfig(dtype=dtype, max_model_len=160 + a.tokens + 8, max_num_seqs=max(batch, 1),
+            e = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype=dtype, max_model_len=160 + a.tokens + 8, max_num_seqs=max(batch, 1),
                                        max_num_batched_tokens=max(256, batch * (a.k + 1)), smallest_token_bucket=a.smallest_bucket,
                                        enable_prefix_caching=False, speculative_config=configs.get(name)),
                           model=model, draft_model=drafts.get(name))

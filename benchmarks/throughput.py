@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
 
-from capstan.runtime.config import EngineConfig  # noqa: E402
+from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.grammar import StructuredOutput  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
@@ -170,7 +170,7 @@ def main(argv=None) -> dict:
     mixed = a.workload == "mixed"
     max_len = (2 if mixed else 1) * (a.prompt_len + max(a.output_len, a.single_stream_tokens)) + 1
     def engine_for(max_num_seqs: int, max_tokens: int) -> LLMEngine:
-        e = LLMEngine(EngineConfig(dtype=dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
+        e = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype=dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_tokens, page_size=a.page_size,
                                    smallest_token_bucket=a.smallest_bucket, decode_steps=a.decode_steps,
                                    enable_prefix_caching=False, tensor_parallel_size=a.tensor_parallel_size),

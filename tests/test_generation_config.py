@@ -50,8 +50,8 @@ def test_vllm_ignores_the_model_and_the_override_beats_it(tmp_path):
     override = {"temperature": 0.1, "max_new_tokens": 50}
     assert sampling_defaults(EngineConfig(model=model, override_generation_config=override)) == {
         "temperature": 0.1, "top_p": 0.95, "top_k": 20, "max_tokens": 50}
-    assert sampling_defaults(EngineConfig(model=model, generation_config="vllm",
-                                          override_generation_config=override)) == {"temperature": 0.1, "max_tokens": 50}
+    only_override = EngineConfig(model=model, generation_config="vllm", override_generation_config=override)
+    assert sampling_defaults(only_override) == {"temperature": 0.1, "max_tokens": 50}
 
 
 def test_a_generation_config_folder_replaces_the_models(tmp_path):
