@@ -91,9 +91,11 @@ def _default_max_num_seqs() -> int:
     return CPU_MAX_NUM_SEQS if jax.default_backend() == "cpu" else EngineConfig.max_num_seqs
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
+def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> EngineConfig:
+    """start_backend False: this process must not start JAX's backend (the engine core decides max_num_seqs)."""
+    max_num_seqs = args.max_num_seqs or (_default_max_num_seqs() if start_backend else EngineConfig.max_num_seqs)
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs or _default_max_num_seqs(),
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
         kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
         warmup=args.warmup, max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
@@ -138,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how `tool_choice: auto` answers are parsed for calls (default: from the tokenizer's "
                             "markers, hermes otherwise)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="frontend processes (HTTP, tokenization, detokenization, streaming) on the port, in front "
+                            "of one engine core process")
 
     gateway = commands.add_parser("gateway", help="route OpenAI requests to replicas by model, prefix and load")
     from .gateway.server import add_gateway_flags
@@ -156,30 +161,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .engine.async_llm import AsyncLLM
-    from .server.app import serve
     from .server.auth import load_api_keys
+    from .parallel.multihost import initialize_from_env
+
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    several_hosts = initialize_from_env()  # before anything starts JAX's backend (_engine_config may ask it)
+    api_keys = load_api_keys(args.api_key, args.api_key_file)
+    config = _engine_config(args, start_backend=several_hosts)
+    names = args.served_model_name or ([served] if (served := default_served_name(args.model)) else None)
+    log.info("loading %s", args.model)
+    if several_hosts:
+        return _serve_several_hosts(args, config, names, api_keys)
+    from .server.frontend_process import ServeOptions
+    from .server.processes import serve_with_engine_core
+
+    options = ServeOptions(host=args.host, port=args.port, served_model_names=names, api_keys=api_keys,
+                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
+                           max_body_bytes=args.max_request_body_bytes, log_level=args.log_level,
+                           tool_call_parser=args.tool_call_parser)
+    return serve_with_engine_core(config, options, args.api_server_count,
+                                  cpu_max_num_seqs=None if args.max_num_seqs else CPU_MAX_NUM_SEQS)
+
+
+def _serve_several_hosts(args: argparse.Namespace, config: EngineConfig, names: list[str] | None,
+                         api_keys: list[str]) -> int:
+    """One model over every host's devices: the engine steps in lockstep on a thread of each host's process, and
+    only the leader (process 0) serves HTTP."""
+    import jax
+
+    from .engine.async_llm import AsyncLLM
+    from .parallel.multihost import LockstepEngine, run_follower
+    from .server.app import serve
     from .server.body_limit import DEFAULT_MAX_BODY_BYTES
 
-    from .parallel.multihost import LockstepEngine, initialize_from_env, run_follower
-
-    several_hosts = initialize_from_env()  # before anything starts JAX's backend (_engine_config asks it)
-    api_keys = load_api_keys(args.api_key, args.api_key_file)
-    config = _engine_config(args)
-    log.info("loading %s", args.model)
-    if several_hosts:  # one model over every host's devices: only the leader (process 0) serves HTTP
-        import jax
-
-        if jax.process_index() != 0:
-            return run_follower(config, args.host, args.port)
-        engine = AsyncLLM(config, engine=LockstepEngine(config))
-    else:
-        engine = AsyncLLM(config)
-    names = args.served_model_name or [default_served_name(args.model) or engine.model_name]
-    serve(engine, host=args.host, port=args.port, served_model_names=names, api_keys=api_keys,
-          drain_timeout=args.drain_timeout, log_prompts=args.log_prompts, log_level=args.log_level,
-          max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES, tool_call_parser=args.tool_call_parser)
-    return 0
+    if jax.process_index() != 0:
+        return run_follower(config, args.host, args.port)
+    engine = AsyncLLM(config, engine=LockstepEngine(config))
+    return serve(engine, host=args.host, port=args.port, served_model_names=names or [engine.model_name],
+                 api_keys=api_keys, drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
+                 log_level=args.log_level, max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                 tool_call_parser=args.tool_call_parser)
 
 
 def _generate(args: argparse.Namespace) -> int:

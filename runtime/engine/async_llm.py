@@ -4,44 +4,29 @@ One engine thread owns all engine state and runs a plain loop: take new requests
 step, hand each request's deltas to its asyncio queue. The server's event loop never waits on the device."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
 
 from ..config import EngineConfig
-from .engine import EngineStats, LLMEngine
-from .outputs import EmbeddingRequestOutput, RequestOutput
-from .sampling_params import InvalidRequestError, SamplingParams
+from .engine import LLMEngine
+from .engine_stats import EngineStats
+from .errors import EngineDeadError, QueueFullError, RequestCancelledError, RequestFailedError
+from .frontend_engine import FrontendEngine
+from .sampling_params import SamplingParams
 
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestCancelledError", "RequestFailedError"]
 log = logging.getLogger("capstan.engine")
 
 
-class QueueFullError(Exception):
-    """More requests are waiting than max_waiting allows (HTTP 429)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped; no request can make progress."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request alone failed inside the engine (a bug it triggered); the engine goes on serving others."""
-
-
-class RequestCancelledError(RuntimeError):
-    """The server ended this request before it finished (its drain timeout passed)."""
-
-
-class AsyncLLM:
+class AsyncLLM(FrontendEngine):
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+        super().__init__()
         self.engine = engine or LLMEngine(config)  # given: a multi-host LockstepEngine
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ready = threading.Event()
         self._dead = threading.Event()  # set before the failing loop tells its streams, so none is missed
         self._stop = threading.Event()
@@ -69,73 +54,29 @@ class AsyncLLM:
     def check_prompt_chars(self, chars: int, param: str) -> None:
         self.engine.check_prompt_chars(chars, param)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Validates (raising InvalidRequestError or QueueFullError), then yields delta RequestOutputs."""
-        if not self.is_alive():
-            raise EngineDeadError("the engine thread has stopped")
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.cfg.vocab_size
+
+    @property
+    def embedding_dimensions(self) -> int:
+        return self.engine.embedder.dimensions
+
+    def _submit_generate(self, request_id: str, prompt: str | list[int], params: SamplingParams):
         seqs = self.engine.prepare(request_id, prompt, params)
         free_slots = max(0, self.config.max_num_seqs - self._stats.running)
         if self._stats.waiting + self._commands.qsize() - free_slots >= self.config.max_waiting:
             raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
-        stream = self._open_stream(request_id)
-        self._commands.put(("add", seqs))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:  # the consumer went away (client disconnect, cancellation): free the pages now
-                self.abort(request_id)
+        return lambda: self._commands.put(("add", seqs))
 
-    async def embed(self, prompts: list[str | list[int]], request_id: str) -> list[EmbeddingRequestOutput]:
-        """Validates (raising InvalidRequestError or QueueFullError), then waits for every input's embedding."""
-        if not self.is_alive():
-            raise EngineDeadError("the engine thread has stopped")
+    def _submit_embed(self, request_id: str, prompts: list[str | list[int]]):
         inputs = self.engine.embedder.prepare(request_id, prompts)
         if self._stats.waiting + self._commands.qsize() >= self.config.max_waiting:
             raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
-        stream = self._open_stream(request_id)
-        self._commands.put(("embed", inputs))
-        done = False
-        try:
-            item = await stream.get()
-            if isinstance(item, BaseException):
-                raise item
-            done = True
-            return item
-        finally:
-            self._streams.pop(request_id, None)
-            if not done:  # the client went away: its inputs leave the queue and their pages return now
-                self.abort(request_id)
-
-    def _open_stream(self, request_id: str) -> asyncio.Queue:
-        """The queue the engine thread answers this request on."""
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        if self._dead.is_set():  # the loop died after the caller's check: nobody would answer this stream
-            self._streams.pop(request_id, None)
-            raise EngineDeadError("the engine thread has stopped")
-        return stream
+        return lambda: self._commands.put(("embed", inputs))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
-
-    def cancel_all(self, error: BaseException) -> int:
-        """Ends every request in flight with `error`, so each client hears why; their pages are freed.
-        Call from the server's event loop. Returns how many were cancelled."""
-        cancelled = list(self._streams.items())
-        for request_id, (loop, stream) in cancelled:
-            loop.call_soon_threadsafe(stream.put_nowait, type(error)(*error.args))  # one instance each
-            self.abort(request_id)
-        return len(cancelled)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -162,9 +103,7 @@ class AsyncLLM:
         except BaseException as e:  # a device or engine fault: fail every request, stop (liveness turns false)
             self._dead.set()
             log.exception("engine loop failed; /health answers 503 so that the pod is restarted")
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"the engine failed ({type(e).__name__}); this server "
-                                                          "is restarting"))
+            self._fail_all(f"the engine failed ({type(e).__name__}); this server is restarting")
 
     def _deliver_failures(self) -> None:
         for request_id, error in self.engine.take_failed():
@@ -202,12 +141,3 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-
-    def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            try:
-                loop.call_soon_threadsafe(stream.put_nowait, item)
-            except RuntimeError:  # its event loop has closed: nobody is listening any more
-                self._streams.pop(request_id, None)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
+from .input_processor import EmbeddingRequest
 from .outputs import EmbeddingOutput, EmbeddingRequestOutput
 from .sampling_params import InvalidRequestError
 
@@ -71,27 +72,11 @@ class Embedder:
 
     def prepare(self, request_id: str, prompts: list[str | list[int]]) -> list[EmbeddingInput]:
         """Validates and tokenizes a request's inputs without touching embedder state (safe from any thread)."""
-        engine, inputs = self.engine, []
-        vocab = engine.model.cfg.vocab_size
-        for i, prompt in enumerate(prompts):
-            param = "input" if len(prompts) == 1 else f"input[{i}]"
-            if isinstance(prompt, str):
-                engine.check_prompt_chars(len(prompt), param)
-                ids = engine.tokenizer.encode(prompt)
-            else:
-                ids = list(prompt)
-                if any(not 0 <= t < vocab for t in ids):
-                    raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab})", param)
-            if not ids:
-                raise InvalidRequestError(f"{param}: must not be empty", param)
-            if len(ids) > engine.max_model_len:
-                raise InvalidRequestError(f"{param}: this model's maximum context length is {engine.max_model_len} "
-                                          f"tokens, and the input has {len(ids)} tokens", param)
-            if self._pages_for(ids) > engine.pool.num_pages:
-                raise InvalidRequestError(f"{param}: {len(ids)} tokens need more KV pages than the pool has "
-                                          f"({engine.pool.num_pages})", param)
-            inputs.append(EmbeddingInput(request_id, i, ids))
-        return inputs
+        return self.inputs_of(self.engine.inputs.embedding(request_id, prompts))
+
+    @staticmethod
+    def inputs_of(request: EmbeddingRequest) -> list[EmbeddingInput]:
+        return [EmbeddingInput(request.request_id, i, ids) for i, ids in enumerate(request.inputs)]
 
     def add(self, inputs: list[EmbeddingInput]) -> None:
         request_id = inputs[0].request_id

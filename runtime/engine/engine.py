@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import secrets
 import time
 
 import jax
@@ -21,7 +20,9 @@ from .batch import BatchBuilder
 from .detokenizer import IncrementalDetokenizer
 from .draft_model import load_draft
 from .embedder import Embedder
+from .engine_stats import EngineStats
 from .grammar import GrammarTokenizer
+from .input_processor import EngineRequest, InputProcessor, ModelLimits
 from .logprobs import add_prompt_logprobs, position_logprobs
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
@@ -35,23 +36,6 @@ from .stop_strings import StopStringMatcher
 
 log = logging.getLogger("capstan.engine")
 CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
-
-
-@dataclasses.dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    kv_pages_used: int
-    kv_pages_total: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    spec_draft_tokens: int = 0  # tokens proposed by speculative decoding
-    spec_accepted_tokens: int = 0  # of those, the ones the target verified
-    spec_drafts: int = 0  # rows verified with a proposal (draft tokens / drafts: the mean proposal length)
-    spec_accepted_per_pos: tuple[int, ...] = ()  # accepted proposals by position 0..K-1 (where acceptance falls off)
 
 
 class LLMEngine:
@@ -77,9 +61,6 @@ class LLMEngine:
             config.max_model_len = min(cfg.max_position_embeddings, 8192)
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(cfg.eos_token_ids))
-        # Text longer than this cannot fit the context (x2: normalisers may compose characters), so it is refused
-        # before the tokenizer spends time and memory on it.
-        self.max_prompt_chars = 2 * self.max_model_len * self.tokenizer.max_token_chars
         self.grammar = GrammarTokenizer(self.tokenizer, set(self.tokenizer.end_of_turn_ids()) | self.eos_token_ids,
                                         cfg.vocab_size)
         num_pages = config.num_pages or self._pages_that_fit(draft)
@@ -91,6 +72,7 @@ class LLMEngine:
         rows = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                     page_size=config.page_size, max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
                     eos_token_ids=self.eos_token_ids, smallest_bucket=config.smallest_token_bucket)
+        self.inputs = InputProcessor(self.tokenizer, self.limits(), self.grammar)  # admission: no engine state
         self.builder = BatchBuilder(**rows, queries_per_kv=cfg.queries_per_kv)
         self.speculator: Speculator | None = None  # None: every step decodes plainly
         if spec is not None:
@@ -122,52 +104,31 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.enqueue(self.prepare(request_id, prompt, params))
 
+    def limits(self) -> ModelLimits:
+        c, cfg = self.config, self.model.cfg
+        return ModelLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, page_size=c.page_size,
+                           num_pages=c.num_pages, max_num_seqs=c.max_num_seqs, max_logprobs=c.max_logprobs,
+                           max_waiting=c.max_waiting, eos_token_ids=sorted(self.eos_token_ids),
+                           hidden_size=cfg.hidden_size)
+
     def validate(self, params: SamplingParams) -> None:
         """Every sampling field within its limit for this model and configuration (InvalidRequestError)."""
-        params.validate(vocab_size=self.model.cfg.vocab_size, max_n=self.config.max_num_seqs,
-                        max_logprobs=self.config.max_logprobs)
-        if params.structured is not None and (error := self.grammar.check(params.structured)):
-            raise InvalidRequestError(f"{params.structured.param}: {error}", params.structured.param)
+        self.inputs.validate(params)
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
-        if chars > self.max_prompt_chars:
-            raise InvalidRequestError(
-                f"{param}: {chars} characters cannot fit this model's maximum context length of "
-                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)", param)
+        self.inputs.check_prompt_chars(chars, param)
 
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         """Validates and tokenizes a request without touching engine state (safe from any thread)."""
-        self.validate(params)
-        if isinstance(prompt, str):
-            self.check_prompt_chars(len(prompt), "prompt")
-            prompt_text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            prompt_text, ids = None, list(prompt)
-            if any(not 0 <= t < self.model.cfg.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt: token ids must be in [0, {self.model.cfg.vocab_size})", "prompt")
-        if not ids:
-            raise InvalidRequestError("prompt: must not be empty", "prompt")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"prompt: this model's maximum context length is {limit} tokens, and the prompt has {len(ids)} "
-                f"tokens (at least one token must remain for the output)", "prompt")
-        room = limit - len(ids)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens: this model's maximum context length is {limit} tokens; the prompt has {len(ids)}, so "
-                f"max_tokens can be at most {room}, got {params.max_tokens}", "max_tokens")
-        max_tokens = room if params.max_tokens is None else params.max_tokens  # 0: score the prompt, sample nothing
-        pages_needed = -(-(len(ids) + max_tokens) // self.config.page_size)
-        if pages_needed > self.pool.num_pages:
-            raise InvalidRequestError(
-                f"max_tokens: prompt plus output need {pages_needed} KV pages, the pool has {self.pool.num_pages}",
-                "max_tokens")
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        now = time.monotonic()
-        seqs = [Sequence(request_id=request_id, index=i, prompt_ids=ids, params=params, seed=seed, arrival=now,
-                         detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                         stop_matcher=StopStringMatcher(params.stop or []), max_tokens=max_tokens, prompt_text=prompt_text,
+        return self.make_sequences(self.inputs.process(request_id, prompt, params))
+
+    def make_sequences(self, request: EngineRequest) -> list[Sequence]:
+        """The request's n choices, ready to enqueue (the engine core's half of admission)."""
+        ids, params, now = request.prompt_ids, request.params, time.monotonic()
+        seqs = [Sequence(request_id=request.request_id, index=i, prompt_ids=ids, params=params, seed=request.seed,
+                         arrival=now, detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                         stop_matcher=StopStringMatcher(params.stop or []), max_tokens=request.max_tokens,
+                         prompt_text=request.prompt_text,
                          constraint=self.grammar.matcher(params.structured) if params.structured else None)
                 for i in range(params.n)]
         seqs[0].pending_forks = seqs[1:]
@@ -275,7 +236,8 @@ class LLMEngine:
     @property
     def kv(self) -> KVCache:
         """The KV cache pool; when a decode dispatch was queued ahead (multi_step.py), its output, once its call
-        returns: whoever reads the cache waits for that first."""
+        returns: whoever reads the cache waits for that first. Pages evicted to the host tier since the last read
+        have their copies queued first, so they are read before anything (the reader's call) writes them."""
         ahead = self.__dict__.get("multi_step") and self.multi_step.ahead
         if ahead:
             self.multi_step.settle()

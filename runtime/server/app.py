@@ -4,13 +4,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 
 import uvicorn
 from fastapi import FastAPI
 
 from . import chat, completions, embeddings, model_list, probes, tokenize, version
-from ..engine.async_llm import RequestCancelledError
+from ..engine.errors import RequestCancelledError
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from ..generation_config import describe as describe_defaults, sampling_defaults
@@ -28,9 +29,11 @@ def build_app(ctx: ServerContext, api_keys: list[str] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        await ctx.engine.start()  # an engine core's client connects on this loop
         watch = asyncio.create_task(_log_warmup(ctx.engine))
         yield
         watch.cancel()
+        await ctx.engine.stop()
 
     app = FastAPI(title="Capstan", description="OpenAI-compatible LLM server", version="0.1.0", lifespan=lifespan)
     app.state.context = ctx
@@ -71,8 +74,10 @@ async def _log_warmup(engine) -> None:
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_names: list[str] | None = None,
           api_keys: list[str] | None = None, drain_timeout: float = 30.0, log_prompts: bool = False,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-          tool_call_parser: str | None = None) -> None:
-    """Serves until SIGTERM (drain, then exit) or SIGINT; shuts the engine down on the way out."""
+          tool_call_parser: str | None = None, reuse_port: bool = False, on_start=None, on_drain=None) -> int:
+    """Serves until SIGTERM (drain, then exit) or SIGINT; shuts the engine down on the way out. reuse_port: several
+    frontend processes share the port (the kernel spreads connections); on_start(server) runs on the server's loop,
+    on_drain() when a drain starts. Returns the exit code (1 when the server drained because a part of it failed)."""
     provider = make_tracer_provider()
     ctx = make_context(engine, served_model_names, log_prompts, provider, tool_call_parser)
     app = build_app(ctx, api_keys, max_body_bytes)
@@ -81,13 +86,27 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_nam
                             timeout_keep_alive=5)
     timeout_error = RequestCancelledError(f"the server is shutting down and its drain timeout ({drain_timeout:g} s) "
                                           "has passed; retry on another replica")
-    server = DrainingServer(config, ctx.drain, drain_timeout, on_timeout=lambda: engine.cancel_all(timeout_error))
+    server = DrainingServer(config, ctx.drain, drain_timeout, on_timeout=lambda: engine.cancel_all(timeout_error),
+                            on_start=on_start, on_drain=on_drain)
     auth = f"{len(api_keys)} API key(s)" if api_keys else "no API key (open)"
     log.info("serving %s as %s on http://%s:%d with %s", engine.model_name, ", ".join(ctx.served_model_names),
              host, port, auth)
     try:
-        server.run()
+        server.run(sockets=[shared_port_socket(host, port)] if reuse_port else None)
     finally:
         engine.shutdown()
         if provider is not None:
             provider.shutdown()
+    return server.exit_code
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket that other processes bind too (SO_REUSEPORT): one port, several frontends."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -67,23 +67,39 @@ class DrainMiddleware:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose SIGTERM drains first; SIGINT (Ctrl-C) stops at once, a second one forcibly."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float, on_timeout=None):
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float, on_timeout=None, on_start=None,
+                 on_drain=None):
         super().__init__(config)
         self.drain, self.drain_timeout = drain, drain_timeout
         self.on_timeout = on_timeout  # ends what is still in flight with an error its clients see
+        self.on_start = on_start  # on_start(server), on the server's loop: supervision of other processes
+        self.on_drain = on_drain  # when a drain starts: other frontends drain too
+        self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.on_start is not None:
+            self.on_start(self)
         await super().serve(sockets)
+
+    def fail(self, reason: str) -> None:
+        """A part of the server failed (another process of it died): drain as on SIGTERM, then exit 1, so the
+        kubelet restarts the pod. Call on the server's loop."""
+        log.error("%s: draining, then exiting so that the pod restarts", reason)
+        self.exit_code = 1
+        if not self.drain.draining:
+            self.drain.draining = True
+            self._start_drain()
 
     def handle_exit(self, sig: int, frame) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and the exit code would
         # be the signal's, where Kubernetes expects 0 from a clean drain.
-        if sig == signal.SIGTERM and self._loop is not None and not self.drain.draining:
-            self.drain.draining = True  # readiness and new requests see it at once
-            self._loop.call_soon_threadsafe(self._start_drain)
+        if sig == signal.SIGTERM and self._loop is not None:
+            if not self.drain.draining:  # a second SIGTERM (the pod's, after ours) changes nothing
+                self.drain.draining = True  # readiness and new requests see it at once
+                self._loop.call_soon_threadsafe(self._start_drain)
         elif self.should_exit:
             self.force_exit = True
         else:
@@ -94,6 +110,8 @@ class DrainingServer(uvicorn.Server):
         # 503: idle connections close now, busy ones after their response, and clients reconnect elsewhere.
         for connection in list(self.server_state.connections):
             connection.shutdown()
+        if self.on_drain is not None:
+            self.on_drain()
         self._drain_task = asyncio.ensure_future(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:

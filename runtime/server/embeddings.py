@@ -68,7 +68,7 @@ class EmbeddingResponse(BaseModel):
 @router.post("/v1/embeddings", response_model=EmbeddingResponse)
 async def create_embedding(body: EmbeddingRequest, request: Request, ctx: ServerContext = Depends(get_context)):
     model = ctx.resolve_model(body.model)
-    size = ctx.engine.engine.embedder.dimensions
+    size = ctx.engine.embedding_dimensions
     if body.dimensions is not None and body.dimensions != size:
         raise InvalidRequestError(f"dimensions: this model's embeddings have {size} dimensions and cannot be shortened "
                                   f"(it is not a Matryoshka model); omit dimensions or send {size}", "dimensions")

@@ -8,7 +8,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.async_llm import EngineDeadError, QueueFullError, RequestCancelledError, RequestFailedError
+from ..engine.errors import (EngineDeadError, EngineNotReadyError, QueueFullError, RequestCancelledError,
+                             RequestFailedError)
 from ..engine.sampling_params import InvalidRequestError
 from .error_body import RETRY_AFTER_SECONDS, APIError, ErrorJSONResponse, error_body, error_response
 
@@ -19,6 +20,8 @@ def exception_body(exc: BaseException) -> tuple[int, dict]:
     """The status and OpenAI error body for an exception raised while generating (also sent mid-stream)."""
     if isinstance(exc, EngineDeadError):
         return 503, error_body(503, str(exc), code="engine_dead")
+    if isinstance(exc, EngineNotReadyError):
+        return 503, error_body(503, str(exc), code="not_ready")
     if isinstance(exc, RequestCancelledError):
         return 503, error_body(503, str(exc), code="shutting_down")
     if isinstance(exc, RequestFailedError):
@@ -94,6 +97,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(QueueFullError, _on_queue_full)
     app.add_exception_handler(EngineDeadError, _on_engine_failure)
+    app.add_exception_handler(EngineNotReadyError, _on_engine_failure)
     app.add_exception_handler(RequestFailedError, _on_engine_failure)
     app.add_exception_handler(RequestCancelledError, _on_engine_failure)
     app.add_exception_handler(Exception, _on_unexpected)

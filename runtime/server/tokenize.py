@@ -87,7 +87,7 @@ async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_conte
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(get_context)) -> DetokenizeResponse:
     ctx.resolve_model(body.model)
-    vocab = ctx.engine.engine.model.cfg.vocab_size
+    vocab = ctx.engine.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
         raise InvalidRequestError(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens")

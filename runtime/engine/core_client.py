@@ -1,0 +1,173 @@
+"""EngineCoreClient: the engine core (core_process.py), running in its own process, as a frontend sees it.
+
+The frontend validates and tokenizes here (InputProcessor: no device, no engine state), pushes the tokenized request
+to the core, and reads its outputs on its own socket from the server's event loop; the core's process is watched
+through a pidfd, so a core that dies (SIGKILL, out of memory) fails /health and ends every open stream at once."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import zmq
+import zmq.asyncio
+
+from ..config import EngineConfig
+from ..tokenizer import Tokenizer
+from .core_messages import Abort, Add, Dead, Embed, Loaded, Outputs, Ready, decode_from_core, encode
+from .engine_stats import EngineStats
+from .errors import EngineNotReadyError, QueueFullError, RequestFailedError
+from .frontend_engine import FrontendEngine
+from .input_processor import InputProcessor
+from .sampling_params import InvalidRequestError, SamplingParams
+
+log = logging.getLogger("capstan.engine")
+NO_STATS = EngineStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0, prefix_cache_queried_tokens=0,
+                       prefix_cache_hit_tokens=0, preemptions=0, prompt_tokens=0, generation_tokens=0)
+
+
+class EngineCoreClient(FrontendEngine):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_name: str, *, frontend: int,
+                 input_address: str, output_address: str, core_pid: int):
+        super().__init__()
+        self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self.frontend = frontend
+        self._input_address, self._output_address, self._core_pid = input_address, output_address, core_pid
+        self.inputs: InputProcessor | None = None  # once the core has loaded the model and said its limits
+        self._stats = NO_STATS
+        self._ready = False
+        self._dead: str | None = None  # why the core stopped
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # each open request's prompt (not resent)
+        self._reader: asyncio.Task | None = None
+        self._pidfd: int | None = None
+
+    # ---- lifetime: on the server's event loop ----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._sync = zmq.Context()
+        self._outbox = self._sync.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)  # a request is never dropped on the way to the core
+        self._outbox.connect(self._input_address)
+        self._async = zmq.asyncio.Context()
+        self._inbox = self._async.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.RCVHWM, 0)
+        self._inbox.bind(self._output_address)
+        self._reader = asyncio.create_task(self._read())
+        try:
+            self._pidfd = os.pidfd_open(self._core_pid)
+        except ProcessLookupError:
+            self._core_died("the engine core process is gone")
+            return
+        asyncio.get_running_loop().add_reader(self._pidfd, self._core_exited)
+
+    async def stop(self) -> None:
+        """Closes this frontend's sockets; the serving process stops the core itself, after every frontend."""
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._outbox.close(linger=0)
+        self._inbox.close(linger=0)
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Nothing left to do: stop() closed the sockets on the server's loop."""
+
+    # ---- state for probes and metrics ------------------------------------------------------------------------------
+    def is_ready(self) -> bool:
+        return self._ready and self.is_alive()
+
+    def is_alive(self) -> bool:
+        return self._dead is None
+
+    def stats(self) -> EngineStats:
+        return self._stats  # the core's, sent with every step's outputs
+
+    @property
+    def vocab_size(self) -> int:
+        return self._loaded().limits.vocab_size
+
+    @property
+    def embedding_dimensions(self) -> int:
+        return self._loaded().limits.hidden_size
+
+    # ---- requests --------------------------------------------------------------------------------------------------
+    def validate(self, params: SamplingParams) -> None:
+        self._loaded().validate(params)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        self._loaded().check_prompt_chars(chars, param)
+
+    def _submit_generate(self, request_id: str, prompt: str | list[int], params: SamplingParams):
+        request = self._loaded().process(request_id, prompt, params)
+        data = encode(Add(self.frontend, request))
+
+        def submit() -> None:
+            self._prompts[request_id] = (request.prompt_text, request.prompt_ids)
+            self._outbox.send(data)
+        return submit
+
+    def _submit_embed(self, request_id: str, prompts: list[str | list[int]]):
+        data = encode(Embed(self.frontend, self._loaded().embedding(request_id, prompts)))
+        return lambda: self._outbox.send(data)
+
+    def abort(self, request_id: str) -> None:
+        self._prompts.pop(request_id, None)
+        if self.is_alive():
+            self._outbox.send(encode(Abort(request_id)))
+
+    def _loaded(self) -> InputProcessor:
+        if self.inputs is None:
+            raise EngineNotReadyError("the model is still loading; retry when /ready answers 200")
+        return self.inputs
+
+    # ---- the core's messages ---------------------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)  # on this loop already: no thread hop
+        if target is not None:
+            target[1].put_nowait(item)
+
+    async def _read(self) -> None:
+        while True:
+            message = decode_from_core(await self._inbox.recv())
+            if isinstance(message, Outputs):
+                self._stats = message.stats
+                self._take_outputs(message)
+            elif isinstance(message, Loaded):
+                self.config = message.config  # as resolved there (num_pages, max_model_len, max_num_seqs)
+                self.inputs = InputProcessor(self.tokenizer, message.limits)
+            elif isinstance(message, Ready):
+                self._ready = True
+            elif isinstance(message, Dead):
+                self._core_died(message.message)
+                return
+
+    def _take_outputs(self, message: Outputs) -> None:
+        for out in message.outputs:
+            prompt = self._prompts.get(out.request_id)
+            if prompt is not None:
+                out.prompt, out.prompt_token_ids = prompt
+            if out.finished:
+                self._prompts.pop(out.request_id, None)
+            self._deliver(out.request_id, out)
+        for outs in message.embeddings:
+            self._deliver(outs[0].request_id, outs)
+        for f in message.failures:
+            self._prompts.pop(f.request_id, None)
+            error = (InvalidRequestError(f.message, f.param) if f.kind == "invalid" else
+                     QueueFullError(f.message) if f.kind == "queue_full" else RequestFailedError(f.message))
+            self._deliver(f.request_id, error)
+
+    def _core_exited(self) -> None:
+        self._core_died("the engine core process exited; this server is restarting")
+
+    def _core_died(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = reason
+        log.error("%s: /health answers 503 so that the pod is restarted", reason)
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._fail_all(reason)

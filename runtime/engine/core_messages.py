@@ -1,0 +1,88 @@
+"""The wire between frontends and the engine core: msgpack (msgspec) messages, typed on both ends.
+
+Frontends push requests, embeddings, aborts and the shutdown to the core's one input socket; the core pushes each
+frontend its own requests' outputs, with the engine's stats, on that frontend's output socket."""
+from __future__ import annotations
+
+import msgspec
+
+from ..config import EngineConfig
+from .engine_stats import EngineStats
+from .input_processor import EmbeddingRequest, EngineRequest, ModelLimits
+from .outputs import EmbeddingRequestOutput, RequestOutput
+
+
+class CoreSpec(msgspec.Struct):
+    """What the serving process tells its engine core: the engine's configuration and the sockets."""
+
+    config: EngineConfig
+    input_address: str  # the core binds it; every frontend pushes to it
+    output_addresses: list[str]  # one per frontend, which binds it; the core pushes to it
+    parent_pid: int
+    log_level: str = "INFO"
+    cpu_max_num_seqs: int | None = None  # max_num_seqs when the backend is a CPU (none was given)
+
+
+# ---- frontend -> engine core --------------------------------------------------------------------------------------
+class Add(msgspec.Struct, tag="add", array_like=True):
+    frontend: int  # whose output socket answers it
+    request: EngineRequest
+
+
+class Embed(msgspec.Struct, tag="embed", array_like=True):
+    frontend: int
+    request: EmbeddingRequest
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+ToCore = Add | Embed | Abort | Shutdown
+
+
+# ---- engine core -> frontend --------------------------------------------------------------------------------------
+class Loaded(msgspec.Struct, tag="loaded", array_like=True):
+    """The model is on the device: admission can start checking requests against it (warm-up follows)."""
+
+    limits: ModelLimits
+    config: EngineConfig  # as the core resolved it (max_model_len, num_pages, max_num_seqs)
+    model_name: str
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    compile_seconds: float
+
+
+class Failure(msgspec.Struct, array_like=True):
+    """A request that failed alone: kind is "invalid" (400, param names the field), "queue_full" (429) or
+    "failed" (a fault it triggered in the engine)."""
+
+    request_id: str
+    kind: str
+    message: str
+    param: str | None = None
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[RequestOutput]
+    embeddings: list[list[EmbeddingRequestOutput]]
+    failures: list[Failure]
+    stats: EngineStats
+
+
+class Dead(msgspec.Struct, tag="dead", array_like=True):
+    """The engine core's last word before it exits: no request can make progress."""
+
+    message: str
+
+
+FromCore = Loaded | Ready | Outputs | Dead
+
+encode = msgspec.msgpack.Encoder().encode
+decode_to_core = msgspec.msgpack.Decoder(ToCore).decode
+decode_from_core = msgspec.msgpack.Decoder(FromCore).decode

@@ -1,0 +1,173 @@
+"""The engine core: one process that owns the device, the scheduler, the KV cache and the jitted steps, and does
+nothing else. Frontends send it requests already tokenized and validated; it answers each frontend with its own
+requests' outputs and the engine's stats after every step. It waits on its socket only while the engine is idle.
+
+Started by `capstan serve` (runtime/server/processes.py) as `python -m capstan.runtime.engine.core_process`, its
+CoreSpec on stdin;
+it ignores SIGINT and SIGTERM (the serving process decides when it stops: after the frontends drained) and dies
+with its parent."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import jax
+import msgspec
+import zmq
+
+from .core_messages import (Abort, Add, CoreSpec, Dead, Embed, Failure, Loaded, Outputs, Ready, Shutdown, ToCore,
+                            decode_to_core, encode)
+from .engine import LLMEngine
+from .errors import QueueFullError
+from .outputs import EmbeddingRequestOutput, RequestOutput
+from .parent_death import die_with_parent
+from .sampling_params import InvalidRequestError
+
+log = logging.getLogger("capstan.engine")
+IDLE_POLL_MS = 500  # how long an idle core waits for a message before looking again
+
+
+class EngineCore:
+    def __init__(self, spec: CoreSpec):
+        self.zmq = zmq.Context()
+        self.inbox = self.zmq.socket(zmq.PULL)
+        self.inbox.bind(spec.input_address)
+        self.outboxes = []
+        for address in spec.output_addresses:
+            outbox = self.zmq.socket(zmq.PUSH)
+            outbox.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped; the frontend reads them as they come
+            outbox.connect(address)
+            self.outboxes.append(outbox)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.engine: LLMEngine | None = None
+        self.config = spec.config
+        if spec.cpu_max_num_seqs is not None and jax.default_backend() == "cpu":  # decided here: only the core
+            self.config.max_num_seqs = spec.cpu_max_num_seqs                     # may start JAX's backend
+        self.owner: dict[str, int] = {}  # request id -> the frontend that answers it
+
+    def run(self) -> int:
+        """Loads, warms up, serves until a Shutdown; a fault tells every frontend before the process exits."""
+        try:
+            self.engine = engine = LLMEngine(self.config)
+            self._broadcast(Loaded(engine.limits(), self.config, engine.model_name))
+            if self.config.warmup:
+                engine.warmup()
+            self._broadcast(Ready(engine.compile_seconds))
+            log.info("engine core ready: serving %d frontend(s)", len(self.outboxes))
+            while self._serve_once():
+                pass
+            return 0
+        except BaseException as e:  # a device or engine fault: /health turns 503 in every frontend
+            log.exception("the engine core failed; its frontends answer /health with 503 so that the pod restarts")
+            self._broadcast(Dead(f"the engine failed ({type(e).__name__}); this server is restarting"))
+            return 1
+        finally:
+            for socket in (self.inbox, *self.outboxes):
+                socket.close(linger=1000)  # the last words (Dead, the final outputs) still go out
+            self.zmq.term()
+
+    def _serve_once(self) -> bool:
+        """Takes what arrived, steps once if there is work; False after a Shutdown."""
+        engine = self.engine
+        embedder = engine.embedder
+        busy = engine.has_unfinished() or embedder.has_work()
+        outputs: list[RequestOutput] = []
+        embeddings: list[tuple[str, list[EmbeddingRequestOutput]]] = []
+        failures: list[Failure] = []
+        took = self.poller.poll(0 if busy else IDLE_POLL_MS)
+        while took:
+            try:
+                message = decode_to_core(self.inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if isinstance(message, Shutdown):
+                return False
+            self._take(message, outputs, failures)
+        if not took and not busy:
+            return True
+        if engine.has_unfinished():
+            outputs += engine.step()
+        if embedder.has_work():  # one embedding batch between generation steps: both progress
+            embeddings += embedder.step()
+        failures += [Failure(rid, "failed", f"this request failed in the engine ({type(e).__name__}); the server "
+                             "goes on serving") for rid, e in engine.take_failed()]
+        self._answer(outputs, embeddings, failures)
+        return True
+
+    def _take(self, message: ToCore, outputs: list[RequestOutput], failures: list[Failure]) -> None:
+        engine = self.engine
+        if isinstance(message, Abort):  # its frontend stopped listening: nothing goes back
+            self.owner.pop(message.request_id, None)
+            engine.embedder.abort(message.request_id)
+            engine.abort(message.request_id)
+            return
+        request_id = message.request.request_id
+        self.owner[request_id] = message.frontend
+        try:
+            stats = engine.stats()
+            if isinstance(message, Add):
+                free_slots = max(0, self.config.max_num_seqs - stats.running)
+                if stats.waiting - free_slots >= self.config.max_waiting:
+                    raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
+                engine.enqueue(engine.make_sequences(message.request))
+            else:
+                if stats.waiting >= self.config.max_waiting:
+                    raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
+                engine.embedder.add(engine.embedder.inputs_of(message.request))
+        except QueueFullError as e:
+            failures.append(Failure(request_id, "queue_full", str(e)))
+        except InvalidRequestError as e:
+            failures.append(Failure(request_id, "invalid", str(e), e.param))
+        except Exception as e:  # noqa: BLE001 - this request's own fault: it fails alone, the loop goes on
+            log.exception("request %s could not be queued", request_id)
+            if isinstance(message, Add) and request_id in engine.requests:
+                engine.fail(request_id, e)  # reported with the step's failures
+            else:
+                failures.append(Failure(request_id, "failed", f"this request failed in the engine "
+                                        f"({type(e).__name__}); the server goes on serving"))
+
+    def _answer(self, outputs: list[RequestOutput], embeddings, failures: list[Failure]) -> None:
+        """Each frontend gets its own requests' news, and every frontend the stats (its gauges and 429s)."""
+        by_frontend: dict[int, Outputs] = {}
+        stats = self.engine.stats()
+
+        def message(request_id: str, finished: bool) -> Outputs | None:
+            frontend = self.owner.pop(request_id, None) if finished else self.owner.get(request_id)
+            if frontend is None:  # aborted by its frontend, which no longer listens for it
+                return None
+            if frontend not in by_frontend:
+                by_frontend[frontend] = Outputs([], [], [], stats)
+            return by_frontend[frontend]
+
+        for out in outputs:
+            if (m := message(out.request_id, out.finished)) is not None:
+                out.prompt, out.prompt_token_ids = None, []  # the frontend has them: never resent per delta
+                m.outputs.append(out)
+        for request_id, outs in embeddings:
+            if (m := message(request_id, True)) is not None:
+                m.embeddings.append(outs)
+        for failure in failures:
+            if (m := message(failure.request_id, True)) is not None:
+                m.failures.append(failure)
+        for frontend, outbox in enumerate(self.outboxes):
+            outbox.send(encode(by_frontend.get(frontend) or Outputs([], [], [], stats)))
+
+    def _broadcast(self, message) -> None:
+        data = encode(message)
+        for outbox in self.outboxes:
+            outbox.send(data)
+
+
+def main() -> int:
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=CoreSpec)  # from the serving process
+    die_with_parent(spec.parent_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the serving process stops this one, after its drain
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
+    return EngineCore(spec).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

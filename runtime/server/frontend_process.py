@@ -1,0 +1,62 @@
+"""A frontend of `capstan serve --api-server-count N` beyond the first: the same FastAPI app on the same port
+(SO_REUSEPORT), in front of the same engine core; started by processes.py, its FrontendSpec on stdin."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import msgspec
+
+from ..engine.core_client import EngineCoreClient
+from ..engine.parent_death import die_with_parent
+from ..tokenizer import Tokenizer
+from .app import serve
+from ..config import EngineConfig
+
+
+class ServeOptions(msgspec.Struct):
+    """serve()'s arguments, as every frontend process gets them."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] | None = None
+    api_keys: list[str] | None = None
+    drain_timeout: float = 30.0
+    log_prompts: bool = False
+    max_body_bytes: int | None = None
+    log_level: str = "info"
+    tool_call_parser: str | None = None
+
+
+class FrontendSpec(msgspec.Struct):
+    config: EngineConfig
+    model_name: str
+    frontend: int
+    input_address: str
+    output_address: str
+    core_pid: int
+    parent_pid: int
+    options: ServeOptions
+
+
+def serve_kwargs(options: ServeOptions) -> dict:
+    kwargs = {f: getattr(options, f) for f in options.__struct_fields__}
+    if kwargs["max_body_bytes"] is None:
+        del kwargs["max_body_bytes"]
+    return kwargs
+
+
+def main() -> int:
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=FrontendSpec)
+    die_with_parent(spec.parent_pid)
+    logging.basicConfig(level=spec.options.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s [frontend {spec.frontend}]: %(message)s")
+    config = spec.config
+    client = EngineCoreClient(config, Tokenizer.from_pretrained(config.tokenizer or config.model), spec.model_name,
+                              frontend=spec.frontend, input_address=spec.input_address,
+                              output_address=spec.output_address, core_pid=spec.core_pid)
+    return serve(client, **serve_kwargs(spec.options), reuse_port=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
