@@ -81,5 +81,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "capstan.gatewayURL" -}}
 {{- $name := printf "%s-gateway" (include "capstan.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- $port := int .Values.gateway.service.port -}}
-{{- printf "http://%s.%s.svc.cluster.local%s/v1" $name .Release.Namespace (ternary "" (printf ":%d" $port) (eq $port 80)) -}}
+{{- $scheme := ternary "https" "http" (ne .Values.gateway.tls.secretName "") -}}
+{{- $default := ternary 443 80 (ne .Values.gateway.tls.secretName "") -}}
+{{- printf "%s://%s.%s.svc.cluster.local%s/v1" $scheme $name .Release.Namespace (ternary "" (printf ":%d" $port) (eq $port $default)) -}}
 {{- end -}}
