@@ -42,6 +42,32 @@ def wait_ready(url: str, timeout: float = START_TIMEOUT, process: subprocess.Pop
     raise TimeoutError(f"{url} not ready within {timeout} s")
 
 
+def child_processes(pid: int) -> dict[int, str]:
+    """The live children of a process, by pid, with their command lines (from /proc)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:  # it exited while we looked
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children[int(entry.name)] = cmdline
+    return children
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
 class ThreadServer:
     """uvicorn serving an app on a thread of this process (no signal handling: the main thread owns that)."""
 

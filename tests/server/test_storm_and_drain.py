@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from servers import MODEL, ServeProcess
+from servers import MODEL, ServeProcess, alive, child_processes
 from test_disconnect import gauges, wait_pool_free
 
 pytestmark = pytest.mark.slow
@@ -86,6 +86,9 @@ def test_disconnect_storm_frees_every_page(storm_server):
 
 
 def test_sigterm_with_64_streams_finishes_them_all_then_exits_0(storm_server):
+    children = child_processes(storm_server.process.pid)  # the engine core, and nothing else survives either
+    assert any("capstan.runtime.engine.core_process" in c for c in children.values()), children
+
     async def scenario():
         # 360 tokens each: the drain outlasts the late request below even when a loaded machine lets the server run
         # far ahead of this client's polling (at 120 a CI run saw every stream end, and the server exit, within 0.3 s)
@@ -111,6 +114,7 @@ def test_sigterm_with_64_streams_finishes_them_all_then_exits_0(storm_server):
         assert result["status"] == 200 and result["events"][-1] == "[DONE]"
         assert finish_reasons(result["events"]) == ["length"]
     assert storm_server.wait(timeout=60) == 0
+    assert not [pid for pid in children if alive(pid)], "a child of capstan serve outlived it"
     print(f"64 streams drained; process exited {time.monotonic() - signalled:.1f} s after SIGTERM")
 
 
