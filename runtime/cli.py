@@ -36,6 +36,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching)
+    parser.add_argument("--kv-offloading-size", type=float, default=d.kv_offloading_size, metavar="GiB",
+                        help="host memory for K/V pages evicted from the prefix cache: a prefix that comes back is "
+                             "copied to the device instead of recomputed (default 0: off)")
     parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                         help="devices to split the model over (it must divide the attention heads and the MLP size; "
                              "KV heads are split, or replicated when fewer)")
@@ -102,6 +105,7 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
         tokenizer=args.tokenizer, decode_steps=args.decode_steps, smallest_token_bucket=args.smallest_token_bucket,
         max_logprobs=args.max_logprobs, embedding_pooling=args.embedding_pooling,
         tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
+        kv_offloading_size=args.kv_offloading_size,
         quantization=args.quantization, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
     )

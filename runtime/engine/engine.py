@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
+from ..kv.host_offload import HostOffload
 from ..kv.page_pool import PagePool
 from ..models.decoder import DecoderModel
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
@@ -69,6 +70,9 @@ class LLMEngine:
                                    self.dtype, sharding=self.parallel.kv_sharding())
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        if config.kv_offloading_size:  # evicted prefix pages go to host memory, and come back on a hit
+            self.scheduler.attach_host_tier(HostOffload(self.kv, config.kv_offloading_size,
+                                                        context=self._precision))
         rows = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                     page_size=config.page_size, max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
                     eos_token_ids=self.eos_token_ids, smallest_bucket=config.smallest_token_bucket)
@@ -179,7 +183,8 @@ class LLMEngine:
                            spec_draft_tokens=spec.draft_tokens if spec else 0,
                            spec_accepted_tokens=spec.accepted_tokens if spec else 0,
                            spec_drafts=spec.drafts if spec else 0,
-                           spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else ())
+                           spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
+                           **s.host_tier_stats())
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -195,12 +200,16 @@ class LLMEngine:
             self.speculator.warmup()
         if self.config.decode_steps > 1:
             self.multi_step.warmup()
+        if self.scheduler.offload is not None:  # the copies between the tiers
+            self.kv = self.scheduler.offload.warmup(self.kv)
         self.compile_seconds = time.monotonic() - start
         log.info("compilation done in %.1f s", self.compile_seconds)
 
     def step(self) -> list[RequestOutput]:
         """One step. A failure that belongs to one request fails that request alone (see `fail`); one that
         belongs to none (the device, a compilation) propagates: the engine cannot go on."""
+        if self.scheduler.offload is not None and self.scheduler.offload.busy:  # copies between the tiers
+            self.kv = self.scheduler.poll_host_tier(self.kv)
         if self.multi_step.ahead is not None:  # queued by the last step while its tokens were applied
             return self.multi_step.continue_run()
         chunks = self.scheduler.schedule()
@@ -241,6 +250,9 @@ class LLMEngine:
         ahead = self.__dict__.get("multi_step") and self.multi_step.ahead
         if ahead:
             self.multi_step.settle()
+        offload = self.__dict__.get("scheduler") and self.scheduler.offload
+        if offload:
+            offload.flush(self._kv)
         return self._kv
 
     @kv.setter

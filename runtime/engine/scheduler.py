@@ -3,13 +3,21 @@
 Every step has a token budget and a sequence cap. Running sequences go first (a decode is one token, an
 unfinished chunked prefill takes what the budget leaves), then waiting ones in arrival order. When pages
 run out, the most recently admitted running sequence is preempted: its pages are freed and it is
-recomputed later (the prefix cache usually makes that cheap)."""
+recomputed later (the prefix cache usually makes that cheap).
+
+With a host-memory tier under the prefix cache (kv/host_offload.py), a fresh sequence whose prefix goes on past
+its device hit in pages that the tier holds gets device pages for them and waits in `loading` while they are
+copied back; the next poll after they land admits it at the front of the queue with them computed (or, if the copy
+failed or was late, with them to recompute). A preempted sequence comes back as a fresh one: its pages, evicted
+meanwhile, are copied back the same way."""
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
-from ..kv.page_pool import PagePool, page_hash
+from ..kv.host_offload import HostOffload
+from ..kv.page_pool import PageHash, PagePool, page_hash
 from .sequence import Sequence, Status
 
 
@@ -41,6 +49,19 @@ class Scheduler:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.failed: list[tuple[Sequence, BaseException]] = []  # admissions that raised: their requests fail
+        self.offload: HostOffload | None = None  # the prefix cache's host-memory tier (attach_host_tier)
+        # waiting for these pages to come back from host memory, since when
+        self.loading: dict[Sequence, tuple[list[PageHash], float]] = {}
+        self.restored: dict[Sequence, int] = {}  # back in the queue after a load: tokens the host tier supplied
+        self.host_queried_tokens = 0  # prompt tokens the device tier did not have, looked up in the host tier
+        self.host_hit_tokens = 0
+        self.host_saved_seconds = 0.0  # estimated: restored tokens at the measured prefill cost, less the waits
+        self.prefill_seconds_per_token = 0.0  # moving average over steps that were mostly prefill
+        self._last_step: tuple[float, int] | None = None  # (when the last schedule ran, its prefill tokens)
+
+    def attach_host_tier(self, offload: HostOffload) -> None:
+        self.offload = offload
+        self.pool.on_evict = offload.on_evict
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
@@ -50,9 +71,11 @@ class Scheduler:
             self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> list[ScheduledChunk]:
+        if self.offload is not None:
+            self._time_prefill()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         i = 0
@@ -67,10 +90,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             fresh = seq.num_computed == 0 and not seq.pages
+            restored = self.restored.get(seq)  # its pages were just copied back: admitted as a fresh one is
             try:
                 if fresh and seq.params.prompt_logprobs is None:  # cached prompt tokens would have no logprobs
                     seq.pages, seq.page_hashes = self.pool.lookup(seq.token_ids)
                     seq.num_computed = len(seq.pages) * self.pool.page_size
+                    if self.offload is not None and self._load_from_host(seq):
+                        self.waiting.popleft()
+                        continue
                 n = min(seq.num_uncomputed, budget)
                 admitted = self._reserve(seq, n, preempt=False)
             except Exception as e:  # noqa: BLE001 - this request's own fault: the engine fails it alone
@@ -81,17 +108,25 @@ class Scheduler:
             if not admitted:
                 if fresh:
                     self._free(seq)
+                for waiter in list(self.restored):  # while the front waits for pages, no waiter holds any
+                    self._free(waiter)  # (their restored pages stay cached, unreferenced, until evicted)
                 break
-            if fresh:
+            if fresh or restored is not None:
+                self.restored.pop(seq, None)
+                prompt, host = len(seq.prompt_ids), min(restored or 0, len(seq.prompt_ids))
+                device = min(seq.num_computed, prompt) - host
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
-                self.prefix_queried_tokens += len(seq.prompt_ids)
-                self.prefix_hit_tokens += min(seq.num_computed, len(seq.prompt_ids))
+                self.prefix_queried_tokens += prompt
+                self.prefix_hit_tokens += device
+                if self.offload is not None:
+                    self.host_queried_tokens += prompt - device
+                    self.host_hit_tokens += host
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
-        return chunks
+        return self._count_prefill(chunks) if self.offload is not None else chunks
 
     def take_failed(self) -> list[tuple[Sequence, BaseException]]:
         failed, self.failed = self.failed, []
@@ -116,6 +151,74 @@ class Scheduler:
         """Pages for n tokens from seq.num_computed (a multi-step decode); never preempts."""
         return self._reserve(seq, n, preempt=False)
 
+    def _load_from_host(self, seq: Sequence) -> bool:
+        """Starts copying back the full pages after seq's device hit that the host tier holds (one token is always
+        left to compute); True: seq waits in `loading` for them."""
+        page, hashes, slots = self.pool.page_size, [], []
+        parent = seq.page_hashes[-1] if seq.page_hashes else None
+        for k in range(len(seq.pages), (seq.num_tokens - 1) // page):
+            parent = page_hash(parent, seq.token_ids[k * page:(k + 1) * page])
+            found = self.offload.match([parent])
+            if not found:
+                break
+            hashes.append(parent)
+            slots += found
+        count = min(len(slots), self.pool.num_free)
+        if count == 0:
+            return False
+        pages = self.pool.allocate(count)
+        self.offload.start_load(seq, pages, slots[:count])
+        seq.pages.extend(pages)
+        self.loading[seq] = (hashes[:count], time.monotonic())
+        return True
+
+    def poll_host_tier(self, kv):
+        """Finishes the copies between the tiers that are ready (the engine calls this before each step): returns
+        the cache with restored pages written, and puts their sequences at the front of the queue."""
+        kv, ended = self.offload.poll(kv)
+        for seq, loaded in reversed(ended):
+            hashes, started = self.loading.pop(seq)
+            if loaded:
+                first = len(seq.page_hashes)
+                for k, h in enumerate(hashes):
+                    self.pool.register(seq.pages[first + k], h)
+                seq.page_hashes.extend(hashes)
+                seq.num_computed = len(seq.page_hashes) * self.pool.page_size
+                if self.prefill_seconds_per_token:  # (not measured yet: no estimate)
+                    recompute = len(hashes) * self.pool.page_size * self.prefill_seconds_per_token
+                    self.host_saved_seconds += recompute - (time.monotonic() - started)
+            self.restored[seq] = len(hashes) * self.pool.page_size if loaded else 0
+            self.waiting.appendleft(seq)
+        return kv
+
+    def host_tier_stats(self) -> dict:
+        """EngineStats' kv_offload_* fields (zeros without a tier)."""
+        o = self.offload
+        if o is None:
+            return {}
+        return dict(kv_offload_pages_used=o.tier.num_used, kv_offload_pages_total=o.tier.capacity,
+                    kv_offload_queried_tokens=self.host_queried_tokens, kv_offload_hit_tokens=self.host_hit_tokens,
+                    kv_offload_bytes_to_host=o.bytes_to_host, kv_offload_bytes_to_device=o.bytes_to_device,
+                    kv_offload_failed_loads=o.failed_loads, kv_offload_saved_seconds=self.host_saved_seconds)
+
+    def _time_prefill(self) -> None:
+        """The step loop's seconds per prefill token, from the time between schedules after mostly-prefill steps
+        (what a restored page would have cost to recompute)."""
+        now = time.monotonic()
+        if self._last_step is not None:
+            then, tokens = self._last_step
+            if tokens >= self.max_num_batched_tokens // 2 and now - then < 5.0:  # longer: the loop was idle
+                cost = (now - then) / tokens
+                self.prefill_seconds_per_token = cost if not self.prefill_seconds_per_token else \
+                    0.9 * self.prefill_seconds_per_token + 0.1 * cost
+        self._last_step = (now, 0)
+
+    def _count_prefill(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        if self._last_step is not None:
+            prefill = sum(c.num_tokens for c in chunks if c.seq.in_prefill)
+            self._last_step = (self._last_step[0], prefill)
+        return chunks
+
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
@@ -128,11 +231,15 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.loading:  # its copy is dropped before it writes: the pages go back unwritten
+            del self.loading[seq]
+            self.offload.cancel(seq)
         self._free(seq)
         seq.status = Status.FINISHED
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
+        self.restored.pop(seq, None)
         seq.pages, seq.page_hashes, seq.num_computed, seq.num_draft_computed = [], [], 0, 0
 
     def register_full_pages(self, seq: Sequence) -> None:

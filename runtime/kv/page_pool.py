@@ -3,12 +3,13 @@
 A full page of prompt or output tokens is named by a chained hash (its tokens plus the hash of the page
 before it), so identical prefixes map to identical pages. A page whose last reference goes away keeps its
 hash and waits in an LRU list: a later request with the same prefix revives it, and allocation evicts the
-least recently used one only when no never-hashed page is free."""
+least recently used one only when no never-hashed page is free. With a host-memory tier (host_offload.py), each
+evicted page is named to `on_evict` first, so its bytes can be copied out before its next owner writes it."""
 from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -17,6 +18,7 @@ PageHash = bytes
 
 def page_hash(parent: PageHash | None, tokens: Sequence[int]) -> PageHash:
     # A cryptographic hash, so one tenant cannot craft a prompt that collides with another's cached pages.
+    # Multi-LoRA: an adapter's id must join as the first page's parent, so that no tier shares pages across adapters.
     data = (parent or b"") + np.asarray(tokens, dtype=np.int64).tobytes()
     return hashlib.blake2b(data, digest_size=16).digest()
 
@@ -35,6 +37,7 @@ class PagePool:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced, hashed; LRU first
         self._hash_of: dict[int, PageHash] = {}
         self._page_of: dict[PageHash, int] = {}
+        self.on_evict: Callable[[int, PageHash], None] | None = None  # the host tier's hook (HostOffload.on_evict)
 
     @property
     def num_free(self) -> int:
@@ -54,7 +57,10 @@ class PagePool:
                 page = self._free.popleft()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)]
+                h = self._hash_of.pop(page)
+                del self._page_of[h]
+                if self.on_evict is not None:
+                    self.on_evict(page, h)
             self.ref_count[page] = 1
             pages.append(page)
         return pages

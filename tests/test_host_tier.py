@@ -1,0 +1,133 @@
+"""The prefix cache's host-memory tier (--kv-offloading-size): a pool too small for the conversations evicts their
+pages, the tier copies them back on the next turn, and every token is what recompute gives."""
+import numpy as np
+import pytest
+
+from capstan.runtime.cli import main
+from capstan.runtime.engine.llm import LLM
+from capstan.runtime.engine.sampling_params import SamplingParams
+from capstan.runtime.engine.step import step_fn
+from capstan.runtime.kv import host_offload
+from capstan.runtime.kv.host_offload import gather_pages, scatter_pages
+from capstan.runtime.kv.host_tier import HostTier
+from capstan.runtime.kv.page_pool import page_hash
+
+from golden import GOLDEN
+
+MODEL = str(GOLDEN / "llama-s11")
+SMALL_POOL = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=4, num_pages=48)
+PAGE_BYTES = 2 * 3 * 2 * 16 * 4 * 4  # K and V, 3 layers, 2 KV heads of 16, 4 tokens, float32
+TIER_GIB = 64 * PAGE_BYTES / (1 << 30)  # more than the pool's 48 pages, less than the conversations' ~100
+
+
+def conversations(llm: LLM, params: list[SamplingParams], turns: int = 3, seed: int = 0) -> list[list[int]]:
+    """Each turn of each conversation resends its whole history plus a new user message (in one batch per turn);
+    returns every turn's output tokens."""
+    rng = np.random.default_rng(seed)
+    histories = [rng.integers(10, 500, size=40).tolist() for _ in params]
+    outputs = []
+    for _ in range(turns):
+        outs = llm.generate(histories, params, use_tqdm=False)
+        for i, o in enumerate(outs):
+            outputs.append(o.outputs[0].token_ids)
+            histories[i] = histories[i] + o.outputs[0].token_ids + rng.integers(10, 500, size=8).tolist()
+    return outputs
+
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+          SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=12, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def recomputed():
+    """The tokens without a tier (the same small pool: its evicted prefixes are recomputed)."""
+    return conversations(LLM(MODEL, warmup=False, **SMALL_POOL), PARAMS)
+
+
+def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recomputed):
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: no copy compiles while serving
+    compiled = step_fn._cache_size(), gather_pages._cache_size(), scatter_pages._cache_size()
+    assert conversations(llm, PARAMS) == recomputed
+    s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
+    assert s.kv_offload_hit_tokens > 100 and s.kv_offload_bytes_to_device > 0 and s.kv_offload_bytes_to_host > 0
+    assert s.kv_offload_hit_tokens <= s.kv_offload_queried_tokens
+    assert s.kv_offload_failed_loads == 0
+    assert s.preemptions > 0  # the batch outgrew the pool: preempted sequences came back through the tier too
+    assert (step_fn._cache_size(), gather_pages._cache_size(), scatter_pages._cache_size()) == compiled
+    # bounded: the tier's slots were all allocated up front, within the size asked for
+    assert tier.page_bytes == PAGE_BYTES and s.kv_offload_pages_total == 64
+    assert tier.pages.nbytes <= TIER_GIB * (1 << 30) and s.kv_offload_pages_used <= s.kv_offload_pages_total
+    assert tier.evictions > 0  # it filled, and made room by LRU
+    llm.engine.pool.check_all_free()
+    assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
+
+
+def test_late_copies_fall_back_to_recompute(recomputed, monkeypatch):
+    monkeypatch.setattr(host_offload, "LOAD_DEADLINE_S", -1.0)  # every copy back is late
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
+    assert conversations(llm, PARAMS) == recomputed
+    s = llm.engine.stats()
+    assert s.kv_offload_failed_loads > 0 and s.kv_offload_hit_tokens == 0
+    llm.engine.pool.check_all_free()
+
+
+def test_aborts_while_pages_are_copied_back_leak_nothing():
+    llm = LLM(MODEL, kv_offloading_size=8 * TIER_GIB, warmup=False, **SMALL_POOL)  # room for every prompt's pages
+    engine, rng = llm.engine, np.random.default_rng(5)
+    prompts = [rng.integers(10, 500, size=int(rng.integers(20, 120))).tolist() for _ in range(12)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, greedy, use_tqdm=False)  # the pool (48 pages) keeps few of them: the tier has the rest
+    aborted = 0
+    for round_ in range(3):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{round_}-{i}", p, greedy)
+        steps = 0
+        while engine.has_unfinished() and steps < 2000:
+            engine.step()
+            for seq in list(engine.scheduler.loading):  # its copy is in flight: abort it now
+                if rng.random() < 0.5:
+                    engine.abort(seq.request_id)
+                    aborted += 1
+            steps += 1
+        assert not engine.has_unfinished()
+    assert aborted > 0
+    offload = engine.scheduler.offload
+    for _ in range(3):  # copies to the host still in flight land
+        engine.step()
+    assert not offload.busy and not engine.scheduler.loading
+    assert offload.tier.num_used == len(offload.tier._slot_of)  # no slot stays reserved
+    engine.pool.check_all_free()
+
+
+def test_the_tier_keeps_its_size_and_evicts_least_recently_used():
+    tier = HostTier((2, 3), np.float32, capacity_pages=3)
+    hashes = [page_hash(None, [i]) for i in range(5)]
+    slots = tier.reserve(hashes[:3])
+    assert tier.match(hashes[:1]) == []  # in flight: not findable yet
+    tier.commit(slots, np.arange(18, dtype=np.float32).reshape(3, 2, 3))
+    assert tier.match(hashes[:3]) == slots and tier.holds(hashes[2])
+    assert tier.match([hashes[0]]) == [slots[0]]  # hashes[0] is now the most recent; hashes[1] the least
+    [slot] = tier.reserve([hashes[3]])
+    assert slot == slots[1] and not tier.holds(hashes[1]) and tier.evictions == 1
+    tier.abandon([slot])  # a failed copy gives its slot back
+    assert not tier.holds(hashes[3]) and tier.num_used == 2
+    np.testing.assert_array_equal(tier.read([slots[2]])[0], np.arange(12, 18).reshape(2, 3))
+    assert tier.match([hashes[1], hashes[2]]) == []  # a run stops at its first miss
+    assert tier.pages.nbytes == 3 * 2 * 3 * 4
+
+
+@pytest.mark.parametrize("size, message", [("-1", "kv_offloading_size must be between 0"),
+                                           ("nan", "kv_offloading_size must be between 0"),
+                                           ("1e9", "kv_offloading_size must be between 0")])
+def test_a_bad_size_is_refused_naming_the_flag(size, message, capsys):
+    assert main(["generate", MODEL, "--prompt", "hi", "--kv-offloading-size", size]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_tier_too_small_for_one_page_is_refused():
+    with pytest.raises(ValueError, match="kv_offloading_size: 1e-09 GiB holds no K/V page"):
+        LLM(MODEL, kv_offloading_size=1e-9, warmup=False, **SMALL_POOL)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        LLM(MODEL, kv_offloading_size=TIER_GIB, enable_prefix_caching=False, warmup=False, **SMALL_POOL)
