@@ -75,7 +75,7 @@ def test_a_request_that_breaks_fails_alone_and_frees_its_pages(llm, where):
     add_three(engine)
     for seq in engine.requests["bad"]:
         if where == "finishing":
-            seq.stop_matcher.feed = broken  # applying its sampled token raises
+            seq.text.stop_matcher.feed = broken  # applying its sampled token raises
         else:
             seq.params.top_k = 2 ** 40  # past validation (as a gap in it would be): its batch row cannot be built
     _, failed = run(engine, ["good-1", "good-2"])
@@ -99,7 +99,7 @@ def test_offline_generate_raises_naming_the_prompt(llm):
         seqs = original(request_id, prompt, params)
         if prompt == "boom":
             for seq in seqs:
-                seq.stop_matcher.feed = broken
+                seq.text.stop_matcher.feed = broken
         return seqs
 
     engine.prepare = prepare
@@ -128,7 +128,7 @@ def served():
         seqs = original(request_id, prompt, params)
         if "BOOM" in (seqs[0].prompt_text or ""):
             for seq in seqs:
-                seq.stop_matcher.feed = broken_after(3 if "later" in seqs[0].prompt_text else 0)
+                seq.text.stop_matcher.feed = broken_after(3 if "later" in seqs[0].prompt_text else 0)
         return seqs
 
     engine.engine.prepare = prepare

@@ -6,6 +6,7 @@ through a pidfd, so a core that dies (SIGKILL, out of memory) fails /health and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -19,9 +20,21 @@ from .engine_stats import EngineStats
 from .errors import EngineNotReadyError, QueueFullError, RequestFailedError
 from .frontend_engine import FrontendEngine
 from .input_processor import InputProcessor
+from .request_text import RequestText
 from .sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("capstan.engine")
+
+
+@dataclasses.dataclass
+class OpenRequest:
+    """What the core does not resend: the prompt; and what it does not do: the text (request_text.py)."""
+
+    prompt_text: str | None
+    prompt_ids: list[int]
+    text: RequestText
+
+
 NO_STATS = EngineStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0, prefix_cache_queried_tokens=0,
                        prefix_cache_hit_tokens=0, preemptions=0, prompt_tokens=0, generation_tokens=0)
 
@@ -34,10 +47,11 @@ class EngineCoreClient(FrontendEngine):
         self.frontend = frontend
         self._input_address, self._output_address, self._core_pid = input_address, output_address, core_pid
         self.inputs: InputProcessor | None = None  # once the core has loaded the model and said its limits
+        self._eos_token_ids: frozenset[int] = frozenset()
         self._stats = NO_STATS
         self._ready = False
         self._dead: str | None = None  # why the core stopped
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # each open request's prompt (not resent)
+        self._open: dict[str, OpenRequest] = {}  # each open generation request's prompt and text
         self._reader: asyncio.Task | None = None
         self._pidfd: int | None = None
 
@@ -99,11 +113,14 @@ class EngineCoreClient(FrontendEngine):
         self._loaded().check_prompt_chars(chars, param)
 
     def _submit_generate(self, request_id: str, prompt: str | list[int], params: SamplingParams):
-        request = self._loaded().process(request_id, prompt, params)
+        inputs = self._loaded()
+        request = inputs.process(request_id, prompt, params)
+        request.text_in_engine = False  # detokenization and stop strings happen here, off the core's loop
         data = encode(Add(self.frontend, request))
+        text = RequestText(self.tokenizer, request, self._eos_token_ids)
 
         def submit() -> None:
-            self._prompts[request_id] = (request.prompt_text, request.prompt_ids)
+            self._open[request_id] = OpenRequest(request.prompt_text, request.prompt_ids, text)
             self._outbox.send(data)
         return submit
 
@@ -111,10 +128,11 @@ class EngineCoreClient(FrontendEngine):
         data = encode(Embed(self.frontend, self._loaded().embedding(request_id, prompts)))
         return lambda: self._outbox.send(data)
 
-    def abort(self, request_id: str) -> None:
-        self._prompts.pop(request_id, None)
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        if index is None:
+            self._open.pop(request_id, None)
         if self.is_alive():
-            self._outbox.send(encode(Abort(request_id)))
+            self._outbox.send(encode(Abort(request_id, index)))
 
     def _loaded(self) -> InputProcessor:
         if self.inputs is None:
@@ -136,6 +154,7 @@ class EngineCoreClient(FrontendEngine):
             elif isinstance(message, Loaded):
                 self.config = message.config  # as resolved there (num_pages, max_model_len, max_num_seqs)
                 self.inputs = InputProcessor(self.tokenizer, message.limits)
+                self._eos_token_ids = frozenset(message.limits.eos_token_ids)
             elif isinstance(message, Ready):
                 self._ready = True
             elif isinstance(message, Dead):
@@ -144,16 +163,24 @@ class EngineCoreClient(FrontendEngine):
 
     def _take_outputs(self, message: Outputs) -> None:
         for out in message.outputs:
-            prompt = self._prompts.get(out.request_id)
-            if prompt is not None:
-                out.prompt, out.prompt_token_ids = prompt
+            request = self._open.get(out.request_id)
+            if request is None:  # aborted here already
+                continue
+            out.prompt, out.prompt_token_ids = request.prompt_text, request.prompt_ids
+            finished_in_core = out.finished
+            stopped = request.text.apply(out)
             if out.finished:
-                self._prompts.pop(out.request_id, None)
+                del self._open[out.request_id]
+                if stopped and not finished_in_core:  # every choice has ended here: the core stops them all
+                    self.abort(out.request_id)
+            else:
+                for index in stopped:
+                    self.abort(out.request_id, index)
             self._deliver(out.request_id, out)
         for outs in message.embeddings:
             self._deliver(outs[0].request_id, outs)
         for f in message.failures:
-            self._prompts.pop(f.request_id, None)
+            self._open.pop(f.request_id, None)
             error = (InvalidRequestError(f.message, f.param) if f.kind == "invalid" else
                      QueueFullError(f.message) if f.kind == "queue_full" else RequestFailedError(f.message))
             self._deliver(f.request_id, error)

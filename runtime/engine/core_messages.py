@@ -36,6 +36,7 @@ class Embed(msgspec.Struct, tag="embed", array_like=True):
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
     request_id: str
+    index: int | None = None  # one choice only (a stop string ended it); None: the whole request
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):

@@ -98,6 +98,9 @@ class EngineCore:
 
     def _take(self, message: ToCore, outputs: list[RequestOutput], failures: list[Failure]) -> None:
         engine = self.engine
+        if isinstance(message, Abort) and message.index is not None:  # its other choices go on
+            engine.abort_choice(message.request_id, message.index)
+            return
         if isinstance(message, Abort):  # its frontend stopped listening: nothing goes back
             self.owner.pop(message.request_id, None)
             engine.embedder.abort(message.request_id)

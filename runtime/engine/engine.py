@@ -18,7 +18,7 @@ from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..parallel.tensor_parallel import TensorParallel
 from ..tokenizer import Tokenizer
 from .batch import BatchBuilder
-from .detokenizer import IncrementalDetokenizer
+from .choice_text import ChoiceText
 from .draft_model import load_draft
 from .embedder import Embedder
 from .engine_stats import EngineStats
@@ -33,7 +33,6 @@ from .multi_step import MultiStepDecoder
 from .sampler import SampleResult
 from .speculative import Speculator
 from .step import StepOutputs, step_fn
-from .stop_strings import StopStringMatcher
 
 log = logging.getLogger("capstan.engine")
 CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
@@ -129,9 +128,11 @@ class LLMEngine:
     def make_sequences(self, request: EngineRequest) -> list[Sequence]:
         """The request's n choices, ready to enqueue (the engine core's half of admission)."""
         ids, params, now = request.prompt_ids, request.params, time.monotonic()
+
+        def text() -> ChoiceText | None:
+            return ChoiceText(self.tokenizer, ids, params) if params.detokenize and request.text_in_engine else None
         seqs = [Sequence(request_id=request.request_id, index=i, prompt_ids=ids, params=params, seed=request.seed,
-                         arrival=now, detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                         stop_matcher=StopStringMatcher(params.stop or []), max_tokens=request.max_tokens,
+                         arrival=now, text=text(), max_tokens=request.max_tokens,
                          prompt_text=request.prompt_text,
                          constraint=self.grammar.matcher(params.structured) if params.structured else None)
                 for i in range(params.n)]
@@ -154,6 +155,12 @@ class LLMEngine:
             if not seq.finished:
                 self._finish(seq, "abort")
         return self._collect(request_id)
+
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """One choice ends (a frontend found its stop string); the request's other choices go on."""
+        seqs = self.requests.get(request_id)
+        if seqs is not None and index < len(seqs) and not seqs[index].finished:
+            self._finish(seqs[index], "abort")
 
     def fail(self, request_id: str, error: BaseException) -> None:
         """One request's own failure: it ends, its pages are freed, its owner hears of it; the engine goes on."""
@@ -347,13 +354,13 @@ class LLMEngine:
             return self._finish(seq, "stop", stop_reason=token)
         if token in self.eos_token_ids and not p.ignore_eos:
             return self._finish(seq, "stop")
-        if not p.detokenize:
+        if seq.text is None:
             stopped = False
         else:
-            text, stopped = seq.stop_matcher.feed(seq.detokenizer.add(token))
+            text, stopped = seq.text.add(token)
             seq.new_text += text
         if stopped:
-            return self._finish(seq, "stop", stop_reason=seq.stop_matcher.stop)
+            return self._finish(seq, "stop", stop_reason=seq.text.stop)
         if grammar_done:
             return self._finish(seq, "stop")
         if seq.num_output >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -367,9 +374,8 @@ class LLMEngine:
             self._finish(s, "length")
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
-        if seq.params.detokenize and (reason != "stop" or stop_reason is None or isinstance(stop_reason, int)):
-            text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
-            seq.new_text += text + ("" if stopped else seq.stop_matcher.flush())
+        if seq.text is not None and not isinstance(stop_reason, str):  # a stop string's text has ended already
+            seq.new_text += seq.text.finish()
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         for child in seq.pending_forks:  # the parent ended before its prefill did (an abort): so do they
             self._finish(child, "abort")

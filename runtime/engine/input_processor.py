@@ -39,6 +39,7 @@ class EngineRequest:
     max_tokens: int  # resolved against the context: 0 scores the prompt and samples nothing
     seed: int  # the request's seed, or one drawn for it
     prompt_text: str | None = None
+    text_in_engine: bool = True  # False: the engine sends token ids only; its frontend detokenizes, stop strings too
 
 
 @dataclasses.dataclass

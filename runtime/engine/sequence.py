@@ -5,11 +5,10 @@ import dataclasses
 import enum
 
 from ..kv.page_pool import PageHash
-from .detokenizer import IncrementalDetokenizer
+from .choice_text import ChoiceText
 from .grammar import TokenConstraint
 from .outputs import PositionLogprobs
 from .sampling_params import SamplingParams
-from .stop_strings import StopStringMatcher
 
 
 class Status(enum.Enum):
@@ -26,8 +25,7 @@ class Sequence:
     params: SamplingParams
     seed: int  # the request's seed, or one drawn for it
     arrival: float
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher
+    text: ChoiceText | None  # None: token ids only (detokenize off, or the engine core's frontend makes the text)
     max_tokens: int  # resolved against the context length
     prompt_text: str | None = None
     constraint: TokenConstraint | None = None  # structured outputs: the grammar's state after its tokens
