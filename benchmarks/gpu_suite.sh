@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp serve]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -108,6 +108,14 @@ for part in $parts; do
     # issue 15's case (c): the 8B shape with a 1B-shaped draft, and n-gram, per step (batch 1 and 8)
     spec8b) python3 benchmarks/speculative.py --shape llama-3-8b --peaked 8 --timeline --batch-sizes ${SPEC_BATCHES:-1 8} --tokens 64 \
         --smallest-bucket ${SPEC_BUCKET:-16} --methods ${SPEC_METHODS:-ngram oracle draft-small} 2>&1 | grep --line-buffered -v Warning ;;
+    # issue 28: capstan serve (engine core process, HTTP frontends) against LLMEngine with the same flags on one random
+    # 1B checkpoint: 256 streams of 256 -> 256 token ids from 1 and 2 client processes (the client is no bottleneck
+    # when they agree), not streamed, one stream, serve.py's five workloads; offline with detokenize on and off
+    serve) python3 benchmarks/online.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
+        --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --max-model-len 2048 \
+        --single-stream-tokens 256 --client-processes 1 2 --api-server-count ${API_SERVERS:-1} \
+        --json "$OUT/online-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning
+      cp /tmp/capstan-online-server-*.log "$OUT/" 2>/dev/null ;;
     peer) python3 benchmarks/peer_transformers.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --single-tokens 256 --json "$OUT/transformers-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning | tail -25 ;;
     peer8b) python3 benchmarks/peer_transformers.py --shape llama-3-8b --phases single --single-tokens 256 \

@@ -3,7 +3,9 @@
     python benchmarks/serve.py --url http://127.0.0.1:8000 [--workloads sequential,burst] [--output report.json]
 
 Each named workload streams requests at its arrival pattern and reports successes, time to first token (TTFT),
-time per output token after the first (TPOT), end-to-end latency (p50/p90/p99) and output tokens/s. Prompts
+time per output token after the first (TPOT), the gaps between text chunks as the client reads them (ITL),
+end-to-end latency (p50/p90/p99) and output tokens/s. benchmarks/online.py drives it against `capstan serve` on a
+random checkpoint and against the offline engine on the same prompts. Prompts
 are synthetic words; the words-per-token ratio of the server's tokenizer is measured first, so the prompt
 lengths below are in the served model's tokens whatever its tokenizer.
 """
@@ -57,6 +59,8 @@ class Result:
     e2e: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    itl: list[float] = dataclasses.field(default_factory=list)  # gaps between text chunks (a chunk may hold tokens)
+    start: float = 0.0  # time.monotonic() when sent: one clock for every client process of this machine
 
     @property
     def ok(self) -> bool:
@@ -89,17 +93,21 @@ class Client:
         self.model = self.model or card["id"]
         self.max_model_len = card.get("max_model_len")
 
-    def body(self, prompt: str, max_tokens: int) -> tuple[str, dict]:
+    def body(self, prompt: str | list[int], max_tokens: int, stream: bool = True) -> tuple[str, dict]:
+        """prompt: text, or token ids (completions only) for exact prompt lengths."""
         extra = {"ignore_eos": True} if self.args.ignore_eos else {}
-        common = {"model": self.model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}, **extra}
+        common = {"model": self.model, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **extra}
+        if stream:
+            common["stream_options"] = {"include_usage": True}
         if self.args.endpoint == "chat":
             return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
         return "/v1/completions", {**common, "prompt": prompt}
 
-    async def request(self, prompt: str, max_tokens: int) -> Result:
+    async def request(self, prompt: str | list[int], max_tokens: int, stream: bool = True) -> Result:
+        if not stream:
+            return await self.request_whole(prompt, max_tokens)
         path, body = self.body(prompt, max_tokens)
-        result, chunks_with_text = Result(), 0
+        result, chunks_with_text, last = Result(start=time.monotonic()), 0, None
         start = time.perf_counter()
         try:
             async with self.http.stream("POST", path, json=body) as r:
@@ -117,8 +125,12 @@ class Client:
                         text = choice.get("text") or (choice.get("delta") or {}).get("content")
                         if text:
                             chunks_with_text += 1
+                            now = time.perf_counter()
                             if result.ttft is None:
-                                result.ttft = time.perf_counter() - start
+                                result.ttft = now - start
+                            else:
+                                result.itl.append(now - last)
+                            last = now
                     if chunk.get("usage"):
                         result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                         result.output_tokens = chunk["usage"]["completion_tokens"]
@@ -126,6 +138,25 @@ class Client:
             result.error = f"{type(e).__name__}: {e}"
         result.e2e = time.perf_counter() - start
         result.output_tokens = result.output_tokens or chunks_with_text  # a peer without include_usage
+        return result
+
+    async def request_whole(self, prompt: str | list[int], max_tokens: int) -> Result:
+        """A non-streaming request: only its end-to-end latency (no TTFT) and its usage."""
+        path, body = self.body(prompt, max_tokens, stream=False)
+        result = Result(start=time.monotonic())
+        start = time.perf_counter()
+        try:
+            r = await self.http.post(path, json=body)
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.error = r.text[:300]
+            else:
+                usage = r.json().get("usage") or {}
+                result.prompt_tokens = usage.get("prompt_tokens", 0)
+                result.output_tokens = usage.get("completion_tokens", 0)
+        except httpx.HTTPError as e:
+            result.error = f"{type(e).__name__}: {e}"
+        result.e2e = time.perf_counter() - start
         return result
 
     async def tokens_per_word(self) -> float:
@@ -178,6 +209,12 @@ async def run_workload(client: Client, w: Workload, tokens_per_word: float) -> d
 
         results = await asyncio.gather(*(arrive(i, p) for i, p in enumerate(prompts)))
     duration = time.perf_counter() - start
+    return {"workload": dataclasses.asdict(w) | {"rate": None if w.rate == math.inf else w.rate},
+            **summarize(results, duration)}
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    """Successes, failures and latency percentiles of requests that ran over `duration` seconds."""
     ok = [r for r in results if r.ok]
     failures: dict[str, int] = {}
     for r in results:
@@ -185,7 +222,6 @@ async def run_workload(client: Client, w: Workload, tokens_per_word: float) -> d
             failures[str(r.status or "error")] = failures.get(str(r.status or "error"), 0) + 1
     output_tokens = sum(r.output_tokens for r in ok)
     return {
-        "workload": dataclasses.asdict(w) | {"rate": None if w.rate == math.inf else w.rate},
         "requests": len(results), "successes": len(ok), "failures": failures,
         "first_error": next((r.error for r in results if r.error), None),
         "duration_s": duration,
@@ -195,6 +231,7 @@ async def run_workload(client: Client, w: Workload, tokens_per_word: float) -> d
         "requests_per_s": len(ok) / duration if duration else None,
         "ttft_s": percentiles([r.ttft for r in ok]),
         "tpot_s": percentiles([r.tpot for r in ok]),
+        "itl_s": percentiles([gap for r in ok for gap in r.itl]),
         "e2e_s": percentiles([r.e2e for r in ok]),
     }
 
@@ -206,6 +243,7 @@ def print_row(name: str, s: dict) -> None:
     print(f"{name:14s} {s['successes']:3d}/{s['requests']:<3d} "
           f"TTFT p50/p90/p99 ms {ms(s['ttft_s'], 'p50')} {ms(s['ttft_s'], 'p90')} {ms(s['ttft_s'], 'p99')}  "
           f"TPOT p50/p90/p99 ms {ms(s['tpot_s'], 'p50')} {ms(s['tpot_s'], 'p90')} {ms(s['tpot_s'], 'p99')}  "
+          f"ITL p50/p99 ms {ms(s['itl_s'], 'p50')} {ms(s['itl_s'], 'p99')}  "
           f"E2E p50/p90/p99 ms {ms(s['e2e_s'], 'p50')} {ms(s['e2e_s'], 'p90')} {ms(s['e2e_s'], 'p99')}  "
           f"{s['output_tokens_per_s'] or 0:8.1f} out tok/s", flush=True)
 
