@@ -1,10 +1,13 @@
-"""Prometheus metrics: engine gauges and counters read from AsyncLLM.stats() at scrape time, plus the
-latency histograms and finish-reason counter the server observes per request. Names: metric_names.py."""
+"""Prometheus metrics: engine gauges and counters read from engine.stats() at scrape time (the engine core sends them
+with every step), plus the latency histograms and finish-reason counter the server observes per request (added up
+over every frontend process with --api-server-count). Names: metric_names.py."""
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import metric_names as names
@@ -16,6 +19,7 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 
                0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 disable_created_metrics()  # no *_created series: they double the scrape and nothing here reads them
@@ -50,6 +54,7 @@ class EngineCollector:
             (names.SPEC_DRAFTS, "Proposals verified (a sequence's tokens proposed for one step).", s.spec_drafts),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _host_tier_families(s)
         per_pos = CounterMetricFamily(names.SPEC_ACCEPTED_PER_POS, "Accepted proposed tokens by their position in "
                                       "the proposal (0 first): where acceptance falls off, for choosing K.",
                                       labels=["position"])
@@ -58,12 +63,33 @@ class EngineCollector:
         yield per_pos
 
 
+def _host_tier_families(s):
+    """The prefix cache's host-memory tier (--kv-offloading-size); the device tier is prefix_cache_*."""
+    usage = s.kv_offload_pages_used / s.kv_offload_pages_total if s.kv_offload_pages_total else 0.0
+    yield GaugeMetricFamily(names.KV_OFFLOAD_USAGE, "Host-tier K/V pages held / its pages (0..1).", value=usage)
+    yield CounterMetricFamily(names.KV_OFFLOAD_QUERIES, "Prompt tokens the device prefix cache lacked, looked up in "
+                              "the host tier.", value=s.kv_offload_queried_tokens)
+    yield CounterMetricFamily(names.KV_OFFLOAD_HITS, "Prompt tokens copied back from the host tier instead of "
+                              "recomputed.", value=s.kv_offload_hit_tokens)
+    moved = CounterMetricFamily(names.KV_OFFLOAD_BYTES, "K/V bytes copied between the device and the host tier.",
+                                labels=["direction"])
+    moved.add_metric(["to_host"], s.kv_offload_bytes_to_host)
+    moved.add_metric(["to_device"], s.kv_offload_bytes_to_device)
+    yield moved
+    yield CounterMetricFamily(names.KV_OFFLOAD_FAILED_LOADS, "Copies back from the host tier that failed or were "
+                              "late (their pages were recomputed).", value=s.kv_offload_failed_loads)
+    yield GaugeMetricFamily(names.KV_OFFLOAD_SAVED_SECONDS, "Estimated prefill seconds the host tier saved (restored "
+                            "tokens at the measured prefill cost), less the time its copies took.",
+                            value=s.kv_offload_saved_seconds)
+
+
 class ServerMetrics:
     """One registry per app, so several servers in one process (tests) do not collide."""
 
     def __init__(self, engine):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
+        self._engine_collector = EngineCollector(engine)
+        self.registry.register(self._engine_collector)
         self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "Seconds from arrival to the first generated token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram(names.INTER_TOKEN_LATENCY, "Seconds between consecutive generated tokens.",
@@ -76,7 +102,21 @@ class ServerMetrics:
             self.finished.labels(finish_reason=reason)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not os.environ.get(MULTIPROC_ENV):
+            return generate_latest(self.registry)
+        # several frontends (--api-server-count): every process's histograms and counters, from their files; the
+        # engine's families once, from the stats the core sent this process
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        registry.register(self._engine_collector)
+        return generate_latest(registry)
+
+
+def share_across_processes(directory: str) -> None:
+    """Frontend processes started after this, and this one, count into files under `directory`, which every
+    frontend's /metrics adds up (prometheus-client's multiprocess mode). Before any ServerMetrics exists."""
+    os.environ[MULTIPROC_ENV] = directory
+    values.ValueClass = values.get_value_class()  # chosen when prometheus_client was imported: choose again
 
 
 class RequestTimer:

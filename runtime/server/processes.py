@@ -25,6 +25,7 @@ from ..models.loader import resolve_checkpoint
 from ..tokenizer import Tokenizer
 from .app import serve
 from .frontend_process import FrontendSpec, ServeOptions, serve_kwargs
+from .metrics import share_across_processes
 
 log = logging.getLogger("capstan.server")
 CORE_STOP_TIMEOUT = 10.0  # seconds the core gets to leave its loop after Shutdown before it is killed
@@ -40,6 +41,9 @@ def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_serv
     tokenizer = Tokenizer.from_pretrained(tokenizer_path)
     model_name = served_model_name(path)
     workdir = tempfile.mkdtemp(prefix="capstan-")
+    if api_server_count > 1:  # each frontend's latency histograms, added up by whichever one is scraped
+        os.mkdir(f"{workdir}/metrics")
+        share_across_processes(f"{workdir}/metrics")
     input_address = f"ipc://{workdir}/engine-core"
     output_addresses = [f"ipc://{workdir}/frontend-{i}" for i in range(api_server_count)]
     core = _spawn("capstan.runtime.engine.core_process", CoreSpec(

@@ -14,11 +14,13 @@ import httpx
 import openai
 import pytest
 
+from capstan.runtime.server.metric_names import E2E_REQUEST_LATENCY
 from servers import MODEL, ServeProcess, alive, child_processes
 
 pytestmark = pytest.mark.slow
 CORE = "capstan.runtime.engine.core_process"
 FRONTEND = "capstan.runtime.server.frontend_process"
+E2E_COUNT = E2E_REQUEST_LATENCY + "_count"
 
 
 def core_pid(server: ServeProcess) -> int:
@@ -52,6 +54,12 @@ def test_two_frontends_serve_the_openai_client_from_one_engine_core():
             time.sleep(0.05)
         by_second = [line for line in finished if "[frontend 1]" in line]
         assert 0 < len(by_second) < len(finished) == 24, "both frontends should have served requests"
+        for _ in range(6):  # whichever frontend answers the scrape adds up both frontends' histograms
+            with httpx.Client() as http:
+                scrape = http.get(f"{server.url}/metrics").text
+            count = next(line for line in scrape.splitlines() if line.startswith(E2E_COUNT))
+            assert float(count.split()[-1]) == 24, count
+            assert "capstan_kv_pages_total" in scrape  # the engine core's gauges, from its stats
 
 
 async def _open_streams(url: str, count: int) -> tuple[list[asyncio.Task], httpx.AsyncClient]:
