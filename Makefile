@@ -37,7 +37,7 @@ bench:  ## offline throughput of the tiny shape on this machine
 # annotated-doc): fastapi imports opentelemetry-api; typing-extensions >= 4.16 for pydantic-core
 GPU_SERVER_WHEELS = fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0 \
 	typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 httptools==0.9.0 \
-	pyzmq==27.3.0 msgspec==0.22.0
+	pyzmq==27.3.0 msgspec==0.22.0 uvloop==0.23.0
 gpu-wheels:  ## wheels the lent GPU machine lacks (Python 3.12 there), for benchmarks/gpu_suite.sh; carry .whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 -d .whl haliax==1.4.dev453 aqtp==0.9.0 jmp==0.0.4 "llguidance>=1.0,<2" gguf==0.19.0 \
