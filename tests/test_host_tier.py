@@ -11,6 +11,7 @@ from capstan.runtime.kv import host_offload
 from capstan.runtime.kv.host_offload import gather_pages, scatter_pages
 from capstan.runtime.kv.host_tier import HostTier
 from capstan.runtime.kv.page_pool import page_hash
+from capstan.runtime.server.metrics import ServerMetrics
 
 from golden import GOLDEN
 
@@ -60,6 +61,9 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert tier.page_bytes == PAGE_BYTES and s.kv_offload_pages_total == 64
     assert tier.pages.nbytes <= TIER_GIB * (1 << 30) and s.kv_offload_pages_used <= s.kv_offload_pages_total
     assert tier.evictions > 0  # it filled, and made room by LRU
+    scraped = ServerMetrics(llm.engine).render().decode()  # what /metrics serves
+    assert f"capstan_kv_offload_hit_tokens_total {float(s.kv_offload_hit_tokens)}" in scraped
+    assert f'capstan_kv_offload_bytes_total{{direction="to_device"}} {float(s.kv_offload_bytes_to_device)}' in scraped
     llm.engine.pool.check_all_free()
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
