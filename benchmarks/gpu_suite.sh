@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp serve]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp serve multiturn]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -53,6 +53,12 @@ for part in $parts; do
           --max-num-seqs 64 --max-num-batched-tokens 1024 --smallest-bucket 64 --single-stream-tokens 256 \
           --json "$OUT/quant-llama-3-8b-$q.json" 2>&1 | grep --line-buffered -E "output_tokens|single_stream|compile|Error"; done ;;
     # issue 16 on two GPUs of one host (nvidia-h200-x2): Llama-3-8B shape, TP=1 vs TP=2, batch and one stream
+    # issue 33: multi-turn conversations (prompts to 3.7k tokens), working set ~4x the device KV pool, with and without
+    # the host-memory tier in one run; then single prefixes recomputed against copied back (the break-even length)
+    multiturn) for shape in ${MULTITURN_SHAPES:-llama-3.2-1b llama-3-8b}; do echo "--- $shape"
+        python3 benchmarks/multiturn.py --shape $shape --conversations 64 --turns 5 --first-len 2048 --user-len 256 \
+          --output-len 128 --concurrency 16 --max-num-seqs 32 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+          --break-even 128 512 2048 --json "$OUT/multiturn-$shape.json" 2>&1 | grep --line-buffered -v Warning; done ;;
     tp) for n in 1 2; do echo "--- tensor parallel $n"
         python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n --requests 256 --prompt-len 256 \
           --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \

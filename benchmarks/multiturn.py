@@ -1,0 +1,172 @@
+"""Multi-turn conversations with and without the prefix cache's host-memory tier (--kv-offloading-size), in one run.
+
+N conversations of T turns: each turn resends the whole history (the first message, then every answer and user
+message so far) plus a new user message, so prompts grow to thousands of tokens. At most --concurrency turns are in
+flight; a conversation's next turn queues when its last one ends (round robin, the device cache's worst case). The
+device pool is sized to 1/--pool-ratio of the conversations' final working set, so their pages are evicted between
+turns: without the tier returning turns are prefilled again, with it their pages come back from host memory.
+Random weights of a named shape (no download); the same model serves both engines.
+
+python benchmarks/multiturn.py --shape tiny --conversations 8 --turns 4 --first-len 256 --user-len 64 --output-len 16
+prints TTFT p50/p99 of first and returning turns, output and total tokens/s, the tier's hits and bytes; --json too.
+--break-even 64 256 1024: single requests of those prefix lengths, recomputed against copied back (TTFT each)."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import shape_config  # noqa: E402
+
+from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
+from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
+from capstan.runtime.kv.cache import KVCache  # noqa: E402
+from capstan.runtime.models.loader import random_model  # noqa: E402
+
+
+def engine_for(model, a, num_pages: int, tier_gib: float) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype=a.dtype, max_model_len=a.max_model_len,
+                                    max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                    smallest_token_bucket=a.smallest_bucket, page_size=a.page_size,
+                                    num_pages=num_pages, kv_offloading_size=tier_gib), model=model)
+    engine.warmup()
+    return engine
+
+
+def conversations(engine: LLMEngine, a, vocab: int) -> dict:
+    """Runs every conversation's turns; returns TTFTs by first/returning turn, throughput and the tier's stats."""
+    rng = np.random.default_rng(a.seed)
+    words = lambda n: rng.integers(100, vocab, size=n).tolist()  # noqa: E731
+    history = [words(a.first_len) for _ in range(a.conversations)]
+    turn = [0] * a.conversations
+    queue = collections.deque(range(a.conversations))
+    params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
+    inflight: dict[str, tuple[int, float]] = {}  # request id -> (conversation, sent at)
+    ttft = {"first": [], "returning": []}
+    answers: dict[str, list[int]] = {}
+    prompt_tokens = output_tokens = 0
+    start = time.perf_counter()
+    while queue or inflight:
+        while queue and len(inflight) < a.concurrency:
+            c = queue.popleft()
+            rid = f"c{c}-t{turn[c]}"
+            engine.add_request(rid, history[c], params)
+            inflight[rid], answers[rid] = (c, time.perf_counter()), []
+            prompt_tokens += len(history[c])
+        for out in engine.step():
+            c, sent = inflight[out.request_id]
+            got = out.outputs[0].token_ids if out.outputs else []
+            if got and not answers[out.request_id]:
+                ttft["first" if turn[c] == 0 else "returning"].append(time.perf_counter() - sent)
+            answers[out.request_id] += got
+            if out.finished:
+                del inflight[out.request_id]
+                output_tokens += len(answers[out.request_id])
+                history[c] = history[c] + answers[out.request_id] + words(a.user_len)
+                turn[c] += 1
+                if turn[c] < a.turns:
+                    queue.append(c)
+    wall = time.perf_counter() - start
+    s = engine.stats()
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else float("nan")  # noqa: E731
+    return dict(ttft_first_p50_ms=pct(ttft["first"], 50), ttft_first_p99_ms=pct(ttft["first"], 99),
+                ttft_returning_p50_ms=pct(ttft["returning"], 50), ttft_returning_p99_ms=pct(ttft["returning"], 99),
+                output_tokens_per_s=output_tokens / wall, total_tokens_per_s=(prompt_tokens + output_tokens) / wall,
+                seconds=wall, prompt_tokens=prompt_tokens, preemptions=s.preemptions,
+                device_hit_tokens=s.prefix_cache_hit_tokens, host_hit_tokens=s.kv_offload_hit_tokens,
+                host_queried_tokens=s.kv_offload_queried_tokens, bytes_to_host=s.kv_offload_bytes_to_host,
+                bytes_to_device=s.kv_offload_bytes_to_device, failed_loads=s.kv_offload_failed_loads,
+                saved_seconds_estimate=s.kv_offload_saved_seconds,
+                answers=[answers[k] for k in sorted(answers)])
+
+
+def first_token_seconds(engine: LLMEngine, prompt: list[int], rid: str) -> float:
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def break_even(engine: LLMEngine, lengths: list[int], vocab: int, seed: int) -> list[dict]:
+    """TTFT of a prefix of each length prefilled, then again after other prompts evicted it from the device (so it
+    comes back from the host tier): where copying back starts to pay."""
+    rng, rows = np.random.default_rng(seed + 1), []
+    pool_tokens = engine.pool.num_pages * engine.config.page_size
+    for n in lengths:
+        prompt = rng.integers(100, vocab, size=n).tolist()
+        cold = first_token_seconds(engine, prompt, f"cold-{n}")
+        for k in range(-(-2 * pool_tokens // max(1, engine.max_model_len - 1))):  # flush the device pool
+            filler = rng.integers(100, vocab, size=min(pool_tokens, engine.max_model_len - 1)).tolist()
+            first_token_seconds(engine, filler, f"fill-{n}-{k}")
+        hits = engine.stats().kv_offload_hit_tokens
+        warm = first_token_seconds(engine, prompt, f"warm-{n}")
+        rows.append(dict(prefix_tokens=n, recompute_ms=cold * 1000, host_tier_ms=warm * 1000,
+                         restored_tokens=engine.stats().kv_offload_hit_tokens - hits))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 elsewhere")
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--first-len", type=int, default=256, help="tokens of each conversation's first message")
+    ap.add_argument("--user-len", type=int, default=64, help="tokens of each later user message")
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=4, help="turns in flight at once")
+    ap.add_argument("--pool-ratio", type=float, default=4.0, help="final working set / device KV pool (3-5 in issue 33)")
+    ap.add_argument("--tier-ratio", type=float, default=1.5, help="host tier / final working set")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--smallest-bucket", type=int, default=16)
+    ap.add_argument("--break-even", type=int, nargs="*", default=[], help="prefix lengths to time alone")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    a.dtype = a.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    cfg = shape_config(a.shape)
+    final_len = a.first_len + (a.turns - 1) * (a.user_len + a.output_len) + a.output_len
+    a.max_model_len = max(final_len, *a.break_even) + a.page_size
+    working_set = a.conversations * -(-final_len // a.page_size)  # pages
+    page_bytes = KVCache.bytes_per_page(cfg.num_layers, a.page_size, cfg.num_kv_heads, cfg.head_dim, a.dtype)
+    need = a.concurrency * -(-a.max_model_len // a.page_size)  # the turns in flight must fit at once
+    num_pages = max(int(working_set / a.pool_ratio), need, *[-(-n // a.page_size) + 1 for n in a.break_even])
+    tier_gib = a.tier_ratio * working_set * page_bytes / (1 << 30)
+    print(f"{a.shape} {a.dtype} on {jax.devices()[0].device_kind}: {a.conversations} conversations x {a.turns} turns, "
+          f"final prompt {final_len} tokens; working set {working_set} pages, device pool {num_pages} pages "
+          f"({working_set / num_pages:.1f}x), host tier {tier_gib:.3f} GiB")
+    model = random_model(cfg, a.dtype)
+    results = {}
+    for name, gib in (("recompute", 0.0), ("host_tier", tier_gib)):
+        engine = engine_for(model, a, num_pages, gib)
+        results[name] = conversations(engine, a, cfg.vocab_size)
+        if name == "host_tier" and a.break_even:
+            results["break_even"] = break_even(engine, a.break_even, cfg.vocab_size, a.seed)
+        del engine
+    same = results["recompute"].pop("answers") == results["host_tier"].pop("answers")
+    for name in ("recompute", "host_tier"):
+        print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results[name].items()}))
+    r, h = results["recompute"], results["host_tier"]
+    print(f"returning turns' TTFT p50 {r['ttft_returning_p50_ms']:.1f} -> {h['ttft_returning_p50_ms']:.1f} ms "
+          f"({r['ttft_returning_p50_ms'] / h['ttft_returning_p50_ms']:.2f}x lower), p99 {r['ttft_returning_p99_ms']:.1f}"
+          f" -> {h['ttft_returning_p99_ms']:.1f} ms; total tokens/s {r['total_tokens_per_s']:.0f} -> "
+          f"{h['total_tokens_per_s']:.0f}; greedy answers identical: {same}")
+    for row in results.get("break_even", []):
+        print("break-even", json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(args=vars(a), identical=same, **results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
