@@ -115,11 +115,12 @@ for part in $parts; do
     spec8b) python3 benchmarks/speculative.py --shape llama-3-8b --peaked 8 --timeline --batch-sizes ${SPEC_BATCHES:-1 8} --tokens 64 \
         --smallest-bucket ${SPEC_BUCKET:-16} --methods ${SPEC_METHODS:-ngram oracle draft-small} 2>&1 | grep --line-buffered -v Warning ;;
     # issue 28: capstan serve (engine core process, HTTP frontends) against LLMEngine with the same flags on one random
-    # 1B checkpoint: 256 streams of 256 -> 256 token ids from 1 and 2 client processes (the client is no bottleneck
-    # when they agree), not streamed, one stream, serve.py's five workloads; offline with detokenize on and off
+    # 1B checkpoint: 256 streams of 256 -> 256 token ids from 4 and 8 client processes (the client is no bottleneck
+    # when they agree; 1 and 2 were: 19.4k and 31.8k tok/s), not streamed, one stream, serve.py's five workloads;
+    # offline with detokenize on and off. API_SERVERS=N: --api-server-count; SERVE_ARGS: more flags, both sides
     serve) python3 benchmarks/online.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --max-model-len 2048 \
-        --single-stream-tokens 256 --client-processes 1 2 --api-server-count ${API_SERVERS:-1} \
+        --single-stream-tokens 256 --client-processes 4 8 --api-server-count ${API_SERVERS:-1} ${SERVE_ARGS:+--server-args "$SERVE_ARGS"} \
         --json "$OUT/online-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning
       cp /tmp/capstan-online-server-*.log "$OUT/" 2>/dev/null ;;
     peer) python3 benchmarks/peer_transformers.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
