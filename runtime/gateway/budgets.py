@@ -45,7 +45,9 @@ class Budgets:
     def limits(self, client: ClientKey) -> tuple[int | None, int | None, int | None]:
         """This replica's share of (requests per window, tokens per window, concurrency)."""
         scale = self.window_seconds / 60.0 / self.shares
-        per_window = lambda per_minute: None if per_minute is None else max(1, math.floor(per_minute * scale))  # noqa: E731
+
+        def per_window(per_minute: int | None) -> int | None:
+            return None if per_minute is None else max(1, math.floor(per_minute * scale))
         concurrency = None if client.max_concurrent is None else max(1, client.max_concurrent // self.shares)
         return per_window(client.requests_per_minute), per_window(client.tokens_per_minute), concurrency
 

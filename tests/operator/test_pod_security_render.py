@@ -80,7 +80,8 @@ def test_a_cache_volume_override_keeps_the_scratch_volume():
 
 
 def test_privileged_only_when_the_spec_asks_and_the_profile_says_so():
-    pod, = pod_specs(spec(accelerator={"type": "tpu-v5e", "count": 4, "topology": "2x2"}, security={"privileged": True}))
+    tpu = {"type": "tpu-v5e", "count": 4, "topology": "2x2"}
+    pod, = pod_specs(spec(accelerator=tpu, security={"privileged": True}))
     assert pod["containers"][0]["securityContext"]["privileged"] is True
     assert any("privileged is true" in p for p in restricted_violations(pod))
 
