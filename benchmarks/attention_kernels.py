@@ -10,6 +10,7 @@ Llama-3.2-1B and Qwen3-0.6B heads (256 rows of 256-511 tokens, as the headline's
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import numpy as np
 from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, paged_attention, query_blocks
 from capstan.runtime.attention.gpu_decode import decode_attention
 from capstan.runtime.attention.gpu_ragged import ragged_attention
+
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import median_ms  # noqa: E402
 
@@ -100,8 +102,8 @@ def sweep(dtype) -> None:
         want = paged_attention(q, k, v, meta, scale=scale)
         results = []
         for warps, stages, pages in itertools.product((2, 4, 8), (1, 2, 3), (None, 4, 8, 16)):
-            fn = jax.jit(lambda q, k, v, m, w=warps, s=stages, p=pages: decode_attention(
-                q, k, v, m, scale=scale, num_warps=w, num_stages=s, pages_per_block=p))
+            fn = jax.jit(lambda q, k, v, m, w=warps, s=stages, p=pages, sc=scale: decode_attention(
+                q, k, v, m, scale=sc, num_warps=w, num_stages=s, pages_per_block=p))
             try:
                 ms, err = timed(fn, q, k, v, meta), rel_err(fn(q, k, v, meta), want)
             except Exception as e:  # noqa: BLE001 - a tuning Triton cannot build: say so, go on
@@ -113,7 +115,7 @@ def sweep(dtype) -> None:
         print(f"{name}: JAX's defaults (warps 8, stages 2, 8 pages a block) {jax_default[0]:.4f} ms", flush=True)
         for ms, warps, stages, pages, err in results[:6]:
             print(f"  warps {warps} stages {stages} pages/block {pages or 'auto'}: {ms:.4f} ms ({err:.1e})", flush=True)
-        ours = jax.jit(lambda q, k, v, m: decode_attention(q, k, v, m, scale=scale))
+        ours = jax.jit(functools.partial(decode_attention, scale=scale))
         print(f"  ours (gpu_decode's tuning): {timed(ours, q, k, v, meta):.4f} ms", flush=True)
 
 

@@ -81,7 +81,7 @@ def main() -> None:
         active = jnp.full((rows,), 8, jnp.int32)
         holder = [engine.kv]
 
-        def multi(_):
+        def multi(_, engine=engine, holder=holder, packed=packed, active=active, rows=rows, chunks=chunks):
             holder[0], out = decode_steps_fn(model, holder[0], packed, active, np.int32(0), np.zeros((8, rows), np.int32),
                                              engine.multi_step._block_tables(chunks), num_steps=8,
                                              branches=GREEDY_SCAN)  # the cache is donated

@@ -29,10 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gateway"))
 from processes import metric, start_gateway, start_replica  # noqa: E402  (the tests' process helpers)
 
-WORDS = ("time year people way day thing world school state family group country problem hand part place case week "
-         "company system program question work number night point home water room area money story fact month lot "
-         "right study book eye job word business issue side kind head house service friend power hour game line end "
-         "member law car city community name team minute idea body information back parent face level office door").split()
+WORDS = ["time", "year", "people", "way", "day", "thing", "world", "school", "state", "family", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "number", "night", "point", "home", "water", "room", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "team", "minute", "idea", "body", "information", "back", "parent", "face", "level", "office", "door"]
 
 
 def workload(seed: int, groups: int, per_group: int, prefix_words: int) -> list[str]:
@@ -97,7 +94,7 @@ def main() -> None:
               f"{args.prefix_words}-word prefixes, {args.concurrency} concurrent clients, load factor {args.load_factor}, "
               f"{args.num_pages} KV pages per replica")
         print(f"{'routing':<12} {'requests':>8} {'prefix-cache hit rate':>22} {'TTFT p50 (ms)':>14} {'TTFT p90 (ms)':>14}")
-        for seed, (policy, gateway) in enumerate(zip(("round-robin", "prefix"), gateways), start=1):
+        for seed, (policy, gateway) in enumerate(zip(("round-robin", "prefix"), gateways, strict=True), start=1):
             prompts = workload(seed, args.groups, args.per_group, args.prefix_words)
             result = run_phase(gateway.url, replicas, prompts, args.concurrency)
             print(f"{policy:<12} {result['requests']:>8} {result['hit_rate']:>22.1%} "

@@ -84,7 +84,7 @@ def main() -> None:
                         (False, True), ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)), (4, 8), (2, 4)):
                     if k % bk or n % bn:
                         continue
-                    tuned = lambda x, w, s, t=(bn, bk, warps, stages, reduce): kernel(  # noqa: E731
+                    tuned = lambda x, w, s, t=(bn, bk, warps, stages, reduce), kernel=kernel: kernel(  # noqa: E731
                         x, w, s, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], reduce=t[4])
                     label = f"{'reduce' if reduce else 'dot'} bn={bn} bk={bk} w={warps} s={stages}"
                     try:

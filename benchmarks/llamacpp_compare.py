@@ -66,7 +66,7 @@ def wait_until(url: str, path: str, process: subprocess.Popen) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:4]} exited with {process.returncode}")
+            raise RuntimeError(f"{process.args[:4]!r} exited with {process.returncode}")
         try:
             if httpx.get(url + path, timeout=2).status_code == 200:
                 return

@@ -47,7 +47,7 @@ def main() -> None:
         scores = [continuation_logprob(llm, context, c) for c in choices]
         acc += int(np.argmax(scores)) == doc["answer"]
         # lm-eval normalises by the choice's characters, without the delimiter.
-        acc_norm += int(np.argmax([s / len(c) for s, c in zip(scores, doc["choices"])])) == doc["answer"]
+        acc_norm += int(np.argmax([s / len(c) for s, c in zip(scores, doc["choices"], strict=True)])) == doc["answer"]
         if args.verbose:  # per-choice loglikelihoods, to compare with lm-eval's samples from Capstan
             print(doc["question"], " ".join(f"{s:.2f}" for s in scores))
     print(f"llama.cpp on {TASK.name}: acc {acc / len(docs):.4f}, acc_norm {acc_norm / len(docs):.4f} ({len(docs)} docs)")

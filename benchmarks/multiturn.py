@@ -50,7 +50,7 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
     queue = collections.deque(range(a.conversations))
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
     inflight: dict[str, tuple[int, float]] = {}  # request id -> (conversation, sent at)
-    ttft = {"first": [], "returning": []}
+    ttft: dict[str, list[float]] = {"first": [], "returning": []}
     answers: dict[str, list[int]] = {}
     prompt_tokens = output_tokens = 0
     start = time.perf_counter()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
@@ -56,7 +57,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         cmd = [sys.executable, "-m", "capstan.runtime.cli", "serve", *self.argv, "--host", "127.0.0.1",
                "--port", str(self.port)]
         print("$", shlex.join(cmd), flush=True)
@@ -94,10 +95,8 @@ class Server:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 print("capstan serve did not stop within 60 s of SIGTERM: killed", flush=True)
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # children left behind, if any
-        except (ProcessLookupError, PermissionError):
-            pass
         self.proc.wait()
 
     def log_tail(self, lines: int = 40) -> str:
@@ -189,10 +188,11 @@ class FirstTokens:
 
 def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
     """The offline engine on the same EngineConfig as the server (its flags through capstan's own parser)."""
+    from throughput import run
+
     from capstan.runtime.cli import _engine_config, build_parser, persist_compilations
     from capstan.runtime.engine.engine import LLMEngine
     from capstan.runtime.engine.sampling_params import SamplingParams
-    from throughput import run
 
     persist_compilations()  # the server's compilation cache: the same programs load instead of compiling
     config = _engine_config(build_parser().parse_args(["serve", *serve_argv]))
@@ -225,19 +225,19 @@ def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
-def prompt_sets(a: argparse.Namespace, id_limit: int) -> dict[str, list[list[int]]]:
+def prompt_sets(a: argparse.Namespace, id_limit: int, id_low: int = 0) -> dict[str, list[list[int]]]:
     """Token-id prompts, a fresh set for each measured run (no run hits another's prefix cache); the offline
     runs get the sets of the first two online streaming runs."""
     import numpy as np
 
     def fresh(seed: int, count: int, length: int) -> list[list[int]]:
         rng = np.random.default_rng(seed)
-        return [rng.integers(0, id_limit, length).tolist() for _ in range(count)]
+        return [rng.integers(id_low, id_limit, length).tolist() for _ in range(count)]
 
     sets = {"warmup": fresh(99, WARMUP_REQUESTS, a.prompt_len), "single": fresh(98, SINGLE_STREAMS, a.prompt_len),
             "single-online": fresh(97, SINGLE_STREAMS, a.prompt_len),
             "whole": fresh(50, a.requests, a.prompt_len)}
-    for i, n in enumerate(a.client_processes):
+    for i in range(len(a.client_processes)):
         sets[f"stream-{i}"] = fresh(i, a.requests, a.prompt_len)
     sets["offline-detok"] = sets["stream-0"]
     sets["offline-nodetok"] = sets[f"stream-{min(1, len(a.client_processes) - 1)}"] if len(a.client_processes) > 1 \
@@ -309,6 +309,8 @@ def table(report: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny", help="a benchmarks/shapes.py name (Llama or Qwen3)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="serve this checkpoint folder or .gguf file (e.g. the default model's) instead of a random shape")
     ap.add_argument("--checkpoint", type=Path, default=None,
                     help="folder for the random checkpoint (default: /tmp/capstan-online-SHAPE; reused)")
     ap.add_argument("--requests", type=int, default=256)
@@ -340,14 +342,20 @@ def main(argv: list[str] | None = None) -> dict:
     from random_checkpoint import write_checkpoint
 
     t0 = time.perf_counter()
-    ckpt = write_checkpoint(a.shape, a.checkpoint or Path(f"/tmp/capstan-online-{a.shape}"))
+    if a.model is not None:  # a real checkpoint: prompts of its tokenizer's ordinary pieces, above its specials
+        from capstan.runtime.tokenizer import Tokenizer
+
+        ckpt, tokenizer = a.model, Tokenizer.from_pretrained(a.model)
+        sets = prompt_sets(a, id_limit=tokenizer.vocab_size, id_low=max(tokenizer.special_token_ids) + 1)
+    else:
+        ckpt = write_checkpoint(a.shape, a.checkpoint or Path(f"/tmp/capstan-online-{a.shape}"))
+        added = json.loads((ckpt / "tokenizer.json").read_text())["added_tokens"]
+        sets = prompt_sets(a, id_limit=min(t["id"] for t in added))  # the BPE's own pieces, below its specials
     print(f"checkpoint {ckpt} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    added = json.loads((ckpt / "tokenizer.json").read_text())["added_tokens"]
-    sets = prompt_sets(a, id_limit=min(t["id"] for t in added))  # the BPE's own pieces, below its specials
     serve_argv = [str(ckpt), "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens",
                   str(a.max_num_batched_tokens), "--smallest-token-bucket", str(a.smallest_bucket),
                   "--max-model-len", str(a.max_model_len), *shlex.split(a.server_args)]
-    report: dict = {"shape": a.shape, "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
+    report: dict = {"shape": str(a.model) if a.model else a.shape, "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
                     "api_server_count": a.api_server_count, "serve_argv": serve_argv}
     if "online" in a.phases:
         log = Path(f"/tmp/capstan-online-server-{os.getpid()}.log")

@@ -134,7 +134,7 @@ def single_phase(model, args) -> dict:
     runs = [once() for _ in range(args.single_reps)]
     generated = runs[-1][1]
     ms = [1000 * s / g for s, g in runs]
-    for (s, g), m in zip(runs, ms):
+    for (s, g), m in zip(runs, ms, strict=True):
         log(f"[single] {g} tokens in {s:.3f} s: {m:.3f} ms/token")
     return {"warmup_seconds": warm_s, "generated_tokens": generated, "expected_tokens": n,
             "ms_per_token_runs": ms, "ms_per_token": statistics.median(ms),

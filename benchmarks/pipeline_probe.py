@@ -3,22 +3,43 @@ during the structured throughput run (llama-3.2-1b shape, 256 requests, half con
 cost a step of the pipeline, the one-dispatch scan and the forward alone on an empty batch of 256 rows.
 
 SHAPE=llama-3.2-1b python benchmarks/pipeline_probe.py   (on the lent GPU, after gpu_suite.sh's set-up)"""
-import sys, time, collections
+import collections
 import os
-sys.argv = ["x", "--shape", os.environ.get("SHAPE", "llama-3.2-1b"), "--requests", "256", "--prompt-len", "256", "--output-len", "256",
-            "--max-num-seqs", "256", "--max-num-batched-tokens", "2048", "--smallest-bucket", "256",
-            "--constrained-fraction", "0.5"]
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import numpy as np, jax
+import sys
+import time
+
+import jax
+import numpy as np
+import throughput
+from shapes import shape_config
+
 import capstan.runtime.engine.engine as E
 import capstan.runtime.engine.grammar as G
 import capstan.runtime.engine.multi_step as M
-T = collections.Counter(); N = collections.Counter(); L = collections.defaultdict(list)
+from capstan.runtime.config import DEFAULT_MODEL, EngineConfig
+from capstan.runtime.engine.engine import LLMEngine
+from capstan.runtime.models.loader import random_model
+
+T: collections.Counter = collections.Counter()
+N: collections.Counter = collections.Counter()
+L: collections.defaultdict = collections.defaultdict(list)
+
+
 def timed(name, f):
     def w(*a, **k):
-        t = time.perf_counter(); r = f(*a, **k); d = time.perf_counter() - t
-        T[name] += d; N[name] += 1; L[name].append(d); return r
+        t = time.perf_counter()
+        r = f(*a, **k)
+        d = time.perf_counter() - t
+        T[name] += d
+        N[name] += 1
+        L[name].append(d)
+        return r
     return w
+
+
+sys.argv = ["x", "--shape", os.environ.get("SHAPE", "llama-3.2-1b"), "--requests", "256", "--prompt-len", "256",
+            "--output-len", "256", "--max-num-seqs", "256", "--max-num-batched-tokens", "2048", "--smallest-bucket",
+            "256", "--constrained-fraction", "0.5"]
 M.fill_masks = timed("fill_masks", M.fill_masks)
 M.decode_forward_fn = timed("dispatch_forward", M.decode_forward_fn)
 M.decode_sample_fn = timed("dispatch_sample", M.decode_sample_fn)
@@ -30,18 +51,13 @@ M.MultiStepDecoder._pipeline = timed("pipeline_total", M.MultiStepDecoder._pipel
 E.LLMEngine._build = timed("build", E.LLMEngine._build)
 E.LLMEngine._collect_all = timed("collect", E.LLMEngine._collect_all)
 E.LLMEngine._append_token = timed("append_token", E.LLMEngine._append_token)
-import throughput
 throughput.main()
 for k in sorted(T, key=T.get, reverse=True):
     last = np.asarray(L[k][-200:]) * 1e6
     print(f"{k:>18}: {T[k]*1000:9.1f} ms total, {N[k]:7d} calls, last 200 calls: median {np.median(last):9.1f} us, "
           f"p90 {np.percentile(last, 90):9.1f} us")
 # device-only cost of a step: forward + sample chained with no host work, against the scan
-from capstan.runtime.engine.multi_step import decode_forward_fn, decode_sample_fn, decode_steps_fn, pipeline_branches
-from capstan.runtime.config import DEFAULT_MODEL, EngineConfig
-from capstan.runtime.engine.engine import LLMEngine
-from capstan.runtime.models.loader import random_model
-from shapes import shape_config
+
 cfg = shape_config(os.environ.get("SHAPE", "llama-3.2-1b"))
 e = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype="bfloat16" if jax.default_backend() == "gpu" else "float32", max_model_len=1024,
                            max_num_seqs=256, max_num_batched_tokens=2048, smallest_token_bucket=256,
@@ -55,16 +71,16 @@ for variant in ("pipeline", "pipeline_nomask", "scan", "forward_only"):
         if variant == "forward_only":
             prev = rows
             for j in range(16):
-                e.kv, out = decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
+                e.kv, out = M.decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
         elif variant == "scan":
-            e.kv, out = decode_steps_fn(e.model, e.kv, inputs, rows, np.int32(0), np.zeros((16, 256), np.int32),
+            e.kv, out = M.decode_steps_fn(e.model, e.kv, inputs, rows, np.int32(0), np.zeros((16, 256), np.int32),
                                         e.multi_step._block_tables([]), num_steps=16)
         else:
             prev = rows
             for j in range(16):
-                e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
+                e.kv, logits = M.decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
                 allowed = e.builder.all_allowed if variant == "pipeline_nomask" else jax.device_put(np.full((256, (cfg.vocab_size + 31) // 32), -1, np.int32))
-                out = decode_sample_fn(logits, inputs, allowed, np.int32(j), branches=pipeline_branches(all_greedy=True, any_filter=False, want_logprobs=False))
+                out = M.decode_sample_fn(logits, inputs, allowed, np.int32(j), branches=M.pipeline_branches(all_greedy=True, any_filter=False, want_logprobs=False))
                 prev = out.tokens
         jax.block_until_ready(out)
         print(f"{variant:>16} rep {rep}: {(time.perf_counter() - t) * 1000 / 16:.3f} ms/step (empty batch of 256 rows)")

@@ -25,8 +25,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from capstan.runtime.engine.batch import row_key_data  # noqa: E402
-from capstan.runtime.engine.sampler import (DRAWN, DRAWS, FILTERS, Branches, SamplingBatch, block_candidates,  # noqa: E402
-                                           gumbel_at, mass_above, sample)
+from capstan.runtime.engine.sampler import (  # noqa: E402
+    DRAWN,
+    DRAWS,
+    FILTERS,
+    Branches,
+    SamplingBatch,
+    block_candidates,
+    gumbel_at,
+    mass_above,
+    sample,
+)
 
 
 def logits_of(kind: str, rows: int, vocab: int, rng) -> np.ndarray:
@@ -117,7 +126,7 @@ def main(argv=None) -> None:
     for dist in a.distributions:
         logits = jnp.asarray(logits_of(dist, a.rows, a.vocab, rng))
         for how in a.branches:  # static: decided on the host; traced: a lax.cond per branch on the device
-            def fn(batch):
+            def fn(batch, how=how):
                 return jax.jit(functools.partial(sample, branches=branches_of(batch) if how == "static" else None))
             greedy = mixed_batch(a.rows, a.vocab, True)
             greedy_ms, _ = timed(fn(greedy), logits, jax.device_put(greedy), repeats=a.repeats)

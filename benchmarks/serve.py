@@ -22,12 +22,7 @@ import time
 
 import httpx
 
-WORDS = ("time year people way day man thing woman life child world school state family student group country "
-         "problem hand part place case week company system program question work government number night point "
-         "home water room mother area money story fact month lot right study book eye job word business issue "
-         "side kind head house service friend father power hour game line end member law car city community name "
-         "president team minute idea kid body information back parent face others level office door health person "
-         "art war history party result change morning reason research girl guy moment air teacher force education").split()
+WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force", "education"]
 
 
 @dataclasses.dataclass
@@ -167,7 +162,7 @@ class Client:
         return probe.prompt_tokens / 20
 
 
-def percentiles(values: list[float]) -> dict[str, float | None]:
+def percentiles(values: list[float | None]) -> dict[str, float | None]:
     values = sorted(v for v in values if v is not None)
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None}

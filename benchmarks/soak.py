@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -67,10 +68,8 @@ async def client(url: str, rng: random.Random, http: httpx.AsyncClient, stats: d
                     status = r.status_code
             else:
                 if leaves:
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(http.post(url + path, json=body), timeout=rng.uniform(0.01, 0.3))
-                    except asyncio.TimeoutError:
-                        pass
                     status = 0
                 else:
                     status = (await http.post(url + path, json=body)).status_code

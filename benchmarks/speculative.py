@@ -43,9 +43,9 @@ METHODS = ("ngram", "oracle", "draft-target", "draft-small")
 
 def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None) -> tuple[float, dict[str, list[int]]]:
     ids = [f"s{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
+    for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, p, params)
-    outputs = {rid: [] for rid in ids}
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     start = time.perf_counter()
     while engine.has_unfinished():
         for out in (timeline.step(engine) if timeline else engine.step()):
@@ -112,12 +112,14 @@ def main(argv=None) -> None:
         run(engines["plain"], prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
         timeline = Timeline(engines["plain"]) if a.timeline else None
         plain_s, plain_out = run(engines["plain"], prompts, params, timeline)
-        futures = [p + o for p, o in zip(prompts, plain_out)]
+        futures = [p + o for p, o in zip(prompts, plain_out, strict=True)]
 
-        by_prompt = {tuple(p): f for p, f in zip(prompts, futures)}  # one lookup a row: the oracle costs no host time
+        by_prompt = {tuple(p): f for p, f in zip(prompts, futures, strict=True)}  # one lookup a row: the oracle costs no host time
 
-        def oracle(tokens, k):
-            f = by_prompt.get(tuple(tokens[:len(prompts[0])]))
+        prompt_len = len(prompts[0])
+
+        def oracle(tokens, k, by_prompt=by_prompt, prompt_len=prompt_len):
+            f = by_prompt.get(tuple(tokens[:prompt_len]))
             return f[len(tokens):len(tokens) + k] if f is not None and f[:len(tokens)] == tokens else []
 
         if "oracle" in engines:
@@ -134,7 +136,7 @@ def main(argv=None) -> None:
             seconds, out = run(e, prompts, params, timeline)
             # identical in float32 (tests/test_speculative.py); in bfloat16 a verify chunk's logits round unlike a
             # decode step's, so near-ties may flip: the share of outputs identical to plain decoding's is reported
-            same = sum(o == p for o, p in zip(out, plain_out)) / len(out)
+            same = sum(o == p for o, p in zip(out, plain_out, strict=True)) / len(out)
             rate = e.speculator.accepted_tokens / e.speculator.draft_tokens if e.speculator.draft_tokens else 0.0
             print(f"batch {batch:>3}: {name:>12} {1000 * seconds / a.tokens:8.3f} ms/token "
                   f"({batch * a.tokens / seconds:8.0f} tok/s, acceptance {rate:.2f}, identical outputs {same:.2f})",

@@ -23,7 +23,6 @@ from capstan.runtime.engine.grammar import StructuredOutput  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 
-
 UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}  # cannot end early
 
 
@@ -53,8 +52,8 @@ class Timeline:
         import capstan.runtime.engine.engine as engine_mod
         import capstan.runtime.engine.multi_step as multi_mod
         import capstan.runtime.engine.speculative as spec_mod
-        self.sums = {}  # kind -> {part: seconds, "steps": n, "wall": seconds}
-        self.current = None
+        self.sums: dict[str, dict[str, float]] = {}  # kind -> {part: seconds, "steps": n, "wall": seconds}
+        self.current: dict | None = None
         # (owner, attribute, part, the step kind a call of it makes)
         for owner, name, part, kind in ((engine, "_build", "build", None), (engine, "fetch", "fetch", None),
                                         (engine_mod, "step_fn", "call", None),
@@ -106,7 +105,7 @@ class Timeline:
 
 def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None, trace: str | None = None) -> dict:
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, per_prompt)):
+    for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     trace_step = -1

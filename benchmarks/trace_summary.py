@@ -24,7 +24,8 @@ def main() -> None:
     names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
     pids = {e.get("pid"): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    total, count = collections.Counter(), collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
     span = [float("inf"), 0.0]
     kernels = []
     for e in events:

@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.auth import load_api_keys
     from .parallel.multihost import initialize_from_env
+    from .server.auth import load_api_keys
 
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
@@ -229,7 +229,7 @@ def persist_compilations() -> None:
     the programs, which JAX keys by program, JAX version and device. An unwritable cache folder just turns it off."""
     import jax
 
-    if jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR given: the user's choice
+    if jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]  # JAX_COMPILATION_CACHE_DIR given: the user's choice
         return
     try:
         COMPILATION_CACHE.mkdir(parents=True, exist_ok=True)

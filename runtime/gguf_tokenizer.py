@@ -80,7 +80,7 @@ def _sentencepiece_bpe(reader: gguf.GGUFReader, tokens: list[str], types: list[i
     """SentencePiece BPE (Llama 2, Gemma): pieces merge highest score first, unknown bytes fall back to <0xNN>."""
     scores = field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
-    mergeable = {t: s for t, s, ty in zip(tokens, scores, types) if ty == gguf.TokenType.NORMAL}
+    mergeable = {t: s for t, s, ty in zip(tokens, scores, types, strict=True) if ty == gguf.TokenType.NORMAL}
     merges = sorted(((piece[:k], piece[k:], score) for piece, score in mergeable.items() for k in range(1, len(piece))
                      if piece[:k] in mergeable and piece[k:] in mergeable), key=lambda m: (-m[2], vocab[m[0]], vocab[m[1]]))
     unk = field(reader, "tokenizer.ggml.unknown_token_id")

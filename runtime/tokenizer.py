@@ -6,7 +6,6 @@ Encoding, decoding and chat rendering match transformers 5 exactly for the same 
 from __future__ import annotations
 
 import functools
-
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -18,7 +17,6 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.processors import TemplateProcessing
-
 
 # Tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Gemma, Phi); the ones that
 # are special tokens of the served tokenizer stop a chat turn even when the checkpoint's eos is another token.

@@ -30,12 +30,13 @@ def main(case: str) -> None:
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", p, greedy)
     engine.add_request("s", prompts[0], seeded)
-    tokens, logprobs = {}, {}
+    tokens: dict[str, list] = {}
+    logprobs: dict[str, list] = {}
     while engine.has_unfinished():
         for out in engine.step():
             o = out.outputs[0]
             tokens.setdefault(out.request_id, []).extend(o.token_ids)
-            logprobs.setdefault(out.request_id, []).extend(lp[t].logprob for lp, t in zip(o.logprobs or [], o.token_ids))
+            logprobs.setdefault(out.request_id, []).extend(lp[t].logprob for lp, t in zip(o.logprobs or [], o.token_ids, strict=True))
     if many:
         engine.stop_followers()
     print(json.dumps({"devices": jax.device_count(), "tokens": tokens, "logprobs": logprobs}))

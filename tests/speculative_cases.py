@@ -20,6 +20,6 @@ def same_outputs(a, b):
             assert (o.token_ids, o.text, o.finish_reason) == (q.token_ids, q.text, q.finish_reason)
             if o.logprobs is not None:
                 assert [list(lp) for lp in o.logprobs] == [list(lp) for lp in q.logprobs]
-                for lx, ly in zip(o.logprobs, q.logprobs):
+                for lx, ly in zip(o.logprobs, q.logprobs, strict=True):
                     assert [v.logprob for v in lx.values()] == pytest.approx([v.logprob for v in ly.values()],
                                                                               abs=1e-4)

@@ -7,7 +7,6 @@ import pytest
 from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, chunked_attention, paged_attention, write_kv
 from capstan.runtime.attention.gpu_decode import decode_attention
 
-
 INTERPRET = jax.default_backend() != "gpu"  # compiled with Triton on a GPU
 # JAX's decode kernel multiplies float32 in TF32 on GPUs (10-bit mantissas); ours and the reference use IEEE float32
 DECODE_KERNEL_TOLERANCE = 1e-5 if INTERPRET else 3e-3

@@ -4,7 +4,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers
 
@@ -121,7 +120,7 @@ def test_random_splits_give_the_same_result():
     for _ in range(300):
         source = "".join(rng.choice(["a", "b", "<", "eos>", "\n", "x ", "ü"]) for _ in range(20))
         cut = sorted(rng.sample(range(1, len(source)), rng.randrange(0, 6)))
-        deltas = [source[i:j] for i, j in zip([0, *cut], [*cut, len(source)])]
+        deltas = [source[i:j] for i, j in zip([0, *cut], [*cut, len(source)], strict=True)]
         whole = run_matcher(stops, [source])[:2]
         assert run_matcher(stops, deltas)[:2] == whole
         ends = [(source.find(s) + len(s), source.find(s)) for s in stops if s in source]

@@ -1,13 +1,12 @@
 """The engine's promises: no compilation after warm-up, prefix caching, preemption, aborts, stops, seeds, n > 1."""
 import numpy as np
 import pytest
+from golden import GOLDEN
 
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.sampling_params import InvalidRequestError, SamplingParams
 from capstan.runtime.engine.multi_step import decode_steps_fn
+from capstan.runtime.engine.sampling_params import InvalidRequestError, SamplingParams
 from capstan.runtime.engine.step import step_fn
-
-from golden import GOLDEN
 
 MODEL = str(GOLDEN / "llama-s11")
 
@@ -198,7 +197,9 @@ def test_chained_dispatches_change_no_token_and_free_every_page(programs, monkey
             break
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(t for o in out.outputs for t in o.token_ids)
-            finish.update({out.request_id: o.finish_reason for o in out.outputs if o.finish_reason})
+            for o in out.outputs:
+                if o.finish_reason:
+                    finish[out.request_id] = o.finish_reason
         if engine.multi_step.ahead is not None and not late_added:  # arrives while a dispatch is queued
             engine.add_request("r5", prompts[5], params[5])
             late_added = True

@@ -1,11 +1,10 @@
 """Golden cases through the whole engine: batched with other requests, small pages, chunked prefill."""
 import numpy as np
 import pytest
+from golden import CASES, GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
 
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import SamplingParams
-
-from golden import CASES, GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -42,7 +41,7 @@ def check_golden_in_a_mixed_batch(case):
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     noisy = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, seed=5)
     outs = llm.generate(prompts, [greedy] * len(ref["prompts"]) + [noisy] * len(fillers))
-    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"])):
+    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"], strict=True)):
         got = outs[i].outputs[0]
         owed = greedy_agreement_length(ref, i)
         assert got.token_ids[:owed] == cont[:owed], f"{case} prompt {i}"

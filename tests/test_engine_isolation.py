@@ -9,12 +9,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from golden import GOLDEN
 
 from capstan.runtime.config import EngineConfig
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import SamplingParams
-
-from golden import GOLDEN
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 from servers import START_TIMEOUT, ThreadServer  # noqa: E402
@@ -48,7 +47,8 @@ def broken_after(calls: int):
 
 
 def run(engine, good: list[str]) -> tuple[dict, list[str]]:
-    outputs, failed = {}, []
+    outputs: dict[str, list] = {}
+    failed: list[str] = []
     for _ in range(1000):
         if not engine.has_unfinished():
             break

@@ -3,13 +3,12 @@ the same model, config and tokenizer as their folders; architectures we cannot s
 import jax
 import numpy as np
 import pytest
+from gguf_files import write_gguf
+from golden import CASES, GOLDEN
 
 from capstan.runtime.models.config import UnsupportedModelError
 from capstan.runtime.models.loader import load_model, resolve_checkpoint
 from capstan.runtime.tokenizer import Tokenizer
-
-from golden import CASES, GOLDEN
-from gguf_files import write_gguf
 
 TEXTS = ["Hello world!", "def f(x):\n    return x  # 42", "  spaces\n\n\ttabs 😀 中文 <|begin_of_text|>"]
 

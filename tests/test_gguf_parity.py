@@ -13,14 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf_files import GOLDEN_TOKENIZER_CASE, write_gguf, write_toy_spm_gguf
+from golden import GOLDEN
 
 from capstan.runtime.config import SMOLLM2_NAME, installed_smollm2
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import SamplingParams
 from capstan.runtime.tokenizer import Tokenizer
-
-from golden import GOLDEN
-from gguf_files import GOLDEN_TOKENIZER_CASE, write_gguf, write_toy_spm_gguf
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
 F32_TOLERANCE = 1e-3  # nats, against llama.cpp on the dequantized weights (measured 3.4e-5)
@@ -83,7 +82,7 @@ def test_logprobs_and_greedy_tokens_match_llama_cpp(ours, reference, tolerance, 
         differences += np.abs(np.subtract(mine, [p["next_logprob"] for p in case["positions"][:-1]])).tolist()
         # after the prompt: llama.cpp's top tokens, those in our top TOP too
         last, first = case["positions"][-1], out.outputs[0].logprobs[0]
-        differences += [abs(first[t].logprob - lp) for t, lp in zip(last["top_ids"], last["top_logprobs"]) if t in first]
+        differences += [abs(first[t].logprob - lp) for t, lp in zip(last["top_ids"], last["top_logprobs"], strict=True) if t in first]
         agreed = _agreement(out.outputs[0].token_ids, case["greedy"])
         owed = _owed(case["greedy_top2_margins"], near_tie=2 * tolerance)
         assert agreed >= owed, (f"{reference}: greedy parted from llama.cpp at step {agreed}, before its first "
@@ -93,7 +92,7 @@ def test_logprobs_and_greedy_tokens_match_llama_cpp(ours, reference, tolerance, 
 
 
 def _agreement(ours: list[int], theirs: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), min(len(ours), len(theirs)))
 
 
 def _owed(margins: list[float], near_tie: float) -> int:
@@ -110,5 +109,5 @@ def test_other_gguf_tokenizer_kinds_match_llama_cpp(kind, tmp_path):
     else:
         write_gguf(GOLDEN / GOLDEN_TOKENIZER_CASE, file, pre=kind)
     tokenizer = Tokenizer.from_pretrained(file)
-    for case, expected in zip(REFERENCE["tokenizer"], REFERENCE["other_tokenizers"][kind]):
+    for case, expected in zip(REFERENCE["tokenizer"], REFERENCE["other_tokenizers"][kind], strict=True):
         assert tokenizer.encode(case["text"]) == expected, case["text"]

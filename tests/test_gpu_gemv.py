@@ -5,13 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from golden import CASES, GOLDEN, greedy_agreement_length, reference
+from test_models import PAGE, _fresh_cache, _run
 
 from capstan.runtime.models import gpu_gemv
 from capstan.runtime.models.loader import load_model
 from capstan.runtime.models.quantization import QuantizedWeight, dequantize_rows, quantize_blocks, quantize_rows
-
-from golden import CASES, GOLDEN, greedy_agreement_length, reference
-from test_models import PAGE, _fresh_cache, _run
 
 
 @pytest.mark.parametrize("rows, n, k, splits", [(1, 128, 1024, None), (5, 64, 384, None), (16, 96, 160, 1),
@@ -76,8 +75,9 @@ def test_decoding_through_the_kernel_matches_decoding_without_it(case, method, i
     ref = reference(case)
     prompt, cont = ref["prompts"][0], ref["greedy_continuations"][0]
     if method == "q8_0":  # a GGUF file's Q8_0 blocks, kept as the file has them
-        from capstan.runtime.models.gguf_checkpoint import load_gguf_model
         from gguf_files import write_gguf
+
+        from capstan.runtime.models.gguf_checkpoint import load_gguf_model
 
         model = load_gguf_model(write_gguf(GOLDEN / case, tmp_path / "q.gguf", q8_0=True), jnp.float32)
     else:

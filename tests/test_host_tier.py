@@ -1,7 +1,10 @@
 """The prefix cache's host-memory tier (--kv-offloading-size): a pool too small for the conversations evicts their
 pages, the tier copies them back on the next turn, and every token is what recompute gives."""
+import time
+
 import numpy as np
 import pytest
+from golden import GOLDEN
 
 from capstan.runtime.cli import main
 from capstan.runtime.engine.llm import LLM
@@ -12,8 +15,6 @@ from capstan.runtime.kv.host_offload import gather_pages, scatter_pages
 from capstan.runtime.kv.host_tier import HostTier
 from capstan.runtime.kv.page_pool import page_hash
 from capstan.runtime.server.metrics import ServerMetrics
-
-from golden import GOLDEN
 
 MODEL = str(GOLDEN / "llama-s11")
 SMALL_POOL = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=4, num_pages=48)
@@ -98,9 +99,12 @@ def test_aborts_while_pages_are_copied_back_leak_nothing():
         assert not engine.has_unfinished()
     assert aborted > 0
     offload = engine.scheduler.offload
-    for _ in range(3):  # copies to the host still in flight land
+    deadline = time.monotonic() + 30
+    while offload.busy and time.monotonic() < deadline:  # copies still in flight (on their threads) land
         engine.step()
+        time.sleep(0.005)
     assert not offload.busy and not engine.scheduler.loading
+    assert offload.tier.num_pinned == 0  # every load's slots were given back, the aborted ones' too
     assert offload.tier.num_used == len(offload.tier._slot_of)  # no slot stays reserved
     engine.pool.check_all_free()
 
@@ -120,6 +124,21 @@ def test_the_tier_keeps_its_size_and_evicts_least_recently_used():
     np.testing.assert_array_equal(tier.read([slots[2]])[0], np.arange(12, 18).reshape(2, 3))
     assert tier.match([hashes[1], hashes[2]]) == []  # a run stops at its first miss
     assert tier.pages.nbytes == 3 * 2 * 3 * 4
+
+
+def test_a_slot_being_copied_back_is_not_evicted_until_the_copy_has_read_it():
+    tier = HostTier((2,), np.float32, capacity_pages=2)
+    hashes = [page_hash(None, [i]) for i in range(4)]
+    slots = tier.reserve(hashes[:2])
+    tier.commit(slots, np.array([[1, 1], [2, 2]], np.float32))
+    tier.pin([slots[0]])  # the least recently used, but a load reads it
+    [slot] = tier.reserve([hashes[2]])
+    assert slot == slots[1] and tier.holds(hashes[0]) and not tier.holds(hashes[1])
+    assert tier.reserve([hashes[3]]) == [None]  # every other slot in flight or pinned: the page is not kept
+    np.testing.assert_array_equal(tier.read([slots[0]]), [[1, 1]])
+    tier.unpin([slots[0]])
+    tier.abandon([slot])
+    assert tier.reserve([hashes[3]]) == [slot]  # (the free slot first; the unpinned one is evictable again)
 
 
 @pytest.mark.parametrize("size, message", [("-1", "kv_offloading_size must be between 0"),

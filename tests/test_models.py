@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from golden import CASES, GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
 
 from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, query_blocks
 from capstan.runtime.kv.cache import KVCache
 from capstan.runtime.models.config import ModelConfig, UnsupportedModelError
 from capstan.runtime.models.loader import load_model
-
-from golden import CASES, GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
 
 PAGE = 8  # small pages so that every prompt crosses page boundaries
 
@@ -54,7 +53,7 @@ def _fresh_cache(model, n_pages):
 
 def test_teacher_forced_logprobs_match_transformers(case):
     name, model, ref = case
-    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"])):
+    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"], strict=True)):
         tokens = prompt + cont[:-1]
         pages = list(range(1, 1 + 160 // PAGE))[::-1]  # scattered, non-contiguous pages
         logits, _ = _run(model, _fresh_cache(model, 1 + len(pages)), tokens, 0, pages, 160)
@@ -64,7 +63,7 @@ def test_teacher_forced_logprobs_match_transformers(case):
 
 def test_greedy_decoding_through_the_cache_matches_transformers(case):
     name, model, ref = case
-    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"])):
+    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"], strict=True)):
         pages = list(range(1, 1 + 160 // PAGE))
         kv = _fresh_cache(model, 1 + len(pages))
         logits, kv = _run(model, kv, prompt, 0, pages, 160)

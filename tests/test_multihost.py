@@ -38,7 +38,7 @@ def run_hosts(n: int) -> dict:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait()
-    for p, (_, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     return json.loads(outs[0][0].strip().splitlines()[-1])
 

@@ -5,10 +5,9 @@ import sys
 
 import numpy as np
 import pytest
+from golden import GOLDEN
 
 from capstan import LLM, SamplingParams
-
-from golden import GOLDEN
 
 MODEL = str(GOLDEN / "qwen3-s13")  # has a chat template
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -14,15 +14,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from golden import CASES, GOLDEN, log_softmax, reference, reference_logits
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from test_models import PAGE, _fresh_cache, _run
 
 from capstan.runtime.models.config import UnsupportedModelError
 from capstan.runtime.models.loader import load_model
 from capstan.runtime.models.quantization import QuantizedWeight, dequantize_rows, quantize_rows
-
-from golden import CASES, GOLDEN, log_softmax, reference, reference_logits
-from test_models import PAGE, _fresh_cache, _run
 
 # Measured on the four golden checkpoints (random weights, f32 activations), every position of every prompt: the
 # largest |logprob - transformers'| over the whole vocabulary is 0.03-0.29 for int8 and 0.18-1.56 for fp8 (3 mantissa
@@ -84,7 +83,7 @@ def _teacher_forced(model, case):
     """Logits at every position of each golden prompt + continuation, one forward each."""
     ref = reference(case)
     out = []
-    for prompt, cont in zip(ref["prompts"], ref["greedy_continuations"]):
+    for prompt, cont in zip(ref["prompts"], ref["greedy_continuations"], strict=True):
         pages = list(range(1, 1 + 160 // PAGE))
         logits, _ = _run(model, _fresh_cache(model, 1 + len(pages)), prompt + cont[:-1], 0, pages, 160)
         out.append(logits)
@@ -99,7 +98,7 @@ def test_quantized_golden_logprobs_stay_near_transformers(case):
         assert isinstance(model.layers[0].mlp.down_proj, QuantizedWeight)
         assert not isinstance(model.lm_head, QuantizedWeight)
         deviation, top_deviation, agree, total = 0.0, 0.0, 0, 0
-        for got, want in zip(_teacher_forced(model, case), ref_logits):
+        for got, want in zip(_teacher_forced(model, case), ref_logits, strict=True):
             diff = np.abs(log_softmax(got) - log_softmax(want))
             deviation = max(deviation, float(diff.max()))
             top_deviation = max(top_deviation, float(np.take_along_axis(diff, want.argmax(-1)[:, None], -1).max()))
@@ -116,7 +115,7 @@ def _write_quantized_checkpoint(src: Path, out: Path, quantization_config: dict,
     """The golden checkpoint with each linear weight replaced by tensors_for(name, f32 weight) (Hugging Face names)."""
     shutil.copytree(src, out)
     with safe_open(src / "model.safetensors", framework="numpy") as f:
-        dense = {k: f.get_tensor(k) for k in f.keys()}
+        dense = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open handles do not iterate
     tensors = {}
     for name, w in dense.items():
         if name.endswith(tuple(f"{p}.weight" for p in LINEARS)):
@@ -178,7 +177,7 @@ def test_compressed_tensors_checkpoint_loads_quantized_and_matches_its_dequantiz
     (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
     dense = load_model(tmp_path / "dense", "float32")
     deviation = max(float(np.abs(log_softmax(a) - log_softmax(b)).max())
-                    for a, b in zip(_teacher_forced(model, case), _teacher_forced(dense, case)))
+                    for a, b in zip(_teacher_forced(model, case), _teacher_forced(dense, case), strict=True))
     print(f"\ncompressed-tensors {method} vs its dequantized weights: max |logprob diff| {deviation:.2e}")
     # int8 is weight-only: the same numbers up to summation order; fp8 also rounds the activations to e4m3
     assert deviation < (1e-4 if method == "int8" else MAX_LOGPROB_DEVIATION["fp8"])
@@ -246,7 +245,7 @@ if __name__ == "__main__":  # the child of the split test: one device, then four
 
     prompts = reference("qwen2-s12")["prompts"][:3]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
-    results = {}
+    results: dict[str, object] = {}
     for method in ("fp8",):
         for tp in (1, 4):
             llm = LLM(str(GOLDEN / "qwen2-s12"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
@@ -262,8 +261,9 @@ if __name__ == "__main__":  # the child of the split test: one device, then four
 def test_gguf_q8_0_weights_are_served_in_their_blocks(tmp_path, case):
     """A Q8_0 GGUF keeps its linear weights as int8 blocks with one scale per 32 inputs (llama-s11's o_proj, whose
     blocks would straddle its 16-wide heads, is dequantized), and computes what the dequantized weights compute."""
-    from capstan.runtime.models.gguf_checkpoint import load_gguf_model
     from gguf_files import write_gguf
+
+    from capstan.runtime.models.gguf_checkpoint import load_gguf_model
 
     file = write_gguf(GOLDEN / case, tmp_path / f"{case}.q8_0.gguf", q8_0=True)
     kept, dense = load_gguf_model(file, jnp.float32), load_gguf_model(file, jnp.float32, keep_q8_0=False)
@@ -274,16 +274,17 @@ def test_gguf_q8_0_weights_are_served_in_their_blocks(tmp_path, case):
     assert layer.mlp.down_proj.scale.array.shape == (64, kept.cfg.intermediate_size // 32)  # [Embed, Mlp blocks]
     np.testing.assert_allclose(np.asarray(layer.mlp.down_proj.dequantize().array),
                                np.asarray(dense.layers[0].mlp.down_proj.array), rtol=0, atol=0)
-    for got, want in zip(_teacher_forced(kept, case), _teacher_forced(dense, case)):
+    for got, want in zip(_teacher_forced(kept, case), _teacher_forced(dense, case), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    for ours, theirs in zip(_teacher_forced(kept, case), [reference_logits(case, i) for i in range(len(reference(case)["prompts"]))]):
+    for ours, theirs in zip(_teacher_forced(kept, case), [reference_logits(case, i) for i in range(len(reference(case)["prompts"]))], strict=True):
         assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.9  # Q8_0 moves little from the float model
 
 
 def test_gguf_q8_0_in_blocks_is_refused_across_devices_naming_the_way_out(tmp_path):
+    from gguf_files import write_gguf
+
     from capstan.runtime.models.gguf_checkpoint import load_gguf_model
     from capstan.runtime.parallel.tensor_parallel import TensorParallel, TensorParallelError
-    from gguf_files import write_gguf
 
     model = load_gguf_model(write_gguf(GOLDEN / "qwen3-s13", tmp_path / "q.gguf", q8_0=True), jnp.float32)
     import jax

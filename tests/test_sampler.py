@@ -90,7 +90,7 @@ def test_plain_greedy_fast_path_matches_the_processed_path():
     slow = sample(logits, batch(S=4, temperature=np.zeros(4, np.float32), key_data=keys))
     fast = sample(logits, batch(S=4, temperature=np.zeros(4, np.float32), key_data=keys, plain_greedy=np.bool_(True)))
     assert np.asarray(fast.tokens).tolist() == np.asarray(jnp.argmax(logits, -1)).tolist()
-    for a, b in zip(jax.tree_util.tree_leaves(slow), jax.tree_util.tree_leaves(fast)):
+    for a, b in zip(jax.tree_util.tree_leaves(slow), jax.tree_util.tree_leaves(fast), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 

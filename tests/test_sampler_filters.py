@@ -3,19 +3,30 @@ the same kept set, the same renormalised probabilities, and the same seeded samp
 the same tokens as the definition's kept set with the same Gumbel noise)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import functools
-
-from capstan.runtime.engine.sampler import (BLOCK, BLOCKS, RowNoise, best_by_blocks, best_by_top_k,
-                                           draw_by_candidates, draw_by_kernels, filters_by_bisection,
-                                           filters_by_search, filters_by_sort, gumbel_at, mass_above, row_keys,
-                                           search_passes)
 from test_sampler import batch
 
+from capstan.runtime.engine.sampler import (
+    BLOCK,
+    BLOCKS,
+    RowNoise,
+    best_by_blocks,
+    best_by_top_k,
+    draw_by_candidates,
+    draw_by_kernels,
+    filters_by_bisection,
+    filters_by_search,
+    filters_by_sort,
+    gumbel_at,
+    mass_above,
+    row_keys,
+    search_passes,
+)
 
 
 def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None = None) -> np.ndarray:
@@ -57,7 +68,7 @@ def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
     got = np.asarray(jax.jit(filters)(jnp.asarray(x), b))
     ambiguous = []
     want = sorted_reference(x, top_k, top_p, min_p, ambiguous)
-    differ = set(zip(*np.nonzero(np.isfinite(got) != np.isfinite(want))))
+    differ = set(zip(*np.nonzero(np.isfinite(got) != np.isfinite(want)), strict=True))
     assert differ <= set(ambiguous), differ - set(ambiguous)  # the same kept set, but for float rounding
     rows = [r for r in range(S) if not any(d[0] == r for d in differ)]
     np.testing.assert_allclose(jax.nn.softmax(got[rows], axis=-1), jax.nn.softmax(want[rows], axis=-1),

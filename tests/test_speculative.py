@@ -7,15 +7,14 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from golden import GOLDEN
+from speculative_cases import ENGINE, GRAMMAR, PARAMS, PROMPTS, same_outputs
 
 from capstan.runtime.cli import build_parser
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import SamplingParams
 from capstan.runtime.engine.speculative import propose_ngram
 from capstan.runtime.speculative_config import SpeculativeConfig
-
-from golden import GOLDEN
-from speculative_cases import ENGINE, GRAMMAR, PARAMS, PROMPTS, same_outputs
 
 
 def test_ngram_lookup_takes_the_latest_longest_match():

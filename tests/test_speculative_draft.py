@@ -11,16 +11,15 @@ import shutil
 
 import numpy as np
 import pytest
+from golden import GOLDEN
 from safetensors.numpy import load_file, save_file
+from speculative_cases import ENGINE, GRAMMAR, PARAMS, PROMPTS, same_outputs
 
 from capstan.runtime.cli import build_parser
 from capstan.runtime.config import DEFAULT_MODEL
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import SamplingParams
 from capstan.runtime.speculative_config import SpeculativeConfig
-
-from golden import GOLDEN
-from speculative_cases import ENGINE, GRAMMAR, PARAMS, PROMPTS, same_outputs
 
 LLAMA = GOLDEN / "llama-s11"
 LONG = "the quick brown fox jumps over the lazy dog " * 2  # 57 tokens: 3 full pages, found cached when run again
@@ -165,7 +164,7 @@ def test_sampled_outputs_are_distributed_as_the_targets(plain, cut_draft):
     def next_probs(ids):
         lp = plain.generate([ids], top4, use_tqdm=False)[0].outputs[0].logprobs[0]
         p = np.exp([v.logprob for v in lp.values()])
-        return dict(zip(lp, p / p.sum()))  # top-k renormalises over the 4 it keeps
+        return dict(zip(lp, p / p.sum(), strict=True))  # top-k renormalises over the 4 it keeps
 
     first = next_probs(prompt)
     expected = {(a, b): pa * pb for a, pa in first.items() for b, pb in next_probs(prompt + [a]).items()}

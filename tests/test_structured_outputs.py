@@ -8,12 +8,11 @@ import re
 
 import jsonschema
 import pytest
+from golden import GOLDEN
 
 from capstan.runtime.engine.grammar import StructuredOutput
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import InvalidRequestError, SamplingParams
-
-from golden import GOLDEN
 
 NAME = {"type": "string", "maxLength": 12}
 SCHEMAS = {
@@ -109,11 +108,11 @@ def test_the_decode_pipeline_matches_one_step_at_a_time(llm, monkeypatch):
     monkeypatch.setattr(llm.engine.multi_step, "_pipeline", lambda *a: runs.append(1) or pipeline(*a))
     piped = llm.generate(prompts, params, use_tqdm=False)
     assert len(runs) >= 2  # the batch did decode through the pipeline
-    for a, b in zip(single, piped):
+    for a, b in zip(single, piped, strict=True):
         (x,), (y,) = a.outputs, b.outputs
         assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
         assert [next(iter(lp)) for lp in x.logprobs] == [next(iter(lp)) for lp in y.logprobs]
-        for lx, ly in zip(x.logprobs, y.logprobs):
+        for lx, ly in zip(x.logprobs, y.logprobs, strict=True):
             assert [v.logprob for v in lx.values()] == pytest.approx([v.logprob for v in ly.values()], abs=1e-4)
 
 

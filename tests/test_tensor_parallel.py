@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from golden import GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
 
 TESTS = Path(__file__).parent
@@ -53,7 +52,7 @@ def test_split_model_matches_one_device_and_golden(devices, cases):
 
 def assert_golden(case: str, run: dict) -> None:
     ref = reference(case)
-    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"])):
+    for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"], strict=True)):
         owed = min(greedy_agreement_length(ref, i), MAX_TOKENS)
         assert run["tokens"][i][:owed] == cont[:owed], f"{case} prompt {i} vs transformers"
         expected = log_softmax(reference_logits(case, i))[np.arange(len(prompt) - 1, len(prompt) - 1 + owed),

@@ -11,8 +11,18 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from capstan.runtime.attention import (HEADS_FIRST, INVALID_SLOT, PAGES_INTERLEAVED, AttentionMetadata, choose_kernel,
-                                       kv_layout, paged_attention, query_blocks, write_and_attend, write_kv)
+from capstan.runtime.attention import (
+    HEADS_FIRST,
+    INVALID_SLOT,
+    PAGES_INTERLEAVED,
+    AttentionMetadata,
+    choose_kernel,
+    kv_layout,
+    paged_attention,
+    query_blocks,
+    write_and_attend,
+    write_kv,
+)
 from capstan.runtime.attention.tpu_ragged import kernel_arguments, ragged_attention, split_pages, write_kv_pages
 from capstan.runtime.kv.cache import KVCache
 

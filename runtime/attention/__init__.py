@@ -11,7 +11,6 @@ from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
 from .tpu_ragged import HEADS_FIRST, PAGES_INTERLEAVED, split_pages, write_kv_pages
 
-
 # Tests set this to run the GPU kernels interpreted on CPU, so CI covers their wiring into the engine too.
 KERNELS_INTERPRETED_ON_CPU = False
 # Tests set this to lay the KV cache out as on TPUs, so CI covers that layout's path through the engine (its
@@ -78,17 +77,17 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
                            window=window, softcap=softcap)
     interpret = jax.default_backend() != "gpu"
     if kernel == "tpu_ragged":
-        from .tpu_ragged import ragged_attention
+        from .tpu_ragged import ragged_attention as tpu_ragged_attention
 
-        return ragged_attention(q, k_cache, meta, scale=scale, window=window, softcap=softcap)
+        return tpu_ragged_attention(q, k_cache, meta, scale=scale, window=window, softcap=softcap)
     if kernel == "gpu_decode":
         from .gpu_decode import decode_attention
 
         return decode_attention(q, k_cache, v_cache, meta, scale=scale, interpret=interpret)
     if kernel == "gpu_ragged":
-        from .gpu_ragged import ragged_attention
+        from .gpu_ragged import ragged_attention as gpu_ragged_attention
 
-        return ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None,
+        return gpu_ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None,
                                 interpret=interpret)
     if layout == PAGES_INTERLEAVED:  # off TPU, or a step without query blocks: costs a copy of the layer's pages
         k_cache, v_cache = split_pages(k_cache)

@@ -45,7 +45,7 @@ def _kernel(blocks_ref, tables_ref, q_ref, k_ref, v_ref, _, o_ref, *, scale: flo
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
     @pl.when(num > 0)
-    def _():
+    def _attend():
         q = q_ref[pl.ds(start, query_block), :, :].reshape(rows, D)
         q_pos = first_pos + jnp.arange(rows) // G
         end = first_pos + num  # keys 0 .. end-1 exist for this block's last token

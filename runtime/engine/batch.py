@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
-from .packing import Packed, pack
 from .grammar import fill_masks, mask_words
+from .packing import Packed, pack
 from .sampler import SamplingBatch
-from .scheduler import ScheduledChunk
 from .sampling_params import MAX_LOGIT_BIAS
+from .scheduler import ScheduledChunk
 from .step import StepInputs
 
 MAX_BANNED = 48  # eos ids + stop_token_ids banned while below min_tokens

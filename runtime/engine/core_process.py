@@ -16,8 +16,20 @@ import jax
 import msgspec
 import zmq
 
-from .core_messages import (Abort, Add, CoreSpec, Dead, Embed, Failure, Loaded, Outputs, Ready, Shutdown, ToCore,
-                            decode_to_core, encode)
+from .core_messages import (
+    Abort,
+    Add,
+    CoreSpec,
+    Dead,
+    Failure,
+    Loaded,
+    Outputs,
+    Ready,
+    Shutdown,
+    ToCore,
+    decode_to_core,
+    encode,
+)
 from .engine import LLMEngine
 from .errors import QueueFullError
 from .outputs import EmbeddingRequestOutput, RequestOutput

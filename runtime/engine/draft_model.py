@@ -24,11 +24,11 @@ from ..models.decoder import DecoderModel
 from ..models.loader import load_model, resolve_checkpoint
 from ..parallel.tensor_parallel import TensorParallel, check_size
 from .batch import BatchBuilder
+from .multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
 from .packing import Packed
+from .sampler import Branches, sample
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
-from .multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
-from .sampler import Branches, sample
 from .step import StepInputs
 
 log = logging.getLogger("capstan.engine")
@@ -117,7 +117,7 @@ class DraftModel:
         in the device's queue (the host builds that step meanwhile), and how many of seqs[i]'s count."""
         budget = self.builder.buckets[-1]
         chunks, steps = [], []
-        for seq, room in zip(seqs, rooms):
+        for seq, room in zip(seqs, rooms, strict=True):
             behind = seq.num_tokens - seq.num_draft_computed
             assert behind >= 1, "the target computes each sequence's last token in this step: the draft has not"
             n = min(behind, budget)
@@ -138,7 +138,7 @@ class DraftModel:
         rows[:len(steps)] = steps
         self.kv, proposals = draft_fn(self.model, self.kv, inputs, rows, num_steps=self.k,
                                       branches=draft_branches([c.seq for c in chunks], jax.default_backend()))
-        for c, n in zip(chunks, steps):
+        for c, n in zip(chunks, steps, strict=True):
             # the draft K/V of its proposals but the last are written too; verification keeps those it accepts
             c.seq.num_draft_computed = c.start + c.num_tokens + max(n - 1, 0)
         return proposals, counts

@@ -133,7 +133,8 @@ class Embedder:
     def _schedule(self) -> list[tuple[EmbeddingInput, int, int]]:
         """(input, first position, tokens) per row: running inputs go on, then waiting ones take pages."""
         builder, pool = self.engine.builder, self.engine.pool
-        budget, chunks = builder.buckets[-1], []
+        budget = builder.buckets[-1]
+        chunks: list[tuple[EmbeddingRequest, int, int]] = []
         for x in self.running:
             if budget == 0 or len(chunks) == builder.S:
                 return chunks

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 
@@ -25,12 +24,12 @@ from .engine_stats import EngineStats
 from .grammar import GrammarTokenizer
 from .input_processor import EngineRequest, InputProcessor, ModelLimits
 from .logprobs import add_prompt_logprobs, position_logprobs
+from .multi_step import MultiStepDecoder
 from .outputs import CompletionOutput, RequestOutput
+from .sampler import SampleResult
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence
-from .multi_step import MultiStepDecoder
-from .sampler import SampleResult
 from .speculative import Speculator
 from .step import StepOutputs, step_fn
 
@@ -216,7 +215,9 @@ class LLMEngine:
         """One step. A failure that belongs to one request fails that request alone (see `fail`); one that
         belongs to none (the device, a compilation) propagates: the engine cannot go on."""
         if self.scheduler.offload is not None and self.scheduler.offload.busy:  # copies between the tiers
-            self.kv = self.scheduler.poll_host_tier(self.kv)
+            kv = self.scheduler.poll_host_tier(lambda: self.kv)  # reads (settles) the cache only to write loads
+            if kv is not None:
+                self.kv = kv
         if self.multi_step.ahead is not None:  # queued by the last step while its tokens were applied
             return self.multi_step.continue_run()
         chunks = self.scheduler.schedule()

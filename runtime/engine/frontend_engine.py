@@ -7,7 +7,7 @@ submitted and how its outputs come back."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from .errors import EngineDeadError
 from .outputs import EmbeddingRequestOutput, RequestOutput

@@ -54,7 +54,8 @@ def mass_above(x: jax.Array, cut: jax.Array, top: jax.Array, values: jax.Array, 
     S, V = x.shape
     D = values.shape[1]
     chunk = min(CHUNK, 1 << (V.bit_length() - 1))  # a power of two no longer than the row
-    programs = -(-(-(-V // chunk)) // CHUNKS_PER_PROGRAM)
+    chunks = -(-V // chunk)
+    programs = -(-chunks // CHUNKS_PER_PROGRAM)
     warps, stages = TUNING
     wanted = jnp.ones((S,), jnp.float32) if rows is None else rows.astype(jnp.float32)
     parts = pl.pallas_call(

@@ -4,7 +4,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -52,9 +53,9 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for p in params:  # validate all before queueing any
             self.engine.validate(p)
-        for rid, prompt, p in zip(ids, prompts, params):
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.engine.add_request(rid, prompt, copy.copy(p))
-        results = {rid: None for rid in ids}
+        results: dict[str, Any] = {rid: None for rid in ids}
         with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
@@ -85,7 +86,7 @@ class LLM:
         prompts = [_engine_prompt(p, i) for i, p in enumerate(_as_list(prompts))]
         embedder = self.engine.embedder
         ids = [f"embed-{next(self._ids)}" for _ in prompts]
-        inputs = [embedder.prepare(rid, [p]) for rid, p in zip(ids, prompts)]  # validate all before queueing any
+        inputs = [embedder.prepare(rid, [p]) for rid, p in zip(ids, prompts, strict=True)]  # validate all before queueing any
         for x in inputs:
             embedder.add(x)
         results: dict[str, EmbeddingRequestOutput] = {}

@@ -195,7 +195,7 @@ class MultiStepDecoder:
                 return None
         active = [max(1, min(k, c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens))
                   for c in chunks]
-        for c, n in zip(chunks, active):
+        for c, n in zip(chunks, active, strict=True):
             if not e.scheduler.reserve_ahead(c.seq, n):
                 return None
         return active
@@ -203,7 +203,7 @@ class MultiStepDecoder:
     def decode(self, chunks: list[ScheduledChunk], active: list[int]) -> list[RequestOutput]:
         """Runs the planned steps (row r takes active[r]) and applies each row's tokens up to its stop."""
         e = self.engine
-        steps = {id(c.seq): n for c, n in zip(chunks, active)}
+        steps = {id(c.seq): n for c, n in zip(chunks, active, strict=True)}
         constrained = any(c.seq.constraint is not None for c in chunks)
         chunks, inputs = e._build(chunks, bucket=e.builder.S, masks=not constrained)
         if not chunks:
@@ -297,6 +297,8 @@ class MultiStepDecoder:
         # a waiting request is admitted as soon as a row frees: the run goes on only while every row stays (a row
         # ending on EOS or a stop string is found a dispatch late, as vLLM's async scheduling finds it a step late)
         if e.scheduler.waiting and (len(live) < e.builder.S or any(d.limits[r] <= offset for r in live)):
+            return None
+        if e.scheduler.offload is not None and e.scheduler.offload.landed:  # restored pages wait to be written
             return None
         active = np.minimum(d.active, offset)  # rows found stopped write nothing more
         for r in live:

@@ -28,7 +28,8 @@ def pack(tree) -> Packed:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dtypes: dict[np.dtype, list[np.ndarray]] = {}
     sizes: dict[np.dtype, int] = {}
-    on_device, places = [], []
+    on_device: list[jax.Array] = []
+    places: list = []
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
             places.append((None, len(on_device), None))

@@ -5,11 +5,21 @@ import dataclasses
 import math
 import numbers
 
+from ..limits import (
+    INT32_MAX,
+    INT64_MIN,
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS_IN_ENGINE,
+    MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    UINT64_MAX,
+)
 from .grammar import StructuredOutput
-
-from ..limits import (INT32_MAX, INT64_MIN, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
-                      MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS_IN_ENGINE, MAX_TEMPERATURE, PENALTY_RANGE,
-                      UINT64_MAX)
 
 __all__ = ["InvalidRequestError", "SamplingParams", "MAX_LOGIT_BIAS", "MAX_LOGPROBS"]
 

@@ -154,7 +154,9 @@ class Scheduler:
     def _load_from_host(self, seq: Sequence) -> bool:
         """Starts copying back the full pages after seq's device hit that the host tier holds (one token is always
         left to compute); True: seq waits in `loading` for them."""
-        page, hashes, slots = self.pool.page_size, [], []
+        page = self.pool.page_size
+        hashes: list[PageHash] = []
+        slots: list[int] = []
         parent = seq.page_hashes[-1] if seq.page_hashes else None
         for k in range(len(seq.pages), (seq.num_tokens - 1) // page):
             parent = page_hash(parent, seq.token_ids[k * page:(k + 1) * page])
@@ -172,10 +174,11 @@ class Scheduler:
         self.loading[seq] = (hashes[:count], time.monotonic())
         return True
 
-    def poll_host_tier(self, kv):
+    def poll_host_tier(self, read_kv):
         """Finishes the copies between the tiers that are ready (the engine calls this before each step): returns
-        the cache with restored pages written, and puts their sequences at the front of the queue."""
-        kv, ended = self.offload.poll(kv)
+        the cache with restored pages written (None: no load landed, the cache was not read), and puts their
+        sequences at the front of the queue."""
+        kv, ended = self.offload.poll(read_kv)
         for seq, loaded in reversed(ended):
             hashes, started = self.loading.pop(seq)
             if loaded:

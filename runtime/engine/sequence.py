@@ -38,7 +38,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    pending_forks: list["Sequence"] = dataclasses.field(default_factory=list)  # choices 1..n-1, until prefill ends
+    pending_forks: list[Sequence] = dataclasses.field(default_factory=list)  # choices 1..n-1, until prefill ends
     prompt_logprobs_done: bool = False
     # produced since the owner last collected them
     new_text: str = ""

@@ -13,6 +13,7 @@ target's probability of it, as rejection sampling does."""
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -24,9 +25,9 @@ from ..models.decoder import DecoderModel
 from ..speculative_config import SpeculativeConfig
 from .batch import BatchBuilder
 from .draft_model import DraftModel
+from .multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
 from .outputs import RequestOutput
 from .packing import Packed
-from .multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
 from .sampler import Branches, SampleResult, sample
 from .scheduler import ScheduledChunk
 from .step import StepInputs, StepOutputs
@@ -129,7 +130,8 @@ class Speculator:
         self.engine, self.k = engine, config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
         self.draft: DraftModel | None = None  # with a draft model: its cache over the engine's pages
-        self.proposer = None  # n-gram lookup: (tokens, at most k) -> proposal; tests and benchmarks set oracles here
+        # n-gram lookup: (tokens, at most k) -> proposal; tests and benchmarks set oracles here
+        self.proposer: Callable[[list[int], int], list[int]] | None = None
         if draft_model is not None:
             d, c = draft_model.cfg, engine.config
             self.draft = DraftModel(draft_model, BatchBuilder(**rows, queries_per_kv=d.queries_per_kv),
@@ -185,10 +187,11 @@ class Speculator:
                     budget -= room
             with self.engine._precision():
                 self.proposals, counts = self.draft.propose([c.seq for c in takers], rooms, scheduler.reserve_ahead)
-            for column, (c, n) in enumerate(zip(takers, counts)):
+            for column, (c, n) in enumerate(zip(takers, counts, strict=True)):
                 if n:  # placeholders: the verify step takes the tokens from the device (run_verify)
                     c.draft, self.columns[id(c)] = [0] * n, column
             return any(counts)
+        assert self.proposer is not None  # no draft model: the n-gram lookup (or a test's oracle)
         for c in chunks:
             room = self._room(c, budget)
             draft = self.proposer(c.seq.token_ids, room) if room > 0 else []

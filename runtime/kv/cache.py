@@ -23,7 +23,7 @@ class KVCache(eqx.Module):
 
     @staticmethod
     def allocate(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,
-                 sharding=None, layout: str | None = None) -> "KVCache":
+                 sharding=None, layout: str | None = None) -> KVCache:
         """sharding: where the pages live (tensor parallelism splits them by KV head); None: the default device.
         layout: None chooses by backend."""
         if layout is None:

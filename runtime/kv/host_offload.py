@@ -2,26 +2,32 @@
 
 Device -> host: a page the pool evicts is only named then (PagePool.on_evict); the copy is queued (`flush`) when
 the engine next reads its cache to run anything on it, so the gather is ordered before any write into the page's
-next owner. The gathered pages start their copy to the host at once (copy_to_host_async) and are committed to the
-tier a poll after the device has produced them, by which time the copy has landed.
+next owner. The gathered pages start their copy to the host at once (copy_to_host_async); a copy thread waits for
+them and writes their bytes into the tier, and the engine's next poll makes them findable.
 
-Host -> device: a prefix that misses on the device and hits in the tier gets fresh device pages and a staged copy
-(device_put: an asynchronous host-to-device transfer into a buffer of its own). Its sequence waits while the batch
-steps on; once the transfer is ready, one jitted scatter writes the pages into the cache (a device-local copy,
-ordered before the next step) and the sequence is admitted with them computed. A transfer that fails or is not
-written by LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
+Host -> device: a prefix that misses on the device and hits in the tier gets fresh device pages and a load: the
+tier's slots are pinned (no eviction reuses them meanwhile) and a second copy thread stages their bytes and
+transfers them (device_put, waited for there), so the engine's thread does no byte work and never waits. Its
+sequence waits while the batch steps on; the first poll after the transfer has landed writes the pages into the
+cache with one jitted scatter (a device-local copy, ordered before the next step) and admits the sequence with them
+computed. A load that fails or has not landed by LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow
+copy costs time, never a wrong token.
 
 Copies move at most MAX_PAGES_PER_COPY pages a dispatch, padded to a power of two (a handful of compiled shapes,
 all compiled at warm-up). Tensor parallelism: the gathered pages keep the cache's split by KV head, so each
-device copies its own heads' bytes, and a staged copy is placed with the same split."""
+device copies its own heads' bytes, and a staged copy is placed with the same split. `timings` splits a load's
+time into its phases (the benchmark prints them)."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from typing import Callable, ContextManager, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import ContextManager
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +42,8 @@ from .page_pool import PageHash
 
 log = logging.getLogger("capstan.kv")
 MAX_PAGES_PER_COPY = 64  # pages per gather or scatter dispatch (larger copies are split)
-LOAD_DEADLINE_S = 5.0
-LANDED_S = 0.05  # a copy to the host started this long ago has landed once the device has produced its pages  # a host-to-device copy not ready by then is dropped: its pages are recomputed
+LOAD_DEADLINE_S = 5.0  # a host-to-device copy not landed by then is dropped: its pages are recomputed
+MAX_COPIES_TO_HOST = 32  # gathers waiting for the copy thread (device memory): past this, evicted pages are not kept
 GIB = 1 << 30
 
 
@@ -75,16 +81,15 @@ def _bucket(n: int) -> int:
 
 @dataclasses.dataclass
 class _ToHost:
-    data: jax.Array  # gathered pages, their copy to the host started
-    slots: list[int]  # the tier's reserved slots, one per page (the data's first len(slots) rows)
-    started: float
-    produced: bool = False  # the device had produced data at an earlier poll: its copy has landed since
+    future: Future  # the copy thread's wait for the gathered pages and their write into the tier
+    slots: list[int]  # the tier's reserved slots, one per page
 
 
 @dataclasses.dataclass
 class _ToDevice:
-    parts: list[tuple[np.ndarray, jax.Array]]  # (device pages padded with the pool's size, staged data)
-    num_pages: int
+    parts: list[np.ndarray]  # device pages of each staged part, padded with the pool's size (the scatter drops those)
+    slots: list[int]  # pinned in the tier until the copy thread has read them
+    future: Future  # the copy thread's staged parts, landed on the device, and when they landed
     started: float
 
 
@@ -110,10 +115,16 @@ class HostOffload:
         self._evicted: list[tuple[int, PageHash]] = []  # named by the pool, not yet gathered
         self._to_host: list[_ToHost] = []
         self._to_device: dict[Hashable, _ToDevice] = {}
+        self._draining: list[_ToDevice] = []  # dropped loads whose copy thread still reads their pinned slots
+        # one thread each way: a load never queues behind evicted pages' writes
+        self._host_writer = ThreadPoolExecutor(1, thread_name_prefix="capstan-kv-to-host")
+        self._device_loader = ThreadPoolExecutor(1, thread_name_prefix="capstan-kv-to-device")
         self.bytes_to_host = self.bytes_to_device = 0
         self.pages_to_host = self.pages_to_device = 0
-        self.failed_loads = 0
+        self.failed_loads = self.skipped_to_host = 0
         self.load_seconds = 0.0  # from each load's start until its pages were written
+        self.timings = collections.Counter()  # seconds by phase (see `timing_summary`)
+        self.load_phases: collections.deque = collections.deque(maxlen=4096)  # (landed, written) s after start
 
     def _gathered_sharding(self, kv: KVCache):
         """gather_pages' output placement: the cache's split (by KV head) with the page axis first, arrays second."""
@@ -127,7 +138,12 @@ class HostOffload:
     @property
     def busy(self) -> bool:
         """Copies wait to be started or finished (the engine polls while this is true)."""
-        return bool(self._evicted or self._to_host or self._to_device)
+        return bool(self._evicted or self._to_host or self._to_device or self._draining)
+
+    @property
+    def landed(self) -> bool:
+        """Some load's pages are on the device, waiting for a poll to write them (a decode run ends for it)."""
+        return any(load.future.done() for load in self._to_device.values())
 
     # ---- device -> host ------------------------------------------------------------------------------------
     def on_evict(self, page: int, h: PageHash) -> None:
@@ -136,11 +152,18 @@ class HostOffload:
 
     def flush(self, kv: KVCache) -> None:
         """Queues the gathers of the pages evicted since the last flush (before anything writes the cache)."""
+        if not self._evicted:
+            return
+        t = time.perf_counter()
         evicted, self._evicted = self._evicted, []
         evicted = [(p, h) for p, h in evicted if not self.tier.holds(h)]
         for start in range(0, len(evicted), MAX_PAGES_PER_COPY):
             part = evicted[start:start + MAX_PAGES_PER_COPY]
-            kept = [(p, slot) for (p, _), slot in zip(part, self.tier.reserve([h for _, h in part])) if slot is not None]
+            if len(self._to_host) >= MAX_COPIES_TO_HOST:  # the copy thread is behind: these pages are recomputed
+                self.skipped_to_host += len(part)
+                continue
+            kept = [(p, slot) for (p, _), slot in zip(part, self.tier.reserve([h for _, h in part]), strict=True)
+                    if slot is not None]
             if not kept:
                 continue
             pages = np.zeros(_bucket(len(kept)), np.int32)
@@ -148,24 +171,33 @@ class HostOffload:
             with self._context():
                 data = gather_pages(kv, pages, page_axis=self.page_axis)
             data.copy_to_host_async()
-            self._to_host.append(_ToHost(data, [slot for _, slot in kept], time.monotonic()))
+            slots = [slot for _, slot in kept]
+            self._to_host.append(_ToHost(self._host_writer.submit(self._write_to_tier, data, slots), slots))
+        self.timings["step_thread_flush"] += time.perf_counter() - t
+
+    def _write_to_tier(self, data: jax.Array, slots: list[int]) -> int:
+        """(copy thread) Waits for the gathered pages on the host and writes them into their reserved slots."""
+        t = time.perf_counter()
+        host = np.asarray(data)
+        self.tier.write(slots, host)
+        self.timings["copy_thread_to_host"] += time.perf_counter() - t
+        return len(slots) * self.tier.page_bytes
 
     def _finish_to_host(self) -> None:
         pending = []
         for copy in self._to_host:
+            if not copy.future.done():
+                pending.append(copy)
+                continue
             try:
-                if copy.produced or time.monotonic() - copy.started > LANDED_S and copy.data.is_ready():
-                    host = np.asarray(copy.data)[:len(copy.slots)]
-                    self.tier.commit(copy.slots, host)
-                    self.pages_to_host += len(copy.slots)
-                    self.bytes_to_host += host.nbytes
-                    continue
-                copy.produced = copy.data.is_ready()
+                nbytes = copy.future.result()
             except Exception:  # noqa: BLE001 - a failed copy only loses its pages from the tier
                 log.exception("a K/V copy to host memory failed; its %d pages are not kept", len(copy.slots))
                 self.tier.abandon(copy.slots)
                 continue
-            pending.append(copy)
+            self.tier.commit(copy.slots)
+            self.pages_to_host += len(copy.slots)
+            self.bytes_to_host += nbytes
         self._to_host = pending
 
     # ---- host -> device ------------------------------------------------------------------------------------
@@ -174,47 +206,97 @@ class HostOffload:
         return self.tier.match(hashes)
 
     def start_load(self, key: Hashable, pages: Sequence[int], slots: Sequence[int]) -> None:
-        """Stages the slots' pages for the device pages `pages`; `poll` reports key when they are written."""
-        parts = []
+        """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written."""
+        parts, slots = [], list(slots)
         for start in range(0, len(pages), MAX_PAGES_PER_COPY):
             n = min(MAX_PAGES_PER_COPY, len(pages) - start)
             padded = np.full(_bucket(n), self.num_pages, np.int32)  # past the pool: the scatter drops them
             padded[:n] = pages[start:start + n]
-            data = np.zeros((len(padded), *self.tier.pages.shape[1:]), self.tier.pages.dtype)
-            data[:n] = self.tier.read(slots[start:start + n])
-            parts.append((padded, jax.device_put(data, self._staged_sharding)))
-        self._to_device[key] = _ToDevice(parts, len(pages), time.monotonic())
+            parts.append(padded)
+        self.tier.pin(slots)
+        future = self._device_loader.submit(self._stage, slots, [len(p) for p in parts])
+        self._to_device[key] = _ToDevice(parts, slots, future, time.monotonic())
+
+    def _stage(self, slots: list[int], buckets: list[int]) -> tuple[list[jax.Array], float]:
+        """(copy thread) The slots' pages on the device, one array per part, and when they had landed there."""
+        staged, at = [], 0
+        for bucket in buckets:
+            t = time.perf_counter()
+            part = slots[at:at + MAX_PAGES_PER_COPY]
+            at += len(part)
+            # rows past the part are padding, dropped by the scatter: left as they are
+            data = self.tier.read(part, out=np.empty((bucket, *self.tier.pages.shape[1:]), self.tier.pages.dtype))
+            t2 = time.perf_counter()
+            staged.append(jax.device_put(data, self._staged_sharding))
+            self.timings["copy_thread_stage"] += t2 - t
+            self.timings["copy_thread_device_put"] += time.perf_counter() - t2
+        t = time.perf_counter()
+        jax.block_until_ready(staged)
+        self.timings["copy_thread_transfer_wait"] += time.perf_counter() - t
+        return staged, time.monotonic()
 
     def cancel(self, key: Hashable) -> None:
         """The waiting sequence is gone (aborted): its pages are never written."""
-        self._to_device.pop(key, None)
+        load = self._to_device.pop(key, None)
+        if load is not None:
+            self._draining.append(load)
 
-    def poll(self, kv: KVCache) -> tuple[KVCache, list[tuple[Hashable, bool]]]:
-        """Finishes the copies that are ready: the cache with the loaded pages written, and (key, loaded) for each
-        load that ended (False: failed or late, so its pages are to be recomputed)."""
+    def _drain(self) -> None:
+        """Unpins the slots of dropped loads once the copy thread is done reading them."""
+        for load in [d for d in self._draining if d.future.done()]:
+            self.tier.unpin(load.slots)
+            self._draining.remove(load)
+
+    def poll(self, read_kv: Callable[[], KVCache]) -> tuple[KVCache | None, list[tuple[Hashable, bool]]]:
+        """Finishes the copies that are ready: the cache with the loaded pages written (None when no load landed:
+        the cache was not read, so a queued decode dispatch was not waited for), and (key, loaded) for each load that
+        ended (False: failed or late, so its pages are to be recomputed)."""
+        t = time.perf_counter()
         self._finish_to_host()
-        ended = []
+        self._drain()
+        kv, ended = None, []
         for key, load in list(self._to_device.items()):
-            try:  # past its deadline a load is dropped, whatever its state: no sequence waits longer
-                ready = time.monotonic() - load.started <= LOAD_DEADLINE_S and \
-                    all(staged.is_ready() for _, staged in load.parts)
-            except Exception:  # noqa: BLE001 - the transfer failed: recompute instead
-                log.exception("a K/V copy from host memory failed; its pages are recomputed")
-                ready = None
-            if ready:
-                with self._context():
-                    for pages, staged in load.parts:
-                        kv = scatter_pages(kv, pages, staged, page_axis=self.page_axis)
-                self.pages_to_device += load.num_pages
-                self.bytes_to_device += load.num_pages * self.tier.page_bytes
-                self.load_seconds += time.monotonic() - load.started
-            elif ready is None or time.monotonic() - load.started > LOAD_DEADLINE_S:  # failed, or late
-                self.failed_loads += 1
-            else:
+            late = time.monotonic() - load.started > LOAD_DEADLINE_S  # dropped, whatever its state
+            if not late and not load.future.done():
                 continue
             del self._to_device[key]
-            ended.append((key, bool(ready)))
+            if late:
+                self._draining.append(load)
+                self.failed_loads += 1
+                ended.append((key, False))
+                continue
+            self.tier.unpin(load.slots)
+            try:
+                staged, landed = load.future.result()
+            except Exception:  # noqa: BLE001 - the transfer failed: recompute instead
+                log.exception("a K/V copy from host memory failed; its pages are recomputed")
+                self.failed_loads += 1
+                ended.append((key, False))
+                continue
+            kv = read_kv() if kv is None else kv
+            with self._context():
+                for pages, part in zip(load.parts, staged, strict=True):
+                    kv = scatter_pages(kv, pages, part, page_axis=self.page_axis)
+            now = time.monotonic()
+            self.pages_to_device += len(load.slots)
+            self.bytes_to_device += len(load.slots) * self.tier.page_bytes
+            self.load_seconds += now - load.started
+            self.load_phases.append((landed - load.started, now - landed))
+            ended.append((key, True))
+        self.timings["step_thread_poll"] += time.perf_counter() - t
         return kv, ended
+
+    def timing_summary(self) -> dict:
+        """Seconds by phase (the copy threads' and the engine thread's), and loads' p50/p99 from start until their
+        pages had landed on the device and until the engine had written them into the cache."""
+        out = {k: round(v, 4) for k, v in sorted(self.timings.items())}
+        if self.load_phases:
+            landed, written = np.asarray(self.load_phases).T
+            for name, xs in (("landed", landed), ("noticed", written)):
+                out[f"load_{name}_p50_ms"] = round(float(np.percentile(xs, 50)) * 1000, 2)
+                out[f"load_{name}_p99_ms"] = round(float(np.percentile(xs, 99)) * 1000, 2)
+        out["skipped_to_host_pages"] = self.skipped_to_host
+        return out
 
     def warmup(self, kv: KVCache) -> KVCache:
         """Compiles every copy shape (a scatter of pages past the pool writes nothing)."""

@@ -4,7 +4,9 @@ Pages the device pool evicts are copied here under the same chained page hash (p
 that comes back after its device pages were reused is copied to the device again instead of recomputed. The tier
 is a fixed number of slots in arrays allocated once (its bytes are bounded by construction), least recently used
 first out. A slot whose copy from the device is still in flight is reserved: no lookup finds it and no eviction
-takes it until it is committed, and a copy that fails gives it back.
+takes it until it is committed, and a copy that fails gives it back. A slot being read for a copy back to the device
+is pinned: eviction passes it by until the read is done, so its bytes are never overwritten mid-copy. The bytes are
+written and read by the copy threads (host_offload.py), the bookkeeping only by the engine's thread.
 
 The key is the page hash alone: it chains every token before the page, so the same tokens give the same key on
 every tier and on the gateway (which hashes prompts itself). An adapter (multi-LoRA) must join the chain as the
@@ -13,7 +15,7 @@ holds the cache's stored bytes, whatever its dtype (an FP8 cache's pages stay FP
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -30,6 +32,7 @@ class HostTier:
         self._slot_of: collections.OrderedDict[PageHash, int] = collections.OrderedDict()  # committed; LRU first
         self._reserved: dict[int, PageHash] = {}  # slot -> hash of a copy in flight
         self._in_flight: set[PageHash] = set()
+        self._pins: collections.Counter[int] = collections.Counter()  # slot -> copies to the device reading it
         self.evictions = 0
 
     @staticmethod
@@ -53,10 +56,8 @@ class HostTier:
         """A slot for each page about to be copied here; None where every slot is reserved (that page is not kept)."""
         slots = []
         for h in hashes:
-            if not self._free and self._slot_of:
-                _, slot = self._slot_of.popitem(last=False)
-                self._free.append(slot)
-                self.evictions += 1
+            if not self._free:
+                self._evict_one()
             slot = self._free.popleft() if self._free else None
             if slot is not None:
                 self._reserved[slot] = h
@@ -64,9 +65,24 @@ class HostTier:
             slots.append(slot)
         return slots
 
-    def commit(self, slots: Sequence[int], data: np.ndarray) -> None:
-        """The copies have arrived: data[i] is the page reserved at slots[i]; they become findable."""
-        self.pages[np.asarray(slots, np.int64)] = data
+    def _evict_one(self) -> None:
+        """Frees the least recently used committed slot that no copy is reading (none: nothing is freed)."""
+        for h, slot in self._slot_of.items():
+            if not self._pins[slot]:
+                del self._slot_of[h]
+                self._free.append(slot)
+                self.evictions += 1
+                return
+
+    def write(self, slots: Sequence[int], data: np.ndarray) -> None:
+        """data[i] becomes the bytes of reserved slot slots[i] (a copy thread's half of a commit)."""
+        for i, slot in enumerate(slots):  # row by row: contiguous copies, no index array's temporary
+            self.pages[slot] = data[i]
+
+    def commit(self, slots: Sequence[int], data: np.ndarray | None = None) -> None:
+        """The copies have arrived (written here, or data[i] for slots[i]); the pages become findable."""
+        if data is not None:
+            self.write(slots, data)
         for slot in slots:
             h = self._reserved.pop(slot)
             self._in_flight.discard(h)
@@ -89,6 +105,23 @@ class HostTier:
             slots.append(slot)
         return slots
 
-    def read(self, slots: Sequence[int]) -> np.ndarray:
-        """A copy of these slots' pages (a later eviction may reuse the slots at once)."""
-        return self.pages[np.asarray(slots, np.int64)]
+    def pin(self, slots: Sequence[int]) -> None:
+        """A copy to the device will read these slots: eviction leaves them alone until `unpin`."""
+        self._pins.update(slots)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        self._pins.subtract(slots)
+        for slot in slots:
+            if self._pins[slot] <= 0:
+                del self._pins[slot]
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
+    def read(self, slots: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+        """These slots' pages, copied (into out's first rows when given); pin them first if a reserve may run
+        meanwhile."""
+        out = np.empty((len(slots), *self.pages.shape[1:]), self.pages.dtype) if out is None else out
+        np.take(self.pages, np.asarray(slots, np.int64), axis=0, out=out[:len(slots)], mode="clip")  # (raise: buffered)
+        return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

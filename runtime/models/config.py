@@ -69,14 +69,14 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @staticmethod
-    def from_pretrained(path: str | Path) -> "ModelConfig":
+    def from_pretrained(path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise UnsupportedModelError(f"{path}: no config.json (is this a Hugging Face checkpoint folder?)")
         return ModelConfig.from_hf(json.loads(file.read_text()))
 
     @staticmethod
-    def from_hf(hf: dict) -> "ModelConfig":
+    def from_hf(hf: dict) -> ModelConfig:
         archs = hf.get("architectures") or []
         if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -98,14 +98,9 @@ class ModelConfig:
                 f"config.json hidden_act={activation!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if hf.get("mlp_bias"):
             raise UnsupportedModelError("config.json mlp_bias=true is not supported")
-        if arch == "Qwen2ForCausalLM":
-            attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
-        else:
-            attention_bias = bool(hf.get("attention_bias", False))
-        if gemma:
-            scale = _req(hf, "query_pre_attn_scalar") ** -0.5
-        else:
-            scale = head_dim ** -0.5
+        # Qwen2 always has q/k/v biases; its config does not say so
+        attention_bias = arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
+        scale = _req(hf, "query_pre_attn_scalar") ** -0.5 if gemma else head_dim ** -0.5
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return ModelConfig(

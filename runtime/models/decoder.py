@@ -17,7 +17,6 @@ from .layers import ModelAxes, embed, lm_logits, rms_norm
 from .rope import inverse_frequencies, rotary_tables
 
 
-
 class DecoderModel(eqx.Module):
     cfg: ModelConfig = eqx.field(static=True)
     ax: ModelAxes = eqx.field(static=True)

@@ -34,7 +34,7 @@ class ModelAxes:
     HeadSize: hax.Axis
 
     @staticmethod
-    def of(cfg: ModelConfig) -> "ModelAxes":
+    def of(cfg: ModelConfig) -> ModelAxes:
         return ModelAxes(
             Embed=hax.Axis("embed", cfg.hidden_size),
             Vocab=hax.Axis("vocab", cfg.vocab_size),
@@ -103,10 +103,7 @@ class GatedMLP(eqx.Module):
     def __call__(self, x: NamedArray, cfg: ModelConfig, ax: ModelAxes) -> NamedArray:
         gate_up = linear(x, self.gate_up_proj, axis=ax.Embed)
         gate, up = gate_up[ax.GateUp.name, 0], gate_up[ax.GateUp.name, 1]
-        if cfg.activation == "gelu_pytorch_tanh":
-            act = hax.nn.gelu(gate, approximate=True)
-        else:
-            act = hax.nn.silu(gate)
+        act = hax.nn.gelu(gate, approximate=True) if cfg.activation == "gelu_pytorch_tanh" else hax.nn.silu(gate)
         return linear(act * up, self.down_proj, axis=ax.Mlp)
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import haliax as hax
 import jax
@@ -17,13 +18,20 @@ from .gemma3 import GEMMA3_BLOCK_WEIGHTS, Gemma3Block
 from .gguf_checkpoint import is_gguf, load_gguf_model
 from .layers import Attention, GatedMLP, ModelAxes
 from .llama import LLAMA_BLOCK_WEIGHTS, LlamaBlock
-from .quantization import (FLAG, QuantizedTensor, QuantizedWeight, check_method, dequantize_rows, quantize_blocks,
-                           quantize_rows)
+from .quantization import (
+    FLAG,
+    QuantizedTensor,
+    QuantizedWeight,
+    check_method,
+    dequantize_rows,
+    quantize_blocks,
+    quantize_rows,
+)
 from .quantized_checkpoint import RAW_DTYPES, checkpoint_quantization, quantized_source, read_raw_tensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # A tensor source: (Hugging Face name, expected shape) -> array of that shape.
-TensorSource = Callable[[str, tuple[int, ...]], jax.Array]
+TensorSource = Callable[[str, tuple[int, ...]], jax.Array | QuantizedTensor]
 
 
 def parse_dtype(name: str):
@@ -96,11 +104,11 @@ class SafetensorsSource:
             self.weight_map = json.loads(index.read_text())["weight_map"]
         elif (path / "model.safetensors").is_file():
             with safe_open(path / "model.safetensors", framework="flax") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - safe_open handles do not iterate
         else:
             raise UnsupportedModelError(f"{path}: no model.safetensors or model.safetensors.index.json")
         self.path = path
-        self.handles: dict[str, object] = {}
+        self.handles: dict[str, Any] = {}  # safetensors handles (untyped)
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -136,26 +144,26 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
         def linears(suffixes, shapes, reshapes, axes, contracted: int, join):
             """Linear weights [out, in] reshaped to the model's axes and joined along an output axis (one matmul
             reads them all); quantized when the checkpoint is or `quantization` asks, dense otherwise."""
-            parts = [source(f"model.layers.{i}.{s}", shape) for s, shape in zip(suffixes, shapes)]
+            parts = [source(f"model.layers.{i}.{s}", shape) for s, shape in zip(suffixes, shapes, strict=True)]
             blocks = {p.block if isinstance(p, QuantizedTensor) else 0 for p in parts}
             if blocks == {0}:
                 pass
             elif len(blocks) == 1 and quantization is None and reshapes[0][-1] % max(blocks) == 0:
                 # GGUF Q8_0 kept: every part in blocks of the same size, none straddling the weight's last axis
                 block = blocks.pop()
-                values = join([p.values.reshape(r) for p, r in zip(parts, reshapes)])
-                scale = join([p.scale.reshape(*r[:-1], r[-1] // block) for p, r in zip(parts, reshapes)])
+                values = join([p.values.reshape(r) for p, r in zip(parts, reshapes, strict=True)])
+                scale = join([p.scale.reshape(*r[:-1], r[-1] // block) for p, r in zip(parts, reshapes, strict=True)])
                 per_block = hax.Axis(f"{axes[-1].name}_blocks", reshapes[0][-1] // block)
                 return QuantizedWeight(hax.named(values, axes), hax.named(scale, (*axes[:-1], per_block)), block=block)
             else:  # blocks mixed with other formats, or another format asked for: dequantized here
                 parts = [dequantize_rows(p) if isinstance(p, QuantizedTensor) and p.block else p for p in parts]
             method = quantization or next((p.method for p in parts if isinstance(p, QuantizedTensor)), None)
             if method is None:
-                return hax.named(join([p.astype(dtype).reshape(r) for p, r in zip(parts, reshapes)]), axes)
+                return hax.named(join([p.astype(dtype).reshape(r) for p, r in zip(parts, reshapes, strict=True)]), axes)
             parts = [p if isinstance(p, QuantizedTensor) else quantize_rows(p, method) for p in parts]
             assert len({p.method for p in parts}) == 1, suffixes
-            values = join([p.values.reshape(r) for p, r in zip(parts, reshapes)])
-            scale = join([p.scale.reshape(r[:-contracted]) for p, r in zip(parts, reshapes)])
+            values = join([p.values.reshape(r) for p, r in zip(parts, reshapes, strict=True)])
+            scale = join([p.scale.reshape(r[:-contracted]) for p, r in zip(parts, reshapes, strict=True)])
             return QuantizedWeight(hax.named(values, axes), hax.named(scale, axes[:-contracted]))
 
         def qkv_bias():

@@ -23,8 +23,8 @@ import time
 import jax
 import numpy as np
 
-from ..engine.engine import LLMEngine
 from ..config import EngineConfig
+from ..engine.engine import LLMEngine
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
 from .follower_health import serve_probes
 

@@ -60,7 +60,7 @@ class TensorParallel:
     mesh: Mesh | None  # None: one device, nothing is placed or split
 
     @staticmethod
-    def create(size: int, cfg: ModelConfig) -> "TensorParallel":
+    def create(size: int, cfg: ModelConfig) -> TensorParallel:
         """The first `size` devices as a mesh with one axis; with jax.distributed, size counts every host's devices."""
         devices = jax.devices()
         check_size(cfg, size, len(devices))
@@ -153,7 +153,8 @@ def replicate_kv_heads(model: DecoderModel, size: int) -> DecoderModel:
             qkv_bias=None if a.qkv_bias is None else hax.named(fused(a.qkv_bias.array),
                                                                 (ax.KVHeads, ax.QKV, ax.HeadSize)))
 
-    layers = tuple(dataclasses.replace(b, attn=attention(b.attn)) for b in model.layers)
+    # every family's block has .attn; DecoderModel types its layers as eqx.Module
+    layers = tuple(dataclasses.replace(b, attn=attention(b.attn)) for b in model.layers)  # type: ignore[call-arg, attr-defined]
     return dataclasses.replace(model, cfg=new_cfg, ax=ax, layers=layers)
 
 

@@ -10,11 +10,12 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
-from . import chat, completions, embeddings, model_list, probes, tokenize, version
 from ..engine.errors import RequestCancelledError
+from ..generation_config import describe as describe_defaults
+from ..generation_config import sampling_defaults
+from . import chat, completions, embeddings, model_list, probes, tokenize, version
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
-from ..generation_config import describe as describe_defaults, sampling_defaults
 from .context import ServerContext
 from .drain import Drain, DrainingServer, DrainMiddleware
 from .errors import install_error_handlers

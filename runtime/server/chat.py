@@ -9,12 +9,22 @@ from fastapi import APIRouter, Depends, Request
 
 from ..engine.sampling_params import InvalidRequestError
 from .context import ServerContext, get_context
-from .json_body import StrictJSONRoute
 from .generation import SSE_DONE, Generation, respond, sse
+from .json_body import StrictJSONRoute
+from .protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+)
 from .tool_calls import ToolCallOutput
 from .tools import template_tools
-from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -26,7 +36,7 @@ def render_prompt(body: ChatCompletionRequest, tokenizer, engine) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                              **{**(body.chat_template_kwargs or {}), "tools": template_tools(body.tools)})
     except (jinja2.TemplateError, ValueError, TypeError, OverflowError, RecursionError) as e:
-        raise InvalidRequestError(f"messages: the model's chat template refused them: {e}", "messages")
+        raise InvalidRequestError(f"messages: the model's chat template refused them: {e}", "messages") from e
     engine.check_prompt_chars(len(text), "messages")
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -52,7 +62,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 
 def _logprobs(token_ids: list[int], positions: list, top_n: int) -> ChatLogprobs:
     content = []
-    for token_id, position in zip(token_ids, positions):
+    for token_id, position in zip(token_ids, positions, strict=True):
         chosen = position[token_id]
         top = sorted((lp for lp in position.values() if lp.rank <= top_n), key=lambda lp: lp.rank)
         content.append(TokenLogprob(
@@ -107,6 +117,6 @@ async def _events(gen: Generation, body: ChatCompletionRequest, tools: ToolCallO
         if finished:  # as OpenAI sends it: the finish reason in a chunk of its own, with an empty delta
             yield chunk(finished)
     if include_usage:
-        c = ChatCompletionChunk(id=gen.id, created=created, model=gen.model, choices=[], usage=gen.usage())
-        yield sse(c.model_dump_json())
+        usage = ChatCompletionChunk(id=gen.id, created=created, model=gen.model, choices=[], usage=gen.usage())
+        yield sse(usage.model_dump_json())
     yield SSE_DONE

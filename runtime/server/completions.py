@@ -6,8 +6,8 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from .context import ServerContext, get_context
-from .json_body import StrictJSONRoute
 from .generation import SSE_DONE, Choice, Generation, respond, sse
+from .json_body import StrictJSONRoute
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -39,7 +39,7 @@ class _LogprobWriter:
 
     def write(self, token_ids: list[int], positions: list) -> CompletionLogprobs:
         out = CompletionLogprobs()
-        for token_id, position in zip(token_ids, positions):
+        for token_id, position in zip(token_ids, positions, strict=True):
             if position is None:  # the first prompt token has no logprob
                 token, logprob, top = self._tokenizer.decode([token_id], skip_special_tokens=False), None, None
             else:
@@ -60,7 +60,7 @@ def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 
 def _response(gen: Generation, body: CompletionRequest, ctx: ServerContext) -> CompletionResponse:
-    choices = []
+    choices: list[CompletionChoice] = []
     for i, per_prompt in enumerate(gen.choices):
         for choice in per_prompt:
             choices.append(_choice(gen, body, ctx, i, len(choices), choice))

@@ -8,8 +8,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.errors import (EngineDeadError, EngineNotReadyError, QueueFullError, RequestCancelledError,
-                             RequestFailedError)
+from ..engine.errors import (
+    EngineDeadError,
+    EngineNotReadyError,
+    QueueFullError,
+    RequestCancelledError,
+    RequestFailedError,
+)
 from ..engine.sampling_params import InvalidRequestError
 from .error_body import RETRY_AFTER_SECONDS, APIError, ErrorJSONResponse, error_body, error_response
 

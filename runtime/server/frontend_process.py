@@ -7,11 +7,11 @@ import sys
 
 import msgspec
 
+from ..config import EngineConfig
 from ..engine.core_client import EngineCoreClient
 from ..engine.parent_death import die_with_parent
 from ..tokenizer import Tokenizer
 from .app import serve
-from ..config import EngineConfig
 
 
 class ServeOptions(msgspec.Struct):

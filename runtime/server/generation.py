@@ -77,7 +77,7 @@ class Generation:
             raise errors[0]
         self._firsts = firsts
         log.info("request %s: %s, %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s", self.id, self.operation,
-                 len(self.prompts), sum(len(f.prompt_token_ids) for f in firsts), self.params.n,
+                 len(self.prompts), sum(len(f.prompt_token_ids) for f in firsts if isinstance(f, RequestOutput)), self.params.n,
                  self.params.max_tokens)
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -93,8 +93,9 @@ def _spawn(module: str, spec: msgspec.Struct, cpu_only: bool = False) -> subproc
     env = dict(os.environ)
     import jax  # only its configuration is read here: this process never starts a JAX backend
 
-    if jax.config.jax_compilation_cache_dir:  # the compilation cache this process chose, for the core too
-        env["JAX_COMPILATION_CACHE_DIR"] = str(jax.config.jax_compilation_cache_dir)
+    cache_dir = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax.config's options are set at run time
+    if cache_dir:  # the compilation cache this process chose, for the core too
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     if cpu_only:  # a frontend never touches the accelerator, whatever it imports
         env["JAX_PLATFORMS"] = "cpu"
     process = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env)

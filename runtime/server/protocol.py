@@ -22,13 +22,13 @@ Count = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
 FreeJSON = Annotated[Any, AfterValidator(bounded_json)]  # free-form objects: depth and text checked
 
 
-def finite(low: float, high: float):
-    """A float in [low, high]; NaN and infinities are refused by name."""
-    return Annotated[float, Field(ge=low, le=high, allow_inf_nan=False)]
+def finite(low: float, high: float) -> Any:
+    """Annotated[float, finite(low, high)]: a float in [low, high]; NaN and infinities are refused by name."""
+    return Field(ge=low, le=high, allow_inf_nan=False)
 
 
-Probability = finite(0.0, 1.0)
-Penalty = finite(-limits.PENALTY_RANGE, limits.PENALTY_RANGE)
+Probability = Annotated[float, finite(0.0, 1.0)]
+Penalty = Annotated[float, finite(-limits.PENALTY_RANGE, limits.PENALTY_RANGE)]
 TokenId = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
 StopString = Annotated[Text, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
 # request fields that fall back to the model's generation config when left out (generation_config.SAMPLING_KEYS)
@@ -48,14 +48,14 @@ class _SamplingFields(StructuredFields):
 
     model: Name | None = None
     n: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] = 1
-    temperature: finite(0.0, limits.MAX_TEMPERATURE) | None = None
+    temperature: Annotated[float, finite(0.0, limits.MAX_TEMPERATURE)] | None = None
     top_p: Probability | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=limits.MAX_STOP_STRINGS)] | None = None
     seed: Annotated[int, Field(ge=limits.INT64_MIN, le=limits.UINT64_MAX)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)],
-                               finite(-limits.LOGIT_BIAS_RANGE, limits.LOGIT_BIAS_RANGE)],
+                               Annotated[float, finite(-limits.LOGIT_BIAS_RANGE, limits.LOGIT_BIAS_RANGE)]],
                           Field(max_length=limits.MAX_LOGIT_BIAS)] | None = None
     user: Name | None = None
     stream: bool = False
@@ -63,7 +63,7 @@ class _SamplingFields(StructuredFields):
     # vLLM's extras
     top_k: Annotated[int, Field(ge=-1, le=limits.INT32_MAX)] | None = None
     min_p: Probability | None = None
-    repetition_penalty: finite(0.0, limits.MAX_REPETITION_PENALTY) | None = None
+    repetition_penalty: Annotated[float, finite(0.0, limits.MAX_REPETITION_PENALTY)] | None = None
     ignore_eos: bool = False
     min_tokens: Count = 0
     stop_token_ids: Annotated[list[TokenId], Field(max_length=limits.MAX_STOP_TOKEN_IDS)] | None = None
@@ -81,8 +81,8 @@ class _SamplingFields(StructuredFields):
         if self.logit_bias:
             try:
                 bias = {int(token): value for token, value in self.logit_bias.items()}
-            except ValueError:
-                raise InvalidRequestError("logit_bias: keys must be token ids (integers as strings)", "logit_bias")
+            except ValueError as e:
+                raise InvalidRequestError("logit_bias: keys must be token ids (integers as strings)", "logit_bias") from e
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         # request > --override-generation-config > the model's generation config > SamplingParams' own defaults
         sampling = {name: value for name, value in (defaults or {}).items() if name in DEFAULTED_FIELDS}

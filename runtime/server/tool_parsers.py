@@ -18,7 +18,7 @@ class ParsedCall:
 def _call(obj, argument_keys: tuple[str, ...]) -> ParsedCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = next((obj[k] for k in argument_keys if k in obj), {})
+    arguments: object = next((obj[k] for k in argument_keys if k in obj), {})
     if not isinstance(arguments, (dict, str)):
         return None
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)

@@ -71,9 +71,9 @@ def template_tool_calls(calls: list[ToolCall]) -> list[dict]:
     for i, call in enumerate(calls):
         try:
             arguments = json.loads(call.function.arguments)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as e:
             raise InvalidRequestError(f"tool_calls[{i}].function.arguments: not valid JSON",
-                                      f"tool_calls[{i}].function.arguments")
+                                      f"tool_calls[{i}].function.arguments") from e
         out.append({"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                                      "arguments": arguments}})
     return out

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-
 from binaries import ClusterBinaries
 from pki import create_pki
 
@@ -94,7 +93,7 @@ class ControlPlane:
         with urllib.request.urlopen(url, timeout=2, context=context) as response:
             return response.status == 200
 
-    def start(self) -> "ControlPlane":
+    def start(self) -> ControlPlane:
         self.workdir.mkdir(parents=True, exist_ok=True)
         kubernetes_service_ip = str(next(ipaddress.ip_network(self.service_cidr).hosts()))
         pki = create_pki(self.workdir / "pki", extra_ips=[self.address, kubernetes_service_ip])

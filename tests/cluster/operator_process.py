@@ -26,7 +26,7 @@ class OperatorProcess:
     def log(self) -> Path:
         return self.workdir / f"operator-{self.starts}.log"
 
-    def start(self, *extra_args: str) -> "OperatorProcess":
+    def start(self, *extra_args: str) -> OperatorProcess:
         assert self.process is None, "already running"
         self.starts += 1
         port = free_port()
@@ -57,6 +57,6 @@ class OperatorProcess:
         self.process.wait(timeout=10)
         self.process = None
 
-    def restart(self, *extra_args: str) -> "OperatorProcess":
+    def restart(self, *extra_args: str) -> OperatorProcess:
         self.stop()
         return self.start(*extra_args)

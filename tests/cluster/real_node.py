@@ -16,9 +16,9 @@ import subprocess
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
-
 from binaries import ClusterBinaries
 from control_plane import ControlPlane, wait_for
 from node_network import NodeNetwork
@@ -70,6 +70,7 @@ class RealNode:
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.socket = workdir / "containerd" / "containerd.sock"
         shared = shared_containerd_root()
+        self._root_lock: Any
         self.containerd_root, self._root_lock = shared or (workdir / "containerd" / "root", None)
 
     # -- processes --------------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ class RealNode:
                               capture_output=True, text=True, check=True, timeout=timeout)
 
     # -- start ------------------------------------------------------------------------------------------------
-    def start(self, images: list[Path]) -> "RealNode":
+    def start(self, images: list[Path]) -> RealNode:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._start_containerd()
         for archive in [pause_image(self.binaries, self.workdir), *images]:
@@ -213,7 +214,7 @@ class RealNode:
                 self._wait(process)
         if self._running("containerd"):
             self._kill_tasks()
-        for name, process in self.processes:
+        for _, process in self.processes:
             if process.poll() is None:
                 process.terminate()
                 self._wait(process)

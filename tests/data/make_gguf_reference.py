@@ -66,8 +66,7 @@ def other_tokenizers() -> dict[str, list[list[int]]]:
     from llama_cpp import Llama
 
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    from gguf_files import GOLDEN_TOKENIZER_CASE, write_toy_spm_gguf, write_gguf
-
+    from gguf_files import GOLDEN_TOKENIZER_CASE, write_gguf, write_toy_spm_gguf
     from golden import GOLDEN
 
     found = {}

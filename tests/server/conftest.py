@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from servers import API_KEYS, CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ThreadServer
 
 from capstan.runtime.config import EngineConfig
-from servers import API_KEYS, CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ThreadServer
 
 
 @pytest.fixture(scope="session")

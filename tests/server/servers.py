@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-
 CHECKPOINT = Path(__file__).parents[1] / "data" / "golden" / "qwen3-s13"
 ENGINE_FLAGS = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
 MODEL = "qwen3-s13"

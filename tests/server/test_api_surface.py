@@ -9,7 +9,6 @@ import json
 import numpy as np
 import openai
 import pytest
-
 from servers import CHECKPOINT, MODEL
 
 pytestmark = pytest.mark.slow
@@ -48,7 +47,8 @@ def test_chat_logprobs_with_top_logprobs(client):
 
 
 def collect(chunks, text_of) -> tuple[dict[int, str], dict[int, str]]:
-    texts, reasons = collections.defaultdict(str), {}
+    texts: collections.defaultdict[int, str] = collections.defaultdict(str)
+    reasons: dict[int, str | None] = {}
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] += text_of(choice) or ""
@@ -96,7 +96,7 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client, engine):
     assert lp.token_logprobs[0] is None
     assert np.abs(np.asarray(lp.token_logprobs[1:]) - expected).max() < 1e-4
     # lm-eval's is_greedy: the continuation token is the top-1 exactly when its logprob is the top one
-    assert all(max(top.values()) >= got - 1e-6 for top, got in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    assert all(max(top.values()) >= got - 1e-6 for top, got in zip(lp.top_logprobs[1:], lp.token_logprobs[1:], strict=True))
 
 
 def test_echo_with_max_tokens_zero_streams_and_forks(client):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from openai import OpenAI
-
 from servers import ServeProcess
 
 pytestmark = pytest.mark.slow

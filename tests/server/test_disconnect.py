@@ -5,9 +5,9 @@ import time
 
 import httpx
 import pytest
+from servers import CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ThreadServer
 
 from capstan.runtime.config import EngineConfig
-from servers import CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ThreadServer
 
 pytestmark = pytest.mark.slow
 LONG = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "temperature": 0}

@@ -11,7 +11,6 @@ import numpy as np
 import openai
 import pytest
 from safetensors.numpy import load_file
-
 from servers import CHECKPOINT, MODEL
 
 pytestmark = pytest.mark.slow
@@ -42,7 +41,7 @@ def test_last_token_pooling_matches_transformers(client):
     r = client.embeddings.create(model=MODEL, input=[p for p, _ in cases], encoding_format="float")
     assert r.object == "list" and r.model == MODEL and [d.index for d in r.data] == [0, 1, 2]
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(p) for p, _ in cases)
-    for d, (_, hidden) in zip(r.data, cases):
+    for d, (_, hidden) in zip(r.data, cases, strict=True):
         got = np.asarray(d.embedding)
         assert got.shape == (hidden.shape[1],) and abs(np.linalg.norm(got) - 1) < 1e-5
         assert np.abs(got - unit(hidden[-1])).max() < 1e-4
@@ -53,9 +52,9 @@ def test_mean_pooling_matches_transformers():
 
     llm = LLM(str(CHECKPOINT), max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, warmup=False,
               embedding_pooling="mean")
-    prompts, hidden = zip(*(transformers_hidden_states(i) for i in (2, 3)))
+    prompts, hidden = zip(*(transformers_hidden_states(i) for i in (2, 3)), strict=True)
     outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
-    for out, h in zip(outs, hidden):
+    for out, h in zip(outs, hidden, strict=True):
         assert np.abs(np.asarray(out.outputs.embedding) - unit(h.mean(axis=0))).max() < 1e-4
     llm.engine.pool.check_all_free()
 

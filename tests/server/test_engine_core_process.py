@@ -13,9 +13,9 @@ import time
 import httpx
 import openai
 import pytest
+from servers import MODEL, ServeProcess, alive, child_processes
 
 from capstan.runtime.server.metric_names import E2E_REQUEST_LATENCY
-from servers import MODEL, ServeProcess, alive, child_processes
 
 pytestmark = pytest.mark.slow
 CORE = "capstan.runtime.engine.core_process"

@@ -4,7 +4,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from servers import API_KEYS, MODEL
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,6 @@ import json
 
 import pytest
 from openai import OpenAI
-
 from servers import CHECKPOINT, ServeProcess
 
 pytestmark = pytest.mark.slow

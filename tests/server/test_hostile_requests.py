@@ -10,9 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, seed, settings
-
 from hostile import RAW_BODIES, chat_bodies, check_answer, completion_bodies, encode
+from hypothesis import HealthCheck, given, seed, settings
 from servers import ServeProcess
 from test_disconnect import gauges, wait_pool_free
 

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from servers import ServeProcess
 
 ROOT = Path(__file__).parents[2]

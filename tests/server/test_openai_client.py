@@ -6,7 +6,6 @@ import asyncio
 import httpx
 import openai
 import pytest
-
 from servers import MODEL
 
 pytestmark = pytest.mark.slow

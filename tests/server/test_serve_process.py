@@ -12,7 +12,6 @@ import time
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
 from servers import MODEL, ServeProcess
 
 pytestmark = pytest.mark.slow

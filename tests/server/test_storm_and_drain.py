@@ -7,10 +7,10 @@ import json
 import random
 import signal
 import time
+from typing import Any
 
 import httpx
 import pytest
-
 from servers import MODEL, ServeProcess, alive, child_processes
 from test_disconnect import gauges, wait_pool_free
 
@@ -21,7 +21,7 @@ STORM_FLAGS = ("--max-model-len=512", "--max-num-seqs=32", "--max-num-batched-to
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, read_events: int | None = None) -> dict:
     """One streaming request; reads `read_events` events then disconnects (None: to the end)."""
-    result = {"events": [], "status": None}
+    result: dict[str, Any] = {"events": [], "status": None}
     async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
         result["status"], result["headers"] = r.status_code, r.headers
         if r.status_code != 200:

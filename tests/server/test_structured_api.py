@@ -11,7 +11,6 @@ import httpx
 import openai
 import pydantic
 import pytest
-
 from servers import MODEL
 
 pytestmark = pytest.mark.slow

@@ -5,9 +5,9 @@ import json
 
 import httpx
 import pytest
+from servers import MODEL
 
 import capstan
-from servers import MODEL
 
 pytestmark = pytest.mark.slow
 CHAT = [{"role": "user", "content": "Say hello."}]
