@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how `tool_choice: auto` answers are parsed for calls (default: from the tokenizer's "
                             "markers, hermes otherwise)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from .server.tls import add_tls_flags
+
+    add_tls_flags(serve)
     serve.add_argument("--api-server-count", type=int, default=1,
                        help="frontend processes (HTTP, tokenization, detokenization, streaming) on the port, in front "
                             "of one engine core process")
@@ -167,11 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from .parallel.multihost import initialize_from_env
     from .server.auth import load_api_keys
+    from .server.tls import serving_certificate
 
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     several_hosts = initialize_from_env()  # before anything starts JAX's backend (_engine_config may ask it)
     api_keys = load_api_keys(args.api_key, args.api_key_file)
+    serving_certificate(args.ssl_keyfile, args.ssl_certfile)  # a missing or broken pair: a message, before loading
     config = _engine_config(args, start_backend=several_hosts)
     names = args.served_model_name or ([served] if (served := default_served_name(args.model)) else None)
     log.info("loading %s", args.model)
@@ -183,7 +188,8 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, served_model_names=names, api_keys=api_keys,
                            drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                            max_body_bytes=args.max_request_body_bytes, log_level=args.log_level,
-                           tool_call_parser=args.tool_call_parser)
+                           tool_call_parser=args.tool_call_parser, ssl_keyfile=args.ssl_keyfile,
+                           ssl_certfile=args.ssl_certfile)
     return serve_with_engine_core(config, options, args.api_server_count,
                                   cpu_max_num_seqs=None if args.max_num_seqs else CPU_MAX_NUM_SEQS)
 
@@ -205,7 +211,7 @@ def _serve_several_hosts(args: argparse.Namespace, config: EngineConfig, names: 
     return serve(engine, host=args.host, port=args.port, served_model_names=names or [engine.model_name],
                  api_keys=api_keys, drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                  log_level=args.log_level, max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                 tool_call_parser=args.tool_call_parser)
+                 tool_call_parser=args.tool_call_parser, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from .context import ServerContext
 from .drain import Drain, DrainingServer, DrainMiddleware
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
+from .tls import serving_certificate
 from .tool_parsers import parser_for
 from .tracing import make_tracer_provider
 
@@ -75,23 +76,30 @@ async def _log_warmup(engine) -> None:
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_names: list[str] | None = None,
           api_keys: list[str] | None = None, drain_timeout: float = 30.0, log_prompts: bool = False,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-          tool_call_parser: str | None = None, reuse_port: bool = False, on_start=None, on_drain=None) -> int:
+          tool_call_parser: str | None = None, reuse_port: bool = False, on_start=None, on_drain=None,
+          ssl_keyfile: str | None = None, ssl_certfile: str | None = None) -> int:
     """Serves until SIGTERM (drain, then exit) or SIGINT; shuts the engine down on the way out. reuse_port: several
     frontend processes share the port (the kernel spreads connections); on_start(server) runs on the server's loop,
-    on_drain() when a drain starts. Returns the exit code (1 when the server drained because a part of it failed)."""
+    on_drain() when a drain starts; ssl_keyfile and ssl_certfile: HTTPS, the pair read again when it changes. Returns
+    the exit code (1 when the server drained because a part of it failed)."""
+    certificate = serving_certificate(ssl_keyfile, ssl_certfile)
     provider = make_tracer_provider()
     ctx = make_context(engine, served_model_names, log_prompts, provider, tool_call_parser)
     app = build_app(ctx, api_keys, max_body_bytes)
     # After a drain (or its timeout), give streams still open a moment, then cancel them (which aborts them).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, **(certificate.uvicorn_options() if certificate else {}))
+    watches = []  # keeps the certificate's reload task referenced
+    if certificate is not None:
+        certificate.attach(config)
+        on_start = _also(on_start, lambda server: watches.append(asyncio.ensure_future(certificate.watch())))
     timeout_error = RequestCancelledError(f"the server is shutting down and its drain timeout ({drain_timeout:g} s) "
                                           "has passed; retry on another replica")
     server = DrainingServer(config, ctx.drain, drain_timeout, on_timeout=lambda: engine.cancel_all(timeout_error),
                             on_start=on_start, on_drain=on_drain)
     auth = f"{len(api_keys)} API key(s)" if api_keys else "no API key (open)"
-    log.info("serving %s as %s on http://%s:%d with %s", engine.model_name, ", ".join(ctx.served_model_names),
-             host, port, auth)
+    log.info("serving %s as %s on %s://%s:%d with %s", engine.model_name, ", ".join(ctx.served_model_names),
+             "https" if certificate else "http", host, port, auth)
     try:
         server.run(sockets=[shared_port_socket(host, port)] if reuse_port else None)
     finally:
@@ -99,6 +107,15 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_nam
         if provider is not None:
             provider.shutdown()
     return server.exit_code
+
+
+def _also(first, second):
+    """Both on_start hooks, in order (the first may be None)."""
+    def both(server) -> None:
+        if first is not None:
+            first(server)
+        second(server)
+    return both
 
 
 def shared_port_socket(host: str, port: int) -> socket.socket:

@@ -26,6 +26,8 @@ class ServeOptions(msgspec.Struct):
     max_body_bytes: int | None = None
     log_level: str = "info"
     tool_call_parser: str | None = None
+    ssl_keyfile: str | None = None  # each frontend serves (and reloads) the same pair
+    ssl_certfile: str | None = None
 
 
 class FrontendSpec(msgspec.Struct):
