@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .limits import MAX_LOGPROBS
+from .sampling_keys import parse_sampling_keys
 from .speculative_config import SpeculativeConfig
 
 MAX_KV_OFFLOADING_GIB = 4096.0  # the host tier's size is checked before any memory is set aside for it
@@ -111,6 +112,4 @@ class EngineConfig:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                              f"got {self.generation_config!r}")
-        from .generation_config import parse_sampling_keys
-
         parse_sampling_keys(self.override_generation_config or {}, "override_generation_config", strict=True)

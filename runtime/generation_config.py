@@ -12,17 +12,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .engine.sampling_params import InvalidRequestError, SamplingParams
 from .gguf_metadata import GGUFMetadataError, read_metadata
+from .sampling_keys import check_fields, parse_sampling_keys
 
 if TYPE_CHECKING:
     from .config import EngineConfig
 
 log = logging.getLogger("capstan")
 GENERATION_CONFIG_FILE = "generation_config.json"
-# generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults
-SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 # llama.cpp's GGUF keys (gguf.Keys.General.SAMPLING_*) -> SamplingParams field
 GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
                       "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
@@ -65,30 +62,6 @@ def model_defaults(model: str, source: str = "auto") -> dict[str, float | int]:
     if path.suffix == ".gguf" and path.is_file():
         return _gguf_defaults(path)
     return _json_defaults(path / GENERATION_CONFIG_FILE) if path.is_dir() else {}
-
-
-def parse_sampling_keys(raw: dict, source: str, strict: bool = False) -> dict[str, float | int]:
-    """generation_config.json's sampling keys as SamplingParams fields, each checked against the request limits.
-    strict: other keys are refused (a typo in a flag must not pass silently); a file's other keys are ignored."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    if strict:
-        unknown = sorted(set(raw) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ValueError(f"{source}: unknown key(s) {unknown}; use {sorted(SAMPLING_KEYS)}")
-    fields = {SAMPLING_KEYS[k]: v for k, v in raw.items() if k in SAMPLING_KEYS and v is not None}
-    return check_fields(fields, source)
-
-
-def check_fields(fields: dict, source: str) -> dict:
-    """The same limits a request meets (SamplingParams.validate), plus at least one token to generate."""
-    try:
-        SamplingParams(**fields).validate(vocab_size=1, max_n=1)
-    except (InvalidRequestError, TypeError) as e:
-        raise ValueError(f"{source}: {e}") from None
-    if fields.get("max_tokens") == 0:
-        raise ValueError(f"{source}: max_new_tokens must be at least 1, got 0")
-    return fields
 
 
 def _json_defaults(path: Path) -> dict[str, float | int]:

@@ -3,6 +3,7 @@ the `tokenizers` library so that it splits text as llama.cpp's own tokenizer doe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import tokenizers
@@ -10,7 +11,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from .models.config import UnsupportedModelError
 from .models.gguf_checkpoint import field, read_gguf
-from .tokenizer import Tokenizer, _bos_eos_processor
+from .special_tokens import bos_eos_processor
 
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # tokenizer.ggml.pre -> the split regexes llama.cpp applies in order before byte-level BPE (llama-vocab.cpp)
@@ -27,7 +28,8 @@ IGNORE_MERGES = {"llama-bpe"}  # llama.cpp takes a whole pre-token that is in th
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 
-def gguf_tokenizer(path: str | Path) -> Tokenizer:
+def gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:
+    """Tokenizer's arguments for the tokenizer in a GGUF file's metadata (Tokenizer.from_pretrained builds it)."""
     reader = read_gguf(str(path))
     kind = field(reader, "tokenizer.ggml.model")
     tokens: list[str] = field(reader, "tokenizer.ggml.tokens") or []
@@ -54,11 +56,11 @@ def gguf_tokenizer(path: str | Path) -> Tokenizer:
     add_bos = field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
     add_eos = field(reader, "tokenizer.ggml.add_eos_token", False)
     if add_bos or add_eos:
-        backend.post_processor = _bos_eos_processor(backend, bos if add_bos else None, eos if add_eos else None)
+        backend.post_processor = bos_eos_processor(backend, bos if add_bos else None, eos if add_eos else None)
     extra_eos = {field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")} - {None}
-    return Tokenizer(backend, name=str(path), bos_token=bos, eos_token=eos, pad_token=token("padding"),
-                     unk_token=token("unknown"), chat_template=field(reader, "tokenizer.chat_template"),
-                     extra_eos_token_ids=extra_eos)
+    return dict(backend=backend, name=str(path), bos_token=bos, eos_token=eos, pad_token=token("padding"),
+                unk_token=token("unknown"), chat_template=field(reader, "tokenizer.chat_template"),
+                extra_eos_token_ids=extra_eos)
 
 
 def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str], path) -> tokenizers.Tokenizer:

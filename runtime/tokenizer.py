@@ -16,7 +16,8 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers.processors import TemplateProcessing
+
+from .special_tokens import bos_eos_processor
 
 # Tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Gemma, Phi); the ones that
 # are special tokens of the served tokenizer stop a chat turn even when the checkpoint's eos is another token.
@@ -128,9 +129,9 @@ class Tokenizer:
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         if path.suffix == ".gguf" and path.is_file():  # the tokenizer lives in the GGUF's metadata
-            from .gguf_tokenizer import gguf_tokenizer
+            from .gguf_tokenizer import gguf_tokenizer_fields  # lazy: gguf and its reader only for .gguf files
 
-            return gguf_tokenizer(path)
+            return cls(**gguf_tokenizer_fields(path))
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(
                 f"checkpoint at {path} has no tokenizer.json; only fast (tokenizers) checkpoints are supported"
@@ -141,7 +142,7 @@ class Tokenizer:
         if "add_bos_token" in config or "add_eos_token" in config:
             bos = special["bos_token"] if config.get("add_bos_token") else None
             eos = special["eos_token"] if config.get("add_eos_token") else None
-            backend.post_processor = _bos_eos_processor(backend, bos, eos)
+            backend.post_processor = bos_eos_processor(backend, bos, eos)
         template_file = path / "chat_template.jinja"
         # Like transformers 5, a chat_template.jinja file wins over tokenizer_config.json.
         if template_file.is_file():
@@ -230,13 +231,3 @@ class Tokenizer:
         )
         # The template already wrote the special tokens (e.g. bos); transformers 5 does not add them again.
         return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-def _bos_eos_processor(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> TemplateProcessing:
-    """The post-processor transformers builds when tokenizer_config.json sets add_bos_token / add_eos_token."""
-    def segment(sequence: str, type_id: int) -> list[str]:
-        return [f"{t}:{type_id}" for t in (bos, sequence, eos) if t]
-
-    single, pair = segment("$A", 0), segment("$A", 0) + segment("$B", 1)
-    special = [(t, backend.token_to_id(t)) for t in {bos, eos} if t]
-    return TemplateProcessing(single=single, pair=pair, special_tokens=special)

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits
+from .candidates import ordered_keys as _ordered
 from .gpu_mass_above import mass_above
-from .sampler import BLOCK, BLOCKS, DRAWN, gumbel_of_bits
-from .sampler import _ordered_keys as _ordered
 
 PART = 2048  # values a `drawn` program perturbs
 PER_PART = 4  # best perturbed values each part reports (the row's best in order down to the parts' 4th best)
@@ -62,7 +62,7 @@ def gumbel(k0, k1, ids):
 
 
 def _value(key):
-    """The float32 value of an ordered key (the inverse of sampler._ordered_keys)."""
+    """The float32 value of an ordered key (the inverse of candidates.ordered_keys)."""
     bits = jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -29,6 +28,7 @@ import numpy as np
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from .engine_state import EngineState
 from .grammar import fill_masks, mask_words
 from .outputs import RequestOutput
 from .packing import Packed
@@ -36,9 +36,6 @@ from .sampler import Branches, SampleResult, SamplingBatch, sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk
 from .step import StepInputs
-
-if TYPE_CHECKING:
-    from .engine import LLMEngine
 
 
 def _forward(model: DecoderModel, kv: KVCache, x: StepInputs, tokens: jax.Array, active: jax.Array,
@@ -158,7 +155,7 @@ class MultiStepDecoder:
     them (one scan, or the two-dispatch pipeline for grammars). It works on the engine's own state (its KV cache,
     scheduler and requests), as the Speculator does, and appends tokens through the engine's token path."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: EngineState):
         self.engine = engine
         self.ahead: Dispatch | None = None  # queued before the last step returned: the next step applies it
         # a call returns only once the device is nearly done with it (XLA:GPU reads each lax.cond's predicate back

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 
+from .candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, ordered_keys
 from .sampling_params import MAX_LOGPROBS
 
 
@@ -146,13 +147,6 @@ def gumbel_at(keys: jax.Array, ids: jax.Array) -> jax.Array:
                                                jnp.broadcast_to(keys[:, 1:], shape), jnp.zeros(shape, jnp.uint32), ids))
 
 
-def gumbel_of_bits(b1: jax.Array, b2: jax.Array) -> jax.Array:
-    """Gumbel noise from threefry2x32's two output words, as jax.random.gumbel makes it (gpu_sampler's too)."""
-    unit = jax.lax.bitcast_convert_type(((b1 ^ b2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-    tiny = jnp.finfo(jnp.float32).tiny
-    return -jnp.log(-jnp.log(jnp.maximum(tiny, unit * (1.0 - tiny) + tiny)))
-
-
 def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:
     """Tokens the row's grammar does not allow next get -inf (unconstrained rows allow every bit)."""
     S, V = x.shape
@@ -178,7 +172,7 @@ def filters_by_search(x: jax.Array, b: SamplingBatch, pivots: int = 1) -> jax.Ar
     over the row (1: bisection, 32 passes; 15: 8 passes that each compare every value with 15 candidates), so
     it is one of the row's own values and the kept set is the one a full sort would give."""
     S, V = x.shape
-    keys = _ordered_keys(x)  # [S, V] int32, ordered as x
+    keys = ordered_keys(x)  # [S, V] int32, ordered as x
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
     # top-k: the largest value t with at least k values >= t
     counts_reach_k = lambda t: jnp.sum(keys[:, :, None] >= t[:, None, :], axis=1) >= k[:, None]  # noqa: E731
@@ -207,7 +201,6 @@ def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
     return filters_by_search(x, b, pivots=1)
 
 
-BLOCK, BLOCKS, DRAWN = 32, 256, 16  # candidates: the values of the 256 blocks of 32 with the largest maxima
 
 
 def best_by_top_k(x: jax.Array, threshold: jax.Array, noise) -> tuple[jax.Array, jax.Array]:
@@ -334,12 +327,6 @@ def filters_by_sort(x: jax.Array, b: SamplingBatch) -> jax.Array:
     min_p_floor = ordered[:, :1] + jnp.log(jnp.maximum(b.min_p, 1e-30))[:, None]  # p >= min_p * p_max
     threshold = jnp.where(b.min_p[:, None] > 0, jnp.maximum(threshold, min_p_floor), threshold)
     return jnp.where(x >= threshold, x, -jnp.inf)
-
-
-def _ordered_keys(x: jax.Array) -> jax.Array:
-    """int32 keys in the order of the float32 values (-inf lowest): a float's bits, negatives flipped."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
 def search_passes(pivots: int) -> int:

@@ -14,6 +14,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
+from .builder import build_model
 from .config import ModelConfig, UnsupportedModelError
 from .quantization import QuantizedTensor
 
@@ -131,8 +132,6 @@ def load_gguf_model(path: str | Path, dtype, quantization: str | None = None, ke
     """Linear weights in Q8_0 are served as they are (int8 in blocks of 32, one scale each); other llama.cpp
     types are dequantized to dtype. quantization (fp8, int8): every linear weight, dequantized, is requantized
     per output channel instead."""
-    from .loader import build_model  # the loader dispatches here; build_model is shared
-
     reader = read_gguf(str(path))
     cfg = ModelConfig.from_hf(hf_config(reader, path))
     if quantization:

@@ -3,35 +3,26 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import haliax as hax
 import jax
 import jax.numpy as jnp
 from safetensors import safe_open
 
+from .builder import build_model
 from .config import ModelConfig, UnsupportedModelError
-from .decoder import DecoderModel, rope_tables
-from .gemma3 import GEMMA3_BLOCK_WEIGHTS, Gemma3Block
+from .decoder import DecoderModel
 from .gguf_checkpoint import is_gguf, load_gguf_model
-from .layers import Attention, GatedMLP, ModelAxes
-from .llama import LLAMA_BLOCK_WEIGHTS, LlamaBlock
 from .quantization import (
     FLAG,
     QuantizedTensor,
-    QuantizedWeight,
     check_method,
-    dequantize_rows,
     quantize_blocks,
-    quantize_rows,
 )
 from .quantized_checkpoint import RAW_DTYPES, checkpoint_quantization, quantized_source, read_raw_tensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# A tensor source: (Hugging Face name, expected shape) -> array of that shape.
-TensorSource = Callable[[str, tuple[int, ...]], jax.Array | QuantizedTensor]
 
 
 def parse_dtype(name: str):
@@ -127,79 +118,3 @@ class SafetensorsSource:
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise UnsupportedModelError(f"{self.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
         return tensor
-
-
-def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str | None = None) -> DecoderModel:
-    """quantization: fp8 or int8 quantizes the dense linear weights at load; a source may also hand over
-    QuantizedTensors (a quantized checkpoint), which are kept as they are."""
-    ax = ModelAxes.of(cfg)
-    E, D, KVH, G, I = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv, cfg.intermediate_size
-    gemma = cfg.family == "gemma3"
-
-    def block(i: int):
-        def w(suffix: str, shape: tuple[int, ...], axes: tuple[hax.Axis, ...], reshape=None):
-            t = source(f"model.layers.{i}.{suffix}", shape).astype(dtype)
-            return hax.named(t.reshape(reshape) if reshape else t, axes)
-
-        def linears(suffixes, shapes, reshapes, axes, contracted: int, join):
-            """Linear weights [out, in] reshaped to the model's axes and joined along an output axis (one matmul
-            reads them all); quantized when the checkpoint is or `quantization` asks, dense otherwise."""
-            parts = [source(f"model.layers.{i}.{s}", shape) for s, shape in zip(suffixes, shapes, strict=True)]
-            blocks = {p.block if isinstance(p, QuantizedTensor) else 0 for p in parts}
-            if blocks == {0}:
-                pass
-            elif len(blocks) == 1 and quantization is None and reshapes[0][-1] % max(blocks) == 0:
-                # GGUF Q8_0 kept: every part in blocks of the same size, none straddling the weight's last axis
-                block = blocks.pop()
-                values = join([p.values.reshape(r) for p, r in zip(parts, reshapes, strict=True)])
-                scale = join([p.scale.reshape(*r[:-1], r[-1] // block) for p, r in zip(parts, reshapes, strict=True)])
-                per_block = hax.Axis(f"{axes[-1].name}_blocks", reshapes[0][-1] // block)
-                return QuantizedWeight(hax.named(values, axes), hax.named(scale, (*axes[:-1], per_block)), block=block)
-            else:  # blocks mixed with other formats, or another format asked for: dequantized here
-                parts = [dequantize_rows(p) if isinstance(p, QuantizedTensor) and p.block else p for p in parts]
-            method = quantization or next((p.method for p in parts if isinstance(p, QuantizedTensor)), None)
-            if method is None:
-                return hax.named(join([p.astype(dtype).reshape(r) for p, r in zip(parts, reshapes, strict=True)]), axes)
-            parts = [p if isinstance(p, QuantizedTensor) else quantize_rows(p, method) for p in parts]
-            assert len({p.method for p in parts}) == 1, suffixes
-            values = join([p.values.reshape(r) for p, r in zip(parts, reshapes, strict=True)])
-            scale = join([p.scale.reshape(r[:-contracted]) for p, r in zip(parts, reshapes, strict=True)])
-            return QuantizedWeight(hax.named(values, axes), hax.named(scale, axes[:-contracted]))
-
-        def qkv_bias():
-            """q, k and v biases stacked per kv head along ax.QKV, as the fused weight is."""
-            parts = [source(f"model.layers.{i}.self_attn.{p}_proj.bias", (n,)).astype(dtype).reshape(KVH, n // KVH // D, D)
-                     for p, n in (("q", KVH * G * D), ("k", KVH * D), ("v", KVH * D))]
-            return hax.named(jnp.concatenate(parts, axis=1), (ax.KVHeads, ax.QKV, ax.HeadSize))
-
-        qkv_sizes = (KVH * G * D, KVH * D, KVH * D)
-        attn = Attention(
-            qkv_proj=linears([f"self_attn.{p}_proj.weight" for p in "qkv"], [(n, E) for n in qkv_sizes],
-                             [(KVH, n // KVH // D, D, E) for n in qkv_sizes],
-                             (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed), 1, lambda xs: jnp.concatenate(xs, axis=1)),
-            o_proj=linears(["self_attn.o_proj.weight"], [(E, KVH * G * D)], [(E, KVH, G, D)],
-                           (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize), 3, lambda xs: xs[0]),
-            qkv_bias=qkv_bias() if cfg.attention_bias else None,
-            q_norm=w("self_attn.q_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
-            k_norm=w("self_attn.k_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
-        )
-        mlp = GatedMLP(
-            gate_up_proj=linears(["mlp.gate_proj.weight", "mlp.up_proj.weight"], [(I, E)] * 2, [(I, E)] * 2,
-                                 (ax.GateUp, ax.Mlp, ax.Embed), 1, jnp.stack),
-            down_proj=linears(["mlp.down_proj.weight"], [(E, I)], [(E, I)], (ax.Embed, ax.Mlp), 1, lambda xs: xs[0]),
-        )
-        names = GEMMA3_BLOCK_WEIGHTS if gemma else LLAMA_BLOCK_WEIGHTS
-        norms = {field: w(hf_name, (E,), (ax.Embed,)) for field, hf_name in names.items()}
-        return (Gemma3Block if gemma else LlamaBlock)(attn=attn, mlp=mlp, **norms)
-
-    layers = tuple(block(i) for i in range(cfg.num_layers))
-
-    vocab_shape = (cfg.vocab_size, E)
-    embedding = hax.named(source("model.embed_tokens.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
-    if cfg.tie_word_embeddings:
-        lm_head = embedding
-    else:
-        lm_head = hax.named(source("lm_head.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
-    final_norm = hax.named(source("model.norm.weight", (E,)).astype(dtype), (ax.Embed,))
-    return DecoderModel(cfg=cfg, ax=ax, embedding=embedding, layers=layers, final_norm=final_norm, lm_head=lm_head,
-                        inv_freq=rope_tables(cfg))

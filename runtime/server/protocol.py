@@ -31,7 +31,7 @@ Probability = Annotated[float, finite(0.0, 1.0)]
 Penalty = Annotated[float, finite(-limits.PENALTY_RANGE, limits.PENALTY_RANGE)]
 TokenId = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
 StopString = Annotated[Text, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
-# request fields that fall back to the model's generation config when left out (generation_config.SAMPLING_KEYS)
+# request fields that fall back to the model's generation config when left out (sampling_keys.SAMPLING_KEYS)
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 

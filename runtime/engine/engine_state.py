@@ -1,0 +1,40 @@
+"""What the engine's decode strategies (multi_step.py; speculative.py works the same way) use of the LLMEngine that
+owns them: typed here, so that they never import engine.py, which imports them."""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from ..config import EngineConfig
+from ..kv.cache import KVCache
+from ..models.decoder import DecoderModel
+from .batch import BatchBuilder
+from .outputs import RequestOutput
+from .sampler import SampleResult
+from .scheduler import ScheduledChunk, Scheduler
+from .sequence import Sequence
+
+
+class EngineState(Protocol):
+    config: EngineConfig
+    model: DecoderModel
+    builder: BatchBuilder
+    scheduler: Scheduler
+    requests: dict[str, list[Sequence]]
+    max_model_len: int
+    speculator: Any  # the engine's Speculator, or None
+    kv: KVCache  # reading it settles the cache (host-tier copies are queued first); _kv is the cache as it is
+    _kv: KVCache
+
+    def fail(self, request_id: str, error: BaseException) -> None: ...
+
+    def fetch(self, out: Any) -> Any: ...
+
+    def _build(self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True) -> Any: ...
+
+    def _collect_all(self, request_ids: Any) -> list[RequestOutput]: ...
+
+    def _precision(self) -> AbstractContextManager: ...
+
+    def _append_token(self, seq: Sequence, token: int, s: SampleResult, at: Any,
+                      grammar_done: bool | None = None) -> None: ...
