@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.tls import add_tls_flags
 
     add_tls_flags(serve)
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine cores, each a whole replica of the model on its own --tensor-parallel-size GPUs of "
+                            "this host, behind one endpoint; requests go to the least loaded")
     serve.add_argument("--api-server-count", type=int, default=1,
                        help="frontend processes (HTTP, tokenization, detokenization, streaming) on the port, in front "
                             "of one engine core process")
@@ -172,8 +175,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.auth import load_api_keys
     from .server.tls import serving_certificate
 
-    if args.api_server_count < 1:
-        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    for flag in ("api_server_count", "data_parallel_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     several_hosts = initialize_from_env()  # before anything starts JAX's backend (_engine_config may ask it)
     api_keys = load_api_keys(args.api_key, args.api_key_file)
     serving_certificate(args.ssl_keyfile, args.ssl_certfile)  # a missing or broken pair: a message, before loading
@@ -181,6 +185,9 @@ def _serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or ([served] if (served := default_served_name(args.model)) else None)
     log.info("loading %s", args.model)
     if several_hosts:
+        if args.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size is for the devices of one host; with several hosts (JAX_NUM_PROCESSES) "
+                             "run more replicas instead")
         return _serve_several_hosts(args, config, names, api_keys)
     from .server.frontend_process import ServeOptions
     from .server.processes import serve_with_engine_core
@@ -191,7 +198,8 @@ def _serve(args: argparse.Namespace) -> int:
                            tool_call_parser=args.tool_call_parser, ssl_keyfile=args.ssl_keyfile,
                            ssl_certfile=args.ssl_certfile)
     return serve_with_engine_core(config, options, args.api_server_count,
-                                  cpu_max_num_seqs=None if args.max_num_seqs else CPU_MAX_NUM_SEQS)
+                                  cpu_max_num_seqs=None if args.max_num_seqs else CPU_MAX_NUM_SEQS,
+                                  data_parallel_size=args.data_parallel_size)
 
 
 def _serve_several_hosts(args: argparse.Namespace, config: EngineConfig, names: list[str] | None,

@@ -40,62 +40,82 @@ NO_STATS = EngineStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0, 
 
 
 class EngineCoreClient(FrontendEngine):
+    """One frontend's view of the engine cores: one, or --data-parallel-size of them, each a replica of the model on
+    its own devices; a request goes to the core with the least load."""
+
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_name: str, *, frontend: int,
-                 input_address: str, output_address: str, core_pid: int):
+                 input_addresses: list[str], output_address: str, core_pids: list[int]):
         super().__init__()
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self.frontend = frontend
-        self._input_address, self._output_address, self._core_pid = input_address, output_address, core_pid
-        self.inputs: InputProcessor | None = None  # once the core has loaded the model and said its limits
+        self._input_addresses, self._output_address, self._core_pids = input_addresses, output_address, core_pids
+        cores = len(core_pids)
+        self.inputs: InputProcessor | None = None  # once a core has loaded the model and said its limits
         self._eos_token_ids: frozenset[int] = frozenset()
-        self._stats = NO_STATS
-        self._ready = False
-        self._dead: str | None = None  # why the core stopped
+        self._stats = [NO_STATS] * cores
+        self._sent = [0] * cores  # requests sent to each core since its last stats
+        self._ready = [False] * cores
+        self._dead: str | None = None  # why a core stopped (the pod restarts as a whole)
         self._open: dict[str, OpenRequest] = {}  # each open generation request's prompt and text
+        self._core_of: dict[str, int] = {}  # each open request's core (generation and embeddings)
         self._reader: asyncio.Task | None = None
-        self._pidfd: int | None = None
+        self._pidfds: list[int] = []
 
     # ---- lifetime: on the server's event loop ----------------------------------------------------------------------
     async def start(self) -> None:
         self._sync = zmq.Context()
-        self._outbox = self._sync.socket(zmq.PUSH)
-        self._outbox.setsockopt(zmq.SNDHWM, 0)  # a request is never dropped on the way to the core
-        self._outbox.connect(self._input_address)
+        self._outboxes = []
+        for address in self._input_addresses:
+            outbox = self._sync.socket(zmq.PUSH)
+            outbox.setsockopt(zmq.SNDHWM, 0)  # a request is never dropped on the way to its core
+            outbox.connect(address)
+            self._outboxes.append(outbox)
         self._async = zmq.asyncio.Context()
-        self._inbox = self._async.socket(zmq.PULL)
+        self._inbox = self._async.socket(zmq.PULL)  # every core pushes to it
         self._inbox.setsockopt(zmq.RCVHWM, 0)
         self._inbox.bind(self._output_address)
         self._reader = asyncio.create_task(self._read())
-        try:
-            self._pidfd = os.pidfd_open(self._core_pid)
-        except ProcessLookupError:
-            self._core_died("the engine core process is gone")
-            return
-        asyncio.get_running_loop().add_reader(self._pidfd, self._core_exited)
+        loop = asyncio.get_running_loop()
+        for core, pid in enumerate(self._core_pids):
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._core_died(f"engine core {core} is gone; this server is restarting")
+                return
+            self._pidfds.append(fd)
+            loop.add_reader(fd, self._core_died, f"engine core {core} exited; this server is restarting")
 
     async def stop(self) -> None:
-        """Closes this frontend's sockets; the serving process stops the core itself, after every frontend."""
+        """Closes this frontend's sockets; the serving process stops the cores itself, after every frontend."""
         if self._reader is not None:
             self._reader.cancel()
-        if self._pidfd is not None:
-            asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
-        self._outbox.close(linger=0)
+        self._close_pidfds()
+        for outbox in self._outboxes:
+            outbox.close(linger=0)
         self._inbox.close(linger=0)
 
     def shutdown(self, timeout: float = 0.0) -> None:
         """Nothing left to do: stop() closed the sockets on the server's loop."""
 
+    def _close_pidfds(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._pidfds:
+            loop.remove_reader(fd)
+            os.close(fd)
+        self._pidfds = []
+
     # ---- state for probes and metrics ------------------------------------------------------------------------------
     def is_ready(self) -> bool:
-        return self._ready and self.is_alive()
+        return all(self._ready) and self.is_alive()
 
     def is_alive(self) -> bool:
         return self._dead is None
 
     def stats(self) -> EngineStats:
-        return self._stats  # the core's, sent with every step's outputs
+        """The cores' stats (sent with every step's outputs), added up."""
+        if len(self._stats) == 1:
+            return self._stats[0]
+        return add_stats(self._stats)
 
     @property
     def vocab_size(self) -> int:
@@ -121,18 +141,28 @@ class EngineCoreClient(FrontendEngine):
 
         def submit() -> None:
             self._open[request_id] = OpenRequest(request.prompt_text, request.prompt_ids, text)
-            self._outbox.send(data)
+            self._send(request_id, data)
         return submit
 
     def _submit_embed(self, request_id: str, prompts: list[str | list[int]]):
         data = encode(Embed(self.frontend, self._loaded().embedding(request_id, prompts)))
-        return lambda: self._outbox.send(data)
+        return lambda: self._send(request_id, data)
+
+    def _send(self, request_id: str, data: bytes) -> None:
+        """To the core with the least load: its running and waiting requests, and what was sent it since."""
+        core = min(range(len(self._outboxes)),
+                   key=lambda c: self._stats[c].running + self._stats[c].waiting + self._sent[c])
+        self._sent[core] += 1
+        self._core_of[request_id] = core
+        self._outboxes[core].send(data)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
+        core = self._core_of.get(request_id)
         if index is None:
             self._open.pop(request_id, None)
-        if self.is_alive():
-            self._outbox.send(encode(Abort(request_id, index)))
+            self._core_of.pop(request_id, None)
+        if core is not None and self.is_alive():
+            self._outboxes[core].send(encode(Abort(request_id, index)))
 
     def _loaded(self) -> InputProcessor:
         if self.inputs is None:
@@ -149,14 +179,14 @@ class EngineCoreClient(FrontendEngine):
         while True:
             message = decode_from_core(await self._inbox.recv())
             if isinstance(message, Outputs):
-                self._stats = message.stats
+                self._stats[message.core], self._sent[message.core] = message.stats, 0
                 self._take_outputs(message)
-            elif isinstance(message, Loaded):
+            elif isinstance(message, Loaded):  # every core loads the same model with the same flags
                 self.config = message.config  # as resolved there (num_pages, max_model_len, max_num_seqs)
                 self.inputs = InputProcessor(self.tokenizer, message.limits)
                 self._eos_token_ids = frozenset(message.limits.eos_token_ids)
             elif isinstance(message, Ready):
-                self._ready = True
+                self._ready[message.core] = True
             elif isinstance(message, Dead):
                 self._core_died(message.message)
                 return
@@ -171,6 +201,7 @@ class EngineCoreClient(FrontendEngine):
             stopped = request.text.apply(out)
             if out.finished:
                 del self._open[out.request_id]
+                self._core_of.pop(out.request_id, None)
                 if stopped and not finished_in_core:  # every choice has ended here: the core stops them all
                     self.abort(out.request_id)
             else:
@@ -178,23 +209,32 @@ class EngineCoreClient(FrontendEngine):
                     self.abort(out.request_id, index)
             self._deliver(out.request_id, out)
         for outs in message.embeddings:
+            self._core_of.pop(outs[0].request_id, None)
             self._deliver(outs[0].request_id, outs)
         for f in message.failures:
             self._open.pop(f.request_id, None)
+            self._core_of.pop(f.request_id, None)
             error = (InvalidRequestError(f.message, f.param) if f.kind == "invalid" else
                      QueueFullError(f.message) if f.kind == "queue_full" else RequestFailedError(f.message))
             self._deliver(f.request_id, error)
-
-    def _core_exited(self) -> None:
-        self._core_died("the engine core process exited; this server is restarting")
 
     def _core_died(self, reason: str) -> None:
         if self._dead is not None:
             return
         self._dead = reason
         log.error("%s: /health answers 503 so that the pod is restarted", reason)
-        if self._pidfd is not None:
-            asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+        self._close_pidfds()
         self._fail_all(reason)
+
+
+def add_stats(stats: list[EngineStats]) -> EngineStats:
+    """Several engine cores' stats as one engine's: every count added up (accepted tokens by position too)."""
+    total = {}
+    for field in dataclasses.fields(EngineStats):
+        values = [getattr(s, field.name) for s in stats]
+        if isinstance(values[0], tuple):
+            width = max(map(len, values))
+            total[field.name] = tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+        else:
+            total[field.name] = sum(values)
+    return EngineStats(**total)

@@ -21,6 +21,7 @@ class CoreSpec(msgspec.Struct):
     parent_pid: int
     log_level: str = "INFO"
     cpu_max_num_seqs: int | None = None  # max_num_seqs when the backend is a CPU (none was given)
+    core: int = 0  # which of --data-parallel-size engine cores this is
 
 
 # ---- frontend -> engine core --------------------------------------------------------------------------------------
@@ -53,10 +54,12 @@ class Loaded(msgspec.Struct, tag="loaded", array_like=True):
     limits: ModelLimits
     config: EngineConfig  # as the core resolved it (max_model_len, num_pages, max_num_seqs)
     model_name: str
+    core: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     compile_seconds: float
+    core: int = 0
 
 
 class Failure(msgspec.Struct, array_like=True):
@@ -74,12 +77,14 @@ class Outputs(msgspec.Struct, tag="outputs", array_like=True):
     embeddings: list[list[EmbeddingRequestOutput]]
     failures: list[Failure]
     stats: EngineStats
+    core: int = 0
 
 
 class Dead(msgspec.Struct, tag="dead", array_like=True):
     """The engine core's last word before it exits: no request can make progress."""
 
     message: str
+    core: int = 0
 
 
 FromCore = Loaded | Ready | Outputs | Dead

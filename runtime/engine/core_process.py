@@ -55,6 +55,7 @@ class EngineCore:
         self.poller.register(self.inbox, zmq.POLLIN)
         self.engine: LLMEngine | None = None
         self.config = spec.config
+        self.core = spec.core
         if spec.cpu_max_num_seqs is not None and jax.default_backend() == "cpu":  # decided here: only the core
             self.config.max_num_seqs = spec.cpu_max_num_seqs                     # may start JAX's backend
         self.owner: dict[str, int] = {}  # request id -> the frontend that answers it
@@ -63,17 +64,17 @@ class EngineCore:
         """Loads, warms up, serves until a Shutdown; a fault tells every frontend before the process exits."""
         try:
             self.engine = engine = LLMEngine(self.config)
-            self._broadcast(Loaded(engine.limits(), self.config, engine.model_name))
+            self._broadcast(Loaded(engine.limits(), self.config, engine.model_name, self.core))
             if self.config.warmup:
                 engine.warmup()
-            self._broadcast(Ready(engine.compile_seconds))
+            self._broadcast(Ready(engine.compile_seconds, self.core))
             log.info("engine core ready: serving %d frontend(s)", len(self.outboxes))
             while self._serve_once():
                 pass
             return 0
         except BaseException as e:  # a device or engine fault: /health turns 503 in every frontend
             log.exception("the engine core failed; its frontends answer /health with 503 so that the pod restarts")
-            self._broadcast(Dead(f"the engine failed ({type(e).__name__}); this server is restarting"))
+            self._broadcast(Dead(f"the engine failed ({type(e).__name__}); this server is restarting", self.core))
             return 1
         finally:
             for socket in (self.inbox, *self.outboxes):
@@ -153,7 +154,7 @@ class EngineCore:
             if frontend is None:  # aborted by its frontend, which no longer listens for it
                 return None
             if frontend not in by_frontend:
-                by_frontend[frontend] = Outputs([], [], [], stats)
+                by_frontend[frontend] = Outputs([], [], [], stats, self.core)
             return by_frontend[frontend]
 
         for out in outputs:
@@ -167,7 +168,7 @@ class EngineCore:
             if (m := message(failure.request_id, True)) is not None:
                 m.failures.append(failure)
         for frontend, outbox in enumerate(self.outboxes):
-            outbox.send(encode(by_frontend.get(frontend) or Outputs([], [], [], stats)))
+            outbox.send(encode(by_frontend.get(frontend) or Outputs([], [], [], stats, self.core)))
 
     def _broadcast(self, message) -> None:
         data = encode(message)
@@ -180,7 +181,8 @@ def main() -> int:
     die_with_parent(spec.parent_pid)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the serving process stops this one, after its drain
         signal.signal(sig, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
+    tag = f"engine core {spec.core}" if spec.core else "engine core"
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s %(name)s [{tag}]: %(message)s")
     return EngineCore(spec).run()
 
 

@@ -34,9 +34,9 @@ class FrontendSpec(msgspec.Struct):
     config: EngineConfig
     model_name: str
     frontend: int
-    input_address: str
+    input_addresses: list[str]  # one per engine core (--data-parallel-size)
     output_address: str
-    core_pid: int
+    core_pids: list[int]
     parent_pid: int
     options: ServeOptions
 
@@ -55,8 +55,8 @@ def main() -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s [frontend {spec.frontend}]: %(message)s")
     config = spec.config
     client = EngineCoreClient(config, Tokenizer.from_pretrained(config.tokenizer or config.model), spec.model_name,
-                              frontend=spec.frontend, input_address=spec.input_address,
-                              output_address=spec.output_address, core_pid=spec.core_pid)
+                              frontend=spec.frontend, input_addresses=spec.input_addresses,
+                              output_address=spec.output_address, core_pids=spec.core_pids)
     return serve(client, **serve_kwargs(spec.options), reuse_port=True)
 
 

@@ -1,5 +1,5 @@
-"""`capstan serve`'s processes: this one (the first frontend, and the supervisor), the engine core, and
---api-server-count - 1 more frontends on the same port.
+"""`capstan serve`'s processes: this one (the first frontend, and the supervisor), the engine core (or
+--data-parallel-size of them, each on its own GPUs), and --api-server-count - 1 more frontends on the same port.
 
 The engine core and the other frontends are children that die with this process (so no orphan survives the pod's
 main process, SIGKILL included). SIGTERM drains every frontend, then the core is told to stop. If the core dies,
@@ -32,9 +32,10 @@ CORE_STOP_TIMEOUT = 10.0  # seconds the core gets to leave its loop after Shutdo
 
 
 def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_server_count: int = 1,
-                           cpu_max_num_seqs: int | None = None) -> int:
+                           cpu_max_num_seqs: int | None = None, data_parallel_size: int = 1) -> int:
     """Serves until SIGTERM (after the drain) or SIGINT; returns the exit code. cpu_max_num_seqs: the core's
-    max_num_seqs when it finds itself on a CPU (only the core may start JAX's backend)."""
+    max_num_seqs when it finds itself on a CPU (only a core may start JAX's backend). data_parallel_size: engine
+    cores, each a replica of the model on its own tensor_parallel_size GPUs, behind every frontend."""
     path = resolve_checkpoint(config.model)  # hf:// downloads once, here
     tokenizer_path = resolve_checkpoint(config.tokenizer) if config.tokenizer else path
     config = dataclasses.replace(config, model=str(path), tokenizer=str(tokenizer_path))
@@ -44,19 +45,23 @@ def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_serv
     if api_server_count > 1:  # each frontend's latency histograms, added up by whichever one is scraped
         os.mkdir(f"{workdir}/metrics")
         share_across_processes(f"{workdir}/metrics")
-    input_address = f"ipc://{workdir}/engine-core"
+    input_addresses = [f"ipc://{workdir}/engine-core-{c}" for c in range(data_parallel_size)]
     output_addresses = [f"ipc://{workdir}/frontend-{i}" for i in range(api_server_count)]
-    core = _spawn("capstan.runtime.engine.core_process", CoreSpec(
-        config, input_address, output_addresses, os.getpid(), options.log_level.upper(), cpu_max_num_seqs))
+    devices = [_core_devices(c, config.tensor_parallel_size) if data_parallel_size > 1 else None
+               for c in range(data_parallel_size)]  # checked before any core starts
+    cores = [_spawn("capstan.runtime.engine.core_process", CoreSpec(
+        config, input_addresses[c], output_addresses, os.getpid(), options.log_level.upper(), cpu_max_num_seqs, c),
+        devices=devices[c]) for c in range(data_parallel_size)]
+    core_pids = [core.pid for core in cores]
     frontends: list[subprocess.Popen] = []
     stopping = False
     try:
         for i in range(1, api_server_count):
             frontends.append(_spawn("capstan.runtime.server.frontend_process", FrontendSpec(
-                config, model_name, i, input_address, output_addresses[i], core.pid, os.getpid(), options),
+                config, model_name, i, input_addresses, output_addresses[i], core_pids, os.getpid(), options),
                 cpu_only=True))
-        client = EngineCoreClient(config, tokenizer, model_name, frontend=0, input_address=input_address,
-                                  output_address=output_addresses[0], core_pid=core.pid)
+        client = EngineCoreClient(config, tokenizer, model_name, frontend=0, input_addresses=input_addresses,
+                                  output_address=output_addresses[0], core_pids=core_pids)
 
         def watch_frontends(server) -> None:
             import asyncio
@@ -84,11 +89,23 @@ def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_serv
     finally:
         stopping = True
         _stop_frontends(frontends, timeout=options.drain_timeout + 10)
-        _stop_core(core, input_address)
+        for core, address in zip(cores, input_addresses):
+            _stop_core(core, address)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _spawn(module: str, spec: msgspec.Struct, cpu_only: bool = False) -> subprocess.Popen:
+def _core_devices(core: int, tensor_parallel_size: int) -> str:
+    """The GPUs of data-parallel engine core `core`: its share of CUDA_VISIBLE_DEVICES (else of every GPU)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",")] if visible else None
+    share = range(core * tensor_parallel_size, (core + 1) * tensor_parallel_size)
+    if ids is not None and share.stop > len(ids):
+        raise ValueError(f"--data-parallel-size x --tensor-parallel-size needs {share.stop} GPUs; "
+                         f"CUDA_VISIBLE_DEVICES has {len(ids)}")
+    return ",".join(ids[i] if ids is not None else str(i) for i in share)
+
+
+def _spawn(module: str, spec: msgspec.Struct, cpu_only: bool = False, devices: str | None = None) -> subprocess.Popen:
     """A child running `python -m module`, its spec on stdin (API keys never show in `ps`)."""
     env = dict(os.environ)
     import jax  # only its configuration is read here: this process never starts a JAX backend
@@ -98,6 +115,8 @@ def _spawn(module: str, spec: msgspec.Struct, cpu_only: bool = False) -> subproc
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     if cpu_only:  # a frontend never touches the accelerator, whatever it imports
         env["JAX_PLATFORMS"] = "cpu"
+    if devices is not None:  # a data-parallel engine core sees only its own GPUs
+        env["CUDA_VISIBLE_DEVICES"] = devices
     process = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env)
     process.stdin.write(msgspec.json.encode(spec))
     process.stdin.close()

@@ -1,5 +1,5 @@
 """`capstan serve` as processes: the engine core is a child process; `--api-server-count 2` serves the openai client
-from both frontends; an engine core killed with SIGKILL fails /health within 5 s and ends every open stream with an
+from both frontends; `--data-parallel-size 2` runs two engine cores behind one endpoint; an engine core killed with SIGKILL fails /health within 5 s and ends every open stream with an
 error event; the main process killed outright takes its children with it. (SIGTERM with 64 streams in flight, and
 no process left behind: test_storm_and_drain.py.)"""
 from __future__ import annotations
@@ -60,6 +60,34 @@ def test_two_frontends_serve_the_openai_client_from_one_engine_core():
             count = next(line for line in scrape.splitlines() if line.startswith(E2E_COUNT))
             assert float(count.split()[-1]) == 24, count
             assert "capstan_kv_pages_total" in scrape  # the engine core's gauges, from its stats
+
+
+def test_two_data_parallel_engine_cores_serve_one_endpoint():
+    with ServeProcess("--data-parallel-size=2") as server:
+        children = child_processes(server.process.pid)
+        assert sum(CORE in c for c in children.values()) == 2, children
+
+        async def scenario():
+            tasks, client = await _open_streams(server.url, 12)  # more than one core's 8 rows
+            running = 0
+            deadline = time.monotonic() + 30
+            while running <= 8 and time.monotonic() < deadline:
+                scrape = (await client.get(f"{server.url}/metrics")).text
+                running = max(running, _gauge(scrape, "capstan_requests_running"))
+                await asyncio.sleep(0.05)
+            pages = _gauge(scrape, "capstan_kv_pages_total")
+            streams = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            await client.aclose()
+            return running, pages, streams
+
+        running, pages, streams = asyncio.run(scenario())
+        assert running > 8, f"at most {running} requests ran at once: one core's rows"
+        assert all(events[-1] == "[DONE]" and '"length"' in events[-2] for events in streams)
+        assert pages > 0 and pages % 2 == 0  # two cores' equal pools, added up
+
+
+def _gauge(scrape: str, name: str) -> float:
+    return float(next(line for line in scrape.splitlines() if line.startswith(name + " ")).split()[-1])
 
 
 async def _open_streams(url: str, count: int) -> tuple[list[asyncio.Task], httpx.AsyncClient]:
