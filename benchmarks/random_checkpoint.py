@@ -20,32 +20,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import SHAPES  # noqa: E402
 
+from capstan.runtime.models.default_checkpoint import tensor_shapes  # noqa: E402
+
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "runtime" / "default_model"
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # bfloat16 bits: sign and mantissa random, the exponent fixed (127 + e for magnitudes in [2^e, 2^(e+1)))
 EXPONENT_BITS = {"embed": (127 - 2) << 7, "linear": (127 - 5) << 7}
 ONE = 0x3F80  # 1.0: every norm weight
 STAMP = "capstan-random-checkpoint.json"  # what was written: a folder with the same stamp is reused
-
-
-def tensor_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
-    """The tensors runtime/models/loader.py reads for a Llama or Qwen3 config."""
-    E, I, V = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
-    H, KV = hf["num_attention_heads"], hf["num_key_value_heads"]
-    D = hf.get("head_dim") or E // H
-    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,)}
-    if not hf.get("tie_word_embeddings"):
-        shapes["lm_head.weight"] = (V, E)
-    for i in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (KV * D, E),
-                       p + "self_attn.v_proj.weight": (KV * D, E), p + "self_attn.o_proj.weight": (E, H * D),
-                       p + "mlp.gate_proj.weight": (I, E), p + "mlp.up_proj.weight": (I, E),
-                       p + "mlp.down_proj.weight": (E, I), p + "input_layernorm.weight": (E,),
-                       p + "post_attention_layernorm.weight": (E,)})
-        if hf["architectures"][0] == "Qwen3ForCausalLM":
-            shapes.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
-    return shapes
 
 
 def random_bf16(rng: np.random.Generator, shape: tuple[int, ...], kind: str):

@@ -59,6 +59,26 @@ def write_tokenizer(out: Path) -> dict[str, int]:
     return ids
 
 
+def tensor_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors runtime/models/loader.py reads for a Llama or Qwen3 config.json (benchmarks write them too)."""
+    E, I, V = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    H, KV = hf["num_attention_heads"], hf["num_key_value_heads"]
+    D = hf.get("head_dim") or E // H
+    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,)}
+    if not hf.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (V, E)
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (KV * D, E),
+                       p + "self_attn.v_proj.weight": (KV * D, E), p + "self_attn.o_proj.weight": (E, H * D),
+                       p + "mlp.gate_proj.weight": (I, E), p + "mlp.up_proj.weight": (I, E),
+                       p + "mlp.down_proj.weight": (E, I), p + "input_layernorm.weight": (E,),
+                       p + "post_attention_layernorm.weight": (E,)})
+        if hf["architectures"][0] == "Qwen3ForCausalLM":
+            shapes.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
+    return shapes
+
+
 def write_weights(out: Path, seed: int = 0) -> None:
     import ml_dtypes
 
@@ -66,14 +86,7 @@ def write_weights(out: Path, seed: int = 0) -> None:
     E, I, D = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     H, KV = c["num_attention_heads"], c["num_key_value_heads"]
     rng = np.random.default_rng(seed)
-    shapes = {"model.embed_tokens.weight": (VOCAB, E), "model.norm.weight": (E,)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (KV * D, E),
-                       p + "self_attn.v_proj.weight": (KV * D, E), p + "self_attn.o_proj.weight": (E, H * D),
-                       p + "mlp.gate_proj.weight": (I, E), p + "mlp.up_proj.weight": (I, E),
-                       p + "mlp.down_proj.weight": (E, I), p + "input_layernorm.weight": (E,),
-                       p + "post_attention_layernorm.weight": (E,)})
+    shapes = tensor_shapes(c)
     tensors = {}
     for name, shape in shapes.items():
         values = np.ones(shape) if name.endswith("norm.weight") else rng.normal(0.0, 0.5 if "embed" in name else 0.08, shape)
