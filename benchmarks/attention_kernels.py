@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, paged_attention, query_blocks
-from capstan.runtime.attention.gpu_decode import decode_attention
-from capstan.runtime.attention.gpu_ragged import ragged_attention
+from capstan.runtime.kernels.gpu_decode_attention import decode_attention
+from capstan.runtime.kernels.gpu_ragged_attention import ragged_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import median_ms  # noqa: E402

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
 
-from capstan.runtime.models import gpu_gemv  # noqa: E402
+from capstan.runtime.kernels import gpu_gemv  # noqa: E402
 
 STORED = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "q8_0": jnp.int8}
 BLOCK = {"q8_0": 32}  # GGUF Q8_0: int8 with a scale per 32 inputs of a row

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from capstan.runtime.config import DEFAULT_MODEL
-from capstan.runtime.engine.grammar import GrammarTokenizer, StructuredOutput, mask_words
+from capstan.runtime.sampling.grammar import GrammarTokenizer, StructuredOutput, mask_words
 from capstan.runtime.tokenizer import Tokenizer
 
 SCHEMAS = {

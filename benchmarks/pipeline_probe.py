@@ -14,8 +14,8 @@ import throughput
 from shapes import shape_config
 
 import capstan.runtime.engine.engine as E
-import capstan.runtime.engine.grammar as G
 import capstan.runtime.engine.multi_step as M
+import capstan.runtime.sampling.grammar as G
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig
 from capstan.runtime.engine.engine import LLMEngine
 from capstan.runtime.models.loader import random_model

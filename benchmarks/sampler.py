@@ -24,8 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from capstan.runtime.engine.batch import row_key_data  # noqa: E402
-from capstan.runtime.engine.sampler import (  # noqa: E402
+from capstan.runtime.sampling.sampler import (  # noqa: E402
     DRAWN,
     DRAWS,
     FILTERS,
@@ -36,6 +35,7 @@ from capstan.runtime.engine.sampler import (  # noqa: E402
     mass_above,
     sample,
 )
+from capstan.runtime.scheduling.batch import row_key_data  # noqa: E402
 
 
 def logits_of(kind: str, rows: int, vocab: int, rng) -> np.ndarray:

@@ -19,9 +19,9 @@ from shapes import shape_config  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.grammar import StructuredOutput  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
+from capstan.runtime.sampling.grammar import StructuredOutput  # noqa: E402
 
 UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}  # cannot end early
 
@@ -51,7 +51,7 @@ class Timeline:
     def __init__(self, engine: LLMEngine):
         import capstan.runtime.engine.engine as engine_mod
         import capstan.runtime.engine.multi_step as multi_mod
-        import capstan.runtime.engine.speculative as spec_mod
+        import capstan.runtime.speculative.speculator as spec_mod
         self.sums: dict[str, dict[str, float]] = {}  # kind -> {part: seconds, "steps": n, "wall": seconds}
         self.current: dict | None = None
         # (owner, attribute, part, the step kind a call of it makes)

@@ -1,8 +1,8 @@
 """What the speculative tests generate, and how outputs are compared with plain decoding's."""
 import pytest
 
-from capstan.runtime.engine.grammar import StructuredOutput
 from capstan.runtime.engine.sampling_params import SamplingParams
+from capstan.runtime.sampling.grammar import StructuredOutput
 
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
 # greedy with logprobs, seeded sampling, n=2 with filters and a stop string, and penalties (decoded plainly)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from capstan.runtime.attention import INVALID_SLOT, AttentionMetadata, chunked_attention, paged_attention, write_kv
-from capstan.runtime.attention.gpu_decode import decode_attention
+from capstan.runtime.kernels.gpu_decode_attention import decode_attention
 
 INTERPRET = jax.default_backend() != "gpu"  # compiled with Triton on a GPU
 # JAX's decode kernel multiplies float32 in TF32 on GPUs (10-bit mantissas); ours and the reference use IEEE float32
@@ -107,7 +107,7 @@ RAGGED = [(0, 70), (37, 1), (100, 29), (5, 1), (0, 3), (150, 40)]  # fresh promp
 
 @pytest.mark.parametrize("kw", [{}, {"window": 20}, {"softcap": 5.0}, {"G": 1, "D": 128}, {"G": 8, "KVH": 1}, {"G": 3}])
 def test_pallas_ragged_kernel_matches_the_reference(kw):
-    from capstan.runtime.attention.gpu_ragged import ragged_attention
+    from capstan.runtime.kernels.gpu_ragged_attention import ragged_attention
 
     attn = {k: kw.pop(k) for k in ("window", "softcap") if k in kw}
     q, k, v, meta, n = random_ragged_batch(4, RAGGED, **kw)
@@ -118,7 +118,7 @@ def test_pallas_ragged_kernel_matches_the_reference(kw):
 
 
 def test_pallas_ragged_kernel_in_bfloat16_and_on_decode_batches():
-    from capstan.runtime.attention.gpu_ragged import ragged_attention
+    from capstan.runtime.kernels.gpu_ragged_attention import ragged_attention
 
     q, k, v, meta, n = random_ragged_batch(5, RAGGED, dtype=jnp.bfloat16)
     want = np.asarray(paged_attention(q, k, v, meta, scale=0.125), np.float32)[:n]
@@ -214,7 +214,7 @@ def reference_decode_step(qkv, cos, sin, k_cache, v_cache, meta, scale, q_norm, 
     {"norms": True}, {"norms": True, "one_plus": True}, {"dtype": jnp.bfloat16}, {"dtype": jnp.bfloat16, "norms": True},
 ])
 def test_fused_decode_kernel_matches_norms_rope_write_and_attention(kw):
-    from capstan.runtime.attention.gpu_fused_decode import fused_decode_attention
+    from capstan.runtime.kernels.gpu_fused_decode_attention import fused_decode_attention
 
     kw = dict(kw)
     one_plus = kw.pop("one_plus", False)
@@ -243,7 +243,7 @@ def test_fused_decode_kernel_matches_norms_rope_write_and_attention(kw):
 
 def test_fused_decode_kernel_on_a_splitting_batch_of_one():
     """One sequence of a long context: the split-context path and the first split's write."""
-    from capstan.runtime.attention.gpu_fused_decode import fused_decode_attention
+    from capstan.runtime.kernels.gpu_fused_decode_attention import fused_decode_attention
 
     qkv, cos, sin, k, v, meta, _, _ = fused_decode_case(11, S=2, pages_per_seq=64)
     want, want_k, _ = reference_decode_step(qkv, cos, sin, k, v, meta, 0.1, None, None, 0.0, False)

@@ -1,4 +1,4 @@
-"""The GEMV kernel for a decode step's tokens (runtime/models/gpu_gemv.py), run in Pallas' interpreter on CPU: its
+"""The GEMV kernel for a decode step's tokens (runtime/kernels/gpu_gemv.py), run in Pallas' interpreter on CPU: its
 sums against numpy's, and the golden models decoded through it give the logits of XLA's dots (`bash
 benchmarks/gpu_suite.sh gemv` runs the same tests compiled by Triton)."""
 import jax
@@ -8,7 +8,7 @@ import pytest
 from golden import CASES, GOLDEN, greedy_agreement_length, reference
 from test_models import PAGE, _fresh_cache, _run
 
-from capstan.runtime.models import gpu_gemv
+from capstan.runtime.kernels import gpu_gemv
 from capstan.runtime.models.loader import load_model
 from capstan.runtime.models.quantization import QuantizedWeight, dequantize_rows, quantize_blocks, quantize_rows
 

@@ -3,9 +3,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capstan.runtime.engine.batch import row_key_data
-from capstan.runtime.engine.sampler import SamplingBatch
-from capstan.runtime.engine.sampler import sample as sample_eager
+from capstan.runtime.sampling.sampler import SamplingBatch
+from capstan.runtime.sampling.sampler import sample as sample_eager
+from capstan.runtime.scheduling.batch import row_key_data
 
 sample = jax.jit(sample_eager)  # one compile per shape instead of op-by-op dispatch
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_sampler import batch
 
-from capstan.runtime.engine.sampler import (
+from capstan.runtime.sampling.sampler import (
     BLOCK,
     BLOCKS,
     RowNoise,
@@ -76,7 +76,7 @@ def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
 
 
 def test_seeded_samples_are_the_same_as_with_the_reference_filters():
-    from capstan.runtime.engine import sampler
+    from capstan.runtime.sampling import sampler
 
     rng = np.random.default_rng(9)
     S, V = 32, 4096
@@ -204,7 +204,7 @@ def test_the_exact_kernel_draws_the_rows_the_candidates_leave_open():
 
 @pytest.mark.parametrize("V", [V_LARGE, 4096, 1000])  # a ragged end, whole chunks, a row shorter than a chunk
 def test_the_one_pass_mass_kernel_gives_each_values_mass_above(V):
-    from capstan.runtime.engine.gpu_mass_above import mass_above as one_pass
+    from capstan.runtime.kernels.gpu_mass_above import mass_above as one_pass
 
     rng = np.random.default_rng(V)
     S, D = 6, 16
@@ -222,7 +222,7 @@ def test_the_one_pass_mass_kernel_gives_each_values_mass_above(V):
 
 
 def test_the_kernels_threefry_is_jaxs():
-    from capstan.runtime.engine.gpu_sampler import gumbel
+    from capstan.runtime.kernels.gpu_sampler import gumbel
 
     keys = jax.random.key_data(jax.vmap(lambda p: jax.random.fold_in(jax.random.key(11), p))(jnp.arange(4)))
     ids = jnp.arange(3000)

@@ -13,7 +13,7 @@ from speculative_cases import ENGINE, GRAMMAR, PARAMS, PROMPTS, same_outputs
 from capstan.runtime.cli import build_parser
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import SamplingParams
-from capstan.runtime.engine.speculative import propose_ngram
+from capstan.runtime.speculative.speculator import propose_ngram
 from capstan.runtime.speculative_config import SpeculativeConfig
 
 
@@ -77,7 +77,7 @@ def test_outputs_are_those_of_plain_decoding_whatever_is_proposed(baseline, spec
 def test_every_verify_program_keeps_the_outputs(speculative_llm, programs, monkeypatch):
     """Greedy, sampled and mixed batches (logprobs, penalties, filters) verified with the CPU's traced program and
     with the GPU's (its branches decided on the host) give plain decoding's tokens, proposals half corrupted."""
-    import capstan.runtime.engine.speculative as speculative
+    import capstan.runtime.speculative.speculator as speculative
     used, real = [], speculative.verify_branches
     monkeypatch.setattr(speculative, "verify_branches",
                         lambda chunks, backend: used.append(b := real(chunks, programs)) or b)

@@ -94,8 +94,8 @@ def test_with_the_gpus_programs_a_draft_equal_to_the_target_has_every_proposal_a
     """On GPUs the draft's and the verify step's sampling branches are decided on the host (greedy, sampled,
     general): the same tokens as the CPU's traced programs, every proposal of a draft equal to the target accepted,
     plain greedy batches included."""
-    import capstan.runtime.engine.draft_model as draft_model
-    import capstan.runtime.engine.speculative as speculative
+    import capstan.runtime.speculative.draft_model as draft_model
+    import capstan.runtime.speculative.speculator as speculative
     used = []
     for module, name in ((draft_model, "draft_branches"), (speculative, "verify_branches")):
         real = getattr(module, name)

@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 from golden import GOLDEN
 
-from capstan.runtime.engine.grammar import StructuredOutput
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.sampling_params import InvalidRequestError, SamplingParams
+from capstan.runtime.sampling.grammar import StructuredOutput
 
 NAME = {"type": "string", "maxLength": 12}
 SCHEMAS = {

@@ -23,7 +23,7 @@ from capstan.runtime.attention import (
     write_and_attend,
     write_kv,
 )
-from capstan.runtime.attention.tpu_ragged import kernel_arguments, ragged_attention, split_pages, write_kv_pages
+from capstan.runtime.kernels.tpu_ragged_attention import kernel_arguments, ragged_attention, split_pages, write_kv_pages
 from capstan.runtime.kv.cache import KVCache
 
 # fresh prompts, decodes, chunks after cached context; with pages of 8 most cross page boundaries

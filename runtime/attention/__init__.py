@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..kernels.tpu_ragged_attention import HEADS_FIRST, PAGES_INTERLEAVED, split_pages, write_kv_pages
 from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .chunked import chunked_attention
 from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
-from .tpu_ragged import HEADS_FIRST, PAGES_INTERLEAVED, split_pages, write_kv_pages
 
 # Tests set this to run the GPU kernels interpreted on CPU, so CI covers their wiring into the engine too.
 KERNELS_INTERPRETED_ON_CPU = False
@@ -25,7 +25,7 @@ def kv_layout(backend: str, kv_heads: int, head_dim: int, dtype, tpu_version: in
     """How one layer's pages are laid out: as JAX's TPU kernel reads them on TPUs (v4 on; None: this host's) and
     shapes it takes (kv_heads: one device's), else HEADS_FIRST. Chosen once, when the cache is allocated;
     attention follows the arrays it is given."""
-    from . import tpu_ragged
+    from ..kernels import tpu_ragged_attention as tpu_ragged
 
     if backend == "cpu" and TPU_LAYOUT_ON_CPU:
         return PAGES_INTERLEAVED
@@ -44,8 +44,8 @@ def choose_kernel(backend: str, *, layout: str, decode: bool, ragged: bool, dtyp
                   pages_per_seq: int, page_size: int, head_dim: int, window: int | None, softcap) -> str:
     """The kernel for one layer's step: "tpu_ragged", "gpu_decode", "gpu_ragged" or "chunked" (the reference's
     result over the real context). ragged: the step carries query blocks (the batch builder's steps do)."""
-    from .gpu_decode import supported as decode_supported
-    from .gpu_ragged import supported as ragged_supported
+    from ..kernels.gpu_decode_attention import supported as decode_supported
+    from ..kernels.gpu_ragged_attention import supported as ragged_supported
 
     if layout == PAGES_INTERLEAVED:
         return "tpu_ragged" if backend == "tpu" and (decode or ragged) else "chunked"
@@ -77,15 +77,15 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
                            window=window, softcap=softcap)
     interpret = jax.default_backend() != "gpu"
     if kernel == "tpu_ragged":
-        from .tpu_ragged import ragged_attention as tpu_ragged_attention
+        from ..kernels.tpu_ragged_attention import ragged_attention as tpu_ragged_attention
 
         return tpu_ragged_attention(q, k_cache, meta, scale=scale, window=window, softcap=softcap)
     if kernel == "gpu_decode":
-        from .gpu_decode import decode_attention
+        from ..kernels.gpu_decode_attention import decode_attention
 
         return decode_attention(q, k_cache, v_cache, meta, scale=scale, interpret=interpret)
     if kernel == "gpu_ragged":
-        from .gpu_ragged import ragged_attention as gpu_ragged_attention
+        from ..kernels.gpu_ragged_attention import ragged_attention as gpu_ragged_attention
 
         return gpu_ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None,
                                 interpret=interpret)
@@ -105,7 +105,7 @@ def decode_fuses(k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata
     if not (FUSED_DECODE and meta.decode and backend == "gpu" and model_parallel_size() == 1
             and layout_of(v_cache) == HEADS_FIRST and window is None and not softcap):
         return False
-    from .gpu_fused_decode import supported
+    from ..kernels.gpu_fused_decode_attention import supported
 
     return supported(k_cache.shape[2], head_dim)
 
@@ -114,7 +114,7 @@ def fused_decode(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, *, sc
                  eps: float, one_plus: bool):
     """qkv [T, KVH, G + 2, D] straight from the QKV matmul; returns (out [T, KVH, G, D], k_cache, v_cache):
     gpu_fused_decode's kernel, where decode_fuses says so."""
-    from .gpu_fused_decode import fused_decode_attention
+    from ..kernels.gpu_fused_decode_attention import fused_decode_attention
 
     return fused_decode_attention(qkv, cos, sin, k_cache, v_cache, meta, scale=scale, q_norm=q_norm, k_norm=k_norm,
                                   eps=eps, one_plus=one_plus, interpret=jax.default_backend() != "gpu")

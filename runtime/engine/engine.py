@@ -15,22 +15,22 @@ from ..kv.page_pool import PagePool
 from ..models.decoder import DecoderModel
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..parallel.tensor_parallel import TensorParallel
+from ..sampling.grammar import GrammarTokenizer
+from ..sampling.sampler import SampleResult
+from ..scheduling.batch import BatchBuilder
+from ..scheduling.scheduler import ScheduledChunk, Scheduler
+from ..scheduling.sequence import Sequence
+from ..speculative.draft_model import load_draft
+from ..speculative.speculator import Speculator
 from ..tokenizer import Tokenizer
-from .batch import BatchBuilder
 from .choice_text import ChoiceText
-from .draft_model import load_draft
 from .embedder import Embedder
 from .engine_stats import EngineStats
-from .grammar import GrammarTokenizer
 from .input_processor import EngineRequest, InputProcessor, ModelLimits
 from .logprobs import add_prompt_logprobs, position_logprobs
 from .multi_step import MultiStepDecoder
 from .outputs import CompletionOutput, RequestOutput
-from .sampler import SampleResult
 from .sampling_params import InvalidRequestError, SamplingParams
-from .scheduler import ScheduledChunk, Scheduler
-from .sequence import Sequence
-from .speculative import Speculator
 from .step import StepOutputs, step_fn
 
 log = logging.getLogger("capstan.engine")

@@ -8,11 +8,11 @@ from typing import Any, Protocol
 from ..config import EngineConfig
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
-from .batch import BatchBuilder
+from ..sampling.sampler import SampleResult
+from ..scheduling.batch import BatchBuilder
+from ..scheduling.scheduler import ScheduledChunk, Scheduler
+from ..scheduling.sequence import Sequence
 from .outputs import RequestOutput
-from .sampler import SampleResult
-from .scheduler import ScheduledChunk, Scheduler
-from .sequence import Sequence
 
 
 class EngineState(Protocol):

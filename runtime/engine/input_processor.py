@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+from ..sampling.grammar import GrammarTokenizer
 from ..tokenizer import Tokenizer
-from .grammar import GrammarTokenizer
 from .sampling_params import InvalidRequestError, SamplingParams
 
 

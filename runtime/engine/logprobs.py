@@ -2,10 +2,10 @@
 its rank), then the top-N alternatives, each with its decoded text."""
 from __future__ import annotations
 
+from ..scheduling.scheduler import ScheduledChunk
+from ..scheduling.sequence import Sequence
 from ..tokenizer import Tokenizer
 from .outputs import Logprob, PositionLogprobs
-from .scheduler import ScheduledChunk
-from .sequence import Sequence
 from .step import StepOutputs
 
 

@@ -28,13 +28,13 @@ import numpy as np
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from ..sampling.grammar import fill_masks, mask_words
+from ..sampling.sampler import Branches, SampleResult, SamplingBatch, sample
+from ..scheduling.packing import Packed
+from ..scheduling.scheduler import ScheduledChunk
 from .engine_state import EngineState
-from .grammar import fill_masks, mask_words
 from .outputs import RequestOutput
-from .packing import Packed
-from .sampler import Branches, SampleResult, SamplingBatch, sample
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk
 from .step import StepInputs
 
 

@@ -19,7 +19,7 @@ from ..limits import (
     PENALTY_RANGE,
     UINT64_MAX,
 )
-from .grammar import StructuredOutput
+from ..sampling.grammar import StructuredOutput
 
 __all__ = ["InvalidRequestError", "SamplingParams", "MAX_LOGIT_BIAS", "MAX_LOGPROBS"]
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
-from .packing import Packed
-from .sampler import SampleResult, SamplingBatch, sample, top_logprobs
+from ..sampling.sampler import SampleResult, SamplingBatch, sample, top_logprobs
+from ..scheduling.packing import Packed
 from .sampling_params import MAX_LOGPROBS
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..attention import PAGES_INTERLEAVED, kv_layout
-from ..attention.tpu_ragged import allocate_pages
+from ..kernels.tpu_ragged_attention import allocate_pages
 from ..parallel.mesh import MODEL_AXIS
 
 

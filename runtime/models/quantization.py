@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
 
+from ..kernels import gpu_gemv
 from ..parallel.mesh import model_parallel_size
-from . import gpu_gemv
 from .config import UnsupportedModelError
 
 QUANTIZATIONS = ("fp8", "int8")

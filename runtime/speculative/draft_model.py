@@ -18,18 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata
+from ..engine.multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
+from ..engine.step import StepInputs
 from ..kv.cache import KVCache
 from ..models.config import UnsupportedModelError
 from ..models.decoder import DecoderModel
 from ..models.loader import load_model, resolve_checkpoint
 from ..parallel.tensor_parallel import TensorParallel, check_size
-from .batch import BatchBuilder
-from .multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
-from .packing import Packed
-from .sampler import Branches, sample
-from .scheduler import ScheduledChunk
-from .sequence import Sequence
-from .step import StepInputs
+from ..sampling.sampler import Branches, sample
+from ..scheduling.batch import BatchBuilder
+from ..scheduling.packing import Packed
+from ..scheduling.scheduler import ScheduledChunk
+from ..scheduling.sequence import Sequence
 
 log = logging.getLogger("capstan.engine")
 

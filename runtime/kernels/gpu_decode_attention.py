@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
 
-from .metadata import AttentionMetadata
+from ..attention.metadata import AttentionMetadata
 
 SPLIT_PAGES = 8  # a long context is split into parts of at least this many pages (flash-decoding)
 ENOUGH_PROGRAMS = 1024  # with this many (sequence, kv head) pairs the GPU is full without splitting contexts

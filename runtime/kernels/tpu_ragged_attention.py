@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .metadata import AttentionMetadata
+from ..attention.metadata import AttentionMetadata
 
 HEADS_FIRST = "heads_first"  # K and V each [kv_heads, pages, page_size, head_dim]
 PAGES_INTERLEAVED = "pages_interleaved"  # one [pages, page_size, 2 * kv_heads, head_dim], K/V alternating

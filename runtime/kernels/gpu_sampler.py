@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits
-from .candidates import ordered_keys as _ordered
+from ..sampling.candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits
+from ..sampling.candidates import ordered_keys as _ordered
 from .gpu_mass_above import mass_above
 
 PART = 2048  # values a `drawn` program perturbs

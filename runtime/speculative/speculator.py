@@ -20,17 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..engine.multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
+from ..engine.outputs import RequestOutput
+from ..engine.step import StepInputs, StepOutputs
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from ..sampling.sampler import Branches, SampleResult, sample
+from ..scheduling.batch import BatchBuilder
+from ..scheduling.packing import Packed
+from ..scheduling.scheduler import ScheduledChunk
 from ..speculative_config import SpeculativeConfig
-from .batch import BatchBuilder
 from .draft_model import DraftModel
-from .multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
-from .outputs import RequestOutput
-from .packing import Packed
-from .sampler import Branches, SampleResult, sample
-from .scheduler import ScheduledChunk
-from .step import StepInputs, StepOutputs
 
 
 def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:

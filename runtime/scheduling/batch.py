@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
-from .grammar import fill_masks, mask_words
+from ..engine.step import StepInputs
+from ..limits import MAX_LOGIT_BIAS
+from ..sampling.grammar import fill_masks, mask_words
+from ..sampling.sampler import SamplingBatch
 from .packing import Packed, pack
-from .sampler import SamplingBatch
-from .sampling_params import MAX_LOGIT_BIAS
 from .scheduler import ScheduledChunk
-from .step import StepInputs
 
 MAX_BANNED = 48  # eos ids + stop_token_ids banned while below min_tokens
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 
+from ..limits import MAX_LOGPROBS
 from .candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, ordered_keys
-from .sampling_params import MAX_LOGPROBS
 
 
 class SamplingBatch(eqx.Module):
@@ -259,7 +259,7 @@ def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise,
     # rows whose top-p is still open: the mass above each drawn value (a row reduction per drawn value)
     xd = jnp.take_along_axis(x, ids, axis=-1)
     if in_one_pass:
-        from .gpu_mass_above import mass_above as one_pass
+        from ..kernels.gpu_mass_above import mass_above as one_pass
 
         above = one_pass(x, kth, top, xd, interpret=jax.default_backend() != "gpu") / z[:, None]
     else:
@@ -278,7 +278,7 @@ def draw_by_kernels(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise: Ro
     drawn by the definition in a kernel too, so the program has no lax.cond (whose predicate XLA:GPU copies to
     the host: see Branches); with `fallback` given (tests), a batch with such a row takes it instead. Off GPUs the
     kernels are interpreted (tests only)."""
-    from .gpu_sampler import draw
+    from ..kernels.gpu_sampler import draw
 
     S, V = x.shape
     nb = -(-V // BLOCK)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from ..engine.choice_text import ChoiceText
+from ..engine.outputs import PositionLogprobs
+from ..engine.sampling_params import SamplingParams
 from ..kv.page_pool import PageHash
-from .choice_text import ChoiceText
-from .grammar import TokenConstraint
-from .outputs import PositionLogprobs
-from .sampling_params import SamplingParams
+from ..sampling.grammar import TokenConstraint
 
 
 class Status(enum.Enum):

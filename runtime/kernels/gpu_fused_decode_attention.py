@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .metadata import AttentionMetadata
+from ..attention.metadata import AttentionMetadata
 
 # Triton's tuning (num_warps, num_stages, pages per inner iteration), swept on an H200 (2026-11-26, bf16, 16-token
 # pages, context 384, whole decode steps: `CAPSTAN_FUSED_DECODE_TUNING=w,s,p python3 benchmarks/decode_profile.py

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .metadata import AttentionMetadata, padded_group, query_block_tokens
+from ..attention.metadata import AttentionMetadata, padded_group, query_block_tokens
 
 MAX_BLOCK_K = 128  # keys per inner iteration
 TILE_BYTES = 32 * 1024  # per K or V tile: with double buffering, four of them stay within Hopper's shared memory
