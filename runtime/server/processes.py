@@ -89,7 +89,7 @@ def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_serv
     finally:
         stopping = True
         _stop_frontends(frontends, timeout=options.drain_timeout + 10)
-        for core, address in zip(cores, input_addresses):
+        for core, address in zip(cores, input_addresses, strict=True):
             _stop_core(core, address)
         shutil.rmtree(workdir, ignore_errors=True)
 

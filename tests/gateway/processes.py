@@ -31,7 +31,7 @@ class Process:
     def __init__(self, args: list[str], port: int, host: str = "127.0.0.1"):
         self.port = port
         self.url = f"http://{host}:{port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="capstan-gateway-test-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="capstan-gateway-test-", suffix=".log", delete=False)  # noqa: SIM115 - open until stop(): the gateway writes it
         self.process = subprocess.Popen([sys.executable, "-m", "capstan.runtime.cli", *args], stdout=self.log,
                                         stderr=subprocess.STDOUT, start_new_session=True,
                                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -40,7 +40,7 @@ class Process:
         with open(self.log.name, errors="replace") as f:
             return f.read()[-4000:]
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> "Process":
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> Process:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

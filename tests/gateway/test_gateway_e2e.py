@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from processes import metric, start_gateway, start_replica, free_port  # noqa: E402
+from processes import free_port, metric, start_gateway, start_replica  # noqa: E402
 
 from capstan.runtime.gateway.routing_policy import PrefixAffinityPolicy, ReplicaLoad, routing_key  # noqa: E402
 

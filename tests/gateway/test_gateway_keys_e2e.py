@@ -204,7 +204,7 @@ def test_load_only_the_key_over_budget_is_refused(replica, keyfiles, tmp_path):
         names = [name for name in LOAD_KEYS for _ in range(8)]
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
             outcomes = list(pool.map(stream, names))
-        by_key = {name: [o for n, o in zip(names, outcomes) if n == name] for name in LOAD_KEYS}
+        by_key = {name: [o for n, o in zip(names, outcomes, strict=True) if n == name] for name in LOAD_KEYS}
         assert by_key.pop("load7").count("ok") == 2 and outcomes.count("429") == 6
         assert all(o == ["ok"] * 8 for o in by_key.values()), by_key
         assert metric(g.url, "capstan_gateway_client_rejections_total", client="load7", reason="requests") == 6

@@ -6,7 +6,13 @@ import collections
 import random
 
 from capstan.runtime.gateway.routing_policy import (
-    KV_CACHE_FULL, PrefixAffinityPolicy, ReplicaLoad, RoundRobinPolicy, load_bound, routing_key)
+    KV_CACHE_FULL,
+    PrefixAffinityPolicy,
+    ReplicaLoad,
+    RoundRobinPolicy,
+    load_bound,
+    routing_key,
+)
 
 REPLICAS = [f"http://10.0.0.{i}:8000" for i in range(4)]
 

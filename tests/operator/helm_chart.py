@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from binaries import cache_folder  # tests/cluster is on the path (tests/operator/conftest.py)
 
 CHART = Path(__file__).parents[2] / "charts" / "capstan"

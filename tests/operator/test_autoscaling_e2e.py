@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from control_plane import free_port, stop_process_group, wait_for
 
 from capstan.runtime.config import DEFAULT_MODEL  # pinned: the tiny model, not SmolLM2 (speed)
-from control_plane import free_port, stop_process_group, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 CLIENTS_PER_SERVER = 8  # with --max-num-seqs 2: 2 running + about 6 waiting on each server
@@ -63,7 +63,7 @@ class Load:
                 response.raise_for_status()
                 self.completed += 1
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for thread in self.threads:
             thread.start()
         return self

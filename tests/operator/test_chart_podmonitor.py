@@ -2,9 +2,9 @@
 exactly the serving pods operator/render.py renders, on the port they name, at /metrics."""
 from __future__ import annotations
 
-from capstan.operator import api, render
-
 from helm_chart import needs_helm, template
+
+from capstan.operator import api, render
 
 pytestmark = needs_helm
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from control_plane import wait_for
 from operator_process import OperatorProcess
 

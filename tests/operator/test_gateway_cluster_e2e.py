@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
-from capstan.operator import api
 from control_plane import wait_for, write_kubeconfig
 from operator_process import RELEASE
+
+from capstan.operator import api
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
 from processes import metric, start_gateway, start_replica  # noqa: E402

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_cluster_e2e import condition, eventually, get, isvc_manifest, owned
 
 pytestmark = pytest.mark.cluster

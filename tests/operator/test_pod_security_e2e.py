@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from control_plane import wait_for
 
 pytestmark = pytest.mark.cluster

@@ -53,7 +53,7 @@ class DrainTimeline:
         for removal in self.pods.values():
             self._threads.append(threading.Thread(target=self._follow_log, args=(removal,), daemon=True))
 
-    def __enter__(self) -> "DrainTimeline":
+    def __enter__(self) -> DrainTimeline:
         for thread in self._threads:
             thread.start()
         return self

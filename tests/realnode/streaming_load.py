@@ -26,7 +26,7 @@ class StreamingLoad:
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
 
-    def __enter__(self) -> "StreamingLoad":
+    def __enter__(self) -> StreamingLoad:
         for thread in self._threads:
             thread.start()
         return self

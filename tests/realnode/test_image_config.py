@@ -8,7 +8,6 @@ import tarfile
 import time
 
 import pytest
-
 from build import USER_ID, build_image, package_version
 
 pytestmark = pytest.mark.realnode

@@ -11,7 +11,6 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-
 from build import EMBEDDED_TINY_MODEL
 from control_plane import wait_for
 from streaming_load import StreamingLoad

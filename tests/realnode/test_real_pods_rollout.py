@@ -10,7 +10,6 @@ import time
 import uuid
 
 import pytest
-
 from control_plane import wait_for
 from drain_timeline import DrainTimeline
 from streaming_load import StreamingLoad

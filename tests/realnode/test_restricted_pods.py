@@ -12,10 +12,9 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-
+from build import EMBEDDED_TINY_MODEL
 from control_plane import wait_for
 from test_real_pods_e2e import SERVE_TIMEOUT, condition, pods_of, service_url, wait_serving
-from build import EMBEDDED_TINY_MODEL
 
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 NAMESPACE = "restricted-pods"

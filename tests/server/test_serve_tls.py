@@ -9,7 +9,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from servers import MODEL, ServeProcess
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
