@@ -100,6 +100,8 @@ class ParallelismSpec(_Resource):
     tensor: int | None = Field(None, ge=1, le=512, description="devices the weights are sharded over "
                                "(--tensor-parallel-size); default: all of a replica's devices when hosts > 1")
     hosts: int = Field(1, ge=1, le=64, description="hosts (pods) per replica; process 0 serves HTTP")
+    data: int = Field(1, ge=1, le=64, description="engine replicas in each pod, each on its own parallelism.tensor "
+                      "GPUs, behind one endpoint (--data-parallel-size): a model that fits one GPU on a pod of several")
 
 
 class AutoscalingSpec(_Resource):
@@ -181,6 +183,11 @@ class InferenceServiceSpec(_Resource):
              " || (self.accelerator.count * self.parallelism.hosts) % self.parallelism.tensor == 0",
              "spec.parallelism.tensor must divide the replica's devices, spec.accelerator.count x"
              " spec.parallelism.hosts", ".parallelism.tensor"),
+        _cel("!has(self.parallelism) || self.parallelism.data == 1 || (self.parallelism.hosts == 1"
+             " && has(self.accelerator) && self.accelerator.type.startsWith('nvidia-') && self.parallelism.data"
+             " * (has(self.parallelism.tensor) ? self.parallelism.tensor : 1) <= self.accelerator.count)",
+             "spec.parallelism.data needs one host of NVIDIA GPUs, with spec.parallelism.data x"
+             " spec.parallelism.tensor at most spec.accelerator.count", ".parallelism.data"),
         _cel(f"!has(self.accelerator) || !has(self.accelerator.topology) || {_SLICE_CHIPS} == {_REPLICA_CHIPS}",
              "spec.accelerator.topology must have spec.parallelism.hosts x spec.accelerator.count chips",
              ".accelerator.topology") | {"messageExpression": (  # string(int) would be unbounded to the cost estimate

@@ -77,6 +77,7 @@ def serve_args(spec: api.InferenceServiceSpec, model_argument: str) -> list[str]
         "--page-size": runtime.page_size,
         "--dtype": None if runtime.dtype == "auto" else runtime.dtype,
         "--tensor-parallel-size": spec.tensor_parallel_size() if spec.tensor_parallel_size() > 1 else None,
+        "--data-parallel-size": spec.parallelism.data if spec.parallelism.data > 1 else None,
         "--drain-timeout": spec.drain_timeout_seconds,
     }
     for flag, value in flags.items():

@@ -27,6 +27,13 @@ def test_serve_command_is_rendered_from_the_spec():
                          "--drain-timeout", "45", "--seed", "7"]
 
 
+def test_data_parallel_replicas_share_a_pod_of_gpus():
+    s = spec(accelerator={"type": "nvidia-l4", "count": 4}, parallelism={"data": 4})
+    args = container(render.render_deployment(OWNER, s, replicas=1))["args"]
+    assert args[args.index("--data-parallel-size") + 1] == "4" and "--tensor-parallel-size" not in args
+    assert "--data-parallel-size" not in container(render.render_deployment(OWNER, spec(), replicas=1))["args"]
+
+
 def test_probes_and_graceful_drain_contract():
     s = spec(drainTimeoutSeconds=60, startupTimeoutSeconds=1200)
     d = render.render_deployment(OWNER, s, replicas=1)

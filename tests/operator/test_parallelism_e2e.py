@@ -25,6 +25,9 @@ TPU = {"type": "tpu-v5p", "count": 4, "topology": "2x2x2"}
      "must divide"),
     ({"accelerator": {"type": "nvidia-l4", "count": 4}, "parallelism": {"tensor": 2},
       "runtime": {"tensorParallelSize": 4}}, "spec.runtime.tensorParallelSize", "not both"),
+    ({"accelerator": {"type": "nvidia-l4", "count": 4}, "parallelism": {"tensor": 2, "data": 4}},
+     "spec.parallelism.data", "at most spec.accelerator.count"),
+    ({"accelerator": TPU, "parallelism": {"hosts": 2, "data": 2}}, "spec.parallelism.data", "one host of NVIDIA GPUs"),
 ])
 def test_impossible_shapes_are_refused_naming_the_field(cluster, chart, namespace, spec, field, words):
     result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc_manifest("bad", **spec), check=False)
