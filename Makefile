@@ -17,8 +17,9 @@ LINT_PATHS = capstan runtime operator image benchmarks tests
 # mypy sees capstan.runtime / capstan.operator through a root of symlinks (the folders map onto them by package-dir),
 # and runs there: in the repository root, the folder operator/ would shadow the standard library's operator.
 LINT_ROOT = .cache/lint-root
-lint:   ## ruff (lint) and mypy (types); CI runs it before the tests
+lint:   ## ruff (lint and format check) and mypy (types); CI runs it before the tests
 	$(PYTHON) -m ruff check $(LINT_PATHS)
+	$(PYTHON) -m ruff format --check $(LINT_PATHS)
 	@mkdir -p $(LINT_ROOT)/capstan
 	@ln -sfn $(CURDIR)/capstan/__init__.py $(LINT_ROOT)/capstan/__init__.py
 	@for d in runtime operator; do ln -sfn $(CURDIR)/$$d $(LINT_ROOT)/capstan/$$d; done

@@ -7,6 +7,7 @@ kernels' relative error against the reference. On CPU the kernels run interprete
 python benchmarks/attention_kernels.py --sweep
 times JAX's decode kernel over its Triton tuning (warps, pipeline stages, pages a block) on decode batches of the
 Llama-3.2-1B and Qwen3-0.6B heads (256 rows of 256-511 tokens, as the headline's decode phase has; one row)."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,16 @@ def batch(chunks, *, KVH, G, D, page, max_len, dtype, decode=False, seed=0):
     positions = np.concatenate([np.arange(s, s + n) for s, n in chunks]).astype(np.int32)
     token_seq = np.concatenate([np.full(n, r) for r, (_, n) in enumerate(chunks)]).astype(np.int32)
     meta = AttentionMetadata(
-        positions=jnp.asarray(positions), slot_mapping=jnp.full(T, INVALID_SLOT, jnp.int32),
-        token_seq=jnp.asarray(token_seq), block_tables=jnp.asarray(tables),
-        seq_lens=jnp.asarray([s + n for s, n in chunks], jnp.int32), decode=decode,
-        query_blocks=None if decode else jnp.asarray(query_blocks([(r, s, n) for r, (s, n) in enumerate(chunks)], T, S, G)))
+        positions=jnp.asarray(positions),
+        slot_mapping=jnp.full(T, INVALID_SLOT, jnp.int32),
+        token_seq=jnp.asarray(token_seq),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray([s + n for s, n in chunks], jnp.int32),
+        decode=decode,
+        query_blocks=None
+        if decode
+        else jnp.asarray(query_blocks([(r, s, n) for r, (s, n) in enumerate(chunks)], T, S, G)),
+    )
     q = jnp.asarray(rng.normal(size=(T, KVH, G, D)), dtype)
     return q, k, v, meta
 
@@ -91,19 +98,30 @@ def sweep(dtype) -> None:
 
     rng = np.random.default_rng(1)
     mixed = [(int(n) - 1, 1) for n in rng.integers(256, 512, 256)]  # 256 rows, contexts 256..511
-    cases = {"1B heads, 256 rows x 256-511": (batch(mixed, decode=True, KVH=8, G=4, D=64, page=16, max_len=528,
-                                                     dtype=dtype), 0.125),
-             "Qwen heads, 256 rows x 256-511": (batch(mixed, decode=True, KVH=8, G=2, D=128, page=16, max_len=528,
-                                                       dtype=dtype), 128 ** -0.5),
-             "1B heads, 1 row x 384": (batch([(383, 1)], decode=True, KVH=8, G=4, D=64, page=16, max_len=528,
-                                             dtype=dtype), 0.125)}
+    cases = {
+        "1B heads, 256 rows x 256-511": (
+            batch(mixed, decode=True, KVH=8, G=4, D=64, page=16, max_len=528, dtype=dtype),
+            0.125,
+        ),
+        "Qwen heads, 256 rows x 256-511": (
+            batch(mixed, decode=True, KVH=8, G=2, D=128, page=16, max_len=528, dtype=dtype),
+            128**-0.5,
+        ),
+        "1B heads, 1 row x 384": (
+            batch([(383, 1)], decode=True, KVH=8, G=4, D=64, page=16, max_len=528, dtype=dtype),
+            0.125,
+        ),
+    }
     print(f"{jax.devices()[0].device_kind}, {jnp.dtype(dtype).name}: decode kernel, ms (rel err vs reference)")
     for name, ((q, k, v, meta), scale) in cases.items():
         want = paged_attention(q, k, v, meta, scale=scale)
         results = []
         for warps, stages, pages in itertools.product((2, 4, 8), (1, 2, 3), (None, 4, 8, 16)):
-            fn = jax.jit(lambda q, k, v, m, w=warps, s=stages, p=pages, sc=scale: decode_attention(
-                q, k, v, m, scale=sc, num_warps=w, num_stages=s, pages_per_block=p))
+            fn = jax.jit(
+                lambda q, k, v, m, w=warps, s=stages, p=pages, sc=scale: decode_attention(
+                    q, k, v, m, scale=sc, num_warps=w, num_stages=s, pages_per_block=p
+                )
+            )
             try:
                 ms, err = timed(fn, q, k, v, meta), rel_err(fn(q, k, v, meta), want)
             except Exception as e:  # noqa: BLE001 - a tuning Triton cannot build: say so, go on

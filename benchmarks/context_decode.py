@@ -5,6 +5,7 @@ python benchmarks/context_decode.py --shape qwen3-0.6b --contexts 64 2000 --toke
 Runs the embedded default checkpoint (or --shape with random weights) with the engine's own defaults otherwise
 (max_num_seqs, token budget, multi-step decode), one stream at a time, and prints per context: decode ms/token
 (after the first token, wall and CPU time), prefill seconds (prompt to first token), plus the warm-up compile time."""
+
 from __future__ import annotations
 
 import argparse
@@ -51,17 +52,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps)
-    ap.add_argument("--attention", choices=["chunked", "reference"], default="chunked",
-                    help="reference: the engine before chunked attention (every token reads max_model_len keys)")
+    ap.add_argument(
+        "--attention",
+        choices=["chunked", "reference"],
+        default="chunked",
+        help="reference: the engine before chunked attention (every token reads max_model_len keys)",
+    )
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     if a.attention == "reference":
         import capstan.runtime.attention as attention
 
         attention.chunked_attention = attention.paged_attention  # attend()'s CPU path, as it was
-    config = EngineConfig(model=str(DEFAULT_MODEL), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                          max_num_batched_tokens=a.max_num_batched_tokens, decode_steps=a.decode_steps,
-                          enable_prefix_caching=False)
+    config = EngineConfig(
+        model=str(DEFAULT_MODEL),
+        max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        decode_steps=a.decode_steps,
+        enable_prefix_caching=False,
+    )
     model = None
     if a.shape:
         config.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -71,8 +81,13 @@ def main(argv=None) -> dict:
     vocab = engine.model.cfg.vocab_size
     rng = np.random.default_rng(0)
     one_stream(engine, rng.integers(0, vocab, 8).tolist(), 4)  # first-call costs outside the figures
-    figures = {"model": a.shape or "default", "attention": a.attention, "device": str(jax.devices()[0].device_kind),
-               "max_model_len": a.max_model_len, "compile_s": round(engine.compile_seconds, 2)}
+    figures = {
+        "model": a.shape or "default",
+        "attention": a.attention,
+        "device": str(jax.devices()[0].device_kind),
+        "max_model_len": a.max_model_len,
+        "compile_s": round(engine.compile_seconds, 2),
+    }
     for ctx in a.contexts:
         runs = [one_stream(engine, rng.integers(0, vocab, ctx).tolist(), a.tokens) for _ in range(a.streams)]
         figures[f"ctx{ctx}_decode_ms_per_token"] = round(statistics.median(r[1] for r in runs), 3)

@@ -4,6 +4,7 @@ python benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256
 python benchmarks/decode_profile.py --shape llama-3-8b --quantization fp8 --rows 1 --trace /tmp/fp8trace
 Times, per row count: one model forward with the decode kernel and with the reference attention, the sampler,
 and one step of the multi-step decode."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,11 @@ def leave_one_out(results: dict, step, model, kv, xd) -> None:
     import capstan.runtime.attention as layers  # write_and_attend looks both up here when traced
 
     real_attend, real_write = layers.attend, layers.write_kv
-    for name, attend, write in (("no_attention", lambda q, *a, **k: q, real_write),
-                                ("no_kv_write", real_attend, lambda cache, *a: cache),
-                                ("no_attention_no_kv_write", lambda q, *a, **k: q, lambda cache, *a: cache)):
+    for name, attend, write in (
+        ("no_attention", lambda q, *a, **k: q, real_write),
+        ("no_kv_write", real_attend, lambda cache, *a: cache),
+        ("no_attention_no_kv_write", lambda q, *a, **k: q, lambda cache, *a: cache),
+    ):
         layers.attend, layers.write_kv = attend, write
         variant = jax.jit(lambda m, kv, x: m(x.tokens, x.meta, kv)[0].array)
         results[f"forward_{name}_ms"] = timed(variant, model, kv, xd)
@@ -54,9 +57,19 @@ def main() -> None:
     model = random_model(cfg, "bfloat16", quantization=a.quantization)
 
     for rows in a.rows:
-        engine = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype="bfloat16", max_model_len=a.context + 64, max_num_seqs=rows,
-                                        max_num_batched_tokens=max(rows, 512), decode_steps=1,
-                                        enable_prefix_caching=False, warmup=False), model=model)
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(DEFAULT_MODEL),
+                dtype="bfloat16",
+                max_model_len=a.context + 64,
+                max_num_seqs=rows,
+                max_num_batched_tokens=max(rows, 512),
+                decode_steps=1,
+                enable_prefix_caching=False,
+                warmup=False,
+            ),
+            model=model,
+        )
         rng = np.random.default_rng(0)
         params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0, detokenize=False)
         for r in range(rows):
@@ -70,10 +83,14 @@ def main() -> None:
         decode_meta = x.meta.__class__(**{**x.meta.__dict__, "decode": True})
         xd = x.__class__(**{**x.__dict__, "meta": decode_meta})
         logits = jnp.zeros((rows, cfg.vocab_size), jnp.float32)
-        results = {} if a.quick else {
-            "forward_reference_ms": timed(step, model, engine.kv, x),
-            "sampler_ms": timed(jax.jit(sample), logits, x.sampling),
-        }
+        results = (
+            {}
+            if a.quick
+            else {
+                "forward_reference_ms": timed(step, model, engine.kv, x),
+                "sampler_ms": timed(jax.jit(sample), logits, x.sampling),
+            }
+        )
         if not a.quick:
             leave_one_out(results, step, model, engine.kv, xd)
         for c in chunks:
@@ -82,9 +99,17 @@ def main() -> None:
         holder = [engine.kv]
 
         def multi(_, engine=engine, holder=holder, packed=packed, active=active, rows=rows, chunks=chunks):
-            holder[0], out = decode_steps_fn(model, holder[0], packed, active, np.int32(0), np.zeros((8, rows), np.int32),
-                                             engine.multi_step._block_tables(chunks), num_steps=8,
-                                             branches=GREEDY_SCAN)  # the cache is donated
+            holder[0], out = decode_steps_fn(
+                model,
+                holder[0],
+                packed,
+                active,
+                np.int32(0),
+                np.zeros((8, rows), np.int32),
+                engine.multi_step._block_tables(chunks),
+                num_steps=8,
+                branches=GREEDY_SCAN,
+            )  # the cache is donated
             return out.tokens
 
         results["multi_step_ms_per_step"] = timed(multi, None, repeats=5) / 8

@@ -3,6 +3,7 @@ new user asks them: seconds, tokens and finish_reason of each answer (issue 30 a
 
 capstan serve &   # the default model
 python benchmarks/default_model_questions.py --url http://127.0.0.1:8000/v1 --rounds 3"""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,13 @@ import time
 
 from openai import OpenAI
 
-QUESTIONS = ["What is the capital of France?", "Who wrote Romeo and Juliet?", "What is 2 + 2?",
-             "Name a primary color.", "What is the boiling point of water?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Who wrote Romeo and Juliet?",
+    "What is 2 + 2?",
+    "Name a primary color.",
+    "What is the boiling point of water?",
+]
 
 
 def main() -> None:
@@ -27,8 +33,10 @@ def main() -> None:
             started = time.monotonic()
             try:
                 r = client.chat.completions.create(model=a.model, messages=[{"role": "user", "content": question}])
-                outcome = f"{r.usage.completion_tokens:5d} tokens {r.choices[0].finish_reason}: " \
-                          f"{r.choices[0].message.content[:100]!r}"
+                outcome = (
+                    f"{r.usage.completion_tokens:5d} tokens {r.choices[0].finish_reason}: "
+                    f"{r.choices[0].message.content[:100]!r}"
+                )
             except Exception as e:  # a timeout is the finding, not a crash
                 outcome = f"no answer ({type(e).__name__})"
             print(f"{time.monotonic() - started:6.1f} s {question} -> {outcome}", flush=True)

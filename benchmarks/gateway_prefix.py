@@ -14,6 +14,7 @@ than all of theirs: round robin copies every prefix onto every replica and evict
 --num-pages sizes each replica's cache (default 448 pages of 16 tokens: 16 prefixes of ~600 tokens need ~610
 pages on every replica under round robin, ~300 on each of 2 under prefix routing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,79 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gateway"))
 from processes import metric, start_gateway, start_replica  # noqa: E402  (the tests' process helpers)
 
-WORDS = ["time", "year", "people", "way", "day", "thing", "world", "school", "state", "family", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "number", "night", "point", "home", "water", "room", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "team", "minute", "idea", "body", "information", "back", "parent", "face", "level", "office", "door"]
+WORDS = [
+    "time",
+    "year",
+    "people",
+    "way",
+    "day",
+    "thing",
+    "world",
+    "school",
+    "state",
+    "family",
+    "group",
+    "country",
+    "problem",
+    "hand",
+    "part",
+    "place",
+    "case",
+    "week",
+    "company",
+    "system",
+    "program",
+    "question",
+    "work",
+    "number",
+    "night",
+    "point",
+    "home",
+    "water",
+    "room",
+    "area",
+    "money",
+    "story",
+    "fact",
+    "month",
+    "lot",
+    "right",
+    "study",
+    "book",
+    "eye",
+    "job",
+    "word",
+    "business",
+    "issue",
+    "side",
+    "kind",
+    "head",
+    "house",
+    "service",
+    "friend",
+    "power",
+    "hour",
+    "game",
+    "line",
+    "end",
+    "member",
+    "law",
+    "car",
+    "city",
+    "community",
+    "name",
+    "team",
+    "minute",
+    "idea",
+    "body",
+    "information",
+    "back",
+    "parent",
+    "face",
+    "level",
+    "office",
+    "door",
+]
 
 
 def workload(seed: int, groups: int, per_group: int, prefix_words: int) -> list[str]:
@@ -57,8 +130,10 @@ def ttft(url: str, prompt: str) -> float:
 
 
 def cache_counters(replicas) -> tuple[float, float]:
-    return (sum(metric(r.url, "capstan_prefix_cache_hit_tokens_total") for r in replicas),
-            sum(metric(r.url, "capstan_prefix_cache_queried_tokens_total") for r in replicas))
+    return (
+        sum(metric(r.url, "capstan_prefix_cache_hit_tokens_total") for r in replicas),
+        sum(metric(r.url, "capstan_prefix_cache_queried_tokens_total") for r in replicas),
+    )
 
 
 def run_phase(gateway_url: str, replicas, prompts: list[str], concurrency: int) -> dict:
@@ -66,8 +141,12 @@ def run_phase(gateway_url: str, replicas, prompts: list[str], concurrency: int) 
     with ThreadPoolExecutor(concurrency) as pool:
         times = sorted(pool.map(lambda p: ttft(gateway_url, p), prompts))
     hits1, queried1 = cache_counters(replicas)
-    return {"hit_rate": (hits1 - hits0) / max(queried1 - queried0, 1), "ttft_p50": statistics.median(times),
-            "ttft_p90": times[int(0.9 * (len(times) - 1))], "requests": len(times)}
+    return {
+        "hit_rate": (hits1 - hits0) / max(queried1 - queried0, 1),
+        "ttft_p50": statistics.median(times),
+        "ttft_p90": times[int(0.9 * (len(times) - 1))],
+        "requests": len(times),
+    }
 
 
 def main() -> None:
@@ -87,18 +166,29 @@ def main() -> None:
         for r in replicas:
             r.wait_ready()
         urls = [f"tiny={r.url}" for r in replicas]
-        gateways = [start_gateway(urls, "--routing", policy, "--poll-interval", "0.5", "--load-factor",
-                                  args.load_factor).wait_ready(30) for policy in ("round-robin", "prefix")]
+        gateways = [
+            start_gateway(
+                urls, "--routing", policy, "--poll-interval", "0.5", "--load-factor", args.load_factor
+            ).wait_ready(30)
+            for policy in ("round-robin", "prefix")
+        ]
         ttft(gateways[0].url, "warm-up " * 50)  # any lazily compiled shape, outside the measurements
-        print(f"{args.replicas} replicas, {args.groups} prefix groups x {args.per_group} requests, "
-              f"{args.prefix_words}-word prefixes, {args.concurrency} concurrent clients, load factor {args.load_factor}, "
-              f"{args.num_pages} KV pages per replica")
-        print(f"{'routing':<12} {'requests':>8} {'prefix-cache hit rate':>22} {'TTFT p50 (ms)':>14} {'TTFT p90 (ms)':>14}")
+        print(
+            f"{args.replicas} replicas, {args.groups} prefix groups x {args.per_group} requests, "
+            f"{args.prefix_words}-word prefixes, {args.concurrency} concurrent clients, load factor {args.load_factor}, "
+            f"{args.num_pages} KV pages per replica"
+        )
+        print(
+            f"{'routing':<12} {'requests':>8} {'prefix-cache hit rate':>22} {'TTFT p50 (ms)':>14} {'TTFT p90 (ms)':>14}"
+        )
         for seed, (policy, gateway) in enumerate(zip(("round-robin", "prefix"), gateways, strict=True), start=1):
             prompts = workload(seed, args.groups, args.per_group, args.prefix_words)
             result = run_phase(gateway.url, replicas, prompts, args.concurrency)
-            print(f"{policy:<12} {result['requests']:>8} {result['hit_rate']:>22.1%} "
-                  f"{result['ttft_p50'] * 1000:>14.1f} {result['ttft_p90'] * 1000:>14.1f}", flush=True)
+            print(
+                f"{policy:<12} {result['requests']:>8} {result['hit_rate']:>22.1%} "
+                f"{result['ttft_p50'] * 1000:>14.1f} {result['ttft_p90'] * 1000:>14.1f}",
+                flush=True,
+            )
     finally:
         for process in gateways + replicas:
             process.stop()

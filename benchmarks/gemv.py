@@ -6,6 +6,7 @@ Each layer's projection (fused QKV, o, fused gate-up, down) as the model holds i
 for fp8 and int8, a scale per 32 inputs for GGUF's q8_0), a stack of distinct copies big enough to miss the L2
 cache, called back to back (the host's dispatch overlaps the device); prints microseconds per matmul and the
 weight's read rate in GB/s."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ STACK_BYTES = 200e6  # four times the H100's 50 MB L2
 def projections(shape: str) -> dict[str, tuple[int, int]]:
     c = shape_config(shape)
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
+    return {
+        "qkv": (q + 2 * kv, c.hidden_size),
+        "o": (c.hidden_size, q),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+    }
 
 
 def xla_linear(x, w, scale):
@@ -62,15 +67,19 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--sweep", action="store_true", help="also try Triton tunings (block_n, block_k, warps, stages)")
     a = ap.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}; kernel default tuning (block_n, warps, stages, reduce) {gpu_gemv.TUNING}")
+    print(
+        f"device: {jax.devices()[0].device_kind}; kernel default tuning (block_n, warps, stages, reduce) {gpu_gemv.TUNING}"
+    )
     key = jax.random.key(0)
     for shape, stored, rows in itertools.product(a.shapes, a.weights, a.rows):
         for name, (n, k) in projections(shape).items():
             copies = int(min(32, max(2, STACK_BYTES // (n * k * jnp.dtype(STORED[stored]).itemsize))))
-            ws = [(jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 8).astype(STORED[stored])
-                  for i in range(copies)]
+            ws = [
+                (jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 8).astype(STORED[stored])
+                for i in range(copies)
+            ]
             block = BLOCK.get(stored, 0)
-            scale = (None if stored == "bf16" else jnp.full((n, k // block) if block else (n,), 0.01, jnp.float32))
+            scale = None if stored == "bf16" else jnp.full((n, k // block) if block else (n,), 0.01, jnp.float32)
             x = jax.random.normal(key, (rows, k), jnp.float32).astype(jnp.bfloat16)
             gb = n * k * jnp.dtype(STORED[stored]).itemsize / 1e9
             ref = np.asarray(xla_linear(x, ws[0], scale), np.float32)
@@ -81,11 +90,13 @@ def main() -> None:
             results = [(per_call_us(kernel, x, ws, scale), "default")]
             if a.sweep:
                 for reduce, (bn, bk), warps, stages in itertools.product(
-                        (False, True), ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)), (4, 8), (2, 4)):
+                    (False, True), ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)), (4, 8), (2, 4)
+                ):
                     if k % bk or n % bn:
                         continue
                     tuned = lambda x, w, s, t=(bn, bk, warps, stages, reduce), kernel=kernel: kernel(  # noqa: E731
-                        x, w, s, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], reduce=t[4])
+                        x, w, s, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], reduce=t[4]
+                    )
                     label = f"{'reduce' if reduce else 'dot'} bn={bn} bk={bk} w={warps} s={stages}"
                     try:
                         results.append((per_call_us(tuned, x, ws, scale, calls=10), label))
@@ -93,9 +104,12 @@ def main() -> None:
                         print(f"   skipped {label}: {type(e).__name__}")
             results.sort()
             best_us, best = results[0]
-            print(f"{shape:>13} {stored:>4} rows={rows:<2} {name:>7} [{n}x{k}] xla {xla:7.1f} us {gb / xla * 1e6:6.0f} GB/s"
-                  f" | kernel {dict((b, u) for u, b in results)['default']:7.1f} us | best {best_us:7.1f} us "
-                  f"{gb / best_us * 1e6:6.0f} GB/s ({best}) | max rel err {err:.1e}", flush=True)
+            print(
+                f"{shape:>13} {stored:>4} rows={rows:<2} {name:>7} [{n}x{k}] xla {xla:7.1f} us {gb / xla * 1e6:6.0f} GB/s"
+                f" | kernel {dict((b, u) for u, b in results)['default']:7.1f} us | best {best_us:7.1f} us "
+                f"{gb / best_us * 1e6:6.0f} GB/s ({best}) | max rel err {err:.1e}",
+                flush=True,
+            )
             if a.sweep:
                 print("      top:", "; ".join(f"{u:.1f} {b}" for u, b in results[:5]), flush=True)
 

@@ -5,6 +5,7 @@ the mask before each token. Prints compile ms and the mean/p99 microseconds per 
     python benchmarks/grammar_mask.py                         # the embedded default model's tokenizer
     python benchmarks/grammar_mask.py --tokenizer /path/to/checkpoint
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,19 +20,45 @@ from capstan.runtime.sampling.grammar import GrammarTokenizer, StructuredOutput,
 from capstan.runtime.tokenizer import Tokenizer
 
 SCHEMAS = {
-    "flat": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}, {"name": "Ada Lovelace", "age": 36}),
-    "nested": ({"type": "object", "properties": {
-        "user": {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array",
-                                                                                      "items": {"type": "string"}}},
-                 "required": ["id", "tags"]},
-        "kind": {"enum": ["a", "b", "c"]}, "score": {"type": "number", "minimum": 0, "maximum": 1}},
-        "required": ["user", "kind", "score"]},
-        {"user": {"id": 12345, "tags": ["alpha", "beta", "gamma delta"]}, "kind": "b", "score": 0.75}),
-    "refs": ({"$defs": {"p": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
-                              "required": ["x", "y"]}},
-              "type": "object", "properties": {"a": {"$ref": "#/$defs/p"}, "b": {"$ref": "#/$defs/p"}},
-              "required": ["a", "b"]}, {"a": {"x": 1.5, "y": -2}, "b": {"x": 0, "y": 3.25}}),
+    "flat": (
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        },
+        {"name": "Ada Lovelace", "age": 36},
+    ),
+    "nested": (
+        {
+            "type": "object",
+            "properties": {
+                "user": {
+                    "type": "object",
+                    "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                    "required": ["id", "tags"],
+                },
+                "kind": {"enum": ["a", "b", "c"]},
+                "score": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+            "required": ["user", "kind", "score"],
+        },
+        {"user": {"id": 12345, "tags": ["alpha", "beta", "gamma delta"]}, "kind": "b", "score": 0.75},
+    ),
+    "refs": (
+        {
+            "$defs": {
+                "p": {
+                    "type": "object",
+                    "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                    "required": ["x", "y"],
+                }
+            },
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/p"}, "b": {"$ref": "#/$defs/p"}},
+            "required": ["a", "b"],
+        },
+        {"a": {"x": 1.5, "y": -2}, "b": {"x": 0, "y": 3.25}},
+    ),
 }
 
 
@@ -55,9 +82,14 @@ def outlines_costs(tokenizer: Tokenizer, schema: dict, tokens: list[int]) -> tup
         import outlines_core
     except ImportError:
         return None
-    vocabulary = outlines_core.Vocabulary(min(tokenizer.eos_token_ids), {
-        piece: [i] for i in range(tokenizer.vocab_size)
-        if i not in tokenizer.eos_token_ids and (piece := tokenizer.decode([i], skip_special_tokens=False))})
+    vocabulary = outlines_core.Vocabulary(
+        min(tokenizer.eos_token_ids),
+        {
+            piece: [i]
+            for i in range(tokenizer.vocab_size)
+            if i not in tokenizer.eos_token_ids and (piece := tokenizer.decode([i], skip_special_tokens=False))
+        },
+    )
     started = time.perf_counter()
     # fixed separators, as Capstan's grammars emit them
     regex = outlines_core.json_schema.build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
@@ -84,8 +116,10 @@ def main() -> None:
     print(f"{'schema':>8} {'engine':>13} {'compile ms':>10} {'tokens':>6} {'mean us':>8} {'p99 us':>8}")
     for name, (schema, document) in SCHEMAS.items():
         tokens = tokenizer.encode(json.dumps(document, separators=(",", ":")), add_special_tokens=False)
-        for engine, result in (("llguidance", llguidance_costs(grammar, schema, tokens)),
-                               ("outlines-core", outlines_costs(tokenizer, schema, tokens))):
+        for engine, result in (
+            ("llguidance", llguidance_costs(grammar, schema, tokens)),
+            ("outlines-core", outlines_costs(tokenizer, schema, tokens)),
+        ):
             if result is None:
                 continue
             compile_ms, costs = result

@@ -7,6 +7,7 @@ and measures each: single-stream output tokens/s (requests one after another) an
 streams. Every request asks for --max-tokens tokens with EOS banned through logit_bias (both servers honour it),
 so both make the same number of tokens. Output tokens/s counts each request's whole time, prefill included.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ async def measure(url: str, model: str, args: argparse.Namespace) -> dict:
             tokens += await complete(http, model, prompt(rng, args.prompt_words), args.max_tokens)
         single = tokens / (time.perf_counter() - start)
         start = time.perf_counter()
-        counts = await asyncio.gather(*(complete(http, model, prompt(rng, args.prompt_words), args.max_tokens)
-                                        for _ in range(args.streams)))
+        counts = await asyncio.gather(
+            *(complete(http, model, prompt(rng, args.prompt_words), args.max_tokens) for _ in range(args.streams))
+        )
         concurrent = sum(counts) / (time.perf_counter() - start)
     assert all(c == args.max_tokens for c in counts), counts
     return {"single_stream_tok_s": single, f"{args.streams}_streams_tok_s": concurrent}
@@ -76,11 +78,17 @@ def wait_until(url: str, path: str, process: subprocess.Popen) -> None:
     raise TimeoutError(f"{url}{path} not ready in {START_TIMEOUT} s")
 
 
-def run_server(command: list[str], port: int, ready_path: str, model: str, args: argparse.Namespace,
-               env: dict | None = None) -> dict:
+def run_server(
+    command: list[str], port: int, ready_path: str, model: str, args: argparse.Namespace, env: dict | None = None
+) -> dict:
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    process = subprocess.Popen(
+        command,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
     try:
         wait_until(url, ready_path, process)
         return asyncio.run(measure(url, model, args))
@@ -105,14 +113,46 @@ def main() -> None:
     args = parser.parse_args()
     gguf = args.gguf or str(installed_smollm2())
     model = "bench"
-    capstan = [sys.executable, "-m", "capstan.runtime.cli", "serve", gguf, "--host", "127.0.0.1", "--port",
-               str(port := free_port()), "--served-model-name", model, "--max-model-len", str(args.max_model_len),
-               "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+    capstan = [
+        sys.executable,
+        "-m",
+        "capstan.runtime.cli",
+        "serve",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port := free_port()),
+        "--served-model-name",
+        model,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        "16",
+        "--max-num-batched-tokens",
+        "256",
+    ]
     results = {"capstan": run_server(capstan, port, "/ready", model, args)}
     print("capstan  ", results["capstan"], flush=True)
-    llamacpp = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port",
-                str(port := free_port()), "--model_alias", model, "--n_ctx", str(args.max_model_len),
-                "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
+    llamacpp = [
+        args.llamacpp_python,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port := free_port()),
+        "--model_alias",
+        model,
+        "--n_ctx",
+        str(args.max_model_len),
+        "--n_threads",
+        str(args.threads),
+        "--n_threads_batch",
+        str(args.threads),
+    ]
     env = {"PYTHONPATH": args.llamacpp_pythonpath} if args.llamacpp_pythonpath else None
     results["llama.cpp"] = run_server(llamacpp, port, "/v1/models", model, args, env)
     print("llama.cpp", results["llama.cpp"], flush=True)

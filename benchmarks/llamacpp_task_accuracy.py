@@ -8,6 +8,7 @@ Why not lm-eval against `python -m llama_cpp.server`: its echoed prompt logprobs
 token, so lm-eval's slice drops the continuation's last token, and their values are not the model's (e.g. " the"
 after "What color is" at -9.9); lm-eval's `gguf` model scores 0.27 there, chance being 0.25. Measured here: acc 0.80, acc_norm 0.83, as Capstan.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ def continuation_logprob(llm: Llama, context: str, continuation: str) -> float:
     # lm-eval's split: the context alone, then what the whole adds (so a merge across the boundary stays whole).
     context_ids = llm.tokenize(context.encode(), add_bos=False, special=False)
     whole_ids = llm.tokenize((context + continuation).encode(), add_bos=False, special=False)
-    continuation_ids = whole_ids[len(context_ids):]
+    continuation_ids = whole_ids[len(context_ids) :]
     llm.reset()
     llm.eval(context_ids + continuation_ids)
     logits = np.asarray(llm.scores[: llm.n_tokens], dtype=np.float64)
@@ -50,7 +51,9 @@ def main() -> None:
         acc_norm += int(np.argmax([s / len(c) for s, c in zip(scores, doc["choices"], strict=True)])) == doc["answer"]
         if args.verbose:  # per-choice loglikelihoods, to compare with lm-eval's samples from Capstan
             print(doc["question"], " ".join(f"{s:.2f}" for s in scores))
-    print(f"llama.cpp on {TASK.name}: acc {acc / len(docs):.4f}, acc_norm {acc_norm / len(docs):.4f} ({len(docs)} docs)")
+    print(
+        f"llama.cpp on {TASK.name}: acc {acc / len(docs):.4f}, acc_norm {acc_norm / len(docs):.4f} ({len(docs)} docs)"
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ clients, then the offline LLMEngine with the same engine flags on prompts of the
 3. Builds the offline engine from the same flags (the server's own flag parser, so the same EngineConfig) and
    runs the same prompt sets with detokenize=True (what the server does) and detokenize=False.
 Only step 3 starts JAX in this process: the server holds the accelerator alone while it runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,17 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
-        cmd = [sys.executable, "-m", "capstan.runtime.cli", "serve", *self.argv, "--host", "127.0.0.1",
-               "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "capstan.runtime.cli",
+            "serve",
+            *self.argv,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         print("$", shlex.join(cmd), flush=True)
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -68,7 +78,9 @@ class Server:
         try:
             while streak < 2 * self.frontends:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"capstan serve exited ({self.proc.returncode}) before ready:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"capstan serve exited ({self.proc.returncode}) before ready:\n{self.log_tail()}"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"capstan serve not ready after {self.timeout:.0f} s:\n{self.log_tail()}")
                 try:
@@ -104,8 +116,11 @@ class Server:
 
     def log_problems(self) -> list[str]:
         """The log's errors, warnings and tracebacks (what a clean run should not have)."""
-        return [line for line in self.log_path.read_text(errors="replace").splitlines()
-                if any(w in line for w in (" ERROR ", " WARNING ", "Traceback", "Error:"))]
+        return [
+            line
+            for line in self.log_path.read_text(errors="replace").splitlines()
+            if any(w in line for w in (" ERROR ", " WARNING ", "Traceback", "Error:"))
+        ]
 
 
 # ---- load clients in their own processes ----------------------------------------------------------------------
@@ -114,8 +129,16 @@ def _client_process(job: dict, ready, go, results) -> None:
 
 
 async def _client_requests(job: dict, ready, go, results) -> None:
-    client = serve.Client(argparse.Namespace(url=job["url"], api_key=None, timeout=job["timeout"], model=job["model"],
-                                             endpoint="completions", ignore_eos=True))
+    client = serve.Client(
+        argparse.Namespace(
+            url=job["url"],
+            api_key=None,
+            timeout=job["timeout"],
+            model=job["model"],
+            endpoint="completions",
+            ignore_eos=True,
+        )
+    )
     try:
         ready.put(os.getpid())
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
@@ -125,20 +148,42 @@ async def _client_requests(job: dict, ready, go, results) -> None:
         else:
             done = await asyncio.gather(*(client.request(p, job["max_tokens"], job["stream"]) for p in job["prompts"]))
         wall = time.monotonic() - wall0
-        results.put({"results": [dataclasses.asdict(r) for r in done],
-                     "cpu_percent": 100 * (time.process_time() - cpu0) / wall if wall else None})
+        results.put(
+            {
+                "results": [dataclasses.asdict(r) for r in done],
+                "cpu_percent": 100 * (time.process_time() - cpu0) / wall if wall else None,
+            }
+        )
     finally:
         await client.http.aclose()
 
 
-def load(url: str, model: str, prompts: list[list[int]], max_tokens: int, stream: bool = True, processes: int = 1,
-         sequential: bool = False, timeout: float = 600.0) -> dict:
+def load(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    stream: bool = True,
+    processes: int = 1,
+    sequential: bool = False,
+    timeout: float = 600.0,
+) -> dict:
     """Sends the prompts (all at once, or one after another) from `processes` client processes started together;
     serve.summarize of all of them, with each process's CPU share."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this one (nor JAX) is inherited
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    jobs = [dict(url=url, model=model, prompts=prompts[i::processes], max_tokens=max_tokens, stream=stream,
-                 sequential=sequential, timeout=timeout) for i in range(processes)]
+    jobs = [
+        dict(
+            url=url,
+            model=model,
+            prompts=prompts[i::processes],
+            max_tokens=max_tokens,
+            stream=stream,
+            sequential=sequential,
+            timeout=timeout,
+        )
+        for i in range(processes)
+    ]
     procs = [ctx.Process(target=_client_process, args=(job, ready, go, results), daemon=True) for job in jobs]
     for p in procs:
         p.start()
@@ -154,9 +199,12 @@ def load(url: str, model: str, prompts: list[list[int]], max_tokens: int, stream
                 p.kill()
     done = [serve.Result(**r) for part in parts for r in part["results"]]
     duration = max(r.start + (r.e2e or 0) for r in done) - min(r.start for r in done)
-    return {**serve.summarize(done, duration), "client_processes": processes,
-            "client_cpu_percent": [part["cpu_percent"] for part in parts],
-            "ms_per_token": [1000 * r.e2e / r.output_tokens for r in done if r.ok]}
+    return {
+        **serve.summarize(done, duration),
+        "client_processes": processes,
+        "client_cpu_percent": [part["cpu_percent"] for part in parts],
+        "ms_per_token": [1000 * r.e2e / r.output_tokens for r in done if r.ok],
+    }
 
 
 # ---- the offline engine ---------------------------------------------------------------------------------------
@@ -214,13 +262,19 @@ def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
             for p in sets["single"]:
                 s = run(engine, [p], one)
                 ttft = engine.take_ttft()[0]
-                singles.append((1000 * s["seconds"] / s["output_tokens"],
-                                1000 * (s["seconds"] - ttft) / max(1, s["output_tokens"] - 1)))
+                singles.append(
+                    (
+                        1000 * s["seconds"] / s["output_tokens"],
+                        1000 * (s["seconds"] - ttft) / max(1, s["output_tokens"] - 1),
+                    )
+                )
             fig["single_stream_ms_per_token"] = sorted(singles)[len(singles) // 2][0]
             fig["single_stream_tpot_ms"] = sorted(singles)[len(singles) // 2][1]
         figures[key] = fig
-        print(f"{key}: {fig['output_tokens_per_s']:.1f} output tok/s, prefill phase {fig['prefill_phase_s']:.3f} s",
-              flush=True)
+        print(
+            f"{key}: {fig['output_tokens_per_s']:.1f} output tok/s, prefill phase {fig['prefill_phase_s']:.3f} s",
+            flush=True,
+        )
     return figures
 
 
@@ -234,14 +288,20 @@ def prompt_sets(a: argparse.Namespace, id_limit: int, id_low: int = 0) -> dict[s
         rng = np.random.default_rng(seed)
         return [rng.integers(id_low, id_limit, length).tolist() for _ in range(count)]
 
-    sets = {"warmup": fresh(99, WARMUP_REQUESTS, a.prompt_len), "single": fresh(98, SINGLE_STREAMS, a.prompt_len),
-            "single-online": fresh(97, SINGLE_STREAMS, a.prompt_len),
-            "whole": fresh(50, a.requests, a.prompt_len)}
+    sets = {
+        "warmup": fresh(99, WARMUP_REQUESTS, a.prompt_len),
+        "single": fresh(98, SINGLE_STREAMS, a.prompt_len),
+        "single-online": fresh(97, SINGLE_STREAMS, a.prompt_len),
+        "whole": fresh(50, a.requests, a.prompt_len),
+    }
     for i in range(len(a.client_processes)):
         sets[f"stream-{i}"] = fresh(i, a.requests, a.prompt_len)
     sets["offline-detok"] = sets["stream-0"]
-    sets["offline-nodetok"] = sets[f"stream-{min(1, len(a.client_processes) - 1)}"] if len(a.client_processes) > 1 \
+    sets["offline-nodetok"] = (
+        sets[f"stream-{min(1, len(a.client_processes) - 1)}"]
+        if len(a.client_processes) > 1
         else fresh(51, a.requests, a.prompt_len)
+    )
     return sets
 
 
@@ -260,59 +320,97 @@ def online(server: Server, sets: dict, a: argparse.Namespace) -> dict:
         figures[key] = load(prompts=sets[f"stream-{i}"], max_tokens=a.output_len, processes=n, **go)
         _say(key, figures[key])
     key = f"online whole responses, {a.client_processes[-1]} client processes"
-    figures[key] = load(prompts=sets["whole"], max_tokens=a.output_len, stream=False,
-                        processes=a.client_processes[-1], **go)
+    figures[key] = load(
+        prompts=sets["whole"], max_tokens=a.output_len, stream=False, processes=a.client_processes[-1], **go
+    )
     _say(key, figures[key])
     if a.workloads:
         print("benchmarks/serve.py workloads (text prompts, ignore_eos):", flush=True)
-        args = argparse.Namespace(url=server.url, model=model, api_key=None, endpoint="completions",
-                                  workloads=a.workloads, max_tokens=a.workload_max_tokens, ignore_eos=True,
-                                  scale=a.workload_scale, timeout=a.request_timeout, seed=0)
+        args = argparse.Namespace(
+            url=server.url,
+            model=model,
+            api_key=None,
+            endpoint="completions",
+            workloads=a.workloads,
+            max_tokens=a.workload_max_tokens,
+            ignore_eos=True,
+            scale=a.workload_scale,
+            timeout=a.request_timeout,
+            seed=0,
+        )
         figures["workloads"] = asyncio.run(serve.main_async(args))["workloads"]
     return figures
 
 
 def _say(key: str, s: dict) -> None:
     failed = f", {s['requests'] - s['successes']} FAILED: {s['first_error']}" if s["successes"] < s["requests"] else ""
-    print(f"{key}: {s['output_tokens_per_s'] or 0:.1f} output tok/s, client CPU "
-          f"{'/'.join(f'{c:.0f}%' for c in s['client_cpu_percent'])}{failed}", flush=True)
+    print(
+        f"{key}: {s['output_tokens_per_s'] or 0:.1f} output tok/s, client CPU "
+        f"{'/'.join(f'{c:.0f}%' for c in s['client_cpu_percent'])}{failed}",
+        flush=True,
+    )
 
 
 def table(report: dict) -> None:
     def ms(v) -> str:
         return "-" if v is None else f"{1000 * v:.1f}"
 
-    runs = {k: v for k, v in {**report.get("online", {}), **report.get("offline", {})}.items()
-            if k.startswith(("online ", "offline "))}
+    runs = {
+        k: v
+        for k, v in {**report.get("online", {}), **report.get("offline", {})}.items()
+        if k.startswith(("online ", "offline "))
+    }
     base = report.get("offline", {}).get("offline detokenize=True", {}).get("output_tokens_per_s")
-    print(f"\n{'run':44s} {'out tok/s':>10s} {'/offline':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} "
-          f"{'ITL p99':>8s} {'TPOT p50':>9s}  notes (ms; /offline: over offline detokenize=True)")
+    print(
+        f"\n{'run':44s} {'out tok/s':>10s} {'/offline':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} "
+        f"{'ITL p99':>8s} {'TPOT p50':>9s}  notes (ms; /offline: over offline detokenize=True)"
+    )
     for key, s in runs.items():
         tps = s.get("output_tokens_per_s") or 0
         ratio = f"{tps / base:.3f}" if base else "-"
         if key.startswith("offline"):
             notes = f"prefill phase {s['prefill_phase_s'] * 1000:.0f}, {s['steps']} steps"
-            print(f"{key:44s} {tps:10.1f} {ratio:>8s} {ms(s['ttft_s']['p50']):>9s} {ms(s['ttft_s']['p99']):>9s} "
-                  f"{'-':>8s} {'-':>8s} {'-':>9s}  {notes}")
+            print(
+                f"{key:44s} {tps:10.1f} {ratio:>8s} {ms(s['ttft_s']['p50']):>9s} {ms(s['ttft_s']['p99']):>9s} "
+                f"{'-':>8s} {'-':>8s} {'-':>9s}  {notes}"
+            )
             continue
-        notes = f"{s['successes']}/{s['requests']} ok, client CPU " + "/".join(f"{c:.0f}%" for c in s["client_cpu_percent"])
-        print(f"{key:44s} {tps:10.1f} {ratio:>8s} {ms(s['ttft_s']['p50']):>9s} {ms(s['ttft_s']['p99']):>9s} "
-              f"{ms(s['itl_s']['p50']):>8s} {ms(s['itl_s']['p99']):>8s} {ms(s['tpot_s']['p50']):>9s}  {notes}")
-    singles = [(k, v) for k, v in (("online stream", report.get("online", {})),
-                                   *report.get("offline", {}).items()) if isinstance(v, dict)
-               and v.get("single_stream_ms_per_token")]
+        notes = f"{s['successes']}/{s['requests']} ok, client CPU " + "/".join(
+            f"{c:.0f}%" for c in s["client_cpu_percent"]
+        )
+        print(
+            f"{key:44s} {tps:10.1f} {ratio:>8s} {ms(s['ttft_s']['p50']):>9s} {ms(s['ttft_s']['p99']):>9s} "
+            f"{ms(s['itl_s']['p50']):>8s} {ms(s['itl_s']['p99']):>8s} {ms(s['tpot_s']['p50']):>9s}  {notes}"
+        )
+    singles = [
+        (k, v)
+        for k, v in (("online stream", report.get("online", {})), *report.get("offline", {}).items())
+        if isinstance(v, dict) and v.get("single_stream_ms_per_token")
+    ]
     if singles:
-        print("one stream, ms a token (whole request / after the first token): " + ", ".join(
-            f"{k} {v['single_stream_ms_per_token']:.3f} / {v['single_stream_tpot_ms'] or 0:.3f}" for k, v in singles))
+        print(
+            "one stream, ms a token (whole request / after the first token): "
+            + ", ".join(
+                f"{k} {v['single_stream_ms_per_token']:.3f} / {v['single_stream_tpot_ms'] or 0:.3f}" for k, v in singles
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny", help="a benchmarks/shapes.py name (Llama or Qwen3)")
-    ap.add_argument("--model", type=Path, default=None,
-                    help="serve this checkpoint folder or .gguf file (e.g. the default model's) instead of a random shape")
-    ap.add_argument("--checkpoint", type=Path, default=None,
-                    help="folder for the random checkpoint (default: /tmp/capstan-online-SHAPE; reused)")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="serve this checkpoint folder or .gguf file (e.g. the default model's) instead of a random shape",
+    )
+    ap.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="folder for the random checkpoint (default: /tmp/capstan-online-SHAPE; reused)",
+    )
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
@@ -322,10 +420,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smallest-bucket", type=int, default=256, help="capstan serve --smallest-token-bucket")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--api-server-count", type=int, default=1)
-    ap.add_argument("--client-processes", type=int, nargs="+", default=[1, 2],
-                    help="a streaming run from each of these many client processes")
-    ap.add_argument("--server-args", default="", help="more `capstan serve` flags, one string (the offline engine "
-                                                       "gets the engine flags among them too)")
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="a streaming run from each of these many client processes",
+    )
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more `capstan serve` flags, one string (the offline engine gets the engine flags among them too)",
+    )
     ap.add_argument("--workloads", default=",".join(serve.WORKLOADS), help="benchmarks/serve.py workloads ('' none)")
     ap.add_argument("--workload-scale", type=float, default=1.0, help="their request counts times this")
     ap.add_argument("--workload-max-tokens", type=int, default=128)
@@ -352,15 +458,31 @@ def main(argv: list[str] | None = None) -> dict:
         added = json.loads((ckpt / "tokenizer.json").read_text())["added_tokens"]
         sets = prompt_sets(a, id_limit=min(t["id"] for t in added))  # the BPE's own pieces, below its specials
     print(f"checkpoint {ckpt} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    serve_argv = [str(ckpt), "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens",
-                  str(a.max_num_batched_tokens), "--smallest-token-bucket", str(a.smallest_bucket),
-                  "--max-model-len", str(a.max_model_len), *shlex.split(a.server_args)]
-    report: dict = {"shape": str(a.model) if a.model else a.shape, "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
-                    "api_server_count": a.api_server_count, "serve_argv": serve_argv}
+    serve_argv = [
+        str(ckpt),
+        "--max-num-seqs",
+        str(a.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(a.max_num_batched_tokens),
+        "--smallest-token-bucket",
+        str(a.smallest_bucket),
+        "--max-model-len",
+        str(a.max_model_len),
+        *shlex.split(a.server_args),
+    ]
+    report: dict = {
+        "shape": str(a.model) if a.model else a.shape,
+        "requests": a.requests,
+        "prompt_len": a.prompt_len,
+        "output_len": a.output_len,
+        "api_server_count": a.api_server_count,
+        "serve_argv": serve_argv,
+    }
     if "online" in a.phases:
         log = Path(f"/tmp/capstan-online-server-{os.getpid()}.log")
-        with Server([*serve_argv, "--api-server-count", str(a.api_server_count)], log, a.ready_timeout,
-                    a.api_server_count) as server:
+        with Server(
+            [*serve_argv, "--api-server-count", str(a.api_server_count)], log, a.ready_timeout, a.api_server_count
+        ) as server:
             report["online"] = online(server, sets, a)
         problems = server.log_problems()
         report["server_log"], report["server_log_problems"] = str(log), problems

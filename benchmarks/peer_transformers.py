@@ -11,6 +11,7 @@ single: model.generate(cache_implementation="static"): transformers compiles the
         (CompileConfig defaults: inductor, mode="reduce-overhead"); one warm-up call, then --single-reps timed calls.
 EOS is off everywhere (eos_token_id=None; generate_batch turns that into -1), so every request yields exactly N tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,34 @@ import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 SHAPES = {
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True,
-                         rope=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                   original_max_position_embeddings=8192)),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False,
-                       rope=None),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope=None,
+    ),
 }
 ROPE_THETA = 500000.0
 
@@ -45,8 +67,9 @@ def build_model(shape: str) -> LlamaForCausalLM:
     rope = spec.pop("rope")
     common = dict(vocab_size=128256, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None, **spec)
     if int(transformers.__version__.split(".")[0]) >= 5:  # v5: rope_theta and scaling live in rope_parameters
-        config = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, **(rope or {})},
-                             **common)
+        config = LlamaConfig(
+            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, **(rope or {})}, **common
+        )
     else:  # v4: rope_theta + rope_scaling
         config = LlamaConfig(rope_theta=ROPE_THETA, rope_scaling=rope, **common)
     prev = torch.get_default_dtype()
@@ -87,23 +110,37 @@ def batch_phase(model, args) -> dict:
     if args.cb_attn:  # e.g. "paged|sdpa" or "paged|flash_attention_2"; else generate_batch picks (flash if available)
         model.set_attn_implementation(args.cb_attn)
     keep = not args.fresh_manager
-    out = {"config": "ContinuousBatchingConfig()" if args.cb_default else
-           "ContinuousBatchingConfig(use_cuda_graph=True, default_compile_level=1)", "persistent_manager": keep}
+    out = {
+        "config": "ContinuousBatchingConfig()"
+        if args.cb_default
+        else "ContinuousBatchingConfig(use_cuda_graph=True, default_compile_level=1)",
+        "persistent_manager": keep,
+    }
     try:
         # Different prompts per run: with a kept manager, identical prompts would hit the prefix cache.
         for run, seed in (("warmup", args.seed + 1), ("timed", args.seed)):
             prompts = random_prompts(args.requests, args.prompt_len, vocab, seed)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            results = model.generate_batch(inputs=prompts, generation_config=gen,
-                                           continuous_batching_config=cb_config(), progress_bar=False,
-                                           persistent_manager=keep)
+            results = model.generate_batch(
+                inputs=prompts,
+                generation_config=gen,
+                continuous_batching_config=cb_config(),
+                progress_bar=False,
+                persistent_manager=keep,
+            )
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
             tokens = sum(len(r.generated_tokens) for r in results.values())
             failed = sum(1 for r in results.values() if getattr(r, "error", None) is not None)
-            out[run] = {"seconds": seconds, "output_tokens": tokens, "expected_tokens": args.requests * args.output_len,
-                        "results": len(results), "failed": failed, "output_tokens_per_s": tokens / seconds}
+            out[run] = {
+                "seconds": seconds,
+                "output_tokens": tokens,
+                "expected_tokens": args.requests * args.output_len,
+                "results": len(results),
+                "failed": failed,
+                "output_tokens_per_s": tokens / seconds,
+            }
             log(f"[batch] {run}: {seconds:.2f} s, {tokens} tokens ({failed} failed), {tokens / seconds:.1f} tok/s")
             if tokens != args.requests * args.output_len:
                 log(f"[batch] WARNING: expected {args.requests * args.output_len} tokens from {args.requests} requests")
@@ -119,8 +156,15 @@ def batch_phase(model, args) -> dict:
 def single_phase(model, args) -> dict:
     n = args.single_tokens
     ids = torch.tensor(random_prompts(1, args.prompt_len, model.config.vocab_size, args.seed + 7), device="cuda")
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n, max_new_tokens=n,
-                  cache_implementation="static", pad_token_id=0, eos_token_id=None)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        min_new_tokens=n,
+        max_new_tokens=n,
+        cache_implementation="static",
+        pad_token_id=0,
+        eos_token_id=None,
+    )
 
     def once() -> tuple[float, int]:
         torch.cuda.synchronize()
@@ -136,9 +180,15 @@ def single_phase(model, args) -> dict:
     ms = [1000 * s / g for s, g in runs]
     for (s, g), m in zip(runs, ms, strict=True):
         log(f"[single] {g} tokens in {s:.3f} s: {m:.3f} ms/token")
-    return {"warmup_seconds": warm_s, "generated_tokens": generated, "expected_tokens": n,
-            "ms_per_token_runs": ms, "ms_per_token": statistics.median(ms),
-            "compiled": hasattr(model, "_compiled_call"), "attn_implementation": model.config._attn_implementation}
+    return {
+        "warmup_seconds": warm_s,
+        "generated_tokens": generated,
+        "expected_tokens": n,
+        "ms_per_token_runs": ms,
+        "ms_per_token": statistics.median(ms),
+        "compiled": hasattr(model, "_compiled_call"),
+        "attn_implementation": model.config._attn_implementation,
+    }
 
 
 def main() -> None:
@@ -159,14 +209,22 @@ def main() -> None:
     phases = (args.phases or ("single" if args.shape == "llama-3-8b" else "batch,single")).split(",")
 
     torch.manual_seed(args.seed)
-    report = {"shape": args.shape, "args": vars(args), "torch": torch.__version__,
-              "transformers": transformers.__version__, "device": torch.cuda.get_device_name(0), "phases": {}}
+    report = {
+        "shape": args.shape,
+        "args": vars(args),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(0),
+        "phases": {},
+    }
     log(f"torch {torch.__version__}, transformers {transformers.__version__}, {report['device']}")
     t0 = time.perf_counter()
     model = build_model(args.shape)
     params = sum(p.numel() for p in model.parameters())
-    log(f"built {args.shape}: {params / 1e9:.2f} B params in {time.perf_counter() - t0:.1f} s, "
-        f"attn {model.config._attn_implementation}")
+    log(
+        f"built {args.shape}: {params / 1e9:.2f} B params in {time.perf_counter() - t0:.1f} s, "
+        f"attn {model.config._attn_implementation}"
+    )
     for phase in phases:
         fn = {"batch": batch_phase, "single": single_phase}.get(phase.strip())
         if fn is None:

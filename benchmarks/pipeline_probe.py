@@ -3,6 +3,7 @@ during the structured throughput run (llama-3.2-1b shape, 256 requests, half con
 cost a step of the pipeline, the one-dispatch scan and the forward alone on an empty batch of 256 rows.
 
 SHAPE=llama-3.2-1b python benchmarks/pipeline_probe.py   (on the lent GPU, after gpu_suite.sh's set-up)"""
+
 import collections
 import os
 import sys
@@ -34,12 +35,29 @@ def timed(name, f):
         N[name] += 1
         L[name].append(d)
         return r
+
     return w
 
 
-sys.argv = ["x", "--shape", os.environ.get("SHAPE", "llama-3.2-1b"), "--requests", "256", "--prompt-len", "256",
-            "--output-len", "256", "--max-num-seqs", "256", "--max-num-batched-tokens", "2048", "--smallest-bucket",
-            "256", "--constrained-fraction", "0.5"]
+sys.argv = [
+    "x",
+    "--shape",
+    os.environ.get("SHAPE", "llama-3.2-1b"),
+    "--requests",
+    "256",
+    "--prompt-len",
+    "256",
+    "--output-len",
+    "256",
+    "--max-num-seqs",
+    "256",
+    "--max-num-batched-tokens",
+    "2048",
+    "--smallest-bucket",
+    "256",
+    "--constrained-fraction",
+    "0.5",
+]
 M.fill_masks = timed("fill_masks", M.fill_masks)
 M.decode_forward_fn = timed("dispatch_forward", M.decode_forward_fn)
 M.decode_sample_fn = timed("dispatch_sample", M.decode_sample_fn)
@@ -54,14 +72,25 @@ E.LLMEngine._append_token = timed("append_token", E.LLMEngine._append_token)
 throughput.main()
 for k in sorted(T, key=T.get, reverse=True):
     last = np.asarray(L[k][-200:]) * 1e6
-    print(f"{k:>18}: {T[k]*1000:9.1f} ms total, {N[k]:7d} calls, last 200 calls: median {np.median(last):9.1f} us, "
-          f"p90 {np.percentile(last, 90):9.1f} us")
+    print(
+        f"{k:>18}: {T[k] * 1000:9.1f} ms total, {N[k]:7d} calls, last 200 calls: median {np.median(last):9.1f} us, "
+        f"p90 {np.percentile(last, 90):9.1f} us"
+    )
 # device-only cost of a step: forward + sample chained with no host work, against the scan
 
 cfg = shape_config(os.environ.get("SHAPE", "llama-3.2-1b"))
-e = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype="bfloat16" if jax.default_backend() == "gpu" else "float32", max_model_len=1024,
-                           max_num_seqs=256, max_num_batched_tokens=2048, smallest_token_bucket=256,
-                           enable_prefix_caching=False), model=random_model(cfg, "bfloat16" if jax.default_backend() == "gpu" else "float32"))
+e = LLMEngine(
+    EngineConfig(
+        model=str(DEFAULT_MODEL),
+        dtype="bfloat16" if jax.default_backend() == "gpu" else "float32",
+        max_model_len=1024,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        smallest_token_bucket=256,
+        enable_prefix_caching=False,
+    ),
+    model=random_model(cfg, "bfloat16" if jax.default_backend() == "gpu" else "float32"),
+)
 e.warmup()
 inputs = e.builder.build([], bucket=256)
 rows = jax.device_put(np.full(256, 16, np.int32))
@@ -73,14 +102,32 @@ for variant in ("pipeline", "pipeline_nomask", "scan", "forward_only"):
             for j in range(16):
                 e.kv, out = M.decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
         elif variant == "scan":
-            e.kv, out = M.decode_steps_fn(e.model, e.kv, inputs, rows, np.int32(0), np.zeros((16, 256), np.int32),
-                                        e.multi_step._block_tables([]), num_steps=16)
+            e.kv, out = M.decode_steps_fn(
+                e.model,
+                e.kv,
+                inputs,
+                rows,
+                np.int32(0),
+                np.zeros((16, 256), np.int32),
+                e.multi_step._block_tables([]),
+                num_steps=16,
+            )
         else:
             prev = rows
             for j in range(16):
                 e.kv, logits = M.decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
-                allowed = e.builder.all_allowed if variant == "pipeline_nomask" else jax.device_put(np.full((256, (cfg.vocab_size + 31) // 32), -1, np.int32))
-                out = M.decode_sample_fn(logits, inputs, allowed, np.int32(j), branches=M.pipeline_branches(all_greedy=True, any_filter=False, want_logprobs=False))
+                allowed = (
+                    e.builder.all_allowed
+                    if variant == "pipeline_nomask"
+                    else jax.device_put(np.full((256, (cfg.vocab_size + 31) // 32), -1, np.int32))
+                )
+                out = M.decode_sample_fn(
+                    logits,
+                    inputs,
+                    allowed,
+                    np.int32(j),
+                    branches=M.pipeline_branches(all_greedy=True, any_filter=False, want_logprobs=False),
+                )
                 prev = out.tokens
         jax.block_until_ready(out)
         print(f"{variant:>16} rep {rep}: {(time.perf_counter() - t) * 1000 / 16:.3f} ms/step (empty batch of 256 rows)")

@@ -2,6 +2,7 @@
 
 Runs the model over one sequence of --tokens tokens through the paged KV cache and the next-token logits
 at its end; checks for NaN; prints the median of --repeats timed runs after a warm-up."""
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,14 @@ def main() -> None:
     T, page = a.tokens, a.page_size
     pages = -(-T // page)
     kv = KVCache.allocate(cfg.num_layers, pages, page, cfg.num_kv_heads, cfg.head_dim, model.embedding.dtype)
-    meta = AttentionMetadata(positions=jnp.arange(T, dtype=jnp.int32), slot_mapping=jnp.arange(T, dtype=jnp.int32),
-                             token_seq=jnp.zeros(T, jnp.int32), block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
-                             seq_lens=jnp.asarray([T], jnp.int32), query_blocks=jnp.asarray(query_blocks([(0, 0, T)], T, 1, cfg.queries_per_kv)))
+    meta = AttentionMetadata(
+        positions=jnp.arange(T, dtype=jnp.int32),
+        slot_mapping=jnp.arange(T, dtype=jnp.int32),
+        token_seq=jnp.zeros(T, jnp.int32),
+        block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
+        seq_lens=jnp.asarray([T], jnp.int32),
+        query_blocks=jnp.asarray(query_blocks([(0, 0, T)], T, 1, cfg.queries_per_kv)),
+    )
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, T), jnp.int32)
     t0 = time.perf_counter()
     logits, kv = prefill(model, tokens, meta, kv)
@@ -56,9 +62,11 @@ def main() -> None:
         jax.block_until_ready(logits)
         times.append(time.perf_counter() - t0)
     ok = bool(jnp.all(jnp.isfinite(logits)))
-    print(f"shape={a.shape} dtype={a.dtype} tokens={T} device={jax.devices()[0].device_kind} "
-          f"compile_s={compile_s:.1f} prefill_ms_median={1000 * statistics.median(times):.2f} "
-          f"tokens_per_s={T / statistics.median(times):.0f} finite={ok}")
+    print(
+        f"shape={a.shape} dtype={a.dtype} tokens={T} device={jax.devices()[0].device_kind} "
+        f"compile_s={compile_s:.1f} prefill_ms_median={1000 * statistics.median(times):.2f} "
+        f"tokens_per_s={T / statistics.median(times):.0f} finite={ok}"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ The tokenizer is the embedded default model's (runtime/default_model/), its voca
 with one plain piece per extra id (" q5000"), so every id a random model emits decodes to text and a server
 streams a chunk for it as it would for a real model. Weights are random bits of a fixed exponent (magnitudes in
 [1/32, 1/16) with random signs, [1/4, 1/2) for the embedding): no float maths, a 1B model in seconds."""
+
 from __future__ import annotations
 
 import argparse
@@ -76,13 +77,25 @@ def write_checkpoint(shape: str, out: Path, seed: int = 0) -> Path:
     tmp.mkdir(parents=True)
     specials = write_tokenizer(tmp, hf["vocab_size"])
     bos, eos, pad = specials["<|begin_of_text|>"], specials["<|eot_id|>"], specials["<|end_of_text|>"]
-    config = dict(hf, model_type=MODEL_TYPES[arch], hidden_act="silu", dtype="bfloat16", bos_token_id=bos,
-                  eos_token_id=eos, pad_token_id=pad)
+    config = dict(
+        hf,
+        model_type=MODEL_TYPES[arch],
+        hidden_act="silu",
+        dtype="bfloat16",
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     rng = np.random.default_rng(seed)
-    tensors = {name: random_bf16(rng, s, "norm" if name.endswith("norm.weight") else
-                                 "embed" if "embed" in name or "lm_head" in name else "linear")
-               for name, s in tensor_shapes(hf).items()}
+    tensors = {
+        name: random_bf16(
+            rng,
+            s,
+            "norm" if name.endswith("norm.weight") else "embed" if "embed" in name or "lm_head" in name else "linear",
+        )
+        for name, s in tensor_shapes(hf).items()
+    }
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / STAMP).write_text(json.dumps(stamp))
     shutil.rmtree(out, ignore_errors=True)

@@ -7,6 +7,7 @@ Rows are the mixed workload's (benchmarks/throughput.py --workload mixed): a thi
 what random weights give: top-p 0.9 keeps most of the vocabulary) and "peaked" (Zipf-like, as trained models
 give: top-p 0.9 keeps tens of tokens). Prints milliseconds per call (median of --repeats) and the ratio to an
 all-greedy batch of the same shape; every method must draw the same tokens (they are all exact)."""
+
 from __future__ import annotations
 
 import argparse
@@ -53,23 +54,39 @@ def mixed_batch(rows: int, vocab: int, greedy: bool) -> SamplingBatch:
     f32, i32 = (lambda v: np.full(rows, v, np.float32)), (lambda v: np.full(rows, v, np.int32))
     sampled = ~greedy & (kind != 0)
     return SamplingBatch(
-        temperature=temperature, top_k=np.where(~greedy & (kind == 2), 50, 0).astype(np.int32),
+        temperature=temperature,
+        top_k=np.where(~greedy & (kind == 2), 50, 0).astype(np.int32),
         top_p=np.where(~greedy & (kind == 1), 0.9, 1.0).astype(np.float32),
         min_p=np.where(~greedy & (kind == 2), 0.05, 0.0).astype(np.float32),
-        presence_penalty=f32(0), frequency_penalty=f32(0), repetition_penalty=f32(1),
-        key_data=np.array([row_key_data(i, 0) for i in range(rows)], np.uint32), position=i32(7),
-        bias_ids=np.full((rows, 1), vocab, np.int32), bias_values=np.zeros((rows, 1), np.float32),
-        banned_ids=np.full((rows, 1), vocab, np.int32), history=np.full((rows, 1), vocab, np.int32),
-        prompt_lens=i32(0), allowed=np.full((rows, -(-vocab // 32)), -1, np.int32), any_constrained=np.bool_(False),
-        any_penalty=np.bool_(False), any_filter=np.bool_(bool(sampled.any())), want_logprobs=np.bool_(False),
-        plain_greedy=np.bool_(greedy))
+        presence_penalty=f32(0),
+        frequency_penalty=f32(0),
+        repetition_penalty=f32(1),
+        key_data=np.array([row_key_data(i, 0) for i in range(rows)], np.uint32),
+        position=i32(7),
+        bias_ids=np.full((rows, 1), vocab, np.int32),
+        bias_values=np.zeros((rows, 1), np.float32),
+        banned_ids=np.full((rows, 1), vocab, np.int32),
+        history=np.full((rows, 1), vocab, np.int32),
+        prompt_lens=i32(0),
+        allowed=np.full((rows, -(-vocab // 32)), -1, np.int32),
+        any_constrained=np.bool_(False),
+        any_penalty=np.bool_(False),
+        any_filter=np.bool_(bool(sampled.any())),
+        want_logprobs=np.bool_(False),
+        plain_greedy=np.bool_(greedy),
+    )
 
 
 def branches_of(b: SamplingBatch) -> Branches:
     """The branches the host decides for the batch (the grammar pipeline's way: no lax.cond in the program)."""
-    return Branches(plain_greedy=bool(b.plain_greedy), any_constrained=bool(b.any_constrained),
-                    any_penalty=bool(b.any_penalty), any_filter=bool(b.any_filter),
-                    all_greedy=bool(np.all(b.temperature == 0)), want_logprobs=bool(b.want_logprobs))
+    return Branches(
+        plain_greedy=bool(b.plain_greedy),
+        any_constrained=bool(b.any_constrained),
+        any_penalty=bool(b.any_penalty),
+        any_filter=bool(b.any_filter),
+        all_greedy=bool(np.all(b.temperature == 0)),
+        want_logprobs=bool(b.want_logprobs),
+    )
 
 
 def breakdown(logits, batch: SamplingBatch, methods, repeats: int) -> None:
@@ -80,8 +97,12 @@ def breakdown(logits, batch: SamplingBatch, methods, repeats: int) -> None:
     ms, _ = timed(noise, keys, repeats=repeats)
     print(f"{'':>7} {'gumbel noise':>12}: {ms:8.3f} ms")
     unfiltered = eqx.tree_at(lambda b: b.any_filter, batch, np.bool_(False))
-    ms, _ = timed(jax.jit(functools.partial(sample, branches=branches_of(unfiltered))), logits,
-                  jax.device_put(unfiltered), repeats=repeats)
+    ms, _ = timed(
+        jax.jit(functools.partial(sample, branches=branches_of(unfiltered))),
+        logits,
+        jax.device_put(unfiltered),
+        repeats=repeats,
+    )
     print(f"{'':>7} {'no filters':>12}: {ms:8.3f} ms  (bias, temperature, Gumbel draw)")
     if "candidates" in methods:  # the candidates draw's stages, each alone
         ms, _ = timed(jax.jit(block_candidates), logits, repeats=repeats)
@@ -118,16 +139,21 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--branches", nargs="+", default=["static", "traced"], choices=["static", "traced"])
     ap.add_argument("--breakdown", action="store_true", help="also time the noise, each filter and the bare draw")
-    ap.add_argument("--trace", help="a Perfetto trace of 3 calls of each method in DIR/<logits>-<method> "
-                    "(benchmarks/trace_summary.py summarises one)")
+    ap.add_argument(
+        "--trace",
+        help="a Perfetto trace of 3 calls of each method in DIR/<logits>-<method> "
+        "(benchmarks/trace_summary.py summarises one)",
+    )
     a = ap.parse_args(argv)
     print(f"device {jax.devices()[0].device_kind}, {a.rows} rows x {a.vocab} vocabulary, median of {a.repeats}")
     rng = np.random.default_rng(0)
     for dist in a.distributions:
         logits = jnp.asarray(logits_of(dist, a.rows, a.vocab, rng))
         for how in a.branches:  # static: decided on the host; traced: a lax.cond per branch on the device
+
             def fn(batch, how=how):
                 return jax.jit(functools.partial(sample, branches=branches_of(batch) if how == "static" else None))
+
             greedy = mixed_batch(a.rows, a.vocab, True)
             greedy_ms, _ = timed(fn(greedy), logits, jax.device_put(greedy), repeats=a.repeats)
             print(f"{dist:>7} {'all greedy':>12}: {greedy_ms:8.3f} ms  ({how} branches)")
@@ -137,8 +163,11 @@ def main(argv=None) -> None:
                 mixed = mixed_batch(a.rows, a.vocab, False)
                 ms, tokens = timed(fn(mixed), logits, jax.device_put(mixed), repeats=a.repeats)
                 reference = tokens if reference is None else reference
-                same = "same tokens" if np.array_equal(tokens, reference) else \
-                    f"{int(np.sum(tokens != reference))} rows differ (float rounding at a threshold?)"
+                same = (
+                    "same tokens"
+                    if np.array_equal(tokens, reference)
+                    else f"{int(np.sum(tokens != reference))} rows differ (float rounding at a threshold?)"
+                )
                 print(f"{dist:>7} {method:>12}: {ms:8.3f} ms  {ms / greedy_ms:5.2f}x greedy  {same}")
                 if a.trace:
                     with jax.profiler.trace(f"{a.trace}/{dist}-{method}", create_perfetto_trace=True):
@@ -146,6 +175,7 @@ def main(argv=None) -> None:
             os.environ.pop("CAPSTAN_SAMPLING_FILTERS", None)
         if a.breakdown:
             breakdown(logits, mixed_batch(a.rows, a.vocab, False), a.methods, a.repeats)
+
 
 if __name__ == "__main__":
     main()

@@ -9,6 +9,7 @@ random checkpoint and against the offline engine on the same prompts. Prompts
 are synthetic words; the words-per-token ratio of the server's tokenizer is measured first, so the prompt
 lengths below are in the served model's tokens whatever its tokenizer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,108 @@ import time
 
 import httpx
 
-WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force", "education"]
+WORDS = [
+    "time",
+    "year",
+    "people",
+    "way",
+    "day",
+    "man",
+    "thing",
+    "woman",
+    "life",
+    "child",
+    "world",
+    "school",
+    "state",
+    "family",
+    "student",
+    "group",
+    "country",
+    "problem",
+    "hand",
+    "part",
+    "place",
+    "case",
+    "week",
+    "company",
+    "system",
+    "program",
+    "question",
+    "work",
+    "government",
+    "number",
+    "night",
+    "point",
+    "home",
+    "water",
+    "room",
+    "mother",
+    "area",
+    "money",
+    "story",
+    "fact",
+    "month",
+    "lot",
+    "right",
+    "study",
+    "book",
+    "eye",
+    "job",
+    "word",
+    "business",
+    "issue",
+    "side",
+    "kind",
+    "head",
+    "house",
+    "service",
+    "friend",
+    "father",
+    "power",
+    "hour",
+    "game",
+    "line",
+    "end",
+    "member",
+    "law",
+    "car",
+    "city",
+    "community",
+    "name",
+    "president",
+    "team",
+    "minute",
+    "idea",
+    "kid",
+    "body",
+    "information",
+    "back",
+    "parent",
+    "face",
+    "others",
+    "level",
+    "office",
+    "door",
+    "health",
+    "person",
+    "art",
+    "war",
+    "history",
+    "party",
+    "result",
+    "change",
+    "morning",
+    "reason",
+    "research",
+    "girl",
+    "guy",
+    "moment",
+    "air",
+    "teacher",
+    "force",
+    "education",
+]
 
 
 @dataclasses.dataclass
@@ -40,8 +142,9 @@ WORKLOADS = {
     "sequential": Workload("sequential", requests=10, rate=0),
     "staggered": Workload("staggered", requests=32, rate=4),
     "burst": Workload("burst", requests=48, rate=math.inf),
-    "long_prompts": Workload("long_prompts", requests=36, rate=6, prompt_tokens=128, long_prompt_tokens=1536,
-                             long_fraction=0.75),
+    "long_prompts": Workload(
+        "long_prompts", requests=36, rate=6, prompt_tokens=128, long_prompt_tokens=1536, long_fraction=0.75
+    ),
     "shared_prefix": Workload("shared_prefix", requests=48, rate=8, prompt_tokens=64, shared_prefix_tokens=1024),
 }
 
@@ -77,8 +180,9 @@ class Client:
         self.args = args
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.http = httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers, limits=limits,
-                                      timeout=httpx.Timeout(args.timeout))
+        self.http = httpx.AsyncClient(
+            base_url=args.url.rstrip("/"), headers=headers, limits=limits, timeout=httpx.Timeout(args.timeout)
+        )
         self.model = args.model
         self.max_model_len: int | None = None
 
@@ -184,8 +288,9 @@ def prompts_for(w: Workload, tokens_per_word: float, budget: int, seed: int) -> 
     prefix = text(prefix_tokens) + "\n" if prefix_tokens else ""
     room = max(8, budget - prefix_tokens)
     longs = set(rng.sample(range(w.requests), round(w.requests * w.long_fraction)))
-    return [prefix + text(min(room, w.long_prompt_tokens if i in longs else w.prompt_tokens))
-            for i in range(w.requests)]
+    return [
+        prefix + text(min(room, w.long_prompt_tokens if i in longs else w.prompt_tokens)) for i in range(w.requests)
+    ]
 
 
 async def run_workload(client: Client, w: Workload, tokens_per_word: float) -> dict:
@@ -197,6 +302,7 @@ async def run_workload(client: Client, w: Workload, tokens_per_word: float) -> d
     if w.rate == 0:
         results = [await client.request(p, max_tokens) for p in prompts]
     else:
+
         async def arrive(i: int, prompt: str) -> Result:
             if w.rate != math.inf:
                 await asyncio.sleep(max(0.0, start + i / w.rate - time.perf_counter()))
@@ -204,8 +310,10 @@ async def run_workload(client: Client, w: Workload, tokens_per_word: float) -> d
 
         results = await asyncio.gather(*(arrive(i, p) for i, p in enumerate(prompts)))
     duration = time.perf_counter() - start
-    return {"workload": dataclasses.asdict(w) | {"rate": None if w.rate == math.inf else w.rate},
-            **summarize(results, duration)}
+    return {
+        "workload": dataclasses.asdict(w) | {"rate": None if w.rate == math.inf else w.rate},
+        **summarize(results, duration),
+    }
 
 
 def summarize(results: list[Result], duration: float) -> dict:
@@ -217,7 +325,9 @@ def summarize(results: list[Result], duration: float) -> dict:
             failures[str(r.status or "error")] = failures.get(str(r.status or "error"), 0) + 1
     output_tokens = sum(r.output_tokens for r in ok)
     return {
-        "requests": len(results), "successes": len(ok), "failures": failures,
+        "requests": len(results),
+        "successes": len(ok),
+        "failures": failures,
         "first_error": next((r.error for r in results if r.error), None),
         "duration_s": duration,
         "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / len(ok) if ok else None,
@@ -235,12 +345,15 @@ def print_row(name: str, s: dict) -> None:
     def ms(d: dict, k: str) -> str:
         return "-" if d[k] is None else f"{d[k] * 1000:8.1f}"
 
-    print(f"{name:14s} {s['successes']:3d}/{s['requests']:<3d} "
-          f"TTFT p50/p90/p99 ms {ms(s['ttft_s'], 'p50')} {ms(s['ttft_s'], 'p90')} {ms(s['ttft_s'], 'p99')}  "
-          f"TPOT p50/p90/p99 ms {ms(s['tpot_s'], 'p50')} {ms(s['tpot_s'], 'p90')} {ms(s['tpot_s'], 'p99')}  "
-          f"ITL p50/p99 ms {ms(s['itl_s'], 'p50')} {ms(s['itl_s'], 'p99')}  "
-          f"E2E p50/p90/p99 ms {ms(s['e2e_s'], 'p50')} {ms(s['e2e_s'], 'p90')} {ms(s['e2e_s'], 'p99')}  "
-          f"{s['output_tokens_per_s'] or 0:8.1f} out tok/s", flush=True)
+    print(
+        f"{name:14s} {s['successes']:3d}/{s['requests']:<3d} "
+        f"TTFT p50/p90/p99 ms {ms(s['ttft_s'], 'p50')} {ms(s['ttft_s'], 'p90')} {ms(s['ttft_s'], 'p99')}  "
+        f"TPOT p50/p90/p99 ms {ms(s['tpot_s'], 'p50')} {ms(s['tpot_s'], 'p90')} {ms(s['tpot_s'], 'p99')}  "
+        f"ITL p50/p99 ms {ms(s['itl_s'], 'p50')} {ms(s['itl_s'], 'p99')}  "
+        f"E2E p50/p90/p99 ms {ms(s['e2e_s'], 'p50')} {ms(s['e2e_s'], 'p90')} {ms(s['e2e_s'], 'p99')}  "
+        f"{s['output_tokens_per_s'] or 0:8.1f} out tok/s",
+        flush=True,
+    )
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -248,10 +361,17 @@ async def main_async(args: argparse.Namespace) -> dict:
     try:
         await client.discover()
         ratio = await client.tokens_per_word()
-        report = {"url": args.url, "model": client.model, "endpoint": args.endpoint, "max_tokens": args.max_tokens,
-                  "ignore_eos": args.ignore_eos, "max_model_len": client.max_model_len,
-                  "tokens_per_word": ratio, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  "workloads": {}}
+        report = {
+            "url": args.url,
+            "model": client.model,
+            "endpoint": args.endpoint,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": args.ignore_eos,
+            "max_model_len": client.max_model_len,
+            "tokens_per_word": ratio,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "workloads": {},
+        }
         for name in args.workloads.split(","):
             w = WORKLOADS[name]
             if args.scale != 1.0:
@@ -271,8 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="ask for exactly --max-tokens (vLLM's extra field; use --no-ignore-eos for OpenAI)")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly --max-tokens (vLLM's extra field; use --no-ignore-eos for OpenAI)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's request count")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--seed", type=int, default=0)

@@ -7,6 +7,7 @@ latency percentiles each minute, so a leak shows as a slope. Not a CI test: run 
 Traffic (fixed seed): completions and chat, streaming and not, 1-200 prompt words, 1-64 output tokens, greedy
 and sampled, some with logprobs and n=2; a fifth of the clients disconnect mid-request. Only 127.0.0.1 targets.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def request_body(rng: random.Random) -> tuple[str, dict]:
-    words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "río", "日本", "x"]) for _ in range(rng.randint(1, 200)))
-    sampling = {"max_tokens": rng.randint(1, 64), "temperature": rng.choice([0.0, 0.7, 1.0]),
-                "top_p": rng.choice([1.0, 0.9]), "stream": rng.random() < 0.5}
+    words = " ".join(
+        rng.choice(["alpha", "beta", "gamma", "delta", "río", "日本", "x"]) for _ in range(rng.randint(1, 200))
+    )
+    sampling = {
+        "max_tokens": rng.randint(1, 64),
+        "temperature": rng.choice([0.0, 0.7, 1.0]),
+        "top_p": rng.choice([1.0, 0.9]),
+        "stream": rng.random() < 0.5,
+    }
     if rng.random() < 0.2:
         sampling["n"] = 2
     if rng.random() < 0.5:
@@ -99,18 +106,27 @@ async def soak(url: str, pid: int, minutes: float, concurrency: int, seed: int) 
                 minute += 1
                 lat, rss = stats["latency"], rss_mib(pid)
                 samples.append((minute, rss))
-                print(f"{minute:5d} {rss:8.0f} {len(lat):6d} {percentile(lat, 50):7.3f} {percentile(lat, 99):7.3f} "
-                      f"{stats['errors']:6d} {stats['disconnected']:5d}", flush=True)
+                print(
+                    f"{minute:5d} {rss:8.0f} {len(lat):6d} {percentile(lat, 50):7.3f} {percentile(lat, 99):7.3f} "
+                    f"{stats['errors']:6d} {stats['disconnected']:5d}",
+                    flush=True,
+                )
                 stats["latency"] = []
         metrics = (await http.get(url + "/metrics")).text
-    half = samples[len(samples) // 2:]
+    half = samples[len(samples) // 2 :]
     if len(half) >= 2:
         xs, ys = [m for m, _ in half], [r for _, r in half]
         slope = statistics.linear_regression(xs, ys).slope
-        print(f"RSS slope over the second half: {slope:+.2f} MiB/min (start {samples[0][1]:.0f}, "
-              f"end {samples[-1][1]:.0f} MiB)")
-    for name in ("capstan_requests_running", "capstan_requests_waiting", "capstan_kv_pages_free",
-                 "capstan_kv_pages_total"):
+        print(
+            f"RSS slope over the second half: {slope:+.2f} MiB/min (start {samples[0][1]:.0f}, "
+            f"end {samples[-1][1]:.0f} MiB)"
+        )
+    for name in (
+        "capstan_requests_running",
+        "capstan_requests_waiting",
+        "capstan_kv_pages_free",
+        "capstan_kv_pages_total",
+    ):
         line = next((ln for ln in metrics.splitlines() if ln.startswith(name + " ")), f"{name} ?")
         print(line)
 
@@ -119,8 +135,19 @@ def launch(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "capstan.runtime.cli", "serve", *args.model, "--host", "127.0.0.1",
-               "--port", str(port), "--max-model-len", str(args.max_model_len)]
+    command = [
+        sys.executable,
+        "-m",
+        "capstan.runtime.cli",
+        "serve",
+        *args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

@@ -15,6 +15,7 @@ kind of input (code, a quoted document) n-gram lookup is for. A small draft with
 with the random target only by accident (random models of small weights tend to repeat their input, so the two
 agree on those loops and rarely elsewhere): its row measures what proposing costs, not what a trained draft
 (Llama-3.2-1B for Llama-3-8B: the same vocabulary) would save."""
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None) ->
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     start = time.perf_counter()
     while engine.has_unfinished():
-        for out in (timeline.step(engine) if timeline else engine.step()):
+        for out in timeline.step(engine) if timeline else engine.step():
             outputs[out.request_id] += out.outputs[0].token_ids if out.outputs else []
     return time.perf_counter() - start, [outputs[r] for r in ids]
 
@@ -60,17 +61,28 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--smallest-bucket", type=int, default=16)
-    ap.add_argument("--draft-shape", default=None,
-                    help="draft-small's shape, given the target's vocabulary (default: llama-3.2-1b for llama-3-8b, "
-                         "else tiny)")
+    ap.add_argument(
+        "--draft-shape",
+        default=None,
+        help="draft-small's shape, given the target's vocabulary (default: llama-3.2-1b for llama-3-8b, else tiny)",
+    )
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--peaked", type=float, default=0.0, metavar="GAIN",
-                    help="scale the output rows of 512 random tokens by GAIN (e.g. 8): the model then picks among "
-                         "them with clear margins, as a trained model's confident tokens are, so bf16 rounding "
-                         "(a verify chunk's against a decode step's) no longer flips near-ties")
+    ap.add_argument(
+        "--peaked",
+        type=float,
+        default=0.0,
+        metavar="GAIN",
+        help="scale the output rows of 512 random tokens by GAIN (e.g. 8): the model then picks among "
+        "them with clear margins, as a trained model's confident tokens are, so bf16 rounding "
+        "(a verify chunk's against a decode step's) no longer flips near-ties",
+    )
     ap.add_argument("--timeline", action="store_true", help="each method's step kinds, split as throughput.py's")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                    help="auto: float32 on CPUs, bfloat16 elsewhere (where a verify chunk's rounding may flip near-ties)")
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="auto: float32 on CPUs, bfloat16 elsewhere (where a verify chunk's rounding may flip near-ties)",
+    )
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
@@ -90,21 +102,35 @@ def main(argv=None) -> None:
     for name, shape in (("draft-target", a.shape), ("draft-small", a.draft_shape)):  # the models are given below
         configs[name] = SpeculativeConfig(method="draft_model", model=f"random {shape}", num_speculative_tokens=a.k)
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    print(f"shape {a.shape} {dtype}, {jax.devices()[0].device_kind}, K={a.k}, {a.tokens} output tokens a request, greedy")
+    print(
+        f"shape {a.shape} {dtype}, {jax.devices()[0].device_kind}, K={a.k}, {a.tokens} output tokens a request, greedy"
+    )
     if "draft-small" in a.methods:
-        print(f"draft-small: shape {a.draft_shape} ({draft_cfg.num_layers} layers, hidden {draft_cfg.hidden_size}) "
-              f"with the target's vocabulary ({cfg.vocab_size}), random weights of its own: its acceptance is what two "
-              "unrelated random models happen to agree on (low, or high where both just repeat these repeating "
-              "prompts), not what a trained draft gets; its time is what proposing costs")
+        print(
+            f"draft-small: shape {a.draft_shape} ({draft_cfg.num_layers} layers, hidden {draft_cfg.hidden_size}) "
+            f"with the target's vocabulary ({cfg.vocab_size}), random weights of its own: its acceptance is what two "
+            "unrelated random models happen to agree on (low, or high where both just repeat these repeating "
+            "prompts), not what a trained draft gets; its time is what proposing costs"
+        )
     for batch in a.batch_sizes:
         phrase = [rng.integers(0, cfg.vocab_size, 24).tolist() for _ in range(batch)]
         prompts = [p * 6 for p in phrase]  # 144 tokens: a phrase repeated, as quoted text or code repeats
         engines = {}
         for name in ("plain", *a.methods):
-            e = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype=dtype, max_model_len=160 + a.tokens + 8, max_num_seqs=max(batch, 1),
-                                       max_num_batched_tokens=max(256, batch * (a.k + 1)), smallest_token_bucket=a.smallest_bucket,
-                                       enable_prefix_caching=False, speculative_config=configs.get(name)),
-                          model=model, draft_model=drafts.get(name))
+            e = LLMEngine(
+                EngineConfig(
+                    model=str(DEFAULT_MODEL),
+                    dtype=dtype,
+                    max_model_len=160 + a.tokens + 8,
+                    max_num_seqs=max(batch, 1),
+                    max_num_batched_tokens=max(256, batch * (a.k + 1)),
+                    smallest_token_bucket=a.smallest_bucket,
+                    enable_prefix_caching=False,
+                    speculative_config=configs.get(name),
+                ),
+                model=model,
+                draft_model=drafts.get(name),
+            )
             started = time.perf_counter()
             e.warmup()
             print(f"batch {batch:>3}: {name} engine warmed up in {time.perf_counter() - started:.0f} s", flush=True)
@@ -114,19 +140,24 @@ def main(argv=None) -> None:
         plain_s, plain_out = run(engines["plain"], prompts, params, timeline)
         futures = [p + o for p, o in zip(prompts, plain_out, strict=True)]
 
-        by_prompt = {tuple(p): f for p, f in zip(prompts, futures, strict=True)}  # one lookup a row: the oracle costs no host time
+        by_prompt = {
+            tuple(p): f for p, f in zip(prompts, futures, strict=True)
+        }  # one lookup a row: the oracle costs no host time
 
         prompt_len = len(prompts[0])
 
         def oracle(tokens, k, by_prompt=by_prompt, prompt_len=prompt_len):
             f = by_prompt.get(tuple(tokens[:prompt_len]))
-            return f[len(tokens):len(tokens) + k] if f is not None and f[:len(tokens)] == tokens else []
+            return f[len(tokens) : len(tokens) + k] if f is not None and f[: len(tokens)] == tokens else []
 
         if "oracle" in engines:
             engines["oracle"].speculator.proposer = oracle
-        print(f"batch {batch:>3}: {'plain':>12} {1000 * plain_s / a.tokens:8.3f} ms/token "
-              f"({batch * a.tokens / plain_s:8.0f} tok/s)", flush=True)
-        for kind, line in (timeline.report().items() if timeline else ()):
+        print(
+            f"batch {batch:>3}: {'plain':>12} {1000 * plain_s / a.tokens:8.3f} ms/token "
+            f"({batch * a.tokens / plain_s:8.0f} tok/s)",
+            flush=True,
+        )
+        for kind, line in timeline.report().items() if timeline else ():
             print(f"    {kind}: {line}")
         for name in a.methods:
             e = engines[name]
@@ -138,10 +169,12 @@ def main(argv=None) -> None:
             # decode step's, so near-ties may flip: the share of outputs identical to plain decoding's is reported
             same = sum(o == p for o, p in zip(out, plain_out, strict=True)) / len(out)
             rate = e.speculator.accepted_tokens / e.speculator.draft_tokens if e.speculator.draft_tokens else 0.0
-            print(f"batch {batch:>3}: {name:>12} {1000 * seconds / a.tokens:8.3f} ms/token "
-                  f"({batch * a.tokens / seconds:8.0f} tok/s, acceptance {rate:.2f}, identical outputs {same:.2f})",
-                  flush=True)
-            for kind, line in (timeline.report().items() if timeline else ()):
+            print(
+                f"batch {batch:>3}: {name:>12} {1000 * seconds / a.tokens:8.3f} ms/token "
+                f"({batch * a.tokens / seconds:8.0f} tok/s, acceptance {rate:.2f}, identical outputs {same:.2f})",
+                flush=True,
+            )
+            for kind, line in timeline.report().items() if timeline else ():
                 print(f"    {kind}: {line}")
         del engines
 

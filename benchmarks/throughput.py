@@ -2,6 +2,7 @@
 
 python benchmarks/throughput.py --shape tiny --requests 64 --prompt-len 64 --output-len 64
 prints output tokens/s, prefill tokens/s, compile time and peak KV pages; --json writes them too."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
     for i in range(a.requests):
         prompts.append(rng.integers(0, vocab_size, int(rng.integers(a.prompt_len // 4, 2 * a.prompt_len))).tolist())
         kind = dict(temperature=0.0) if a.all_greedy else kinds[i % 3]
-        params.append(SamplingParams(max_tokens=int(rng.integers(max(1, a.output_len // 8), 2 * a.output_len)),
-                                     ignore_eos=True, detokenize=False, seed=i, **kind))
+        params.append(
+            SamplingParams(
+                max_tokens=int(rng.integers(max(1, a.output_len // 8), 2 * a.output_len)),
+                ignore_eos=True,
+                detokenize=False,
+                seed=i,
+                **kind,
+            )
+        )
     return prompts, params
 
 
@@ -52,13 +60,17 @@ class Timeline:
         import capstan.runtime.engine.engine as engine_mod
         import capstan.runtime.engine.multi_step as multi_mod
         import capstan.runtime.speculative.speculator as spec_mod
+
         self.sums: dict[str, dict[str, float]] = {}  # kind -> {part: seconds, "steps": n, "wall": seconds}
         self.current: dict | None = None
         # (owner, attribute, part, the step kind a call of it makes)
-        for owner, name, part, kind in ((engine, "_build", "build", None), (engine, "fetch", "fetch", None),
-                                        (engine_mod, "step_fn", "call", None),
-                                        (multi_mod, "decode_steps_fn", "call", "multi-step"),
-                                        (spec_mod, "verify_fn", "call", "verify")):
+        for owner, name, part, kind in (
+            (engine, "_build", "build", None),
+            (engine, "fetch", "fetch", None),
+            (engine_mod, "step_fn", "call", None),
+            (multi_mod, "decode_steps_fn", "call", "multi-step"),
+            (spec_mod, "verify_fn", "call", "verify"),
+        ):
             setattr(owner, name, self._timed(getattr(owner, name), part, kind))
         if engine.speculator is not None and engine.speculator.draft is not None:  # its dispatch
             engine.speculator.draft.propose = self._timed(engine.speculator.draft.propose, "draft", None)
@@ -73,6 +85,7 @@ class Timeline:
                     self.current[part] = self.current.get(part, 0.0) + time.perf_counter() - t0
                     if kind:
                         self.current["kind"] = kind
+
         return wrapper
 
     def step(self, engine: LLMEngine):
@@ -99,7 +112,8 @@ class Timeline:
             parts["host_after"] = agg["wall"] - sum(parts.values())
             per_token = f", {1000 * agg['wall'] / agg['tokens']:.3f} ms a token" if agg["tokens"] else ""
             out[kind] = f"{n} steps, {1000 * agg['wall'] / n:.2f} ms each{per_token}: " + ", ".join(
-                f"{p} {1000 * v / n:.2f}" for p, v in parts.items())
+                f"{p} {1000 * v / n:.2f}" for p, v in parts.items()
+            )
         return out
 
 
@@ -119,16 +133,26 @@ def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None, tr
         steps += 1
         peak_pages = max(peak_pages, engine.pool.num_used)
         out_tokens += sum(len(o.token_ids) for r in outs for o in r.outputs)
-        if first_decode is None and not engine.scheduler.waiting and all(
-                not s.in_prefill for s in engine.scheduler.running):
+        if (
+            first_decode is None
+            and not engine.scheduler.waiting
+            and all(not s.in_prefill for s in engine.scheduler.running)
+        ):
             first_decode = time.perf_counter()
             trace_step = steps + 2  # the third step of the decode phase: a run's dispatch queued ahead
     end = time.perf_counter()
     prefill_s = (first_decode or end) - start
-    return {"seconds": end - start, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / (end - start),
-            "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "prefill_phase_s": prefill_s,
-            "decode_phase_s": end - start - prefill_s, "steps": steps, "peak_kv_pages": peak_pages,
-            **({f"timeline_{k}": v for k, v in timeline.report().items()} if timeline else {})}
+    return {
+        "seconds": end - start,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / (end - start),
+        "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s,
+        "prefill_phase_s": prefill_s,
+        "decode_phase_s": end - start - prefill_s,
+        "steps": steps,
+        "peak_kv_pages": peak_pages,
+        **({f"timeline_{k}": v for k, v in timeline.report().items()} if timeline else {}),
+    }
 
 
 def main(argv=None) -> dict:
@@ -144,19 +168,34 @@ def main(argv=None) -> dict:
     ap.add_argument("--smallest-bucket", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps)
     ap.add_argument("--single-stream-tokens", type=int, default=0, help="also time one stream's decode")
-    ap.add_argument("--workload", choices=["fixed", "mixed"], default="fixed",
-                    help="fixed: every request prompt-len in, output-len out, greedy; mixed: lengths uniform in "
-                         "[prompt-len/4, 2 prompt-len] and [output-len/8, 2 output-len], a third greedy, a third "
-                         "temperature 0.8 + top-p 0.9, a third temperature 1.0 + top-k 50 + min-p 0.05")
+    ap.add_argument(
+        "--workload",
+        choices=["fixed", "mixed"],
+        default="fixed",
+        help="fixed: every request prompt-len in, output-len out, greedy; mixed: lengths uniform in "
+        "[prompt-len/4, 2 prompt-len] and [output-len/8, 2 output-len], a third greedy, a third "
+        "temperature 0.8 + top-p 0.9, a third temperature 1.0 + top-k 50 + min-p 0.05",
+    )
     ap.add_argument("--all-greedy", action="store_true", help="the mixed workload's lengths, every request greedy")
-    ap.add_argument("--constrained-fraction", type=float, default=0.0,
-                    help="this share of the requests follows a JSON schema (structured outputs); the rest is free")
+    ap.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=0.0,
+        help="this share of the requests follows a JSON schema (structured outputs); the rest is free",
+    )
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
-    ap.add_argument("--quantization", choices=["fp8", "int8", "q8_0"], default=None,
-                    help="linear weights quantized at load (the random weights, per output channel; q8_0: in GGUF "
-                         "Q8_0's blocks of 32, as a Q8_0 file is served)")
-    ap.add_argument("--timeline", action="store_true",
-                    help="also split each step's time into building, the jitted call, waiting, and the host's work")
+    ap.add_argument(
+        "--quantization",
+        choices=["fp8", "int8", "q8_0"],
+        default=None,
+        help="linear weights quantized at load (the random weights, per output channel; q8_0: in GGUF "
+        "Q8_0's blocks of 32, as a Q8_0 file is served)",
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also split each step's time into building, the jitted call, waiting, and the host's work",
+    )
     ap.add_argument("--trace", help="write a Perfetto trace of one decode-phase engine step here")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
@@ -168,12 +207,23 @@ def main(argv=None) -> dict:
     load_s = time.perf_counter() - t0
     mixed = a.workload == "mixed"
     max_len = (2 if mixed else 1) * (a.prompt_len + max(a.output_len, a.single_stream_tokens)) + 1
+
     def engine_for(max_num_seqs: int, max_tokens: int) -> LLMEngine:
-        e = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype=dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_tokens, page_size=a.page_size,
-                                   smallest_token_bucket=a.smallest_bucket, decode_steps=a.decode_steps,
-                                   enable_prefix_caching=False, tensor_parallel_size=a.tensor_parallel_size),
-                     model=model)
+        e = LLMEngine(
+            EngineConfig(
+                model=str(DEFAULT_MODEL),
+                dtype=dtype,
+                max_model_len=max_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_tokens,
+                page_size=a.page_size,
+                smallest_token_bucket=a.smallest_bucket,
+                decode_steps=a.decode_steps,
+                enable_prefix_caching=False,
+                tensor_parallel_size=a.tensor_parallel_size,
+            ),
+            model=model,
+        )
         e.warmup()
         return e
 
@@ -189,10 +239,19 @@ def main(argv=None) -> dict:
         cut = int(round(a.constrained_fraction * a.requests))
         params = [constrained] * cut + [params] * (a.requests - cut)
     run(engine, prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
-    figures = {"shape": a.shape, "dtype": dtype, "quantization": a.quantization or "none", "device": str(jax.devices()[0].device_kind),
-               "tensor_parallel_size": a.tensor_parallel_size, "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
-               "weights_init_s": load_s, "compile_s": engine.compile_seconds,
-               **run(engine, prompts, params, Timeline(engine) if a.timeline else None, a.trace)}
+    figures = {
+        "shape": a.shape,
+        "dtype": dtype,
+        "quantization": a.quantization or "none",
+        "device": str(jax.devices()[0].device_kind),
+        "tensor_parallel_size": a.tensor_parallel_size,
+        "requests": a.requests,
+        "prompt_len": a.prompt_len,
+        "output_len": a.output_len,
+        "weights_init_s": load_s,
+        "compile_s": engine.compile_seconds,
+        **run(engine, prompts, params, Timeline(engine) if a.timeline else None, a.trace),
+    }
     if a.single_stream_tokens:
         one = SamplingParams(max_tokens=a.single_stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         del engine  # its KV pool; one stream gets an engine of one row so it pays for no padding rows

@@ -1,4 +1,5 @@
 """Device timing for benchmarks: the median of repeated calls, each waited for, after one warm-up call."""
+
 from __future__ import annotations
 
 import statistics

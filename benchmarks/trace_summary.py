@@ -3,6 +3,7 @@
 python benchmarks/trace_summary.py DIR/rows1 [--top 30] [--sequence 40]
 --sequence N: also N consecutive kernels from the middle of the trace, in order, each with its gap after the last
 (one layer's chain of launches: whether the GPU waits between them)."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,11 @@ def main() -> None:
     path = next(Path(a.trace_dir).rglob("*.trace.json.gz"))
     events = json.loads(gzip.decompress(path.read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = {
+        (e.get("pid"), e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     pids = {e.get("pid"): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     total: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
@@ -42,7 +46,9 @@ def main() -> None:
         print("no GPU events; processes:", sorted(set(pids.values()))[:20])
         return
     busy = sum(total.values())
-    print(f"{path}: {sum(count.values())} GPU events, busy {busy / 1000:.3f} ms, span {(span[1] - span[0]) / 1000:.3f} ms")
+    print(
+        f"{path}: {sum(count.values())} GPU events, busy {busy / 1000:.3f} ms, span {(span[1] - span[0]) / 1000:.3f} ms"
+    )
     for name, us in total.most_common(a.top):
         print(f"{us / 1000:9.3f} ms {count[name]:6d}x  {name[:110]}")
     if a.sequence:
@@ -50,7 +56,7 @@ def main() -> None:
         start = len(kernels) // 2
         print(f"{a.sequence} kernels in order from #{start}: duration, gap before it (us)")
         end = kernels[start - 1][0] + kernels[start - 1][1]
-        for ts, dur, name in kernels[start:start + a.sequence]:
+        for ts, dur, name in kernels[start : start + a.sequence]:
             print(f"{dur:8.1f} {ts - end:8.1f}  {name[:100]}")
             end = max(end, ts + dur)
 

@@ -1,6 +1,7 @@
 """Capstan: `from capstan import LLM, SamplingParams` (the offline API, in vLLM's shape).
 
 The names load on first use, so `import capstan.operator` never imports JAX."""
+
 from __future__ import annotations
 
 import importlib

@@ -83,8 +83,16 @@ def _hash(paths: list[Path], *extra) -> str:
 def base_hash(variant: str) -> str:
     """The base layer's inputs: the pinned requirements and the code that builds it (not the rest of this file)."""
     recipe = [inspect.getsource(f) for f in (download_wheels, build_base_rootfs, pin_mtimes, build_base)]
-    return _hash([HERE / f"requirements-{variant}.txt"], recipe, DEBIAN_MIRRORS, DEBIAN_PACKAGES, USER_ID, VENV,
-                 CLEAN_ENV, SOURCE_DATE_EPOCH)
+    return _hash(
+        [HERE / f"requirements-{variant}.txt"],
+        recipe,
+        DEBIAN_MIRRORS,
+        DEBIAN_PACKAGES,
+        USER_ID,
+        VENV,
+        CLEAN_ENV,
+        SOURCE_DATE_EPOCH,
+    )
 
 
 def image_hash(variant: str) -> str:
@@ -145,9 +153,19 @@ def build_base_rootfs(wheels: Path, rootfs: Path) -> None:
         f"{IN_CHROOT} python3 -m compileall -q -f -j 2 --invalidation-mode unchecked-hash {VENV} /usr/lib/python3.11",
     ]
     env = {**os.environ, "SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH)}
-    run("mmdebstrap", "--mode=root", "--variant=essential", "--quiet", f"--include={','.join(DEBIAN_PACKAGES)}",
-        "--dpkgopt=path-exclude=/usr/share/locale/*", *(f"--customize-hook={h}" for h in hooks),
-        DEBIAN_SUITE, str(rootfs), *DEBIAN_MIRRORS, env=env)
+    run(
+        "mmdebstrap",
+        "--mode=root",
+        "--variant=essential",
+        "--quiet",
+        f"--include={','.join(DEBIAN_PACKAGES)}",
+        "--dpkgopt=path-exclude=/usr/share/locale/*",
+        *(f"--customize-hook={h}" for h in hooks),
+        DEBIAN_SUITE,
+        str(rootfs),
+        *DEBIAN_MIRRORS,
+        env=env,
+    )
     # apt's download folder comes out owned by root or by _apt from one build to the next; no apt runs later.
     os.chown(rootfs / "var/lib/apt/lists/partial", 0, 0)
     pin_mtimes(rootfs)
@@ -190,8 +208,14 @@ def build_base(variant: str, log) -> Path:
         run("umoci", "unpack", "--image", f"{layout}:base", str(work / "bundle"))
         shutil.rmtree(work / "bundle" / "rootfs")
         (work / "rootfs").rename(work / "bundle" / "rootfs")
-        run("umoci", "repack", *history("Debian and the pinned Python packages"), "--image", f"{layout}:base",
-            str(work / "bundle"))
+        run(
+            "umoci",
+            "repack",
+            *history("Debian and the pinned Python packages"),
+            "--image",
+            f"{layout}:base",
+            str(work / "bundle"),
+        )
         shutil.rmtree(work)
         (folder / "done").touch()  # written last: a half-built base is never the cache
         prune(f"{variant}-base-{HASH_GLOB}", keep=2)
@@ -215,18 +239,44 @@ def add_capstan_layer(base: Path, layout: Path, reference: str) -> None:
     run("umoci", "unpack", "--image", f"{layout}:base", str(bundle))
     rootfs = bundle / "rootfs"
     run(sys.executable, "-m", "pip", "-q", "wheel", "--no-deps", "-w", str(rootfs / "tmp"), str(source))
-    run("chroot", str(rootfs), *CLEAN_ENV, "sh", "-c",
-        f"{VENV}/bin/pip install -q --no-index --no-deps --no-compile /tmp/capstan-*.whl && rm /tmp/*.whl")
-    run("chroot", str(rootfs), *CLEAN_ENV, f"{VENV}/bin/python", "-m", "compileall", "-q", "--invalidation-mode",
-        "unchecked-hash", f"{VENV}/lib/python3.11/site-packages/capstan")
+    run(
+        "chroot",
+        str(rootfs),
+        *CLEAN_ENV,
+        "sh",
+        "-c",
+        f"{VENV}/bin/pip install -q --no-index --no-deps --no-compile /tmp/capstan-*.whl && rm /tmp/*.whl",
+    )
+    run(
+        "chroot",
+        str(rootfs),
+        *CLEAN_ENV,
+        f"{VENV}/bin/python",
+        "-m",
+        "compileall",
+        "-q",
+        "--invalidation-mode",
+        "unchecked-hash",
+        f"{VENV}/lib/python3.11/site-packages/capstan",
+    )
     pin_mtimes(rootfs)
     run("umoci", "repack", *history("Capstan"), "--image", image, str(bundle))
-    run("umoci", "config", "--no-history", "--image", image, f"--created={CREATED}",
-        f"--config.user={USER_ID}:{USER_ID}", "--config.workingdir=/tmp",
-        "--config.cmd=capstan", "--config.cmd=serve", "--config.exposedports=8000/tcp",
+    run(
+        "umoci",
+        "config",
+        "--no-history",
+        "--image",
+        image,
+        f"--created={CREATED}",
+        f"--config.user={USER_ID}:{USER_ID}",
+        "--config.workingdir=/tmp",
+        "--config.cmd=capstan",
+        "--config.cmd=serve",
+        "--config.exposedports=8000/tcp",
         *(f"--config.env={k}={v}" for k, v in ENV.items()),
         "--config.label=org.opencontainers.image.title=capstan",
-        f"--config.label=org.opencontainers.image.version={package_version()}")
+        f"--config.label=org.opencontainers.image.version={package_version()}",
+    )
     shutil.rmtree(bundle)
 
 
@@ -249,8 +299,13 @@ def build_image(variant: str = "cpu", log=print) -> tuple[Path, str]:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         add_capstan_layer(base, work / "oci", reference)
-        run("skopeo", "copy", "--quiet", f"oci:{work / 'oci'}:{reference.rsplit(':', 1)[1]}",
-            f"oci-archive:{work / 'image.oci.tar'}:{reference}")
+        run(
+            "skopeo",
+            "copy",
+            "--quiet",
+            f"oci:{work / 'oci'}:{reference.rsplit(':', 1)[1]}",
+            f"oci-archive:{work / 'image.oci.tar'}:{reference}",
+        )
         (work / "image.oci.tar").replace(archive)  # moved in last: a half-built image is never the cache
         shutil.rmtree(work)
         prune(f"{variant}-{HASH_GLOB}", keep=3)

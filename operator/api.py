@@ -52,9 +52,14 @@ class _Resource(BaseModel):
 class ModelSpec(_Resource):
     """Which checkpoint to serve and under which name."""
 
-    uri: str = Field(pattern=MODEL_URI_PATTERN, max_length=1024,
-                     description="hf://org/name[@revision], pvc://claim/path, gs://bucket/path or s3://bucket/path")
-    served_name: str | None = Field(None, max_length=256, description="model name clients send (default: the URI's name)")
+    uri: str = Field(
+        pattern=MODEL_URI_PATTERN,
+        max_length=1024,
+        description="hf://org/name[@revision], pvc://claim/path, gs://bucket/path or s3://bucket/path",
+    )
+    served_name: str | None = Field(
+        None, max_length=256, description="model name clients send (default: the URI's name)"
+    )
     tokenizer: str | None = Field(None, max_length=1024, description="tokenizer to use instead of the checkpoint's")
 
 
@@ -74,46 +79,82 @@ def _tpu_host_chips_rule() -> dict[str, str]:
     chips = {name: list(a.host_chips) for name, a in ACCELERATORS.items() if a.host_chips}
     table = "{" + ", ".join(f"'{name}': {values}" for name, values in chips.items()) + "}"
     allowed = "; ".join(f"{name}: {', '.join(map(str, values))}" for name, values in chips.items())
-    return _cel(f"!(self.type in {table}) || self.count in {table}[self.type]",
-                f"accelerator.count is the chips of one TPU host: {allowed}", ".count")
+    return _cel(
+        f"!(self.type in {table}) || self.count in {table}[self.type]",
+        f"accelerator.count is the chips of one TPU host: {allowed}",
+        ".count",
+    )
 
 
 class AcceleratorSpec(_Resource):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        _cel("!self.type.startsWith('tpu-') || has(self.topology)",
-             "accelerator.topology is required for TPU accelerators (for example 2x4)", ".topology"),
-        _cel("self.type.startsWith('tpu-') || !has(self.topology)",
-             "accelerator.topology applies to TPU accelerators only", ".topology"),
-        _tpu_host_chips_rule(),
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!self.type.startsWith('tpu-') || has(self.topology)",
+                    "accelerator.topology is required for TPU accelerators (for example 2x4)",
+                    ".topology",
+                ),
+                _cel(
+                    "self.type.startsWith('tpu-') || !has(self.topology)",
+                    "accelerator.topology applies to TPU accelerators only",
+                    ".topology",
+                ),
+                _tpu_host_chips_rule(),
+            ]
+        }
+    )
 
     type: AcceleratorType = Field("cpu", description="cpu, an NVIDIA GPU type or a TPU type")
     count: int = Field(1, ge=1, le=64, description="devices per host (pod); a replica has parallelism.hosts of them")
-    topology: str | None = Field(None, pattern=r"^[1-9][0-9]?x[1-9][0-9]?(x[1-9][0-9]?)?$", max_length=8,
-                                 description="TPU slice topology: its chips are parallelism.hosts x count")
+    topology: str | None = Field(
+        None,
+        pattern=r"^[1-9][0-9]?x[1-9][0-9]?(x[1-9][0-9]?)?$",
+        max_length=8,
+        description="TPU slice topology: its chips are parallelism.hosts x count",
+    )
 
 
 class ParallelismSpec(_Resource):
     """How one replica spreads over devices and hosts; more than one host makes the replica a group of pods
     that `jax.distributed` joins into one program (a TPU slice, or GPUs on several nodes)."""
 
-    tensor: int | None = Field(None, ge=1, le=512, description="devices the weights are sharded over "
-                               "(--tensor-parallel-size); default: all of a replica's devices when hosts > 1")
+    tensor: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="devices the weights are sharded over "
+        "(--tensor-parallel-size); default: all of a replica's devices when hosts > 1",
+    )
     hosts: int = Field(1, ge=1, le=64, description="hosts (pods) per replica; process 0 serves HTTP")
-    data: int = Field(1, ge=1, le=64, description="engine replicas in each pod, each on its own parallelism.tensor "
-                      "GPUs, behind one endpoint (--data-parallel-size): a model that fits one GPU on a pod of several")
+    data: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="engine replicas in each pod, each on its own parallelism.tensor "
+        "GPUs, behind one endpoint (--data-parallel-size): a model that fits one GPU on a pod of several",
+    )
 
 
 class AutoscalingSpec(_Resource):
     """Scale on the pods' own load, smoothed so that replicas do not flap."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        _cel("self.metric != 'kvCacheUsage' || self.target <= 1.0",
-             "autoscaling.target is a ratio between 0 and 1 for the kvCacheUsage metric", ".target"),
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.metric != 'kvCacheUsage' || self.target <= 1.0",
+                    "autoscaling.target is a ratio between 0 and 1 for the kvCacheUsage metric",
+                    ".target",
+                ),
+            ]
+        }
+    )
 
     metric: Literal["concurrentRequests", "kvCacheUsage"] = Field(
-        "concurrentRequests", description="concurrentRequests: running + waiting per replica; kvCacheUsage: used pages ratio")
+        "concurrentRequests",
+        description="concurrentRequests: running + waiting per replica; kvCacheUsage: used pages ratio",
+    )
     target: float = Field(gt=0, description="the metric's value per replica to aim for")
     scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600)
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=86400)
@@ -127,10 +168,16 @@ class SecretKeySelector(_Resource):
 class ModelCacheSpec(_Resource):
     """A volume for downloaded weights and compilation caches, so that restarts do not download again."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        _cel("has(self.claimName) != has(self.size)",
-             "modelCache needs exactly one of claimName (an existing PVC) or size (a PVC the operator creates)"),
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "has(self.claimName) != has(self.size)",
+                    "modelCache needs exactly one of claimName (an existing PVC) or size (a PVC the operator creates)",
+                ),
+            ]
+        }
+    )
 
     claim_name: str | None = Field(None, pattern=DNS_LABEL_PATTERN, max_length=253)
     size: str | None = Field(None, pattern=QUANTITY_PATTERN, description="for example 100Gi")
@@ -141,8 +188,11 @@ class ModelCacheSpec(_Resource):
 class SecuritySpec(_Resource):
     """Every serving pod passes the `restricted` Pod Security Standard unless this asks for more."""
 
-    privileged: bool = Field(False, description="run the serving container privileged: only for TPUs on GKE before "
-                             "1.28; its namespace must allow the privileged Pod Security level")
+    privileged: bool = Field(
+        False,
+        description="run the serving container privileged: only for TPUs on GKE before "
+        "1.28; its namespace must allow the privileged Pod Security level",
+    )
 
 
 class PodTemplateMetadata(_Resource):
@@ -165,35 +215,61 @@ _REPLICA_CHIPS = f"self.accelerator.count * {_HOSTS}"
 
 
 class InferenceServiceSpec(_Resource):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        _cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
-             "spec.minReplicas must be less than or equal to spec.maxReplicas", ".minReplicas"),
-        _cel("!has(self.autoscaling) || has(self.maxReplicas)",
-             "spec.maxReplicas is required when spec.autoscaling is set", ".maxReplicas"),
-        _cel("!has(self.runtime) || !has(self.runtime.tensorParallelSize) || !has(self.accelerator)"
-             " || self.accelerator.type == 'cpu' || self.runtime.tensorParallelSize <= " + _REPLICA_CHIPS,
-             "spec.runtime.tensorParallelSize cannot exceed spec.accelerator.count (x spec.parallelism.hosts)",
-             ".runtime.tensorParallelSize"),
-        _cel("!has(self.parallelism) || !has(self.parallelism.tensor) || !has(self.runtime)"
-             " || self.runtime.tensorParallelSize == 1 || self.runtime.tensorParallelSize == self.parallelism.tensor",
-             "set spec.parallelism.tensor or spec.runtime.tensorParallelSize (its older name), not both",
-             ".runtime.tensorParallelSize"),
-        _cel("!has(self.parallelism) || !has(self.parallelism.tensor) || !has(self.accelerator)"
-             " || self.accelerator.type == 'cpu'"
-             " || (self.accelerator.count * self.parallelism.hosts) % self.parallelism.tensor == 0",
-             "spec.parallelism.tensor must divide the replica's devices, spec.accelerator.count x"
-             " spec.parallelism.hosts", ".parallelism.tensor"),
-        _cel("!has(self.parallelism) || self.parallelism.data == 1 || (self.parallelism.hosts == 1"
-             " && has(self.accelerator) && self.accelerator.type.startsWith('nvidia-') && self.parallelism.data"
-             " * (has(self.parallelism.tensor) ? self.parallelism.tensor : 1) <= self.accelerator.count)",
-             "spec.parallelism.data needs one host of NVIDIA GPUs, with spec.parallelism.data x"
-             " spec.parallelism.tensor at most spec.accelerator.count", ".parallelism.data"),
-        _cel(f"!has(self.accelerator) || !has(self.accelerator.topology) || {_SLICE_CHIPS} == {_REPLICA_CHIPS}",
-             "spec.accelerator.topology must have spec.parallelism.hosts x spec.accelerator.count chips",
-             ".accelerator.topology") | {"messageExpression": (  # string(int) would be unbounded to the cost estimate
-                 "'spec.accelerator.topology ' + self.accelerator.topology + ' must have spec.parallelism.hosts x"
-                 " spec.accelerator.count chips (hosts x chips per host)'")},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+                    "spec.minReplicas must be less than or equal to spec.maxReplicas",
+                    ".minReplicas",
+                ),
+                _cel(
+                    "!has(self.autoscaling) || has(self.maxReplicas)",
+                    "spec.maxReplicas is required when spec.autoscaling is set",
+                    ".maxReplicas",
+                ),
+                _cel(
+                    "!has(self.runtime) || !has(self.runtime.tensorParallelSize) || !has(self.accelerator)"
+                    " || self.accelerator.type == 'cpu' || self.runtime.tensorParallelSize <= " + _REPLICA_CHIPS,
+                    "spec.runtime.tensorParallelSize cannot exceed spec.accelerator.count (x spec.parallelism.hosts)",
+                    ".runtime.tensorParallelSize",
+                ),
+                _cel(
+                    "!has(self.parallelism) || !has(self.parallelism.tensor) || !has(self.runtime)"
+                    " || self.runtime.tensorParallelSize == 1 || self.runtime.tensorParallelSize == self.parallelism.tensor",
+                    "set spec.parallelism.tensor or spec.runtime.tensorParallelSize (its older name), not both",
+                    ".runtime.tensorParallelSize",
+                ),
+                _cel(
+                    "!has(self.parallelism) || !has(self.parallelism.tensor) || !has(self.accelerator)"
+                    " || self.accelerator.type == 'cpu'"
+                    " || (self.accelerator.count * self.parallelism.hosts) % self.parallelism.tensor == 0",
+                    "spec.parallelism.tensor must divide the replica's devices, spec.accelerator.count x"
+                    " spec.parallelism.hosts",
+                    ".parallelism.tensor",
+                ),
+                _cel(
+                    "!has(self.parallelism) || self.parallelism.data == 1 || (self.parallelism.hosts == 1"
+                    " && has(self.accelerator) && self.accelerator.type.startsWith('nvidia-') && self.parallelism.data"
+                    " * (has(self.parallelism.tensor) ? self.parallelism.tensor : 1) <= self.accelerator.count)",
+                    "spec.parallelism.data needs one host of NVIDIA GPUs, with spec.parallelism.data x"
+                    " spec.parallelism.tensor at most spec.accelerator.count",
+                    ".parallelism.data",
+                ),
+                _cel(
+                    f"!has(self.accelerator) || !has(self.accelerator.topology) || {_SLICE_CHIPS} == {_REPLICA_CHIPS}",
+                    "spec.accelerator.topology must have spec.parallelism.hosts x spec.accelerator.count chips",
+                    ".accelerator.topology",
+                )
+                | {
+                    "messageExpression": (  # string(int) would be unbounded to the cost estimate
+                        "'spec.accelerator.topology ' + self.accelerator.topology + ' must have spec.parallelism.hosts x"
+                        " spec.accelerator.count chips (hosts x chips per host)'"
+                    )
+                },
+            ]
+        }
+    )
 
     model: ModelSpec
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)

@@ -62,8 +62,15 @@ def demand_floor(policy: AutoscalingSpec, low: int, last_request: float | None, 
     return 1 if now - last_request < idle else 0
 
 
-def decide(policy: AutoscalingSpec, bounds: tuple[int, int], current: int, loads: list[PodLoad],
-           history: list[ScaleRecommendation], now: float, floor: int = 0) -> ScaleDecision:
+def decide(
+    policy: AutoscalingSpec,
+    bounds: tuple[int, int],
+    current: int,
+    loads: list[PodLoad],
+    history: list[ScaleRecommendation],
+    now: float,
+    floor: int = 0,
+) -> ScaleDecision:
     """Desired replicas given this sample and the recommendations of the stabilisation windows."""
     low, high = bounds
     raw, described = recommend(policy, current, loads)
@@ -87,7 +94,9 @@ def decide(policy: AutoscalingSpec, bounds: tuple[int, int], current: int, loads
         reason = f"keep {current}: {described}"
     desired = min(max(desired, low), high)  # bounds also apply when they change under a running service
     if desired < floor:  # recent requests through the gateway (demand_floor)
-        reason = f"{'scale up' if current < floor else 'keep'} {current} -> {floor}: requests arrived through the " \
-                 f"gateway within the idle period (scale from zero); {described}"
+        reason = (
+            f"{'scale up' if current < floor else 'keep'} {current} -> {floor}: requests arrived through the "
+            f"gateway within the idle period (scale from zero); {described}"
+        )
         desired = floor
     return ScaleDecision(desired, kept, reason)

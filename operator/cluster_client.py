@@ -42,14 +42,26 @@ class ClusterClient:
         self.api_client = api_client
         self._served: dict[str, tuple[float, bool]] = {}
 
-    def _call(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
-              content_type: str = "application/json") -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
         serialized = self.api_client.param_serialize(
-            method=method, resource_path=path, query_params=query or [], body=body, auth_settings=["BearerToken"],
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            body=body,
+            auth_settings=["BearerToken"],
             header_params={"Accept": "application/json", "Content-Type": content_type},
         )
-        response = self.api_client.call_api(serialized[0], serialized[1], header_params=serialized[2],
-                                            body=serialized[3], _request_timeout=30)
+        response = self.api_client.call_api(
+            serialized[0], serialized[1], header_params=serialized[2], body=serialized[3], _request_timeout=30
+        )
         response.read()
         return self.api_client.response_deserialize(response, {"2XX": "object"}).data  # raises ApiException
 
@@ -62,8 +74,11 @@ class ClusterClient:
         """Server-side apply as the operator's field manager; returns the live object."""
         meta = obj["metadata"]
         return self._call(
-            "PATCH", self._path(obj["kind"], meta["namespace"], meta["name"]), body=json.dumps(obj),
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")], content_type="application/apply-patch+yaml",
+            "PATCH",
+            self._path(obj["kind"], meta["namespace"], meta["name"]),
+            body=json.dumps(obj),
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            content_type="application/apply-patch+yaml",
         )
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -100,5 +115,9 @@ class ClusterClient:
         return served
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self._call("PATCH", self._path(api.KIND, namespace, name) + "/status", body={"status": status},
-                   content_type="application/merge-patch+json")
+        self._call(
+            "PATCH",
+            self._path(api.KIND, namespace, name) + "/status",
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )

@@ -1,6 +1,6 @@
 """Generate the InferenceService CRD (and kopf's peering CRDs) from the pydantic models in api.py.
 
-    python3 -m capstan.operator.crd          # rewrite crds/ and charts/capstan/crds/
+python3 -m capstan.operator.crd          # rewrite crds/ and charts/capstan/crds/
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if not isinstance(node, dict):
         return node
     if "$ref" in node:
-        return _structural({**defs[node["$ref"].split("/")[-1]], **{k: v for k, v in node.items() if k != "$ref"}}, defs)
+        return _structural(
+            {**defs[node["$ref"].split("/")[-1]], **{k: v for k, v in node.items() if k != "$ref"}}, defs
+        )
     variants = [v for v in node.get("anyOf", []) if v.get("type") != "null"]
     if "anyOf" in node and len(variants) == 1:  # Optional[X]: absence, not null, means "unset"
         rest = {k: v for k, v in node.items() if k not in ("anyOf", "default")}
@@ -85,44 +87,50 @@ def inference_service_crd() -> dict[str, Any]:
                 "categories": ["capstan"],
             },
             "scope": "Namespaced",
-            "versions": [{
-                "name": api.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {
-                    "status": {},
-                    "scale": {
-                        "specReplicasPath": ".spec.replicas",
-                        "statusReplicasPath": ".status.replicas",
-                        "labelSelectorPath": ".status.selector",
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
                     },
-                },
-                "additionalPrinterColumns": [
-                    {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
-                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
-                    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
-                    {"name": "URL", "type": "string", "jsonPath": ".status.url"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "A model served behind an OpenAI-compatible endpoint by Capstan's runtime.",
-                    "required": ["spec"],
-                    "x-kubernetes-validations": [{
-                        "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')"
-                                " && size(self.metadata.name) <= 63",
-                        "message": "metadata.name must be a DNS label (lowercase letters, digits and '-', starting"
-                                   " with a letter, at most 63 characters): it also names the Service",
-                    }],
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "metadata": {"type": "object"},
-                        "spec": spec_schema,
-                        "status": status_schema,
+                    "additionalPrinterColumns": [
+                        {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
+                        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+                        {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+                        {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A model served behind an OpenAI-compatible endpoint by Capstan's runtime.",
+                            "required": ["spec"],
+                            "x-kubernetes-validations": [
+                                {
+                                    "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')"
+                                    " && size(self.metadata.name) <= 63",
+                                    "message": "metadata.name must be a DNS label (lowercase letters, digits and '-', starting"
+                                    " with a letter, at most 63 characters): it also names the Service",
+                                }
+                            ],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema,
+                                "status": status_schema,
+                            },
+                        }
                     },
-                }},
-            }],
+                }
+            ],
         },
     }
 
@@ -137,15 +145,19 @@ def _peering_crd(kind: str, plural: str, scope: str) -> dict[str, Any]:
             "group": "kopf.dev",
             "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
             "scope": scope,
-            "versions": [{
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "properties": {"status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-                }},
-            }],
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {"status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                        }
+                    },
+                }
+            ],
         },
     }
 

@@ -26,7 +26,8 @@ class Group:
 
 def _is_ready(pod: dict[str, Any]) -> bool:
     return not pod["metadata"].get("deletionTimestamp") and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+        c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", [])
+    )
 
 
 def observe(statefulset: dict[str, Any], pods: list[dict[str, Any]]) -> Group:
@@ -40,7 +41,9 @@ def observe(statefulset: dict[str, Any], pods: list[dict[str, Any]]) -> Group:
     return Group(
         name=statefulset["metadata"]["name"],
         ready=len(live) == hosts and all(_is_ready(p) for p in live),
-        updated=current and revision is not None and len(live) == hosts
+        updated=current
+        and revision is not None
+        and len(live) == hosts
         and all(p["metadata"].get("labels", {}).get(REVISION_LABEL) == revision for p in live),
         pods=tuple(sorted(p["metadata"]["name"] for p in live)),
     )
@@ -52,10 +55,12 @@ def outdated(statefulset: dict[str, Any], pods: list[dict[str, Any]]) -> bool:
     if status.get("observedGeneration", 0) < statefulset["metadata"].get("generation", 0):
         return False  # the controller has not computed the new revision yet: wait for it
     replica = statefulset["metadata"]["labels"][REPLICA_LABEL]
-    return any(p["metadata"].get("labels", {}).get(REPLICA_LABEL) == replica
-               and not p["metadata"].get("deletionTimestamp")
-               and p["metadata"].get("labels", {}).get(REVISION_LABEL) != status.get("updateRevision")
-               for p in pods)
+    return any(
+        p["metadata"].get("labels", {}).get(REPLICA_LABEL) == replica
+        and not p["metadata"].get("deletionTimestamp")
+        and p["metadata"].get("labels", {}).get(REVISION_LABEL) != status.get("updateRevision")
+        for p in pods
+    )
 
 
 def group_to_replace(statefulsets: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Group | None:
@@ -73,15 +78,29 @@ def summarize(statefulsets: list[dict[str, Any]], pods: list[dict[str, Any]]) ->
     """The groups counted as replicas, in the shape of a Deployment's status, for status.compute_status."""
     groups = [observe(s, pods) for s in statefulsets]
     ready = sum(g.ready for g in groups)
-    return {"metadata": {"generation": 0}, "status": {
-        "observedGeneration": 0, "replicas": len(groups), "readyReplicas": ready, "availableReplicas": ready,
-        "updatedReplicas": sum(g.updated for g in groups)}}
+    return {
+        "metadata": {"generation": 0},
+        "status": {
+            "observedGeneration": 0,
+            "replicas": len(groups),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "updatedReplicas": sum(g.updated for g in groups),
+        },
+    }
 
 
 def summarize_leader_worker_set(lws: dict[str, Any]) -> dict[str, Any]:
     """A LeaderWorkerSet counts groups itself (a group is ready when all its pods are)."""
     status = lws.get("status", {})
     ready = status.get("readyReplicas", 0)
-    return {"metadata": {"generation": 0}, "status": {
-        "observedGeneration": 0, "replicas": status.get("replicas", 0), "readyReplicas": ready,
-        "availableReplicas": ready, "updatedReplicas": status.get("updatedReplicas", 0)}}
+    return {
+        "metadata": {"generation": 0},
+        "status": {
+            "observedGeneration": 0,
+            "replicas": status.get("replicas", 0),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "updatedReplicas": status.get("updatedReplicas", 0),
+        },
+    }

@@ -54,9 +54,12 @@ def model_source(uri: str) -> ModelSource:
         "image": DOWNLOADER_IMAGE,
         "args": ["copy", "--fast-list", "--transfers=16", remote, local],
         # Credentials come from the pod's identity (workload identity, IRSA) or env the user adds.
-        "env": [{"name": "RCLONE_GCS_ENV_AUTH", "value": "true"}, {"name": "RCLONE_S3_ENV_AUTH", "value": "true"},
-                {"name": "RCLONE_S3_PROVIDER", "value": "AWS"},
-                {"name": "HOME", "value": pod_security.SCRATCH_MOUNT}],  # rclone's config and cache, off the read-only root
+        "env": [
+            {"name": "RCLONE_GCS_ENV_AUTH", "value": "true"},
+            {"name": "RCLONE_S3_ENV_AUTH", "value": "true"},
+            {"name": "RCLONE_S3_PROVIDER", "value": "AWS"},
+            {"name": "HOME", "value": pod_security.SCRATCH_MOUNT},
+        ],  # rclone's config and cache, off the read-only root
         "securityContext": pod_security.container_security_context(),
         "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}, pod_security.scratch_mount()],
     }

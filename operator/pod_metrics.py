@@ -27,8 +27,11 @@ def parse_load(text: str) -> PodLoad:
     for family in text_string_to_metric_families(text):
         if family.name in gauges:
             gauges[family.name] = sum(sample.value for sample in family.samples)
-    return PodLoad(running=gauges[metric_names.REQUESTS_RUNNING], waiting=gauges[metric_names.REQUESTS_WAITING],
-                   kv_cache_usage=gauges[metric_names.KV_CACHE_USAGE])
+    return PodLoad(
+        running=gauges[metric_names.REQUESTS_RUNNING],
+        waiting=gauges[metric_names.REQUESTS_WAITING],
+        kv_cache_usage=gauges[metric_names.KV_CACHE_USAGE],
+    )
 
 
 def fetch_load(address: str) -> PodLoad | None:

@@ -43,4 +43,3 @@ def scratch_volume() -> dict[str, Any]:
 
 def scratch_mount() -> dict[str, Any]:
     return {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT}
-

@@ -81,8 +81,11 @@ class Reconciler:
 
         multi_host = render_group.is_multi_host(spec)
         leader_worker_set = multi_host and self.client.serves(render_group.LWS_API_VERSION)
-        desired = render_group.render_all_groups(body, spec, replicas, leader_worker_set) if multi_host \
+        desired = (
+            render_group.render_all_groups(body, spec, replicas, leader_worker_set)
+            if multi_host
             else render.render_all(body, spec, replicas)
+        )
         try:
             applied = [self.client.apply(obj) for obj in desired]
         except ApiException as error:
@@ -98,8 +101,15 @@ class Reconciler:
         self._prune_workloads(body, applied, leader_worker_set)
         workload = self._observe_workload(body, applied, pods)
         new_status = compute_status(
-            name=name, namespace=namespace, generation=generation, spec=spec, desired=replicas,
-            deployment=workload, pods=pods, previous_conditions=status.get("conditions", []), now=_now(),
+            name=name,
+            namespace=namespace,
+            generation=generation,
+            spec=spec,
+            desired=replicas,
+            deployment=workload,
+            pods=pods,
+            previous_conditions=status.get("conditions", []),
+            now=_now(),
             url=self.config.gateway_url,
         )
         if autoscaling_status is not None:
@@ -110,29 +120,39 @@ class Reconciler:
         if any(status.get(k) != v for k, v in new_status.items()):
             self.client.patch_status(namespace, name, new_status)
 
-    def _autoscale(self, body: dict[str, Any], spec: api.InferenceServiceSpec, status: dict[str, Any],
-                   current: int, pods: list[dict[str, Any]], floor: int) -> tuple[int, dict[str, Any]]:
+    def _autoscale(
+        self,
+        body: dict[str, Any],
+        spec: api.InferenceServiceSpec,
+        status: dict[str, Any],
+        current: int,
+        pods: list[dict[str, Any]],
+        floor: int,
+    ) -> tuple[int, dict[str, Any]]:
         assert spec.autoscaling is not None
         meta = body["metadata"]
         serving = [p for p in pods if _is_ready(p) and render_group.is_leader(p)]  # workers take no requests
         loads = fetch_loads(self.config.pod_addresses.resolve(serving))
         previous = api.AutoscalingStatus.model_validate(status.get("autoscaling") or {})
-        decision = autoscaler.decide(spec.autoscaling, spec.bounds(), current, loads, previous.recommendations,
-                                     time.time(), floor)
+        decision = autoscaler.decide(
+            spec.autoscaling, spec.bounds(), current, loads, previous.recommendations, time.time(), floor
+        )
         last_scale_time = previous.last_scale_time
         if decision.changes(current):
             last_scale_time = _now()
             self.emit(body, "Normal", "Scaled", decision.reason)
             log.info("%s/%s: %s", meta["namespace"], meta["name"], decision.reason)
         result = api.AutoscalingStatus(
-            desired_replicas=decision.replicas, last_scale_time=last_scale_time,
+            desired_replicas=decision.replicas,
+            last_scale_time=last_scale_time,
             last_decision=decision.reason if decision.changes(current) else previous.last_decision or decision.reason,
             recommendations=decision.recommendations,
         )
         return decision.replicas, result.model_dump(by_alias=True, exclude_none=True)
 
-    def _observe_workload(self, body: dict[str, Any], applied: list[dict[str, Any]],
-                          pods: list[dict[str, Any]]) -> dict[str, Any]:
+    def _observe_workload(
+        self, body: dict[str, Any], applied: list[dict[str, Any]], pods: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         """The Deployment, or the multi-host groups summarized as one; rolls the next outdated group."""
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for obj in applied:
@@ -146,8 +166,12 @@ class Reconciler:
         if group is not None:
             for pod in group.pods:
                 self.client.delete("Pod", body["metadata"]["namespace"], pod)
-            self.emit(body, "Normal", "RollingGroup", f"replacing all {len(group.pods)} pods of group {group.name} "
-                                                      "with the current spec")
+            self.emit(
+                body,
+                "Normal",
+                "RollingGroup",
+                f"replacing all {len(group.pods)} pods of group {group.name} with the current spec",
+            )
         return host_groups.summarize(statefulsets, pods)
 
     def _prune_workloads(self, body: dict[str, Any], applied: list[dict[str, Any]], leader_worker_set: bool) -> None:
@@ -172,10 +196,13 @@ class Reconciler:
         owners = (claim or {}).get("metadata", {}).get("ownerReferences", [])
         if any(o.get("uid") == meta["uid"] for o in owners):
             self.client.delete("PersistentVolumeClaim", meta["namespace"], claim["metadata"]["name"])
-            self.emit(body, "Normal", "Deleted", f"model cache claim {claim['metadata']['name']} is no longer requested")
+            self.emit(
+                body, "Normal", "Deleted", f"model cache claim {claim['metadata']['name']} is no longer requested"
+            )
 
-    def _report_transitions(self, body: dict[str, Any], before: list[dict[str, Any]],
-                            after: list[dict[str, Any]]) -> None:
+    def _report_transitions(
+        self, body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]
+    ) -> None:
         old = {c["type"]: c for c in before}
         for condition in after:
             previous = old.get(condition["type"], {})
@@ -189,15 +216,27 @@ class Reconciler:
     def _report_invalid(self, body: dict[str, Any], generation: int, reason: str, message: str) -> None:
         meta, status = body["metadata"], body.get("status") or {}
         degraded: dict[str, Any] = next((c for c in status.get("conditions", []) if c["type"] == "Degraded"), {})
-        if (degraded.get("reason"), degraded.get("message"), status.get("observedGeneration")) == \
-                (reason, message, generation):
+        if (degraded.get("reason"), degraded.get("message"), status.get("observedGeneration")) == (
+            reason,
+            message,
+            generation,
+        ):
             return  # already reported
         conditions = [c for c in status.get("conditions", []) if c["type"] != "Degraded"]
-        conditions.append({"type": "Degraded", "status": "True", "reason": reason, "message": message,
-                           "lastTransitionTime": _now(), "observedGeneration": generation})
+        conditions.append(
+            {
+                "type": "Degraded",
+                "status": "True",
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": _now(),
+                "observedGeneration": generation,
+            }
+        )
         self.emit(body, "Warning", reason, message)
-        self.client.patch_status(meta["namespace"], meta["name"],
-                                 {"observedGeneration": generation, "conditions": conditions})
+        self.client.patch_status(
+            meta["namespace"], meta["name"], {"observedGeneration": generation, "conditions": conditions}
+        )
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:

@@ -61,15 +61,26 @@ def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
 
 
 def _metadata(name: str, namespace: str, owner: dict[str, Any], object_name: str | None = None) -> dict[str, Any]:
-    return {"name": object_name or name, "namespace": namespace, "labels": labels(name),
-            "ownerReferences": [owner_reference(owner)]}
+    return {
+        "name": object_name or name,
+        "namespace": namespace,
+        "labels": labels(name),
+        "ownerReferences": [owner_reference(owner)],
+    }
 
 
 def serve_args(spec: api.InferenceServiceSpec, model_argument: str) -> list[str]:
     """`capstan serve`'s arguments, vLLM-style."""
     runtime = spec.runtime
-    args = [model_argument, "--host", "0.0.0.0", "--port", str(SERVER_PORT),
-            "--served-model-name", spec.model.served_name or served_model_name(spec.model.uri)]
+    args = [
+        model_argument,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(SERVER_PORT),
+        "--served-model-name",
+        spec.model.served_name or served_model_name(spec.model.uri),
+    ]
     flags = {
         "--tokenizer": spec.model.tokenizer,
         "--max-model-len": runtime.max_model_len,
@@ -112,8 +123,9 @@ def _scheduling(spec: api.InferenceServiceSpec) -> dict[str, Any]:
     if is_tpu(spec.accelerator.type):
         node_selector[TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
     node_selector.update(spec.node_selector)
-    tolerations = [{"key": accelerator.taint_key, "operator": "Exists", "effect": "NoSchedule"}] \
-        if accelerator.taint_key else []
+    tolerations = (
+        [{"key": accelerator.taint_key, "operator": "Exists", "effect": "NoSchedule"}] if accelerator.taint_key else []
+    )
     scheduling: dict[str, Any] = {"nodeSelector": node_selector, "tolerations": tolerations + list(spec.tolerations)}
     if spec.affinity:
         scheduling["affinity"] = spec.affinity
@@ -121,15 +133,20 @@ def _scheduling(spec: api.InferenceServiceSpec) -> dict[str, Any]:
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
-            "failureThreshold": failures, "timeoutSeconds": 5}
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
 
 
 def render_pod_template(name: str, spec: api.InferenceServiceSpec) -> dict[str, Any]:
     source = model_source(spec.model.uri)
     claim = model_cache_claim_name(name, spec)
     cache_volume = {"name": "model-cache"} | (
-        {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}})
+        {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
+    )
     container = {
         "name": CONTAINER_NAME,
         "image": spec.image,
@@ -144,8 +161,11 @@ def render_pod_template(name: str, spec: api.InferenceServiceSpec) -> dict[str, 
         "livenessProbe": _probe("/health", 10, 6),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
         "securityContext": pod_security.container_security_context(spec.security.privileged),
-        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}, pod_security.scratch_mount(),
-                         *source.mounts],
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": CACHE_MOUNT},
+            pod_security.scratch_mount(),
+            *source.mounts,
+        ],
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
@@ -239,7 +259,10 @@ def render_model_cache_claim(owner: dict[str, Any], spec: api.InferenceServiceSp
     if cache is None or cache.size is None:
         return None
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    claim_spec: dict[str, Any] = {"accessModes": [cache.access_mode], "resources": {"requests": {"storage": cache.size}}}
+    claim_spec: dict[str, Any] = {
+        "accessModes": [cache.access_mode],
+        "resources": {"requests": {"storage": cache.size}},
+    }
     if cache.storage_class_name:
         claim_spec["storageClassName"] = cache.storage_class_name
     return {
@@ -253,5 +276,9 @@ def render_model_cache_claim(owner: dict[str, Any], spec: api.InferenceServiceSp
 def render_all(owner: dict[str, Any], spec: api.InferenceServiceSpec, replicas: int) -> list[dict[str, Any]]:
     """Every object the InferenceService owns, in the order they should be applied."""
     claim = render_model_cache_claim(owner, spec)
-    return [*([claim] if claim else []), render_service(owner), render_pod_disruption_budget(owner),
-            render_deployment(owner, spec, replicas)]
+    return [
+        *([claim] if claim else []),
+        render_service(owner),
+        render_pod_disruption_budget(owner),
+        render_deployment(owner, spec, replicas),
+    ]

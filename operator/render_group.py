@@ -57,8 +57,9 @@ def _label_env(var: str, label: str) -> dict[str, Any]:
     return {"name": var, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
 
 
-def _group_pod_template(name: str, spec: api.InferenceServiceSpec, distributed_env: list[dict[str, Any]],
-                        group_labels: dict[str, str]) -> dict[str, Any]:
+def _group_pod_template(
+    name: str, spec: api.InferenceServiceSpec, distributed_env: list[dict[str, Any]], group_labels: dict[str, str]
+) -> dict[str, Any]:
     template = render.render_pod_template(name, spec)
     template["metadata"]["labels"].update(group_labels)
     pod = template["spec"]
@@ -66,8 +67,10 @@ def _group_pod_template(name: str, spec: api.InferenceServiceSpec, distributed_e
     container["env"] = [*distributed_env, *container.get("env", [])]
     # A host that exits (e.g. the runtime refusing a shape) leaves its last words in status for the operator.
     container.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
-    container["ports"] = [*container.get("ports", []),
-                          {"name": "coordinator", "containerPort": COORDINATOR_PORT, "protocol": "TCP"}]
+    container["ports"] = [
+        *container.get("ports", []),
+        {"name": "coordinator", "containerPort": COORDINATOR_PORT, "protocol": "TCP"},
+    ]
     if "affinity" not in pod and group_labels:
         pod["affinity"] = _group_affinity(name, spec, group_labels)
     return template
@@ -76,11 +79,15 @@ def _group_pod_template(name: str, spec: api.InferenceServiceSpec, distributed_e
 def _group_affinity(name: str, spec: api.InferenceServiceSpec, group_labels: dict[str, str]) -> dict[str, Any]:
     """One host per node; the hosts of a TPU group in one node pool, which is one slice on GKE."""
     group = {"labelSelector": {"matchLabels": render.selector(name) | group_labels}}
-    affinity: dict[str, Any] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-        group | {"topologyKey": "kubernetes.io/hostname"}]}}
+    affinity: dict[str, Any] = {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [group | {"topologyKey": "kubernetes.io/hostname"}]
+        }
+    }
     if is_tpu(spec.accelerator.type):
-        affinity["podAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [
-            group | {"topologyKey": GKE_NODE_POOL_LABEL}]}
+        affinity["podAffinity"] = {
+            "requiredDuringSchedulingIgnoredDuringExecution": [group | {"topologyKey": GKE_NODE_POOL_LABEL}]
+        }
     return affinity
 
 
@@ -125,8 +132,10 @@ def render_hosts_service(owner: dict[str, Any]) -> dict[str, Any]:
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": render.selector(name),
-            "ports": [{"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": "coordinator", "protocol": "TCP"},
-                      {"name": "http", "port": render.SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [
+                {"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": "coordinator", "protocol": "TCP"},
+                {"name": "http", "port": render.SERVER_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
         },
     }
 
@@ -138,8 +147,10 @@ def render_leader_worker_set(owner: dict[str, Any], spec: api.InferenceServiceSp
     lws = hosts_name(name)
     env = [
         _label_env("CAPSTAN_GROUP_INDEX", LWS_GROUP_INDEX_LABEL),
-        {"name": "JAX_COORDINATOR_ADDRESS", "value": f"{_dns(f'{lws}-$(CAPSTAN_GROUP_INDEX)', name, namespace)}"
-                                                     f":{COORDINATOR_PORT}"},
+        {
+            "name": "JAX_COORDINATOR_ADDRESS",
+            "value": f"{_dns(f'{lws}-$(CAPSTAN_GROUP_INDEX)', name, namespace)}:{COORDINATOR_PORT}",
+        },
         {"name": "JAX_NUM_PROCESSES", "value": str(spec.parallelism.hosts)},
         _label_env("JAX_PROCESS_ID", LWS_WORKER_INDEX_LABEL),
     ]
@@ -158,14 +169,17 @@ def render_leader_worker_set(owner: dict[str, Any], spec: api.InferenceServiceSp
                 "restartPolicy": "RecreateGroupOnPodRestart",  # a lost host breaks the whole program
                 "workerTemplate": _group_pod_template(name, spec, env, {}),
             },
-            "rolloutStrategy": {"type": "RollingUpdate",
-                                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+            },
         },
     }
 
 
-def render_all_groups(owner: dict[str, Any], spec: api.InferenceServiceSpec, replicas: int,
-                      leader_worker_set: bool) -> list[dict[str, Any]]:
+def render_all_groups(
+    owner: dict[str, Any], spec: api.InferenceServiceSpec, replicas: int, leader_worker_set: bool
+) -> list[dict[str, Any]]:
     """Every object a multi-host InferenceService owns, in the order they should be applied."""
     claim = render.render_model_cache_claim(owner, spec)
     name = owner["metadata"]["name"]

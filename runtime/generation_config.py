@@ -5,6 +5,7 @@ A request field left out takes, in order: `--override-generation-config`, then t
 its publisher's recommendation), then SamplingParams' own default. `--generation-config vllm` ignores the model's.
 Computed from the EngineConfig and the checkpoint's files only: the HTTP frontend needs neither JAX nor the weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("capstan")
 GENERATION_CONFIG_FILE = "generation_config.json"
 # llama.cpp's GGUF keys (gguf.Keys.General.SAMPLING_*) -> SamplingParams field
-GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
-                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
-                      "general.sampling.penalty_repeat": "repetition_penalty"}
+GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 # The default model's card (HuggingFaceTB/SmolLM2-135M-Instruct) samples with temperature 0.2 and top_p 0.9; its
 # files carry none. With those alone, the Q4_1 file's near-tied first tokens send ~3 in 10 one-line answers into a
 # loop until the context ends; a repetition penalty of 1.1 (ours, not the card's) ended 15 of 15 with EOS.
@@ -33,8 +38,7 @@ SMOLLM2_RECOMMENDED = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1
 def sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
     """SamplingParams fields a request (or LLM.generate without sampling_params) takes when it leaves them out."""
     model = {} if config.generation_config == "vllm" else model_defaults(config.model, config.generation_config)
-    override = parse_sampling_keys(config.override_generation_config or {}, "--override-generation-config",
-                                   strict=True)
+    override = parse_sampling_keys(config.override_generation_config or {}, "--override-generation-config", strict=True)
     return {**model, **override}
 
 
@@ -42,12 +46,19 @@ def describe(defaults: dict[str, float | int], config: EngineConfig) -> str:
     """One log line: which defaults are in force and where they came from."""
     if not defaults:
         return "default sampling parameters: SamplingParams' own (the model's generation config has none)"
-    source = "--override-generation-config" if config.generation_config == "vllm" else (
-        f"the model's generation config ({config.generation_config})" + (
-            " and --override-generation-config" if config.override_generation_config else ""))
+    source = (
+        "--override-generation-config"
+        if config.generation_config == "vllm"
+        else (
+            f"the model's generation config ({config.generation_config})"
+            + (" and --override-generation-config" if config.override_generation_config else "")
+        )
+    )
     fields = ", ".join(f"{k}={v}" for k, v in sorted(defaults.items()))
-    return (f"default sampling parameters from {source}: {fields}; a request's own fields win "
-            "(--generation-config vllm ignores the model's)")
+    return (
+        f"default sampling parameters from {source}: {fields}; a request's own fields win "
+        "(--generation-config vllm ignores the model's)"
+    )
 
 
 def model_defaults(model: str, source: str = "auto") -> dict[str, float | int]:
@@ -68,8 +79,10 @@ def _json_defaults(path: Path) -> dict[str, float | int]:
     if not path.is_file():
         if path.parent.is_dir():
             return {}
-        raise ValueError(f"--generation-config: {path.parent} is not a folder (give auto, vllm or a folder holding "
-                         f"{GENERATION_CONFIG_FILE})")
+        raise ValueError(
+            f"--generation-config: {path.parent} is not a folder (give auto, vllm or a folder holding "
+            f"{GENERATION_CONFIG_FILE})"
+        )
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -96,13 +109,18 @@ def _hub_generation_config(model: str) -> Path | None:
     """generation_config.json of an hf:// model, from the local cache or the hub; None when it has none."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
-    repo, _, revision = model[len("hf://"):].partition("@")
+    repo, _, revision = model[len("hf://") :].partition("@")
     cached = try_to_load_from_cache(repo, GENERATION_CONFIG_FILE, revision=revision or None)
     if isinstance(cached, str):
         return Path(cached)
     try:
         return Path(hf_hub_download(repo, GENERATION_CONFIG_FILE, revision=revision or None))
     except Exception as e:  # no network, no such file: the model recommends nothing we can read
-        log.warning("%s: no %s read (%s: %s); SamplingParams' own defaults apply", model, GENERATION_CONFIG_FILE,
-                    type(e).__name__, e)
+        log.warning(
+            "%s: no %s read (%s: %s); SamplingParams' own defaults apply",
+            model,
+            GENERATION_CONFIG_FILE,
+            type(e).__name__,
+            e,
+        )
         return None

@@ -2,6 +2,7 @@
 
 gguf's GGUFReader parses every field and tensor header up front (seconds for a 49k-token vocabulary); this walks
 the key/value section once, keeps the keys asked for and skips the rest. Layout: llama.cpp's docs/gguf.md."""
+
 from __future__ import annotations
 
 import mmap
@@ -42,7 +43,7 @@ class _Walker:
 
     def _string(self) -> str:
         size = self._unpack("Q")
-        text = bytes(self.data[self.offset:self.offset + size])
+        text = bytes(self.data[self.offset : self.offset + size])
         if len(text) != size:
             raise struct.error("a string runs past the end of the file")
         self.offset += size

@@ -5,10 +5,11 @@ limit) before any per-choice, per-token or device structure is built.
 Where OpenAI or vLLM document a limit, it is theirs; where neither does, the cap keeps one request's memory
 and device arrays bounded (docs/server.md, "Request limits", works out the worst case per request).
 """
+
 from __future__ import annotations
 
-INT32_MAX = 2 ** 31 - 1  # integers that reach the device are int32
-INT64_MIN, UINT64_MAX = -(2 ** 63), 2 ** 64 - 1  # seed: OpenAI's int64, or vLLM's unsigned 64-bit
+INT32_MAX = 2**31 - 1  # integers that reach the device are int32
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1  # seed: OpenAI's int64, or vLLM's unsigned 64-bit
 
 # sampling
 MAX_TEMPERATURE = 2.0  # OpenAI

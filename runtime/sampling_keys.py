@@ -1,12 +1,19 @@
 """generation_config.json's sampling keys as SamplingParams fields, checked against the request limits: for the
 model's generation config and for --override-generation-config (which EngineConfig checks when it is made)."""
+
 from __future__ import annotations
 
 from .engine.sampling_params import InvalidRequestError, SamplingParams
 
 # generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults
-SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def parse_sampling_keys(raw: dict, source: str, strict: bool = False) -> dict[str, float | int]:

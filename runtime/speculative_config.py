@@ -1,4 +1,5 @@
 """--speculative-config (vLLM's JSON flag), parsed and checked without JAX (the CLI and config import it)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,9 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config: must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(fields) - known):
-            raise ValueError(f"--speculative-config: unknown field(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
+            raise ValueError(
+                f"--speculative-config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         if "model" in fields and "method" not in fields:  # as vLLM: a model alone means a draft model
             fields["method"] = "draft_model"
         if fields.get("method") == "draft_model" and (given := [f for f in NGRAM_FIELDS if f in fields]):
@@ -47,28 +49,35 @@ class SpeculativeConfig:
 
     def validate(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"--speculative-config: method {self.method!r} is not supported; supported: "
-                             f"{', '.join(METHODS)}")
+            raise ValueError(
+                f"--speculative-config: method {self.method!r} is not supported; supported: {', '.join(METHODS)}"
+            )
         for name in ("num_speculative_tokens", *NGRAM_FIELDS):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 2):
-            raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer of at least 2 (or "
-                             f"null), got {size!r}")
+            raise ValueError(
+                f"--speculative-config: disable_by_batch_size must be an integer of at least 2 (or null), got {size!r}"
+            )
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"--speculative-config: num_speculative_tokens must be at most "
-                             f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+            raise ValueError(
+                f"--speculative-config: num_speculative_tokens must be at most "
+                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"--speculative-config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"--speculative-config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
-            raise ValueError('--speculative-config: method "draft_model" needs "model": the draft checkpoint '
-                             "(folder, .gguf file or hf://org/name) with the target's vocabulary")
+            raise ValueError(
+                '--speculative-config: method "draft_model" needs "model": the draft checkpoint '
+                "(folder, .gguf file or hf://org/name) with the target's vocabulary"
+            )
         if self.method == "ngram" and self.model is not None:
-            raise ValueError(f'--speculative-config: model applies to method "draft_model"; method is '
-                             f"{self.method!r}")
+            raise ValueError(f'--speculative-config: model applies to method "draft_model"; method is {self.method!r}')
 
     def check_draft_exists(self) -> None:
         """A local draft checkpoint must be there (hf:// ones are fetched when the engine loads them)."""
@@ -76,5 +85,7 @@ class SpeculativeConfig:
             return
         path = Path(self.model)
         if not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):
-            raise ValueError(f"--speculative-config: model {self.model!r}: no such checkpoint folder or .gguf file "
-                             "(or use hf://org/name)")
+            raise ValueError(
+                f"--speculative-config: model {self.model!r}: no such checkpoint folder or .gguf file "
+                "(or use hf://org/name)"
+            )

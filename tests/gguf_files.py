@@ -1,5 +1,6 @@
 """Writes a Hugging Face checkpoint folder (tests/data/golden) as a float32 GGUF file the way llama.cpp's
 convert_hf_to_gguf.py does: its metadata keys, its tensor names, Q/K rows permuted for `llama`, Gemma norms + 1."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,30 @@ import numpy as np
 from safetensors.numpy import load_file
 
 GOLDEN_TOKENIZER_CASE = "llama-s11"  # its byte-level BPE, written with each split regex (tokenizer.ggml.pre)
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "Gemma3ForCausalLM": "gemma3"}
-LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-GEMMA3_LAYER = LAYER | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                        "post_feedforward_layernorm": "post_ffw_norm"}
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+}
+LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+GEMMA3_LAYER = LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -25,7 +42,9 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder: Path, out: Path, architecture: str | None = None, pre: str = "gpt-2", q8_0: bool = False) -> Path:
+def write_gguf(
+    folder: Path, out: Path, architecture: str | None = None, pre: str = "gpt-2", q8_0: bool = False
+) -> Path:
     """q8_0: the linear weights quantized to llama.cpp's Q8_0 by gguf-py (as `llama-quantize ... Q8_0` leaves
     them), everything else float32."""
     hf = json.loads((folder / "config.json").read_text())
@@ -60,8 +79,11 @@ def write_gguf(folder: Path, out: Path, architecture: str | None = None, pre: st
             t = permute_rows(t, heads if "q_proj" in name else kv_heads)
         t = np.ascontiguousarray(t, np.float32)
         if q8_0 and name.endswith("_proj.weight"):
-            w.add_tensor(_gguf_name(name, layer_names), gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(
+                _gguf_name(name, layer_names),
+                gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             w.add_tensor(_gguf_name(name, layer_names), t)
     w.write_header_to_file()
@@ -72,8 +94,11 @@ def write_gguf(folder: Path, out: Path, architecture: str | None = None, pre: st
 
 
 def _gguf_name(name: str, layer_names: dict[str, str]) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in top:
         return top[name]
     _, _, i, rest = name.split(".", 3)
@@ -93,8 +118,9 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, hf: dict, pre: str) -> No
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in special.values() else gguf.TokenType.NORMAL
-                       for i in range(len(tokens))])
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if i in special.values() else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    )
     merges = tok["model"]["merges"]
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     if hf.get("bos_token_id") is not None:
@@ -107,22 +133,61 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, hf: dict, pre: str) -> No
         w.add_chat_template(template.read_text())
 
 
-SPM_PIECES = ["\u2581", *"abcdefghijklmnopqrstuvwxyzT,.", "\u2581t", "he", "\u2581the", "in", "\u2581a", "er", "on",
-              "\u2581in", "ing", "\u2581th", "an", "re", "\u2581s", "at", "en", "\u2581o", "\u2581of", "\u2581an",
-              "\u2581and", "ed", "\u2581w", "is", "\u2581is", "it", "\u2581it", "or", "\u2581T", "\u2581The", "ll",
-              "\u2581\u2581", "\u2581\u2581\u2581\u2581"]
+SPM_PIECES = [
+    "\u2581",
+    *"abcdefghijklmnopqrstuvwxyzT,.",
+    "\u2581t",
+    "he",
+    "\u2581the",
+    "in",
+    "\u2581a",
+    "er",
+    "on",
+    "\u2581in",
+    "ing",
+    "\u2581th",
+    "an",
+    "re",
+    "\u2581s",
+    "at",
+    "en",
+    "\u2581o",
+    "\u2581of",
+    "\u2581an",
+    "\u2581and",
+    "ed",
+    "\u2581w",
+    "is",
+    "\u2581is",
+    "it",
+    "\u2581it",
+    "or",
+    "\u2581T",
+    "\u2581The",
+    "ll",
+    "\u2581\u2581",
+    "\u2581\u2581\u2581\u2581",
+]
 
 
 def write_toy_spm_gguf(out: Path, add_space_prefix: bool = True) -> Path:
     """A vocab-only `llama` GGUF with a SentencePiece tokenizer (made-up scores, byte fallback), as Llama 2 and
     Gemma files store theirs."""
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
-    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-             + [gguf.TokenType.NORMAL] * len(SPM_PIECES))
+    types = (
+        [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+        + [gguf.TokenType.BYTE] * 256
+        + [gguf.TokenType.NORMAL] * len(SPM_PIECES)
+    )
     scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
     w = gguf.GGUFWriter(str(out), "llama")
-    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 8),
-                       ("feed_forward_length", 8), ("attention.head_count", 1)):
+    for key, value in (
+        ("block_count", 1),
+        ("context_length", 64),
+        ("embedding_length", 8),
+        ("feed_forward_length", 8),
+        ("attention.head_count", 1),
+    ):
         w.add_uint32(f"llama.{key}", value)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")

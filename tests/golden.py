@@ -1,4 +1,5 @@
 """Access to the transformers reference vectors copied into tests/data/golden (see its README in shared/)."""
+
 import json
 from pathlib import Path
 

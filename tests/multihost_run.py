@@ -2,6 +2,7 @@
 
 The leader (JAX_PROCESS_ID=0) prints its tokens as JSON; followers follow. With JAX_NUM_PROCESSES unset it runs
 alone, on one device: the reference."""
+
 import json
 import sys
 from pathlib import Path
@@ -18,9 +19,18 @@ def main(case: str) -> None:
     from capstan.runtime.engine.sampling_params import SamplingParams
 
     many = initialize_from_env(timeout_s=60)
-    engine = LockstepEngine(EngineConfig(model=str(GOLDEN / case), max_model_len=256, max_num_seqs=4,
-                                         max_num_batched_tokens=32, page_size=4, dtype="float32", warmup=False,
-                                         tensor_parallel_size=jax.device_count()))
+    engine = LockstepEngine(
+        EngineConfig(
+            model=str(GOLDEN / case),
+            max_model_len=256,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            page_size=4,
+            dtype="float32",
+            warmup=False,
+            tensor_parallel_size=jax.device_count(),
+        )
+    )
     if not engine.is_leader:
         engine.follow()
         return
@@ -36,7 +46,9 @@ def main(case: str) -> None:
         for out in engine.step():
             o = out.outputs[0]
             tokens.setdefault(out.request_id, []).extend(o.token_ids)
-            logprobs.setdefault(out.request_id, []).extend(lp[t].logprob for lp, t in zip(o.logprobs or [], o.token_ids, strict=True))
+            logprobs.setdefault(out.request_id, []).extend(
+                lp[t].logprob for lp, t in zip(o.logprobs or [], o.token_ids, strict=True)
+            )
     if many:
         engine.stop_followers()
     print(json.dumps({"devices": jax.device_count(), "tokens": tokens, "logprobs": logprobs}))

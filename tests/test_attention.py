@@ -1,4 +1,5 @@
 """Attention kernels against the reference on random inputs (the Pallas GPU kernels run interpreted on CPU)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,13 +29,18 @@ def random_decode_batch(seed, S=5, KVH=2, G=4, D=64, page=16, pages_per_seq=10, 
     num_pages = S * pages_per_seq + 3
     k = jnp.asarray(rng.normal(size=(KVH, num_pages, page, D)), dtype)
     v = jnp.asarray(rng.normal(size=(KVH, num_pages, page, D)), dtype)
-    tables = rng.permutation(num_pages)[:S * pages_per_seq].reshape(S, pages_per_seq).astype(np.int32)
+    tables = rng.permutation(num_pages)[: S * pages_per_seq].reshape(S, pages_per_seq).astype(np.int32)
     positions = rng.integers(0, pages_per_seq * page, S).astype(np.int32)
     seq_lens = positions + 1
     seq_lens[-1] = 0  # a padding row
-    meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.full(S, INVALID_SLOT, jnp.int32),
-                             token_seq=jnp.arange(S, dtype=jnp.int32), block_tables=jnp.asarray(tables),
-                             seq_lens=jnp.asarray(seq_lens), decode=True)
+    meta = AttentionMetadata(
+        positions=jnp.asarray(positions),
+        slot_mapping=jnp.full(S, INVALID_SLOT, jnp.int32),
+        token_seq=jnp.arange(S, dtype=jnp.int32),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray(seq_lens),
+        decode=True,
+    )
     q = jnp.asarray(rng.normal(size=(S, KVH, G, D)), dtype)
     return q, k, v, meta
 
@@ -83,21 +89,26 @@ def random_ragged_batch(seed, chunks, KVH=2, G=4, D=64, page=16, pages_per_seq=1
     num_pages = S * pages_per_seq + 3
     k = jnp.asarray(rng.normal(size=(KVH, num_pages, page, D)), dtype)
     v = jnp.asarray(rng.normal(size=(KVH, num_pages, page, D)), dtype)
-    tables = rng.permutation(num_pages)[:S * pages_per_seq].reshape(S, pages_per_seq).astype(np.int32)
+    tables = rng.permutation(num_pages)[: S * pages_per_seq].reshape(S, pages_per_seq).astype(np.int32)
     n_tokens = sum(n for _, n in chunks)
     T = T or n_tokens + 5  # padding tokens at the end
     positions, token_seq = np.zeros(T, np.int32), np.zeros(T, np.int32)
     seq_lens = np.zeros(S, np.int32)
     t = 0
     for r, (start, n) in enumerate(chunks):
-        positions[t:t + n] = np.arange(start, start + n)
-        token_seq[t:t + n] = r
+        positions[t : t + n] = np.arange(start, start + n)
+        token_seq[t : t + n] = r
         seq_lens[r] = start + n
         t += n
     blocks = query_blocks([(r, start, n) for r, (start, n) in enumerate(chunks)], T, S, G)
-    meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.full(T, INVALID_SLOT, jnp.int32),
-                             token_seq=jnp.asarray(token_seq), block_tables=jnp.asarray(tables),
-                             seq_lens=jnp.asarray(seq_lens), query_blocks=jnp.asarray(blocks))
+    meta = AttentionMetadata(
+        positions=jnp.asarray(positions),
+        slot_mapping=jnp.full(T, INVALID_SLOT, jnp.int32),
+        token_seq=jnp.asarray(token_seq),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray(seq_lens),
+        query_blocks=jnp.asarray(blocks),
+    )
     q = jnp.asarray(rng.normal(size=(T, KVH, G, D)), dtype)
     return q, k, v, meta, n_tokens
 
@@ -122,8 +133,10 @@ def test_pallas_ragged_kernel_in_bfloat16_and_on_decode_batches():
 
     q, k, v, meta, n = random_ragged_batch(5, RAGGED, dtype=jnp.bfloat16)
     want = np.asarray(paged_attention(q, k, v, meta, scale=0.125), np.float32)[:n]
-    assert rel_err(np.asarray(ragged_attention(q, k, v, meta, scale=0.125, interpret=INTERPRET), np.float32)[:n],
-                   want) < 2e-2  # bf16 inputs and probabilities: about 2**-8 relative per element
+    assert (
+        rel_err(np.asarray(ragged_attention(q, k, v, meta, scale=0.125, interpret=INTERPRET), np.float32)[:n], want)
+        < 2e-2
+    )  # bf16 inputs and probabilities: about 2**-8 relative per element
     q, k, v, meta = random_decode_batch(6)  # no query blocks: built on the device from the decode rows
     live = np.asarray(meta.seq_lens) > 0
     want = np.asarray(paged_attention(q, k, v, meta, scale=0.125, window=33))[live]
@@ -149,7 +162,7 @@ def test_chunked_attention_reads_no_key_past_each_tokens_context():
     q, k, v, meta = random_decode_batch(9, pages_per_seq=64)  # a 1,024-key block table; 5 rows: a group each
     chunk_pages = 128 // 16  # KEYS_PER_CHUNK over the page size
     tables, pos = np.asarray(meta.block_tables), np.asarray(meta.positions)
-    beyond = np.concatenate([tables[r, (pos[r] // 128 + 1) * chunk_pages:] for r in range(len(pos))])
+    beyond = np.concatenate([tables[r, (pos[r] // 128 + 1) * chunk_pages :] for r in range(len(pos))])
     assert beyond.size
     k2, v2 = np.array(k), np.array(v)
     k2[:, beyond], v2[:, beyond] = np.nan, np.nan  # the reference would turn these into NaN outputs
@@ -170,15 +183,21 @@ def fused_decode_case(seed, S=5, KVH=2, G=4, D=64, page=16, pages_per_seq=10, dt
     at its position (the last row padding: no length, INVALID_SLOT)."""
     from capstan.runtime.models.rope import rotary_tables
 
-    _, k, v, meta = random_decode_batch(seed, S=S, KVH=KVH, G=G, D=D, page=page, pages_per_seq=pages_per_seq,
-                                        dtype=dtype)
+    _, k, v, meta = random_decode_batch(
+        seed, S=S, KVH=KVH, G=G, D=D, page=page, pages_per_seq=pages_per_seq, dtype=dtype
+    )
     rng = np.random.default_rng(seed + 100)
     pos, tables = np.asarray(meta.positions), np.asarray(meta.block_tables)
     slots = tables[np.arange(S), pos // page] * page + pos % page
     slots[-1] = INVALID_SLOT
-    meta = AttentionMetadata(positions=meta.positions, slot_mapping=jnp.asarray(slots, jnp.int32),
-                             token_seq=meta.token_seq, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
-                             decode=True)
+    meta = AttentionMetadata(
+        positions=meta.positions,
+        slot_mapping=jnp.asarray(slots, jnp.int32),
+        token_seq=meta.token_seq,
+        block_tables=meta.block_tables,
+        seq_lens=meta.seq_lens,
+        decode=True,
+    )
     qkv = jnp.asarray(rng.normal(size=(S, KVH, G + 2, D)), dtype)
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2) / D))
     cos, sin = rotary_tables(jnp.asarray(inv_freq, jnp.float32), meta.positions)
@@ -208,11 +227,23 @@ def reference_decode_step(qkv, cos, sin, k_cache, v_cache, meta, scale, q_norm, 
     return paged_attention(q, k_cache, v_cache, meta, scale=scale), k_cache, v_cache
 
 
-@pytest.mark.parametrize("kw", [
-    {}, {"pages_per_seq": 3}, {"pages_per_seq": 40},  # 40: contexts split across programs
-    {"G": 1, "D": 128}, {"G": 2, "D": 16, "KVH": 4}, {"G": 8, "KVH": 1}, {"G": 3}, {"page": 4, "pages_per_seq": 24},
-    {"norms": True}, {"norms": True, "one_plus": True}, {"dtype": jnp.bfloat16}, {"dtype": jnp.bfloat16, "norms": True},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"pages_per_seq": 3},
+        {"pages_per_seq": 40},  # 40: contexts split across programs
+        {"G": 1, "D": 128},
+        {"G": 2, "D": 16, "KVH": 4},
+        {"G": 8, "KVH": 1},
+        {"G": 3},
+        {"page": 4, "pages_per_seq": 24},
+        {"norms": True},
+        {"norms": True, "one_plus": True},
+        {"dtype": jnp.bfloat16},
+        {"dtype": jnp.bfloat16, "norms": True},
+    ],
+)
 def test_fused_decode_kernel_matches_norms_rope_write_and_attention(kw):
     from capstan.runtime.kernels.gpu_fused_decode_attention import fused_decode_attention
 
@@ -220,22 +251,28 @@ def test_fused_decode_kernel_matches_norms_rope_write_and_attention(kw):
     one_plus = kw.pop("one_plus", False)
     qkv, cos, sin, k, v, meta, q_norm, k_norm = fused_decode_case(7, **kw)
     args = dict(scale=0.125, q_norm=q_norm, k_norm=k_norm, eps=1e-6, one_plus=one_plus)
-    want, want_k, want_v = reference_decode_step(qkv, cos, sin, k, v, meta, args["scale"], q_norm, k_norm,
-                                                 args["eps"], one_plus)
+    want, want_k, want_v = reference_decode_step(
+        qkv, cos, sin, k, v, meta, args["scale"], q_norm, k_norm, args["eps"], one_plus
+    )
     got, got_k, got_v = fused_decode_attention(qkv, cos, sin, k, v, meta, interpret=INTERPRET, **args)
     live = np.asarray(meta.seq_lens) > 0
     assert np.isfinite(np.asarray(got, np.float32)[live]).all()
     bf16 = qkv.dtype == jnp.bfloat16
     assert rel_err(np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live]) < (
-        2e-2 if bf16 else DECODE_KERNEL_TOLERANCE)
+        2e-2 if bf16 else DECODE_KERNEL_TOLERANCE
+    )
     # the step's K/V land in their slots (rope in float32 then rounded once: within a bf16 ulp of the reference's
     # bf16 arithmetic), and nothing else in the caches moves
     slots = np.asarray(meta.slot_mapping)[live]
     page = k.shape[2]
     for got_c, want_c, before in ((got_k, want_k, k), (got_v, want_v, v)):
         got_c, want_c, before = (np.asarray(a, np.float32) for a in (got_c, want_c, before))
-        np.testing.assert_allclose(got_c[:, slots // page, slots % page], want_c[:, slots // page, slots % page],
-                                   rtol=1e-2 if bf16 else 1e-5, atol=1e-2 if bf16 else 1e-5)
+        np.testing.assert_allclose(
+            got_c[:, slots // page, slots % page],
+            want_c[:, slots // page, slots % page],
+            rtol=1e-2 if bf16 else 1e-5,
+            atol=1e-2 if bf16 else 1e-5,
+        )
         untouched = np.ones(got_c.shape[1:3], bool)
         untouched[slots // page, slots % page] = False
         np.testing.assert_array_equal(got_c[:, untouched], before[:, untouched])
@@ -248,7 +285,8 @@ def test_fused_decode_kernel_on_a_splitting_batch_of_one():
     qkv, cos, sin, k, v, meta, _, _ = fused_decode_case(11, S=2, pages_per_seq=64)
     want, want_k, _ = reference_decode_step(qkv, cos, sin, k, v, meta, 0.1, None, None, 0.0, False)
     for splits in (1, 4, 8):
-        got, got_k, _ = fused_decode_attention(qkv, cos, sin, k, v, meta, scale=0.1, interpret=INTERPRET,
-                                               k_splits=splits)
+        got, got_k, _ = fused_decode_attention(
+            qkv, cos, sin, k, v, meta, scale=0.1, interpret=INTERPRET, k_splits=splits
+        )
         assert rel_err(np.asarray(got)[:1], np.asarray(want)[:1]) < DECODE_KERNEL_TOLERANCE, splits
         np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), rtol=1e-5, atol=1e-5)

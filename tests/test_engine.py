@@ -1,4 +1,5 @@
 """The engine's promises: no compilation after warm-up, prefix caching, preemption, aborts, stops, seeds, n > 1."""
+
 import numpy as np
 import pytest
 from golden import GOLDEN
@@ -23,10 +24,18 @@ def random_prompts(rng, count, low=1, high=120):
 def test_a_hundred_random_requests_compile_nothing_after_warmup(llm):
     rng = np.random.default_rng(1)
     compiled = step_fn._cache_size(), decode_steps_fn._cache_size()
-    params = [SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.uniform(0, 1.5)),
-                             top_k=int(rng.integers(0, 50)), top_p=float(rng.uniform(0.5, 1)), ignore_eos=True,
-                             logprobs=int(rng.integers(0, 3)) if rng.random() < 0.3 else None,
-                             presence_penalty=0.5 if rng.random() < 0.2 else 0.0) for _ in range(100)]
+    params = [
+        SamplingParams(
+            max_tokens=int(rng.integers(1, 40)),
+            temperature=float(rng.uniform(0, 1.5)),
+            top_k=int(rng.integers(0, 50)),
+            top_p=float(rng.uniform(0.5, 1)),
+            ignore_eos=True,
+            logprobs=int(rng.integers(0, 3)) if rng.random() < 0.3 else None,
+            presence_penalty=0.5 if rng.random() < 0.2 else 0.0,
+        )
+        for _ in range(100)
+    ]
     outs = llm.generate(random_prompts(rng, 100), params)
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
@@ -42,8 +51,15 @@ def test_shared_prefix_is_computed_once_and_changes_nothing(llm):
     llm.generate(first, greedy)
     cached = llm.generate(second, greedy)[0]
     assert cached.num_cached_tokens == 96  # every full 16-token page of the shared 100 tokens
-    uncached = LLM(MODEL, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=16,
-                   enable_prefix_caching=False, warmup=False).generate(second, greedy)[0]
+    uncached = LLM(
+        MODEL,
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        page_size=16,
+        enable_prefix_caching=False,
+        warmup=False,
+    ).generate(second, greedy)[0]
     assert uncached.num_cached_tokens == 0
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
 
@@ -66,7 +82,7 @@ def test_three_hundred_requests_with_aborts_and_preemption_free_every_page():
         if rng.random() < 0.1:
             victim = f"r{int(rng.integers(0, 300))}"
             out = engine.abort(victim)
-            for o in (out.outputs if out else []):
+            for o in out.outputs if out else []:
                 finished[(victim, o.index)] = o.finish_reason
         steps += 1
     assert not engine.has_unfinished()
@@ -89,17 +105,20 @@ def test_stop_strings_are_held_back_and_never_emitted(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     text = llm.generate([5, 6, 7], greedy)[0].outputs[0].text
     stop = text[10:13]
-    out = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
-                                                 stop=[stop]))[0].outputs[0]
+    out = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]))[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[:text.index(stop)]
+    assert out.text == text[: text.index(stop)]
 
 
 def test_stop_token_ids_min_tokens_and_max_tokens(llm):
-    tokens = llm.generate([9, 8], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
+    tokens = (
+        llm.generate([9, 8], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
+    )
     out = llm.generate([9, 8], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[tokens[4]]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == tokens[4]
-    assert out.token_ids == tokens[:tokens.index(tokens[4]) + 1]
+    assert out.token_ids == tokens[: tokens.index(tokens[4]) + 1]
     eos = sorted(llm.engine.eos_token_ids)[0]
     forced = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5, logit_bias={eos: 100.0})
     out = llm.generate([9, 8], forced)[0].outputs[0]
@@ -130,17 +149,20 @@ def test_n_choices_share_the_prompt_pages(llm):
     engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("prompt, params, param", [
-    (list(range(300)), SamplingParams(), "prompt"),
-    ([1, 2], SamplingParams(max_tokens=255), "max_tokens"),
-    ([1, 2], SamplingParams(n=17), "n"),
-    ([1, 2], SamplingParams(temperature=-1), "temperature"),
-    ([1, 2], SamplingParams(top_p=0), "top_p"),
-    ([1, 2], SamplingParams(logprobs=21), "logprobs"),
-    ([1, 2], SamplingParams(logit_bias={10 ** 6: 1.0}), "logit_bias"),
-    ([], SamplingParams(), "prompt"),
-    ([1, 99999], SamplingParams(), "prompt"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, param",
+    [
+        (list(range(300)), SamplingParams(), "prompt"),
+        ([1, 2], SamplingParams(max_tokens=255), "max_tokens"),
+        ([1, 2], SamplingParams(n=17), "n"),
+        ([1, 2], SamplingParams(temperature=-1), "temperature"),
+        ([1, 2], SamplingParams(top_p=0), "top_p"),
+        ([1, 2], SamplingParams(logprobs=21), "logprobs"),
+        ([1, 2], SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+        ([], SamplingParams(), "prompt"),
+        ([1, 99999], SamplingParams(), "prompt"),
+    ],
+)
 def test_bad_requests_are_refused_before_queueing(llm, prompt, params, param):
     with pytest.raises(InvalidRequestError) as e:
         llm.engine.add_request("bad", prompt, params)
@@ -158,8 +180,10 @@ def test_multi_step_decoding_gives_the_single_step_tokens(llm):
     single = LLM(MODEL, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, page_size=16, decode_steps=1)
     rng = np.random.default_rng(5)
     prompts = random_prompts(rng, 6)
-    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=int(rng.integers(3, 30)), ignore_eos=True, logprobs=1)
-              for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=int(rng.integers(3, 30)), ignore_eos=True, logprobs=1)
+        for i in range(6)
+    ]
     a, b = llm.generate(prompts, params), single.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
@@ -171,14 +195,24 @@ def test_chained_dispatches_change_no_token_and_free_every_page(programs, monkey
     the single-step tokens, and every page comes back; with the CPU's programs and with the GPU's (every branch
     static: sampled rows always filter)."""
     import capstan.runtime.engine.multi_step as multi_step
+
     real = multi_step.scan_branches
     monkeypatch.setattr(multi_step, "scan_branches", lambda params, backend: real(params, programs))
     flags = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
     chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
     rng = np.random.default_rng(7)
     prompts = random_prompts(rng, 6, 1, 40)
-    params = [SamplingParams(temperature=0.7 * (i % 2), seed=i, max_tokens=int(rng.integers(20, 60)), ignore_eos=True,
-                             logprobs=1 if i < 3 else None, top_p=0.8 if i == 1 else 1.0) for i in range(6)]
+    params = [
+        SamplingParams(
+            temperature=0.7 * (i % 2),
+            seed=i,
+            max_tokens=int(rng.integers(20, 60)),
+            ignore_eos=True,
+            logprobs=1 if i < 3 else None,
+            top_p=0.8 if i == 1 else 1.0,
+        )
+        for i in range(6)
+    ]
     reference = single.generate(prompts, params)
     for i in (0, 3):  # stop on a token first sampled mid-output: found in a dispatch the next was queued behind
         first = reference[i].outputs[0].token_ids
@@ -211,20 +245,22 @@ def test_chained_dispatches_change_no_token_and_free_every_page(programs, monkey
         assert outputs[f"r{i}"] == reference[i].token_ids, i
         assert finish[f"r{i}"] == reference[i].finish_reason
     assert finish["r0"] == finish["r3"] == "stop"
-    assert outputs["r4"] == reference[4].token_ids[:len(outputs["r4"])]  # its tokens up to the abort
+    assert outputs["r4"] == reference[4].token_ids[: len(outputs["r4"])]  # its tokens up to the abort
     engine.pool.check_all_free()
 
 
 def test_a_plain_greedy_run_takes_its_own_program_and_the_single_step_tokens(monkeypatch):
     import capstan.runtime.engine.multi_step as multi_step
+
     flags = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
     chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
     chosen, real = [], multi_step.scan_branches
     monkeypatch.setattr(multi_step, "scan_branches", lambda *a: chosen.append(real(*a)) or chosen[-1])
     prompts = random_prompts(np.random.default_rng(8), 5, 1, 40)
     params = SamplingParams(max_tokens=37, ignore_eos=True, temperature=0.0)
-    assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == \
-        [o.outputs[0].token_ids for o in single.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in single.generate(prompts, params)
+    ]
     assert chosen and set(chosen) == {multi_step.GREEDY_SCAN}
     chained.engine.pool.check_all_free()
 
@@ -233,12 +269,16 @@ def test_a_full_batch_runs_on_while_requests_wait_and_admits_them_when_a_row_fre
     flags = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, page_size=4)
     chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
     prompts = random_prompts(np.random.default_rng(9), 4, 1, 30)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=i)
-              for i, n in enumerate((41, 13, 30, 22))]
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=i) for i, n in enumerate((41, 13, 30, 22))
+    ]
     runs = []
     continue_run = chained.engine.multi_step.continue_run
-    chained.engine.multi_step.continue_run = lambda: runs.append(len(chained.engine.scheduler.waiting)) or continue_run()
-    assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == \
-        [o.outputs[0].token_ids for o in single.generate(prompts, params)]
+    chained.engine.multi_step.continue_run = lambda: (
+        runs.append(len(chained.engine.scheduler.waiting)) or continue_run()
+    )
+    assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in single.generate(prompts, params)
+    ]
     assert any(runs)  # some dispatch was queued ahead while a request waited
     chained.engine.pool.check_all_free()

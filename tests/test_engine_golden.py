@@ -1,4 +1,5 @@
 """Golden cases through the whole engine: batched with other requests, small pages, chunked prefill."""
+
 import numpy as np
 import pytest
 from golden import CASES, GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
@@ -33,8 +34,9 @@ def test_golden_through_the_gpu_kernels_interpreted_on_cpu(case, monkeypatch):
 def check_golden_in_a_mixed_batch(case):
     ref = reference(case)
     # pages of 4 tokens and a 48-token step budget: the 130-token prompt is prefilled in chunks across many pages
-    llm = LLM(str(GOLDEN / case), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48, page_size=4,
-              dtype="float32")
+    llm = LLM(
+        str(GOLDEN / case), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48, page_size=4, dtype="float32"
+    )
     rng = np.random.default_rng(0)
     fillers = [rng.integers(10, 500, size=int(n)).tolist() for n in (3, 60, 17, 90)]
     prompts = ref["prompts"] + fillers

@@ -1,6 +1,7 @@
 """One request's failure is its own: the engine fails it, frees its pages and serves the others. Faults are
 injected into one request's own state (as a bug only that request triggers would break it); only a fault of
 the engine itself (its KV cache, a device step) stops the loop, and then /health and every request say so."""
+
 from __future__ import annotations
 
 import sys
@@ -65,7 +66,9 @@ def run(engine, good: list[str]) -> tuple[dict, list[str]]:
 def add_three(engine, bad_prompt=None) -> None:
     rng = np.random.default_rng(7)
     engine.add_request("good-1", rng.integers(10, 400, 20).tolist(), PARAMS)
-    engine.add_request("bad", bad_prompt or rng.integers(10, 400, 30).tolist(), SamplingParams(**{**vars(PARAMS), "n": 2}))
+    engine.add_request(
+        "bad", bad_prompt or rng.integers(10, 400, 30).tolist(), SamplingParams(**{**vars(PARAMS), "n": 2})
+    )
     engine.add_request("good-2", rng.integers(10, 400, 9).tolist(), PARAMS)
 
 
@@ -77,7 +80,7 @@ def test_a_request_that_breaks_fails_alone_and_frees_its_pages(llm, where):
         if where == "finishing":
             seq.text.stop_matcher.feed = broken  # applying its sampled token raises
         else:
-            seq.params.top_k = 2 ** 40  # past validation (as a gap in it would be): its batch row cannot be built
+            seq.params.top_k = 2**40  # past validation (as a gap in it would be): its batch row cannot be built
     _, failed = run(engine, ["good-1", "good-2"])
     assert failed == ["bad"]
 
@@ -114,6 +117,7 @@ def test_offline_generate_raises_naming_the_prompt(llm):
 
 # ---- through the real server ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def served():
     """A server whose engine breaks every request that contains BOOM."""
@@ -142,7 +146,9 @@ def test_the_server_answers_a_failed_request_and_serves_the_next(served):
     body = {"max_tokens": 8, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "BOOM now"}, timeout=60)
     assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt": "BOOM later", "stream": True}, timeout=60) as s:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "prompt": "BOOM later", "stream": True}, timeout=60
+    ) as s:
         text = s.read().decode()
     assert '"request_failed"' in text and text.rstrip().endswith("data: [DONE]")
     ok = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "fine"}, timeout=60)

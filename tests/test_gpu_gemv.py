@@ -1,6 +1,7 @@
 """The GEMV kernel for a decode step's tokens (runtime/kernels/gpu_gemv.py), run in Pallas' interpreter on CPU: its
 sums against numpy's, and the golden models decoded through it give the logits of XLA's dots (`bash
 benchmarks/gpu_suite.sh gemv` runs the same tests compiled by Triton)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +14,17 @@ from capstan.runtime.models.loader import load_model
 from capstan.runtime.models.quantization import QuantizedWeight, dequantize_rows, quantize_blocks, quantize_rows
 
 
-@pytest.mark.parametrize("rows, n, k, splits", [(1, 128, 1024, None), (5, 64, 384, None), (16, 96, 160, 1),
-                                                (3, 256, 2048, 4), (40, 64, 256, None), (130, 32, 256, 2)])
+@pytest.mark.parametrize(
+    "rows, n, k, splits",
+    [
+        (1, 128, 1024, None),
+        (5, 64, 384, None),
+        (16, 96, 160, 1),
+        (3, 256, 2048, 4),
+        (40, 64, 256, None),
+        (130, 32, 256, 2),
+    ],
+)
 @pytest.mark.parametrize("stored", ["float32", "bfloat16", "float8_e4m3fn", "int8", "q8_0"])
 @pytest.mark.parametrize("reduce", [False, True])
 def test_kernel_sums_as_numpy_does(rows, n, k, splits, stored, reduce):
@@ -67,8 +77,11 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(gpu_gemv, "MODE", "interpret")
 
 
-@pytest.mark.parametrize("case, method", [(c, None) for c in CASES] + [("llama-s11", "fp8"), ("qwen3-s13", "int8"),
-                                                                     ("qwen3-s13", "q8_0"), ("llama-s11", "q8_0")])
+@pytest.mark.parametrize(
+    "case, method",
+    [(c, None) for c in CASES]
+    + [("llama-s11", "fp8"), ("qwen3-s13", "int8"), ("qwen3-s13", "q8_0"), ("llama-s11", "q8_0")],
+)
 def test_decoding_through_the_kernel_matches_decoding_without_it(case, method, interpreted, monkeypatch, tmp_path):
     """A golden checkpoint's greedy decode, one token a step (every linear layer in the kernel), gives the logits
     of the same model through XLA's dots; and float32's greedy continuation is transformers'."""

@@ -1,5 +1,6 @@
 """docs/grafana-dashboard.json charts only series the server exports (runtime/server/metric_names.py), and
 filters on the labels the chart's PodMonitor puts on them."""
+
 import json
 import re
 from pathlib import Path
@@ -17,11 +18,13 @@ def expressions(dashboard: dict) -> list[str]:
 
 def test_every_series_is_exported():
     # The serving pods' series; the gateway's (GATEWAY_*) come from its own pod, which the PodMonitor does not select.
-    exported = {v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX" and not k.startswith("GATEWAY_")}
+    exported = {
+        v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX" and not k.startswith("GATEWAY_")
+    }
     used = set()
     for expr in expressions(json.loads(DASHBOARD.read_text())):
         for name in re.findall(r"\bcapstan_\w+", expr):
-            base = next((name[:-len(s)] for s in SUFFIXES if name.endswith(s) and name[:-len(s)] in exported), name)
+            base = next((name[: -len(s)] for s in SUFFIXES if name.endswith(s) and name[: -len(s)] in exported), name)
             assert base in exported, f"{name} in {expr!r} is not in metric_names.py"
             used.add(base)
     assert used == exported, f"metrics without a panel: {sorted(exported - used)}"

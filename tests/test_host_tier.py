@@ -1,5 +1,6 @@
 """The prefix cache's host-memory tier (--kv-offloading-size): a pool too small for the conversations evicts their
 pages, the tier copies them back on the next turn, and every token is what recompute gives."""
+
 import time
 
 import numpy as np
@@ -36,10 +37,12 @@ def conversations(llm: LLM, params: list[SamplingParams], turns: int = 3, seed: 
     return outputs
 
 
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-          SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
-          SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-          SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=12, ignore_eos=True)]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=12, ignore_eos=True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +144,14 @@ def test_a_slot_being_copied_back_is_not_evicted_until_the_copy_has_read_it():
     assert tier.reserve([hashes[3]]) == [slot]  # (the free slot first; the unpinned one is evictable again)
 
 
-@pytest.mark.parametrize("size, message", [("-1", "kv_offloading_size must be between 0"),
-                                           ("nan", "kv_offloading_size must be between 0"),
-                                           ("1e9", "kv_offloading_size must be between 0")])
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        ("-1", "kv_offloading_size must be between 0"),
+        ("nan", "kv_offloading_size must be between 0"),
+        ("1e9", "kv_offloading_size must be between 0"),
+    ],
+)
 def test_a_bad_size_is_refused_naming_the_flag(size, message, capsys):
     assert main(["generate", MODEL, "--prompt", "hi", "--kv-offloading-size", size]) == 2
     assert message in capsys.readouterr().err

@@ -4,6 +4,7 @@ and the operator never reaches JAX.
 Imports inside functions count too: a lazy import still ties two files together, and hides a cycle only until the
 function runs. Imports under `if TYPE_CHECKING:` count as well (they name what a file depends on).
 """
+
 from __future__ import annotations
 
 import ast
@@ -49,7 +50,7 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> tuple[set[str
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from the module's package, up level - 1 more
                 base = name.split(".") if is_package else name.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
@@ -113,7 +114,8 @@ def test_no_import_cycles():
     graph, _ = import_graph()
     found = cycles(graph)
     assert not found, "modules that import each other (move what they share below both):\n" + "\n".join(
-        " <-> ".join(c) for c in found)
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_the_operator_never_reaches_jax():

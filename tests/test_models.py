@@ -1,4 +1,5 @@
 """Model parity with Hugging Face transformers (tests/data/golden), float32, through the paged KV cache."""
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -33,10 +34,14 @@ def _run(model, kv, tokens, start, pages, bucket):
     toks = np.zeros(bucket, np.int32)
     toks[:n] = tokens
     pos[n:] = 0
-    meta = AttentionMetadata(positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots),
-                             token_seq=jnp.zeros(bucket, jnp.int32), block_tables=jnp.asarray([pages], jnp.int32),
-                             seq_lens=jnp.asarray([start + n], jnp.int32),
-                             query_blocks=jnp.asarray(query_blocks([(0, start, n)], bucket, 1, model.cfg.queries_per_kv)))
+    meta = AttentionMetadata(
+        positions=jnp.asarray(pos),
+        slot_mapping=jnp.asarray(slots),
+        token_seq=jnp.zeros(bucket, jnp.int32),
+        block_tables=jnp.asarray([pages], jnp.int32),
+        seq_lens=jnp.asarray([start + n], jnp.int32),
+        query_blocks=jnp.asarray(query_blocks([(0, start, n)], bucket, 1, model.cfg.queries_per_kv)),
+    )
     logits, kv = _forward(model, jnp.asarray(toks), meta, kv)
     return np.asarray(logits)[:n], kv
 
@@ -81,8 +86,16 @@ def test_unsupported_architecture_is_refused_by_name():
 
 
 def test_unknown_rope_scaling_type_is_refused_by_name():
-    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8,
-              num_hidden_layers=1, num_attention_heads=2, rope_theta=1e4, rope_scaling={"rope_type": "yarn"})
+    hf = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rope_theta=1e4,
+        rope_scaling={"rope_type": "yarn"},
+    )
     with pytest.raises(UnsupportedModelError, match="rope_type='yarn'"):
         ModelConfig.from_hf(hf)
 
@@ -105,16 +118,19 @@ def test_sharded_checkpoint_with_index_loads_the_same_weights(tmp_path):
             shutil.copy(f, tmp_path / f.name)
     tensors = load_file(source / "model.safetensors")
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, part in shards.items():
         save_file({n: tensors[n] for n in part}, str(tmp_path / file))
     weight_map = {n: file for file, part in shards.items() for n in part}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     sharded, single = load_model(tmp_path), load_model(source)
     np.testing.assert_array_equal(np.asarray(sharded.lm_head.array), np.asarray(single.lm_head.array))
-    np.testing.assert_array_equal(np.asarray(sharded.layers[2].mlp.down_proj.array),
-                                  np.asarray(single.layers[2].mlp.down_proj.array))
+    np.testing.assert_array_equal(
+        np.asarray(sharded.layers[2].mlp.down_proj.array), np.asarray(single.layers[2].mlp.down_proj.array)
+    )
 
 
 def test_missing_tensor_is_named(tmp_path):

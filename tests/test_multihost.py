@@ -1,5 +1,6 @@
 """Multi-host serving on this machine: 2 CPU processes on 127.0.0.1 form one mesh with jax.distributed (gloo
 collectives) and give the tokens of one process. Each host runs tests/multihost_run.py, as a pod would."""
+
 import json
 import os
 import signal
@@ -28,10 +29,20 @@ def run_hosts(n: int) -> dict:
     procs = []
     try:
         for i in range(n):
-            host = dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n),
-                        JAX_PROCESS_ID=str(i)) if n > 1 else env
-            procs.append(subprocess.Popen([sys.executable, str(RUN), "llama-s11"], env=host, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            host = (
+                dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+                if n > 1
+                else env
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(RUN), "llama-s11"],
+                    env=host,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
+            )
         outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
     finally:
         for p in procs:

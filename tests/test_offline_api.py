@@ -1,5 +1,6 @@
 """The offline API as a vLLM user writes it: `from capstan import LLM, SamplingParams`, prompts in every form
 vLLM takes, chat conversations, embeddings, the progress bar, and max_tokens 0 for scoring a prompt."""
+
 import subprocess
 import sys
 
@@ -52,8 +53,9 @@ def test_progress_bar_is_on_by_default(llm, capsys):
 
 
 def test_max_tokens_zero_scores_the_prompt(llm):
-    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=0, prompt_logprobs=0, n=2),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=0, prompt_logprobs=0, n=2), use_tqdm=False
+    )[0]
     assert [(c.finish_reason, c.token_ids) for c in out.outputs] == [("length", []), ("length", [])]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 4
     assert [next(iter(p)) for p in out.prompt_logprobs[1:]] == [6, 7, 8]

@@ -3,6 +3,7 @@ next-token logprobs of the golden checkpoints against transformers' float32 logi
 printed), compressed-tensors and Hugging Face FP8 checkpoints written by hand, refusals, and the tensor-parallel split.
 
 Run with -s to see the measured figures."""
+
 import json
 import os
 import shutil
@@ -49,7 +50,7 @@ def test_round_trip_error_is_within_half_a_step(method, bound):
         assert np.all(np.abs(w - deq) <= amax * bound + 1e-7)
     else:
         scale = amax / 448
-        assert np.all(np.abs(w - deq) <= np.maximum(np.abs(w) * bound, scale * 2.0 ** -9) + 1e-7)
+        assert np.all(np.abs(w - deq) <= np.maximum(np.abs(w) * bound, scale * 2.0**-9) + 1e-7)
     assert np.allclose(np.abs(deq).max(-1), amax[:, 0], rtol=1e-6)  # the largest value of a row is exact
 
 
@@ -104,8 +105,10 @@ def test_quantized_golden_logprobs_stay_near_transformers(case):
             top_deviation = max(top_deviation, float(np.take_along_axis(diff, want.argmax(-1)[:, None], -1).max()))
             agree += int((got.argmax(-1) == want.argmax(-1)).sum())
             total += len(want)
-        print(f"\n{case} {method}: max |logprob diff| {deviation:.4f} (any token), {top_deviation:.4f} (transformers' "
-              f"top token); greedy (top-1) agreement {agree}/{total}")
+        print(
+            f"\n{case} {method}: max |logprob diff| {deviation:.4f} (any token), {top_deviation:.4f} (transformers' "
+            f"top token); greedy (top-1) agreement {agree}/{total}"
+        )
         assert deviation < MAX_LOGPROB_DEVIATION[method], f"{case} {method}: {deviation}"
         assert top_deviation < MAX_TOP_LOGPROB_DEVIATION[method], f"{case} {method}: {top_deviation}"
         assert agree / total >= MIN_TOP1_AGREEMENT[method], f"{case} {method}: {agree}/{total}"
@@ -129,12 +132,25 @@ def _write_quantized_checkpoint(src: Path, out: Path, quantization_config: dict,
 
 def _compressed_tensors_config(kind: str) -> dict:
     """The quantization_config llm-compressor writes for FP8_DYNAMIC (float) or W8A8 int8 (int) schemes."""
-    return {"quant_method": "compressed-tensors", "format": f"{kind}-quantized", "quantization_status": "compressed",
-            "ignore": ["lm_head"], "config_groups": {"group_0": {
+    return {
+        "quant_method": "compressed-tensors",
+        "format": f"{kind}-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
                 "targets": ["Linear"],
                 "weights": {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": True, "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": kind, "strategy": "token", "symmetric": True,
-                                      "dynamic": True}}}}
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": kind,
+                    "strategy": "token",
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+    }
 
 
 def _per_channel(name: str, w: np.ndarray, kind: str) -> dict:
@@ -176,8 +192,10 @@ def test_compressed_tensors_checkpoint_loads_quantized_and_matches_its_dequantiz
     del cfg["quantization_config"]
     (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
     dense = load_model(tmp_path / "dense", "float32")
-    deviation = max(float(np.abs(log_softmax(a) - log_softmax(b)).max())
-                    for a, b in zip(_teacher_forced(model, case), _teacher_forced(dense, case), strict=True))
+    deviation = max(
+        float(np.abs(log_softmax(a) - log_softmax(b)).max())
+        for a, b in zip(_teacher_forced(model, case), _teacher_forced(dense, case), strict=True)
+    )
     print(f"\ncompressed-tensors {method} vs its dequantized weights: max |logprob diff| {deviation:.2e}")
     # int8 is weight-only: the same numbers up to summation order; fp8 also rounds the activations to e4m3
     assert deviation < (1e-4 if method == "int8" else MAX_LOGPROB_DEVIATION["fp8"])
@@ -196,18 +214,30 @@ def test_hugging_face_block_fp8_checkpoint_is_requantized_per_channel(tmp_path):
     _write_quantized_checkpoint(GOLDEN / "llama-s11", tmp_path / "fp8", qc, tensors_for)
     model = load_model(tmp_path / "fp8", "float32")
     assert model.layers[0].attn.qkv_proj.method == "fp8"
-    deviation = max(float(np.abs(log_softmax(a) - log_softmax(reference_logits("llama-s11", i))).max())
-                    for i, a in enumerate(_teacher_forced(model, "llama-s11")))
+    deviation = max(
+        float(np.abs(log_softmax(a) - log_softmax(reference_logits("llama-s11", i))).max())
+        for i, a in enumerate(_teacher_forced(model, "llama-s11"))
+    )
     print(f"\nHF block FP8 requantized per channel vs transformers f32: max |logprob diff| {deviation:.4f}")
     assert deviation < MAX_LOGPROB_DEVIATION["fp8"]
 
 
-@pytest.mark.parametrize("qc, named", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method='awq'"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format='pack-quantized'"),
-    (_compressed_tensors_config("int") | {"config_groups": {"group_0": {"weights": {
-        "num_bits": 4, "type": "int", "strategy": "group", "symmetric": True}}}}, "num_bits=4"),
-])
+@pytest.mark.parametrize(
+    "qc, named",
+    [
+        ({"quant_method": "awq", "bits": 4}, "quant_method='awq'"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format='pack-quantized'"),
+        (
+            _compressed_tensors_config("int")
+            | {
+                "config_groups": {
+                    "group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": True}}
+                }
+            },
+            "num_bits=4",
+        ),
+    ],
+)
 def test_unsupported_quantization_is_refused_naming_it(tmp_path, qc, named):
     shutil.copytree(GOLDEN / "llama-s11", tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -230,8 +260,9 @@ def test_quantized_model_splits_over_devices_like_one_device():
     (int8 weights and scales are placed by the same axis names; fp8 also takes its activation scales over a split
     contraction)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=Path(__file__).parent, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for method in ("fp8",):
@@ -248,12 +279,22 @@ if __name__ == "__main__":  # the child of the split test: one device, then four
     results: dict[str, object] = {}
     for method in ("fp8",):
         for tp in (1, 4):
-            llm = LLM(str(GOLDEN / "qwen2-s12"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                      page_size=4, dtype="float32", tensor_parallel_size=tp, warmup=False, quantization=method)
+            llm = LLM(
+                str(GOLDEN / "qwen2-s12"),
+                max_model_len=128,
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                page_size=4,
+                dtype="float32",
+                tensor_parallel_size=tp,
+                warmup=False,
+                quantization=method,
+            )
             outs = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
             results.setdefault(method, {})[str(tp)] = {
                 "tokens": [o.token_ids for o in outs],
-                "logprobs": [[o.logprobs[k][t].logprob for k, t in enumerate(o.token_ids)] for o in outs]}
+                "logprobs": [[o.logprobs[k][t].logprob for k, t in enumerate(o.token_ids)] for o in outs],
+            }
     print(json.dumps(results))
 
 
@@ -272,11 +313,19 @@ def test_gguf_q8_0_weights_are_served_in_their_blocks(tmp_path, case):
     assert all(isinstance(w, QuantizedWeight) and w.block == 32 and w.weight.dtype == jnp.int8 for w in blocked)
     assert isinstance(layer.attn.o_proj, QuantizedWeight) == (case == "qwen3-s13")
     assert layer.mlp.down_proj.scale.array.shape == (64, kept.cfg.intermediate_size // 32)  # [Embed, Mlp blocks]
-    np.testing.assert_allclose(np.asarray(layer.mlp.down_proj.dequantize().array),
-                               np.asarray(dense.layers[0].mlp.down_proj.array), rtol=0, atol=0)
+    np.testing.assert_allclose(
+        np.asarray(layer.mlp.down_proj.dequantize().array),
+        np.asarray(dense.layers[0].mlp.down_proj.array),
+        rtol=0,
+        atol=0,
+    )
     for got, want in zip(_teacher_forced(kept, case), _teacher_forced(dense, case), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    for ours, theirs in zip(_teacher_forced(kept, case), [reference_logits(case, i) for i in range(len(reference(case)["prompts"]))], strict=True):
+    for ours, theirs in zip(
+        _teacher_forced(kept, case),
+        [reference_logits(case, i) for i in range(len(reference(case)["prompts"]))],
+        strict=True,
+    ):
         assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.9  # Q8_0 moves little from the float model
 
 
@@ -289,6 +338,7 @@ def test_gguf_q8_0_in_blocks_is_refused_across_devices_naming_the_way_out(tmp_pa
     model = load_gguf_model(write_gguf(GOLDEN / "qwen3-s13", tmp_path / "q.gguf", q8_0=True), jnp.float32)
     import jax
     from jax.sharding import Mesh
+
     with pytest.raises(TensorParallelError, match="Q8_0.*--quantization int8"):
         TensorParallel(Mesh(np.asarray(jax.devices()[:1]), ("model",))).place_model(model)
 
@@ -306,5 +356,9 @@ def test_q8_0_blocks_as_gguf_writes_them():
     assert theirs.scale.shape == ours.scale.shape == (6, 3) and theirs.block == ours.block == 32
     np.testing.assert_allclose(theirs.scale, ours.scale, rtol=1e-3)  # gguf stores float16 scales
     assert np.abs(np.asarray(theirs.values, np.int32) - np.asarray(ours.values, np.int32)).max() <= 1
-    np.testing.assert_allclose(dequantize_rows(theirs), gguf.quants.dequantize(
-        gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0).reshape(w.shape))
+    np.testing.assert_allclose(
+        dequantize_rows(theirs),
+        gguf.quants.dequantize(
+            gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        ).reshape(w.shape),
+    )

@@ -1,6 +1,7 @@
 """The engine core sends token ids only and its frontend makes the text (RequestText): the same requests give the
 same text, tokens, logprobs and finish reasons as the engine's own text, with stop strings (one choice of several
 ending early), stop token ids, EOS, lengths and logprobs."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,16 @@ CHECKPOINT = Path(__file__).parent / "data" / "golden" / "qwen3-s13"
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model=str(CHECKPOINT), max_model_len=256, max_num_seqs=8,
-                                  max_num_batched_tokens=64, decode_steps=4, warmup=False))
+    return LLMEngine(
+        EngineConfig(
+            model=str(CHECKPOINT),
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            decode_steps=4,
+            warmup=False,
+        )
+    )
 
 
 def run(engine: LLMEngine, requests: list[tuple[str, str, SamplingParams]], in_frontend: bool) -> dict:
@@ -46,8 +55,9 @@ def run(engine: LLMEngine, requests: list[tuple[str, str, SamplingParams]], in_f
                 r = results.setdefault((out.request_id, c.index), ["", [], [], None, None])
                 r[0] += c.text
                 r[1] += c.token_ids
-                r[2] += [sorted((t, round(lp.logprob, 4), lp.decoded_token) for t, lp in p.items())
-                         for p in c.logprobs or []]
+                r[2] += [
+                    sorted((t, round(lp.logprob, 4), lp.decoded_token) for t, lp in p.items()) for p in c.logprobs or []
+                ]
                 if c.finish_reason is not None:
                     r[3], r[4] = c.finish_reason, c.stop_reason
             if out.finished:
@@ -62,14 +72,23 @@ def test_frontend_text_equals_the_engines(engine):
     stop_mid, stop_token = text[5:9], ids[6]  # a stop string and a stop token id this model will meet
     requests = [
         ("greedy-stop", "The capital of France is", SamplingParams(max_tokens=40, temperature=0, stop=[stop_mid])),
-        ("token-stop", "The capital of France is", SamplingParams(max_tokens=40, temperature=0,
-                                                                  stop_token_ids=[stop_token])),
-        ("sampled-n3", "Once upon a time", SamplingParams(n=3, max_tokens=30, temperature=1.0, seed=7,
-                                                          stop=["e", "an"], logprobs=2)),
+        (
+            "token-stop",
+            "The capital of France is",
+            SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_token]),
+        ),
+        (
+            "sampled-n3",
+            "Once upon a time",
+            SamplingParams(n=3, max_tokens=30, temperature=1.0, seed=7, stop=["e", "an"], logprobs=2),
+        ),
         ("length", "Hello", SamplingParams(max_tokens=17, temperature=0.8, seed=3, logprobs=0)),
         ("ids-only", [1, 2, 3], SamplingParams(max_tokens=9, temperature=0, detokenize=False)),
-        ("eos-skip-special", "Hi", SamplingParams(max_tokens=30, temperature=1.0, seed=11,
-                                                  skip_special_tokens=False, stop_token_ids=[0])),
+        (
+            "eos-skip-special",
+            "Hi",
+            SamplingParams(max_tokens=30, temperature=1.0, seed=11, skip_special_tokens=False, stop_token_ids=[0]),
+        ),
     ]
     in_engine = run(engine, requests, in_frontend=False)
     in_frontend = run(engine, requests, in_frontend=True)

@@ -1,4 +1,5 @@
 """RoPE scaling rules and the JAX/haliax compatibility shim."""
+
 import math
 import types
 
@@ -12,8 +13,17 @@ from capstan.runtime.models.rope import inverse_frequencies
 
 def test_llama3_scaling_keeps_short_wavelengths_and_slows_long_ones():
     base = inverse_frequencies(RopeConfig(theta=500000.0), 64)
-    scaled = inverse_frequencies(RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                            high_freq_factor=4.0, original_max_position_embeddings=256), 64)
+    scaled = inverse_frequencies(
+        RopeConfig(
+            theta=500000.0,
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=256,
+        ),
+        64,
+    )
     wavelen = 2 * math.pi / base
     short, long = wavelen < 256 / 4, wavelen > 256 / 1
     assert short.any() and long.any()

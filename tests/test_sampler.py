@@ -1,4 +1,5 @@
 """The on-device sampler's processors on hand-made logits."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,15 +15,27 @@ V = 8  # the hand-made logits below
 
 def batch(S=1, H=4, **kw):
     fields = dict(
-        temperature=np.ones(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
-        min_p=np.zeros(S, np.float32), presence_penalty=np.zeros(S, np.float32),
-        frequency_penalty=np.zeros(S, np.float32), repetition_penalty=np.ones(S, np.float32),
-        key_data=np.array([row_key_data(i, 0) for i in range(S)], np.uint32), position=np.zeros(S, np.int32),
-        bias_ids=np.full((S, 2), V, np.int32), bias_values=np.zeros((S, 2), np.float32),
-        banned_ids=np.full((S, 2), V, np.int32), history=np.full((S, H), V, np.int32),
-        prompt_lens=np.zeros(S, np.int32), allowed=np.full((S, 1), -1, np.int32), any_constrained=np.bool_(False),
-        any_penalty=np.bool_(False), any_filter=np.bool_(False),
-        want_logprobs=np.bool_(True), plain_greedy=np.bool_(False))
+        temperature=np.ones(S, np.float32),
+        top_k=np.zeros(S, np.int32),
+        top_p=np.ones(S, np.float32),
+        min_p=np.zeros(S, np.float32),
+        presence_penalty=np.zeros(S, np.float32),
+        frequency_penalty=np.zeros(S, np.float32),
+        repetition_penalty=np.ones(S, np.float32),
+        key_data=np.array([row_key_data(i, 0) for i in range(S)], np.uint32),
+        position=np.zeros(S, np.int32),
+        bias_ids=np.full((S, 2), V, np.int32),
+        bias_values=np.zeros((S, 2), np.float32),
+        banned_ids=np.full((S, 2), V, np.int32),
+        history=np.full((S, H), V, np.int32),
+        prompt_lens=np.zeros(S, np.int32),
+        allowed=np.full((S, 1), -1, np.int32),
+        any_constrained=np.bool_(False),
+        any_penalty=np.bool_(False),
+        any_filter=np.bool_(False),
+        want_logprobs=np.bool_(True),
+        plain_greedy=np.bool_(False),
+    )
     fields.update(kw)
     return SamplingBatch(**fields)
 
@@ -54,8 +67,11 @@ def test_top_k_top_p_min_p_restrict_the_support():
 
 
 def test_logit_bias_and_bans():
-    b = batch(temperature=np.zeros(1, np.float32), bias_ids=np.array([[3, V]], np.int32),
-              bias_values=np.array([[100.0, 0]], np.float32))
+    b = batch(
+        temperature=np.zeros(1, np.float32),
+        bias_ids=np.array([[3, V]], np.int32),
+        bias_values=np.array([[100.0, 0]], np.float32),
+    )
     assert int(sample(jnp.asarray(LOGITS), b).tokens[0]) == 3
     b = batch(temperature=np.zeros(1, np.float32), banned_ids=np.array([[0, 1]], np.int32))
     assert int(sample(jnp.asarray(LOGITS), b).tokens[0]) == 2
@@ -64,14 +80,29 @@ def test_logit_bias_and_bans():
 def test_penalties_count_output_tokens_and_repetition_covers_the_prompt():
     greedy = np.zeros(1, np.float32)
     history = np.array([[1, 0, 0, V]], np.int32)  # prompt [1], output [0, 0]
-    b = batch(temperature=greedy, history=history, prompt_lens=np.array([1], np.int32), any_penalty=np.bool_(True),
-              frequency_penalty=np.array([0.3], np.float32))
+    b = batch(
+        temperature=greedy,
+        history=history,
+        prompt_lens=np.array([1], np.int32),
+        any_penalty=np.bool_(True),
+        frequency_penalty=np.array([0.3], np.float32),
+    )
     assert int(sample(jnp.asarray(LOGITS), b).tokens[0]) == 1  # two outputs of 0 cost it 0.6: log .5 - .6 < log .3
-    b = batch(temperature=greedy, history=history, prompt_lens=np.array([1], np.int32), any_penalty=np.bool_(True),
-              presence_penalty=np.array([0.6], np.float32))
+    b = batch(
+        temperature=greedy,
+        history=history,
+        prompt_lens=np.array([1], np.int32),
+        any_penalty=np.bool_(True),
+        presence_penalty=np.array([0.6], np.float32),
+    )
     assert int(sample(jnp.asarray(LOGITS), b).tokens[0]) == 1
-    b = batch(temperature=greedy, history=np.array([[0, V, V, V]], np.int32), prompt_lens=np.array([1], np.int32),
-              any_penalty=np.bool_(True), repetition_penalty=np.array([2.0], np.float32))
+    b = batch(
+        temperature=greedy,
+        history=np.array([[0, V, V, V]], np.int32),
+        prompt_lens=np.array([1], np.int32),
+        any_penalty=np.bool_(True),
+        repetition_penalty=np.array([2.0], np.float32),
+    )
     assert int(sample(jnp.asarray(LOGITS), b).tokens[0]) == 1  # prompt token 0's negative logit doubled
 
 

@@ -1,6 +1,7 @@
 """Top-k, top-p and min-p without a sort keep exactly what the sort-based definition keeps, on random logits:
 the same kept set, the same renormalised probabilities, and the same seeded samples (the candidates' draw:
 the same tokens as the definition's kept set with the same Gumbel noise)."""
+
 from __future__ import annotations
 
 import functools
@@ -52,9 +53,16 @@ def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None 
     return out
 
 
-@pytest.mark.parametrize("filters", [filters_by_bisection, functools.partial(filters_by_search, pivots=15),
-                                     functools.partial(filters_by_search, pivots=6), filters_by_sort],
-                         ids=["bisection", "15-pivot search", "6-pivot search", "sort"])
+@pytest.mark.parametrize(
+    "filters",
+    [
+        filters_by_bisection,
+        functools.partial(filters_by_search, pivots=15),
+        functools.partial(filters_by_search, pivots=6),
+        filters_by_sort,
+    ],
+    ids=["bisection", "15-pivot search", "6-pivot search", "sort"],
+)
 @pytest.mark.parametrize("V, scale", [(64, 1.0), (1000, 3.0), (32_000, 0.5), (32_000, 8.0)])
 def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
     rng = np.random.default_rng(V)
@@ -71,8 +79,9 @@ def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
     differ = set(zip(*np.nonzero(np.isfinite(got) != np.isfinite(want)), strict=True))
     assert differ <= set(ambiguous), differ - set(ambiguous)  # the same kept set, but for float rounding
     rows = [r for r in range(S) if not any(d[0] == r for d in differ)]
-    np.testing.assert_allclose(jax.nn.softmax(got[rows], axis=-1), jax.nn.softmax(want[rows], axis=-1),
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        jax.nn.softmax(got[rows], axis=-1), jax.nn.softmax(want[rows], axis=-1), rtol=1e-5, atol=1e-7
+    )
 
 
 def test_seeded_samples_are_the_same_as_with_the_reference_filters():
@@ -81,9 +90,15 @@ def test_seeded_samples_are_the_same_as_with_the_reference_filters():
     rng = np.random.default_rng(9)
     S, V = 32, 4096
     x = (rng.standard_normal((S, V)) * 2).astype(np.float32)
-    b = batch(S=S, temperature=np.full(S, 0.8, np.float32), top_k=np.full(S, 40, np.int32),
-              top_p=np.full(S, 0.9, np.float32), any_filter=np.bool_(True), want_logprobs=np.bool_(False),
-              allowed=np.full((S, V // 32), -1, np.int32))
+    b = batch(
+        S=S,
+        temperature=np.full(S, 0.8, np.float32),
+        top_k=np.full(S, 40, np.int32),
+        top_p=np.full(S, 0.9, np.float32),
+        any_filter=np.bool_(True),
+        want_logprobs=np.bool_(False),
+        allowed=np.full((S, V // 32), -1, np.int32),
+    )
     ours = np.asarray(jax.jit(sampler.sample)(jnp.asarray(x), b).tokens)
     reference = sorted_reference(x / 0.8, np.full(S, 40), np.full(S, 0.9), np.zeros(S))
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
@@ -135,9 +150,11 @@ def reference_draw(x, noise, top_k, top_p, min_p, greedy):
 V_LARGE = 2 * BLOCK * BLOCKS + 123  # more blocks than candidates, and a ragged last block
 
 
-@pytest.mark.parametrize("best, in_one_pass, kernels",
-                         [(best_by_top_k, False, False), (best_by_blocks, False, False), (best_by_blocks, True, False),
-                          (None, False, True)], ids=["top-k", "blocks", "blocks-one-pass", "kernels"])
+@pytest.mark.parametrize(
+    "best, in_one_pass, kernels",
+    [(best_by_top_k, False, False), (best_by_blocks, False, False), (best_by_blocks, True, False), (None, False, True)],
+    ids=["top-k", "blocks", "blocks-one-pass", "kernels"],
+)
 @pytest.mark.parametrize("rows", ["flat", "peaked", "mixed"])
 def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, best, in_one_pass, kernels):
     rng = np.random.default_rng(len(rows))
@@ -150,8 +167,15 @@ def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, bes
     top_p = rng.choice([1.0, 0.95, 0.9, 0.5, 0.1, 1e-6], S).astype(np.float32)
     min_p = rng.choice([0.0, 0.0, 0.05, 0.3], S).astype(np.float32)
     temperature = rng.choice([0.0, 1.0, 1.0, 1.0], S).astype(np.float32)
-    b = batch(S=S, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True),
-              position=np.arange(S, dtype=np.int32))
+    b = batch(
+        S=S,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        any_filter=np.bool_(True),
+        position=np.arange(S, dtype=np.int32),
+    )
     got, noise = candidates_draw(x, b, best=best, in_one_pass=in_one_pass, kernels=kernels)
     want, ambiguous = reference_draw(x, noise, top_k, top_p, min_p, temperature == 0)
     unsure = set(ambiguous)  # tokens whose mass above is within float rounding of top_p: either answer is right
@@ -175,8 +199,13 @@ def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback(
     # a flat row whose top-k (beyond the candidates) is open sends the whole batch to the fallback
     x = peaked(rng, S, V)
     x[0] = rng.standard_normal(V)
-    b = batch(S=S, top_k=np.where(np.arange(S) == 0, 3000, top_k).astype(np.int32), top_p=top_p, min_p=min_p,
-              any_filter=np.bool_(True))
+    b = batch(
+        S=S,
+        top_k=np.where(np.arange(S) == 0, 3000, top_k).astype(np.int32),
+        top_p=top_p,
+        min_p=min_p,
+        any_filter=np.bool_(True),
+    )
     assert (candidates_draw(x, b, fallback=only_last, kernels=kernels)[0] == V - 1).all()
     got, noise = candidates_draw(x, b, kernels=kernels)
     assert got.tolist() == reference_draw(x, noise, np.asarray(b.top_k), top_p, min_p, np.zeros(S, bool))[0].tolist()
@@ -191,8 +220,15 @@ def test_the_exact_kernel_draws_the_rows_the_candidates_leave_open():
     top_p = np.array([1, 1, 1, 0.9, 0.5, 0.3, 1, 0.8] * 2, np.float32)
     min_p = np.array([0] * 8 + [0.01, 0, 0.05, 0, 0.02, 0, 0, 0.1], np.float32)
     temperature = np.where(np.arange(S) == S - 1, 0.0, 1.0).astype(np.float32)
-    b = batch(S=S, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True),
-              position=np.arange(S, dtype=np.int32))
+    b = batch(
+        S=S,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        any_filter=np.bool_(True),
+        position=np.arange(S, dtype=np.int32),
+    )
     only_last = lambda x, b: jnp.where(jnp.arange(x.shape[1]) == x.shape[1] - 1, 0.0, -jnp.inf)  # noqa: E731
     assert (candidates_draw(x, b, fallback=only_last, kernels=True)[0][:-1] == V - 1).all()  # left open
     got, noise = candidates_draw(x, b, kernels=True)
@@ -216,8 +252,13 @@ def test_the_one_pass_mass_kernel_gives_each_values_mass_above(V):
     values = np.take_along_axis(x, rng.integers(0, V, (S, D)), axis=1)
     weights = jnp.where(x >= cut[:, None], jnp.exp(x - top[:, None]), 0.0)
     want = mass_above(jnp.asarray(x), weights, jnp.asarray(values))
-    got = one_pass(jnp.asarray(x), jnp.asarray(cut), jnp.asarray(top), jnp.asarray(values),
-                   interpret=jax.default_backend() != "gpu")
+    got = one_pass(
+        jnp.asarray(x),
+        jnp.asarray(cut),
+        jnp.asarray(top),
+        jnp.asarray(values),
+        interpret=jax.default_backend() != "gpu",
+    )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6)
 
 

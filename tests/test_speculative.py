@@ -2,6 +2,7 @@
 and seeded sampling alike, whatever is proposed; accepted proposals save target steps; rejected ones give their
 pages back. Proposals here come from n-gram lookup, and from an oracle that knows the unspeculated output
 (the upper bound of the machinery, as a draft identical to the target would be), whole or corrupted."""
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,8 @@ def oracle(llm, baseline, corrupt_every: int = 0):
     def propose(tokens, k):
         calls[0] += 1
         for future in futures:
-            if future[:len(tokens)] == tokens and len(future) > len(tokens):
-                draft = future[len(tokens):len(tokens) + k]
+            if future[: len(tokens)] == tokens and len(future) > len(tokens):
+                draft = future[len(tokens) : len(tokens) + k]
                 if corrupt_every and calls[0] % corrupt_every == 0 and len(draft) > 1:
                     draft[1] = (draft[1] + 1) % 512
                 return draft
@@ -78,9 +79,11 @@ def test_every_verify_program_keeps_the_outputs(speculative_llm, programs, monke
     """Greedy, sampled and mixed batches (logprobs, penalties, filters) verified with the CPU's traced program and
     with the GPU's (its branches decided on the host) give plain decoding's tokens, proposals half corrupted."""
     import capstan.runtime.speculative.speculator as speculative
+
     used, real = [], speculative.verify_branches
-    monkeypatch.setattr(speculative, "verify_branches",
-                        lambda chunks, backend: used.append(b := real(chunks, programs)) or b)
+    monkeypatch.setattr(
+        speculative, "verify_branches", lambda chunks, backend: used.append(b := real(chunks, programs)) or b
+    )
     llm, e = speculative_llm, speculative_llm.engine
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=4, ignore_eos=True)
@@ -98,25 +101,34 @@ def test_every_verify_program_keeps_the_outputs(speculative_llm, programs, monke
 
 def test_ngram_lookup_and_preemption_keep_the_outputs(baseline):
     # a pool of 14 pages of 8 cannot hold 4 running sequences of ~45 tokens: some are preempted and recomputed
-    llm = LLM(str(GOLDEN / "llama-s11"), num_pages=14, page_size=8, warmup=False,
-              speculative_config=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), **ENGINE)
+    llm = LLM(
+        str(GOLDEN / "llama-s11"),
+        num_pages=14,
+        page_size=8,
+        warmup=False,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1),
+        **ENGINE,
+    )
     got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    same_outputs(baseline[:len(PROMPTS)], got)
+    same_outputs(baseline[: len(PROMPTS)], got)
     assert llm.engine.speculator.draft_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"method": "eagle"}', "method 'eagle' is not supported"),
-    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
-    ('{"num_speculative_tokens": 17}', "num_speculative_tokens must be at most 16"),
-    ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min (5) must not exceed"),
-    ('{"k": 4}', "unknown field(s) k"),
-    ('{"disable_by_batch_size": 1}', "disable_by_batch_size must be an integer of at least 2"),
-    ('{"disable_by_batch_size": 2.5}', "disable_by_batch_size must be an integer of at least 2"),
-    ("[4]", "must be a JSON object"),
-    ("{", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"method": "eagle"}', "method 'eagle' is not supported"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+        ('{"num_speculative_tokens": 17}', "num_speculative_tokens must be at most 16"),
+        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min (5) must not exceed"),
+        ('{"k": 4}', "unknown field(s) k"),
+        ('{"disable_by_batch_size": 1}', "disable_by_batch_size must be an integer of at least 2"),
+        ('{"disable_by_batch_size": 2.5}', "disable_by_batch_size must be an integer of at least 2"),
+        ("[4]", "must be a JSON object"),
+        ("{", "not JSON"),
+    ],
+)
 def test_bad_speculative_configs_are_refused_naming_the_field(text, message):
     with pytest.raises(ValueError, match="--speculative-config") as e:
         SpeculativeConfig.parse(text)
@@ -128,8 +140,12 @@ def test_bad_speculative_configs_are_refused_naming_the_field(text, message):
 def test_no_proposals_while_the_batch_is_at_disable_by_batch_size(baseline):
     """vLLM's disable_by_batch_size: while 2 or more sequences run, steps decode plainly (and a decode run queues its
     next dispatch ahead, as without speculation); once one is left it proposes again; outputs unchanged."""
-    llm = LLM(str(GOLDEN / "llama-s11"), warmup=False, **ENGINE, speculative_config=SpeculativeConfig(
-        num_speculative_tokens=4, disable_by_batch_size=2))
+    llm = LLM(
+        str(GOLDEN / "llama-s11"),
+        warmup=False,
+        **ENGINE,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=2),
+    )
     e = llm.engine
     running, runs = [], []
     propose, continue_run = e.speculator.propose, e.multi_step.continue_run
@@ -138,7 +154,8 @@ def test_no_proposals_while_the_batch_is_at_disable_by_batch_size(baseline):
     oracle(llm, baseline)
     params = [PARAMS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]  # the second ends first
     plain = [baseline[0]] + LLM(str(GOLDEN / "llama-s11"), warmup=False, **ENGINE).generate(
-        PROMPTS[1:2], params[1:], use_tqdm=False)
+        PROMPTS[1:2], params[1:], use_tqdm=False
+    )
     got = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     same_outputs(plain, got)
     assert running and max(running) < 2  # proposals only once one sequence was left
@@ -158,8 +175,9 @@ def test_a_step_without_proposals_decodes_one_dispatch_and_proposes_again(baseli
     e = llm.engine
     oracle(llm, baseline)
     propose, calls, runs = e.speculator.proposer, [0], []
-    e.speculator.proposer = lambda tokens, k: [] if (calls.__setitem__(0, calls[0] + 1) or calls[0] % 3 == 0) \
-        else propose(tokens, k)
+    e.speculator.proposer = lambda tokens, k: (
+        [] if (calls.__setitem__(0, calls[0] + 1) or calls[0] % 3 == 0) else propose(tokens, k)
+    )
     continue_run = e.multi_step.continue_run
     e.multi_step.continue_run = lambda: runs.append(1) or continue_run()
     e.speculator.draft_tokens = e.speculator.accepted_tokens = 0

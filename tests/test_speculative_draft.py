@@ -3,6 +3,7 @@
 draft equal to the target has every proposal accepted, greedy and seeded sampling alike, which checks the draft's
 own KV cache and its catch-up; sampled outputs are distributed as the target's; bad configurations are refused
 naming the field."""
+
 from __future__ import annotations
 
 import json
@@ -89,13 +90,15 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(baseline, same_
     e.pool.check_all_free()
 
 
-def test_with_the_gpus_programs_a_draft_equal_to_the_target_has_every_proposal_accepted(baseline, same_draft,
-                                                                                     monkeypatch):
+def test_with_the_gpus_programs_a_draft_equal_to_the_target_has_every_proposal_accepted(
+    baseline, same_draft, monkeypatch
+):
     """On GPUs the draft's and the verify step's sampling branches are decided on the host (greedy, sampled,
     general): the same tokens as the CPU's traced programs, every proposal of a draft equal to the target accepted,
     plain greedy batches included."""
     import capstan.runtime.speculative.draft_model as draft_model
     import capstan.runtime.speculative.speculator as speculative
+
     used = []
     for module, name in ((draft_model, "draft_branches"), (speculative, "verify_branches")):
         real = getattr(module, name)
@@ -124,10 +127,14 @@ def test_metrics_count_the_proposed_and_accepted_tokens(same_draft):
     # two proposals each (4 tokens, then 2), accepted whole: positions 0 and 1 four times, 2 and 3 twice
     assert stats.spec_drafts == 4 and stats.spec_accepted_per_pos == (4, 4, 2, 2)
     from capstan.runtime.server.metrics import ServerMetrics  # what /metrics exports of them
+
     text = ServerMetrics(same_draft.engine).render().decode()
-    for line in ("capstan_spec_decode_draft_tokens_total 12.0", "capstan_spec_decode_drafts_total 4.0",
-                 'capstan_spec_decode_accepted_tokens_per_pos_total{position="0"} 4.0',
-                 'capstan_spec_decode_accepted_tokens_per_pos_total{position="3"} 2.0'):
+    for line in (
+        "capstan_spec_decode_draft_tokens_total 12.0",
+        "capstan_spec_decode_drafts_total 4.0",
+        'capstan_spec_decode_accepted_tokens_per_pos_total{position="0"} 4.0',
+        'capstan_spec_decode_accepted_tokens_per_pos_total{position="3"} 2.0',
+    ):
         assert line in text.splitlines(), line
 
 
@@ -171,8 +178,11 @@ def test_sampled_outputs_are_distributed_as_the_targets(plain, cut_draft):
 
     reset_counters(cut_draft)
     seeds = range(600)
-    outs = cut_draft.generate([prompt] * len(seeds), [SamplingParams(max_tokens=4, temperature=1.0, top_k=4, seed=s,
-                                                                     ignore_eos=True) for s in seeds], use_tqdm=False)
+    outs = cut_draft.generate(
+        [prompt] * len(seeds),
+        [SamplingParams(max_tokens=4, temperature=1.0, top_k=4, seed=s, ignore_eos=True) for s in seeds],
+        use_tqdm=False,
+    )
     e = cut_draft.engine
     # proposals of the 2nd and 3rd tokens, some rejected
     assert 0 < e.speculator.accepted_tokens < e.speculator.draft_tokens
@@ -180,7 +190,7 @@ def test_sampled_outputs_are_distributed_as_the_targets(plain, cut_draft):
     assert set(pairs) <= set(expected)
     counts = {pair: pairs.count(pair) for pair in expected}
     small = [pair for pair in expected if expected[pair] * len(seeds) < 5]  # pooled: the test wants 5 expected
-    cells = [([pair], ) for pair in expected if pair not in small] + ([(small,)] if small else [])
+    cells = [([pair],) for pair in expected if pair not in small] + ([(small,)] if small else [])
     observed = np.array([sum(counts[p] for p in group) for (group,) in cells], float)
     wanted = np.array([sum(expected[p] for p in group) for (group,) in cells]) * len(seeds)
     statistic = float(((observed - wanted) ** 2 / wanted).sum())
@@ -188,19 +198,26 @@ def test_sampled_outputs_are_distributed_as_the_targets(plain, cut_draft):
 
 
 def test_a_draft_with_another_vocabulary_is_refused():
-    with pytest.raises(ValueError, match="--speculative-config: model .*: vocab_size 4096 differs from the "
-                                         "target's 512"):
+    with pytest.raises(
+        ValueError, match="--speculative-config: model .*: vocab_size 4096 differs from the target's 512"
+    ):
         LLM(str(LLAMA), warmup=False, speculative_config=draft_config(DEFAULT_MODEL), **ENGINE)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"method": "draft_model"}, 'method "draft_model" needs "model"'),
-    ({"method": "draft_model", "model": "/no/such/draft"}, "model '/no/such/draft': no such checkpoint folder"),
-    ({"model": "/no/such/draft"}, "model '/no/such/draft': no such checkpoint folder"),  # vLLM: a model means a draft
-    ({"method": "ngram", "model": str(LLAMA)}, 'model applies to method "draft_model"'),
-    ({"model": str(LLAMA), "prompt_lookup_min": 1}, "prompt_lookup_min: for method 'ngram' only"),
-    ({"method": "medusa", "model": str(LLAMA)}, "method 'medusa' is not supported; supported: ngram, draft_model"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"method": "draft_model"}, 'method "draft_model" needs "model"'),
+        ({"method": "draft_model", "model": "/no/such/draft"}, "model '/no/such/draft': no such checkpoint folder"),
+        (
+            {"model": "/no/such/draft"},
+            "model '/no/such/draft': no such checkpoint folder",
+        ),  # vLLM: a model means a draft
+        ({"method": "ngram", "model": str(LLAMA)}, 'model applies to method "draft_model"'),
+        ({"model": str(LLAMA), "prompt_lookup_min": 1}, "prompt_lookup_min: for method 'ngram' only"),
+        ({"method": "medusa", "model": str(LLAMA)}, "method 'medusa' is not supported; supported: ngram, draft_model"),
+    ],
+)
 def test_bad_draft_configs_are_refused_naming_the_field(fields, message):
     text = json.dumps(fields)
     with pytest.raises(ValueError, match="--speculative-config") as e:
@@ -211,7 +228,9 @@ def test_bad_draft_configs_are_refused_naming_the_field(fields, message):
 
 
 def test_the_draft_flag_parses_as_vllm_spells_it():
-    args = build_parser().parse_args(["serve", "--speculative-config",
-                                      json.dumps({"model": str(LLAMA), "num_speculative_tokens": 3})])
-    assert args.speculative_config == SpeculativeConfig(method="draft_model", model=str(LLAMA),
-                                                        num_speculative_tokens=3)
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", json.dumps({"model": str(LLAMA), "num_speculative_tokens": 3})]
+    )
+    assert args.speculative_config == SpeculativeConfig(
+        method="draft_model", model=str(LLAMA), num_speculative_tokens=3
+    )

@@ -3,6 +3,7 @@ one device, logprobs within 1e-4 of one device's and of transformers', and the s
 
 XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, and this pytest process has
 started it with one device, so each check runs this file as a script in a fresh process."""
+
 import json
 import os
 import subprocess
@@ -23,18 +24,27 @@ def run_split(devices: int, cases: dict[str, int], gpu_kernels: bool = False, tp
     KV cache laid out as the TPU kernel reads it."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     flags = ["gpu-kernels"] * gpu_kernels + ["tpu-layout"] * tpu_layout
-    proc = subprocess.run([sys.executable, __file__, json.dumps(cases)] + flags, env=env,
-                          cwd=TESTS, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps(cases)] + flags,
+        env=env,
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("devices, cases", [
-    # llama-s11: GQA (2 KV heads) split one per device, untied LM head
-    (2, {"llama-s11": 2}),
-    # gemma3-s14: one KV head replicated 4x, sliding window, soft-capping; qwen2-s12: 2 KV heads replicated 2x, biases
-    (4, {"gemma3-s14": 4, "qwen2-s12": 4}),
-])
+@pytest.mark.parametrize(
+    "devices, cases",
+    [
+        # llama-s11: GQA (2 KV heads) split one per device, untied LM head
+        (2, {"llama-s11": 2}),
+        # gemma3-s14: one KV head replicated 4x, sliding window, soft-capping; qwen2-s12: 2 KV heads replicated 2x, biases
+        (4, {"gemma3-s14": 4, "qwen2-s12": 4}),
+    ],
+)
 def test_split_model_matches_one_device_and_golden(devices, cases):
     got = run_split(devices, cases)
     for case, tp in cases.items():
@@ -55,8 +65,9 @@ def assert_golden(case: str, run: dict) -> None:
     for i, (prompt, cont) in enumerate(zip(ref["prompts"], ref["greedy_continuations"], strict=True)):
         owed = min(greedy_agreement_length(ref, i), MAX_TOKENS)
         assert run["tokens"][i][:owed] == cont[:owed], f"{case} prompt {i} vs transformers"
-        expected = log_softmax(reference_logits(case, i))[np.arange(len(prompt) - 1, len(prompt) - 1 + owed),
-                                                          cont[:owed]]
+        expected = log_softmax(reference_logits(case, i))[
+            np.arange(len(prompt) - 1, len(prompt) - 1 + owed), cont[:owed]
+        ]
         np.testing.assert_allclose(run["logprobs"][i][:owed], expected, atol=1e-4, err_msg=f"{case} {i}")
 
 
@@ -86,8 +97,14 @@ def test_sizes_the_model_cannot_split_are_refused_naming_the_flag():
         with pytest.raises(TensorParallelError, match=words) as e:
             check_size(cfg, size, devices)
         assert "--tensor-parallel-size" in str(e.value)
-    six = ModelConfig.from_hf({**json.loads((GOLDEN / "llama-s11" / "config.json").read_text()),
-                               "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 16})
+    six = ModelConfig.from_hf(
+        {
+            **json.loads((GOLDEN / "llama-s11" / "config.json").read_text()),
+            "num_attention_heads": 12,
+            "num_key_value_heads": 6,
+            "head_dim": 16,
+        }
+    )
     with pytest.raises(TensorParallelError, match="num_key_value_heads=6 or be a multiple"):
         check_size(six, 4, 8)
 
@@ -105,12 +122,21 @@ def _generate(case: str, tp: int) -> dict:
     from capstan.runtime.engine.sampling_params import SamplingParams
 
     prompts = reference(case)["prompts"]
-    llm = LLM(str(GOLDEN / case), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, page_size=4,
-              dtype="float32", tensor_parallel_size=tp, warmup=False,
-              enable_prefix_caching=False)  # the seeded request repeats prompt 0: its prompt logprobs are computed
+    llm = LLM(
+        str(GOLDEN / case),
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        page_size=4,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        warmup=False,
+        enable_prefix_caching=False,
+    )  # the seeded request repeats prompt 0: its prompt logprobs are computed
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7,
-                            prompt_logprobs=0)
+    seeded = SamplingParams(
+        temperature=1.0, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7, prompt_logprobs=0
+    )
     outs = llm.generate(prompts + [prompts[0]], [greedy] * len(prompts) + [seeded])
     greedy_outs = [o.outputs[0] for o in outs[:-1]]
     return {

@@ -59,7 +59,13 @@ def test_special_token_ids():
     assert qwen.id_to_piece(511) == "<|im_end|>"
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+)
 
 
 def copy_checkpoint(name: str, dest: Path, drop: tuple[str, ...] = ()) -> Path:

@@ -1,5 +1,6 @@
 """Tool-call parsers on the formats the model families write, and the stream that holds back only what may
 open a call."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
 
 
 def test_hermes_blocks_after_text():
-    text = f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>{{\"name\": \"now\"}}</tool_call>"
+    text = f'Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>{{"name": "now"}}</tool_call>'
     content, calls = HermesParser().parse(text)
     assert content == "Let me check."
     assert [c.name for c in calls] == ["get_weather", "now"]
@@ -29,7 +30,9 @@ def test_llama3_json_with_python_tag_and_several_calls():
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
     assert Llama3JSONParser().parse("Hello {there}") == ("Hello {there}", [])
     assert Llama3JSONParser().parse('{"name": "a", "parameters": {"x": 1}} trailing') == (
-        '{"name": "a", "parameters": {"x": 1}} trailing', [])
+        '{"name": "a", "parameters": {"x": 1}} trailing',
+        [],
+    )
 
 
 def stream(output: ToolCallOutput, pieces: list[str]):

@@ -5,6 +5,7 @@ write, and the mapping of a step onto the kernel's arguments, checked through th
 reference (`ref_ragged_paged_attention`, which JAX's tests hold the kernel to) against ours. The kernel itself
 does not run interpreted with the installed JAX (0.10.2, nor 0.11.2); the xfail test records how it fails and
 fails itself once it runs, so that this file gets a direct kernel-against-reference check then."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +50,7 @@ def mixed_step(seed, chunks=MIXED, KVH=2, G=4, D=128, page=8, pages_per_seq=None
     S = len(chunks) + 1
     pages_per_seq = pages_per_seq or -(-max(s + c for s, c in chunks) // page) + 1  # a spare page in each table
     num_pages = S * pages_per_seq + 2
-    tables = rng.permutation(num_pages)[:S * pages_per_seq].reshape(S, pages_per_seq).astype(np.int32)
+    tables = rng.permutation(num_pages)[: S * pages_per_seq].reshape(S, pages_per_seq).astype(np.int32)
     n = sum(c for _, c in chunks)
     T = len(chunks) if decode else n + 5
     positions, token_seq = np.zeros(T, np.int32), np.zeros(T, np.int32)
@@ -60,17 +61,32 @@ def mixed_step(seed, chunks=MIXED, KVH=2, G=4, D=128, page=8, pages_per_seq=None
         pos = np.arange(start + c)
         all_slots = tables[r, pos // page] * page + pos % page
         context.extend(all_slots[:start])
-        positions[t:t + c], token_seq[t:t + c], slots[t:t + c] = pos[start:], r, all_slots[start:]
+        positions[t : t + c], token_seq[t : t + c], slots[t : t + c] = pos[start:], r, all_slots[start:]
         seq_lens[r] = start + c
         t += c
     blocks = None if decode else jnp.asarray(query_blocks([(r, s, c) for r, (s, c) in enumerate(chunks)], T, S, G))
-    meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slots),
-                             token_seq=jnp.asarray(token_seq), block_tables=jnp.asarray(tables),
-                             seq_lens=jnp.asarray(seq_lens), query_blocks=blocks, decode=decode)
+    meta = AttentionMetadata(
+        positions=jnp.asarray(positions),
+        slot_mapping=jnp.asarray(slots),
+        token_seq=jnp.asarray(token_seq),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray(seq_lens),
+        query_blocks=blocks,
+        decode=decode,
+    )
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
     C = len(context)
-    return (normal(T, KVH, G, D), normal(T, KVH, D), normal(T, KVH, D), meta,
-            jnp.asarray(context, jnp.int32), normal(C, KVH, D), normal(C, KVH, D), n, num_pages)
+    return (
+        normal(T, KVH, G, D),
+        normal(T, KVH, D),
+        normal(T, KVH, D),
+        meta,
+        jnp.asarray(context, jnp.int32),
+        normal(C, KVH, D),
+        normal(C, KVH, D),
+        n,
+        num_pages,
+    )
 
 
 def both_layouts(seed, **kw):
@@ -98,8 +114,9 @@ def through_kernel_reference(q, kv_pages, meta, **kw):
 def test_the_tpu_kernel_is_chosen_on_tpus_for_caches_in_its_layout(backend, expected):
     layout = kv_layout(backend, 8, 128, jnp.bfloat16, tpu_version=5)
     assert layout == (PAGES_INTERLEAVED if backend == "tpu" else HEADS_FIRST)
-    step = dict(dtype=jnp.bfloat16, batch=16, kv_heads=8, pages_per_seq=64, page_size=16, head_dim=128,
-                window=None, softcap=0.0)
+    step = dict(
+        dtype=jnp.bfloat16, batch=16, kv_heads=8, pages_per_seq=64, page_size=16, head_dim=128, window=None, softcap=0.0
+    )
     for decode, ragged in ((True, False), (False, True)):
         kernel = choose_kernel(backend, layout=layout, decode=decode, ragged=ragged, **step)
         assert kernel == expected if backend != "gpu" else kernel in ("gpu_decode", "gpu_ragged")
@@ -107,8 +124,10 @@ def test_the_tpu_kernel_is_chosen_on_tpus_for_caches_in_its_layout(backend, expe
     assert choose_kernel("tpu", layout=PAGES_INTERLEAVED, decode=False, ragged=False, **step) == "chunked"
 
 
-@pytest.mark.parametrize("kv_heads, head_dim, dtype", [(2, 64, jnp.bfloat16), (3, 128, jnp.float32),
-                                                       (3, 128, jnp.bfloat16), (12, 128, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "kv_heads, head_dim, dtype",
+    [(2, 64, jnp.bfloat16), (3, 128, jnp.float32), (3, 128, jnp.bfloat16), (12, 128, jnp.bfloat16)],
+)
 def test_shapes_the_tpu_kernel_cannot_tile_keep_the_heads_first_layout(kv_heads, head_dim, dtype):
     # head_dim: multiples of 128 only; kv heads: 2 * kv_heads / (4 / itemsize) in 1, 2, 4, 8 or a multiple of 8
     assert kv_layout("tpu", kv_heads, head_dim, dtype, tpu_version=5) == HEADS_FIRST
@@ -130,13 +149,22 @@ def test_interleaved_write_holds_the_same_pages_as_the_heads_first_one():
     assert np.asarray(kv_pages[:, :, 0::2]).any() and np.asarray(kv_pages[:, :, 1::2]).any()
 
 
-@pytest.mark.parametrize("kw, attn", [({}, {}), ({"G": 1, "KVH": 4}, {}), ({"G": 8, "KVH": 1, "page": 4}, {}),
-                                      ({}, {"window": 9}), ({}, {"softcap": 5.0})])
+@pytest.mark.parametrize(
+    "kw, attn",
+    [
+        ({}, {}),
+        ({"G": 1, "KVH": 4}, {}),
+        ({"G": 8, "KVH": 1, "page": 4}, {}),
+        ({}, {"window": 9}),
+        ({}, {"softcap": 5.0}),
+    ],
+)
 def test_a_mixed_step_maps_onto_the_kernel_arguments(kw, attn):
     q, meta, n, k_cache, v_cache, kv_pages = both_layouts(1, **kw)
     want = np.asarray(paged_attention(q, k_cache, v_cache, meta, scale=0.088, **attn))[:n]
-    got = through_kernel_reference(q, kv_pages, meta, sm_scale=0.088, sliding_window=attn.get("window"),
-                                   soft_cap=attn.get("softcap"))
+    got = through_kernel_reference(
+        q, kv_pages, meta, sm_scale=0.088, sliding_window=attn.get("window"), soft_cap=attn.get("softcap")
+    )
     assert got.shape == want.shape and rel_err(got, want) < 1e-5
 
 
@@ -166,8 +194,11 @@ def test_write_and_attend_off_tpu_reads_interleaved_pages_as_the_reference():
 # Pallas' generic interpreter (interpret=True) fails while discharging the kernel's masked pltpu.store at a static
 # head index ("'TypedInt' object has no attribute 'shape'"), and has no strided loads, which the kernel's K/V
 # de-interleaving uses.
-@pytest.mark.xfail(strict=True, raises=(jax.errors.JaxRuntimeError, AttributeError),
-                   reason="JAX's interpreters cannot run the TPU ragged kernel on CPU with this JAX; see above")
+@pytest.mark.xfail(
+    strict=True,
+    raises=(jax.errors.JaxRuntimeError, AttributeError),
+    reason="JAX's interpreters cannot run the TPU ragged kernel on CPU with this JAX; see above",
+)
 @pytest.mark.parametrize("mode", ["tpu_interpreter", "generic_interpreter"])
 def test_the_tpu_kernel_interpreted_matches_the_reference(mode):
     from jax.experimental.pallas import tpu as pltpu

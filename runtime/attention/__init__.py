@@ -1,4 +1,5 @@
 """Paged attention: the plain-XLA reference defines correctness; faster kernels are chosen by backend."""
+
 import os
 
 import jax
@@ -40,8 +41,21 @@ def layout_of(v_cache: jax.Array) -> str:
     return PAGES_INTERLEAVED if v_cache.size == 0 else HEADS_FIRST
 
 
-def choose_kernel(backend: str, *, layout: str, decode: bool, ragged: bool, dtype, batch: int, kv_heads: int,
-                  pages_per_seq: int, page_size: int, head_dim: int, window: int | None, softcap) -> str:
+def choose_kernel(
+    backend: str,
+    *,
+    layout: str,
+    decode: bool,
+    ragged: bool,
+    dtype,
+    batch: int,
+    kv_heads: int,
+    pages_per_seq: int,
+    page_size: int,
+    head_dim: int,
+    window: int | None,
+    softcap,
+) -> str:
     """The kernel for one layer's step: "tpu_ragged", "gpu_decode", "gpu_ragged" or "chunked" (the reference's
     result over the real context). ragged: the step carries query blocks (the batch builder's steps do)."""
     from ..kernels.gpu_decode_attention import supported as decode_supported
@@ -51,8 +65,13 @@ def choose_kernel(backend: str, *, layout: str, decode: bool, ragged: bool, dtyp
         return "tpu_ragged" if backend == "tpu" and (decode or ragged) else "chunked"
     if backend == "gpu":
         dtype = jnp.dtype(dtype)
-        if decode and window is None and not softcap and dtype != jnp.float32 and decode_supported(
-                batch, kv_heads, pages_per_seq, page_size, head_dim):
+        if (
+            decode
+            and window is None
+            and not softcap
+            and dtype != jnp.float32
+            and decode_supported(batch, kv_heads, pages_per_seq, page_size, head_dim)
+        ):
             return "gpu_decode"
         if (decode or ragged) and ragged_supported(head_dim, page_size, dtype.itemsize):
             return "gpu_ragged"
@@ -71,10 +90,20 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
         backend = "gpu"
     layout = layout_of(v_cache)
     page_size = k_cache.shape[1] if layout == PAGES_INTERLEAVED else k_cache.shape[2]
-    kernel = choose_kernel(backend, layout=layout, decode=meta.decode, ragged=meta.query_blocks is not None,
-                           dtype=q.dtype, batch=q.shape[0], kv_heads=q.shape[1],
-                           pages_per_seq=meta.block_tables.shape[1], page_size=page_size, head_dim=q.shape[-1],
-                           window=window, softcap=softcap)
+    kernel = choose_kernel(
+        backend,
+        layout=layout,
+        decode=meta.decode,
+        ragged=meta.query_blocks is not None,
+        dtype=q.dtype,
+        batch=q.shape[0],
+        kv_heads=q.shape[1],
+        pages_per_seq=meta.block_tables.shape[1],
+        page_size=page_size,
+        head_dim=q.shape[-1],
+        window=window,
+        softcap=softcap,
+    )
     interpret = jax.default_backend() != "gpu"
     if kernel == "tpu_ragged":
         from ..kernels.tpu_ragged_attention import ragged_attention as tpu_ragged_attention
@@ -87,41 +116,75 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
     if kernel == "gpu_ragged":
         from ..kernels.gpu_ragged_attention import ragged_attention as gpu_ragged_attention
 
-        return gpu_ragged_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None,
-                                interpret=interpret)
+        return gpu_ragged_attention(
+            q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None, interpret=interpret
+        )
     if layout == PAGES_INTERLEAVED:  # off TPU, or a step without query blocks: costs a copy of the layer's pages
         k_cache, v_cache = split_pages(k_cache)
     return chunked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
 
 
-def decode_fuses(k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *, head_dim: int,
-                 window: int | None, softcap) -> bool:
+def decode_fuses(
+    k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *, head_dim: int, window: int | None, softcap
+) -> bool:
     """Whether a step's norms, rope, K/V write and attention run as gpu_fused_decode's one kernel: a decode step
     on a GPU (or the kernels interpreted on CPU) on one device, caches HEADS_FIRST, shapes the kernel tiles, no
     window or soft-capping; float32 too (its dots are IEEE)."""
     backend = jax.default_backend()
     if backend == "cpu" and KERNELS_INTERPRETED_ON_CPU:
         backend = "gpu"
-    if not (FUSED_DECODE and meta.decode and backend == "gpu" and model_parallel_size() == 1
-            and layout_of(v_cache) == HEADS_FIRST and window is None and not softcap):
+    if not (
+        FUSED_DECODE
+        and meta.decode
+        and backend == "gpu"
+        and model_parallel_size() == 1
+        and layout_of(v_cache) == HEADS_FIRST
+        and window is None
+        and not softcap
+    ):
         return False
     from ..kernels.gpu_fused_decode_attention import supported
 
     return supported(k_cache.shape[2], head_dim)
 
 
-def fused_decode(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, q_norm, k_norm,
-                 eps: float, one_plus: bool):
+def fused_decode(
+    qkv,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    q_norm,
+    k_norm,
+    eps: float,
+    one_plus: bool,
+):
     """qkv [T, KVH, G + 2, D] straight from the QKV matmul; returns (out [T, KVH, G, D], k_cache, v_cache):
     gpu_fused_decode's kernel, where decode_fuses says so."""
     from ..kernels.gpu_fused_decode_attention import fused_decode_attention
 
-    return fused_decode_attention(qkv, cos, sin, k_cache, v_cache, meta, scale=scale, q_norm=q_norm, k_norm=k_norm,
-                                  eps=eps, one_plus=one_plus, interpret=jax.default_backend() != "gpu")
+    return fused_decode_attention(
+        qkv,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        meta,
+        scale=scale,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        eps=eps,
+        one_plus=one_plus,
+        interpret=jax.default_backend() != "gpu",
+    )
 
 
-def write_and_attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page_size: int, scale: float,
-                     window: int | None, softcap):
+def write_and_attend(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page_size: int, scale: float, window: int | None, softcap
+):
     """Writes the step's k, v [T, KVH, D] into one layer's pages, then attends q [T, KVH, G, D] over them; returns
     (out [T, KVH, G, D], k_cache, v_cache). The caches are HEADS_FIRST ([KVH, pages, page_size, D] each) or, on
     TPU, PAGES_INTERLEAVED (k_cache [pages, page_size, 2 * KVH, D], v_cache an empty placeholder). Under tensor
@@ -144,10 +207,24 @@ def write_and_attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page
     heads = P(None, MODEL_AXIS)
     k_spec, v_spec = (P(None, None, MODEL_AXIS), P()) if layout == PAGES_INTERLEAVED else (P(MODEL_AXIS),) * 2
     # check_vma off: the Pallas kernels inside have no replication rules; the specs say what each output is
-    return jax.shard_map(local, in_specs=(heads, heads, heads, k_spec, v_spec, P()),
-                         out_specs=(heads, k_spec, v_spec), check_vma=False)(q, k, v, k_cache, v_cache, meta)
+    return jax.shard_map(
+        local, in_specs=(heads, heads, heads, k_spec, v_spec, P()), out_specs=(heads, k_spec, v_spec), check_vma=False
+    )(q, k, v, k_cache, v_cache, meta)
 
 
-__all__ = ["write_and_attend", "decode_fuses", "fused_decode", "INVALID_SLOT", "AttentionMetadata", "query_blocks",
-           "attend", "choose_kernel", "chunked_attention", "kv_layout", "paged_attention", "write_kv", "HEADS_FIRST",
-           "PAGES_INTERLEAVED"]
+__all__ = [
+    "write_and_attend",
+    "decode_fuses",
+    "fused_decode",
+    "INVALID_SLOT",
+    "AttentionMetadata",
+    "query_blocks",
+    "attend",
+    "choose_kernel",
+    "chunked_attention",
+    "kv_layout",
+    "paged_attention",
+    "write_kv",
+    "HEADS_FIRST",
+    "PAGES_INTERLEAVED",
+]

@@ -8,6 +8,7 @@ so one compiled program serves every context length: no page-count buckets, no e
 multi-step decoding (whose context grows inside one dispatch) bounds each of its steps by that step's positions.
 Groups make one long sequence cost its own context only: a lone stream among padding rows, or a prefill chunk,
 whose early tokens stop early (causality)."""
+
 from __future__ import annotations
 
 import jax
@@ -69,12 +70,16 @@ def chunked_attention(
             correction = jnp.exp(m - m_new)
             p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
             l = l * correction + p.sum(axis=-1)
-            acc = acc * correction[..., None] + jnp.einsum("tkgc,ktcd->tkgd", p.astype(v.dtype), v,
-                                                           preferred_element_type=jnp.float32)
+            acc = acc * correction[..., None] + jnp.einsum(
+                "tkgc,ktcd->tkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
+            )
             return acc, m_new, l
 
-        init = (jnp.zeros((group, KVH, G, D), jnp.float32), jnp.full((group, KVH, G), MASKED, jnp.float32),
-                jnp.zeros((group, KVH, G), jnp.float32))
+        init = (
+            jnp.zeros((group, KVH, G, D), jnp.float32),
+            jnp.full((group, KVH, G), MASKED, jnp.float32),
+            jnp.zeros((group, KVH, G), jnp.float32),
+        )
         acc, _, l = jax.lax.fori_loop(lo[g], hi[g], chunk, init)
         return out.at[g].set((acc / jnp.maximum(l, 1e-30)[..., None]).astype(q.dtype))  # no key seen: zeros
 

@@ -1,4 +1,5 @@
 """AttentionMetadata: where each token of a ragged step sits in the paged KV cache."""
+
 from __future__ import annotations
 
 import equinox as eqx

@@ -1,4 +1,5 @@
 """Paged attention in plain XLA: gather each token's pages, mask, softmax. The definition of correct."""
+
 from __future__ import annotations
 
 import jax
@@ -12,7 +13,8 @@ def write_kv(cache: jax.Array, slots: jax.Array, values: jax.Array, page_size: i
 
     INVALID_SLOT lands past the last page and is dropped."""
     return cache.at[:, slots // page_size, slots % page_size].set(
-        jnp.swapaxes(values, 0, 1).astype(cache.dtype), mode="drop")
+        jnp.swapaxes(values, 0, 1).astype(cache.dtype), mode="drop"
+    )
 
 
 def paged_attention(

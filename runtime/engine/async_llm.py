@@ -2,6 +2,7 @@
 
 One engine thread owns all engine state and runs a plain loop: take new requests and aborts from a queue,
 step, hand each request's deltas to its asyncio queue. The server's event loop never waits on the device."""
+
 from __future__ import annotations
 
 import logging
@@ -107,8 +108,12 @@ class AsyncLLM(FrontendEngine):
 
     def _deliver_failures(self) -> None:
         for request_id, error in self.engine.take_failed():
-            self._deliver(request_id, RequestFailedError(
-                f"this request failed in the engine ({type(error).__name__}); the server goes on serving"))
+            self._deliver(
+                request_id,
+                RequestFailedError(
+                    f"this request failed in the engine ({type(error).__name__}); the server goes on serving"
+                ),
+            )
 
     def _take_commands(self, block: bool) -> None:
         try:

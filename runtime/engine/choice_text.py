@@ -1,6 +1,7 @@
 """ChoiceText: one choice's text as its tokens arrive, detokenized incrementally and cut before the first stop
 string. The engine makes it for the offline API and the in-thread server; a frontend makes it for the engine core's
 requests (the core then sends token ids only)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

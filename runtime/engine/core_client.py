@@ -3,6 +3,7 @@
 The frontend validates and tokenizes here (InputProcessor: no device, no engine state), pushes the tokenized request
 to the core, and reads its outputs on its own socket from the server's event loop; the core's process is watched
 through a pidfd, so a core that dies (SIGKILL, out of memory) fails /health and ends every open stream at once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,16 +36,34 @@ class OpenRequest:
     text: RequestText
 
 
-NO_STATS = EngineStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0, prefix_cache_queried_tokens=0,
-                       prefix_cache_hit_tokens=0, preemptions=0, prompt_tokens=0, generation_tokens=0)
+NO_STATS = EngineStats(
+    running=0,
+    waiting=0,
+    kv_pages_used=0,
+    kv_pages_total=0,
+    prefix_cache_queried_tokens=0,
+    prefix_cache_hit_tokens=0,
+    preemptions=0,
+    prompt_tokens=0,
+    generation_tokens=0,
+)
 
 
 class EngineCoreClient(FrontendEngine):
     """One frontend's view of the engine cores: one, or --data-parallel-size of them, each a replica of the model on
     its own devices; a request goes to the core with the least load."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_name: str, *, frontend: int,
-                 input_addresses: list[str], output_address: str, core_pids: list[int]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        model_name: str,
+        *,
+        frontend: int,
+        input_addresses: list[str],
+        output_address: str,
+        core_pids: list[int],
+    ):
         super().__init__()
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self.frontend = frontend
@@ -142,6 +161,7 @@ class EngineCoreClient(FrontendEngine):
         def submit() -> None:
             self._open[request_id] = OpenRequest(request.prompt_text, request.prompt_ids, text)
             self._send(request_id, data)
+
         return submit
 
     def _submit_embed(self, request_id: str, prompts: list[str | list[int]]):
@@ -150,8 +170,9 @@ class EngineCoreClient(FrontendEngine):
 
     def _send(self, request_id: str, data: bytes) -> None:
         """To the core with the least load: its running and waiting requests, and what was sent it since."""
-        core = min(range(len(self._outboxes)),
-                   key=lambda c: self._stats[c].running + self._stats[c].waiting + self._sent[c])
+        core = min(
+            range(len(self._outboxes)), key=lambda c: self._stats[c].running + self._stats[c].waiting + self._sent[c]
+        )
         self._sent[core] += 1
         self._core_of[request_id] = core
         self._outboxes[core].send(data)
@@ -214,8 +235,13 @@ class EngineCoreClient(FrontendEngine):
         for f in message.failures:
             self._open.pop(f.request_id, None)
             self._core_of.pop(f.request_id, None)
-            error = (InvalidRequestError(f.message, f.param) if f.kind == "invalid" else
-                     QueueFullError(f.message) if f.kind == "queue_full" else RequestFailedError(f.message))
+            error = (
+                InvalidRequestError(f.message, f.param)
+                if f.kind == "invalid"
+                else QueueFullError(f.message)
+                if f.kind == "queue_full"
+                else RequestFailedError(f.message)
+            )
             self._deliver(f.request_id, error)
 
     def _core_died(self, reason: str) -> None:

@@ -2,6 +2,7 @@
 
 Frontends push requests, embeddings, aborts and the shutdown to the core's one input socket; the core pushes each
 frontend its own requests' outputs, with the engine's stats, on that frontend's output socket."""
+
 from __future__ import annotations
 
 import msgspec

@@ -6,6 +6,7 @@ Started by `capstan serve` (runtime/server/processes.py) as `python -m capstan.r
 CoreSpec on stdin;
 it ignores SIGINT and SIGTERM (the serving process decides when it stops: after the frontends drained) and dies
 with its parent."""
+
 from __future__ import annotations
 
 import logging
@@ -57,7 +58,7 @@ class EngineCore:
         self.config = spec.config
         self.core = spec.core
         if spec.cpu_max_num_seqs is not None and jax.default_backend() == "cpu":  # decided here: only the core
-            self.config.max_num_seqs = spec.cpu_max_num_seqs                     # may start JAX's backend
+            self.config.max_num_seqs = spec.cpu_max_num_seqs  # may start JAX's backend
         self.owner: dict[str, int] = {}  # request id -> the frontend that answers it
 
     def run(self) -> int:
@@ -104,8 +105,12 @@ class EngineCore:
             outputs += engine.step()
         if embedder.has_work():  # one embedding batch between generation steps: both progress
             embeddings += embedder.step()
-        failures += [Failure(rid, "failed", f"this request failed in the engine ({type(e).__name__}); the server "
-                             "goes on serving") for rid, e in engine.take_failed()]
+        failures += [
+            Failure(
+                rid, "failed", f"this request failed in the engine ({type(e).__name__}); the server goes on serving"
+            )
+            for rid, e in engine.take_failed()
+        ]
         self._answer(outputs, embeddings, failures)
         return True
 
@@ -141,8 +146,13 @@ class EngineCore:
             if isinstance(message, Add) and request_id in engine.requests:
                 engine.fail(request_id, e)  # reported with the step's failures
             else:
-                failures.append(Failure(request_id, "failed", f"this request failed in the engine "
-                                        f"({type(e).__name__}); the server goes on serving"))
+                failures.append(
+                    Failure(
+                        request_id,
+                        "failed",
+                        f"this request failed in the engine ({type(e).__name__}); the server goes on serving",
+                    )
+                )
 
     def _answer(self, outputs: list[RequestOutput], embeddings, failures: list[Failure]) -> None:
         """Each frontend gets its own requests' news, and every frontend the stats (its gauges and 429s)."""

@@ -8,6 +8,7 @@ generation steps, so the device runs one program at a time and both kinds of req
 
 Pooling is chosen per server (`--embedding-pooling`): `last` (the last token's state, what decoder embedding
 models such as e5-mistral or Qwen3-Embedding are trained for) or `mean` (over every input token)."""
+
 from __future__ import annotations
 
 import collections
@@ -95,8 +96,13 @@ class Embedder:
         self.waiting = collections.deque(x for x in self.waiting if x.request_id != request_id)
 
     def fail(self, request_id: str, error: BaseException) -> None:
-        log.error("embedding request %s failed and was dropped: %s: %s", request_id, type(error).__name__, error,
-                  exc_info=error)
+        log.error(
+            "embedding request %s failed and was dropped: %s: %s",
+            request_id,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
         self.abort(request_id)
         self.engine.failed.append((request_id, error))
 
@@ -168,18 +174,24 @@ class Embedder:
         for r, (x, start, n) in enumerate(chunks):
             pos = np.arange(start, start + n)
             pages = np.asarray(x.pages, np.int32)
-            tokens[t:t + n] = x.token_ids[start:start + n]
-            positions[t:t + n] = pos
-            slots[t:t + n] = pages[pos // page] * page + pos % page
-            token_seq[t:t + n] = r
-            valid[t:t + n] = 1.0
-            block_tables[r, :len(pages)] = pages
+            tokens[t : t + n] = x.token_ids[start : start + n]
+            positions[t : t + n] = pos
+            slots[t : t + n] = pages[pos // page] * page + pos % page
+            token_seq[t : t + n] = r
+            valid[t : t + n] = 1.0
+            block_tables[r, : len(pages)] = pages
             seq_lens[r] = start + n
             last_index[r] = t + n - 1
             t += n
         blocks = query_blocks([(r, start, n) for r, (_, start, n) in enumerate(chunks)], T, S, builder.queries_per_kv)
-        meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
-                                 block_tables=block_tables, seq_lens=seq_lens, query_blocks=blocks)
+        meta = AttentionMetadata(
+            positions=positions,
+            slot_mapping=slots,
+            token_seq=token_seq,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_blocks=blocks,
+        )
         return tokens, meta, valid, last_index
 
     def _release(self, x: EmbeddingInput) -> None:
@@ -195,8 +207,19 @@ class Embedder:
             if inputs is None or not all(x.done for x in inputs):
                 continue
             del self.requests[rid]
-            finished.append((rid, [EmbeddingRequestOutput(request_id=f"{rid}-{x.index}", prompt_token_ids=x.token_ids,
-                                                          outputs=EmbeddingOutput(self._pooled(x))) for x in inputs]))
+            finished.append(
+                (
+                    rid,
+                    [
+                        EmbeddingRequestOutput(
+                            request_id=f"{rid}-{x.index}",
+                            prompt_token_ids=x.token_ids,
+                            outputs=EmbeddingOutput(self._pooled(x)),
+                        )
+                        for x in inputs
+                    ],
+                )
+            )
         return finished
 
     def _pooled(self, x: EmbeddingInput) -> list[float]:

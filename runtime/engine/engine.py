@@ -1,4 +1,5 @@
 """LLMEngine: requests in, one step at a time: schedule (host), run the jitted step (device), apply results."""
+
 from __future__ import annotations
 
 import contextlib
@@ -38,13 +39,20 @@ CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None,
-                 draft_model: DecoderModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model=None,
+        tokenizer: Tokenizer | None = None,
+        draft_model: DecoderModel | None = None,
+    ):
         """model, draft_model: built already (benchmarks' random weights) instead of loaded from the config's paths."""
         config.validate()
         self.config = config
         path = resolve_checkpoint(config.model)
-        dtype = config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+        dtype = (
+            config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+        )
         self.dtype = parse_dtype(dtype)
         self.model = model if model is not None else load_model(path, dtype, config.quantization)
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
@@ -54,26 +62,40 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":  # loaded first: the KV budget counts its pages
             draft = load_draft(spec.model, self.model, dtype, self.parallel, given=draft_model)
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(
-            resolve_checkpoint(config.tokenizer) if config.tokenizer else path)
+            resolve_checkpoint(config.tokenizer) if config.tokenizer else path
+        )
         self.model_name = served_model_name(path)
         if config.max_model_len is None:
             config.max_model_len = min(cfg.max_position_embeddings, 8192)
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(cfg.eos_token_ids))
-        self.grammar = GrammarTokenizer(self.tokenizer, set(self.tokenizer.end_of_turn_ids()) | self.eos_token_ids,
-                                        cfg.vocab_size)
+        self.grammar = GrammarTokenizer(
+            self.tokenizer, set(self.tokenizer.end_of_turn_ids()) | self.eos_token_ids, cfg.vocab_size
+        )
         num_pages = config.num_pages or self._pages_that_fit(draft)
         config.num_pages = num_pages
-        self.kv = KVCache.allocate(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
-                                   self.dtype, sharding=self.parallel.kv_sharding())
+        self.kv = KVCache.allocate(
+            cfg.num_layers,
+            num_pages,
+            config.page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            sharding=self.parallel.kv_sharding(),
+        )
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         if config.kv_offloading_size:  # evicted prefix pages go to host memory, and come back on a hit
-            self.scheduler.attach_host_tier(HostOffload(self.kv, config.kv_offloading_size,
-                                                        context=self._precision))
-        rows = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                    page_size=config.page_size, max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
-                    eos_token_ids=self.eos_token_ids, smallest_bucket=config.smallest_token_bucket)
+            self.scheduler.attach_host_tier(HostOffload(self.kv, config.kv_offloading_size, context=self._precision))
+        rows = dict(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            page_size=config.page_size,
+            max_model_len=self.max_model_len,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            smallest_bucket=config.smallest_token_bucket,
+        )
         self.inputs = InputProcessor(self.tokenizer, self.limits(), self.grammar)  # admission: no engine state
         self.builder = BatchBuilder(**rows, queries_per_kv=cfg.queries_per_kv)
         self.speculator: Speculator | None = None  # None: every step decodes plainly
@@ -108,10 +130,17 @@ class LLMEngine:
 
     def limits(self) -> ModelLimits:
         c, cfg = self.config, self.model.cfg
-        return ModelLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, page_size=c.page_size,
-                           num_pages=c.num_pages, max_num_seqs=c.max_num_seqs, max_logprobs=c.max_logprobs,
-                           max_waiting=c.max_waiting, eos_token_ids=sorted(self.eos_token_ids),
-                           hidden_size=cfg.hidden_size)
+        return ModelLimits(
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            page_size=c.page_size,
+            num_pages=c.num_pages,
+            max_num_seqs=c.max_num_seqs,
+            max_logprobs=c.max_logprobs,
+            max_waiting=c.max_waiting,
+            eos_token_ids=sorted(self.eos_token_ids),
+            hidden_size=cfg.hidden_size,
+        )
 
     def validate(self, params: SamplingParams) -> None:
         """Every sampling field within its limit for this model and configuration (InvalidRequestError)."""
@@ -130,11 +159,22 @@ class LLMEngine:
 
         def text() -> ChoiceText | None:
             return ChoiceText(self.tokenizer, ids, params) if params.detokenize and request.text_in_engine else None
-        seqs = [Sequence(request_id=request.request_id, index=i, prompt_ids=ids, params=params, seed=request.seed,
-                         arrival=now, text=text(), max_tokens=request.max_tokens,
-                         prompt_text=request.prompt_text,
-                         constraint=self.grammar.matcher(params.structured) if params.structured else None)
-                for i in range(params.n)]
+
+        seqs = [
+            Sequence(
+                request_id=request.request_id,
+                index=i,
+                prompt_ids=ids,
+                params=params,
+                seed=request.seed,
+                arrival=now,
+                text=text(),
+                max_tokens=request.max_tokens,
+                prompt_text=request.prompt_text,
+                constraint=self.grammar.matcher(params.structured) if params.structured else None,
+            )
+            for i in range(params.n)
+        ]
         seqs[0].pending_forks = seqs[1:]
         return seqs
 
@@ -163,8 +203,7 @@ class LLMEngine:
 
     def fail(self, request_id: str, error: BaseException) -> None:
         """One request's own failure: it ends, its pages are freed, its owner hears of it; the engine goes on."""
-        log.error("request %s failed and was dropped: %s: %s", request_id, type(error).__name__, error,
-                  exc_info=error)
+        log.error("request %s failed and was dropped: %s: %s", request_id, type(error).__name__, error, exc_info=error)
         for seq in self.requests.pop(request_id, []):  # every choice, pending forks included
             seq.pending_forks = []
             if not seq.finished:
@@ -181,16 +220,22 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s, e = self.scheduler, self.embedder  # embedding inputs are load too (the autoscaler reads these)
         spec = self.speculator
-        return EngineStats(running=len(s.running) + len(e.running), waiting=len(s.waiting) + len(e.waiting),
-                           kv_pages_used=self.pool.num_used,
-                           kv_pages_total=self.pool.num_pages, prefix_cache_queried_tokens=s.prefix_queried_tokens,
-                           prefix_cache_hit_tokens=s.prefix_hit_tokens, preemptions=s.num_preemptions,
-                           prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-                           spec_draft_tokens=spec.draft_tokens if spec else 0,
-                           spec_accepted_tokens=spec.accepted_tokens if spec else 0,
-                           spec_drafts=spec.drafts if spec else 0,
-                           spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
-                           **s.host_tier_stats())
+        return EngineStats(
+            running=len(s.running) + len(e.running),
+            waiting=len(s.waiting) + len(e.waiting),
+            kv_pages_used=self.pool.num_used,
+            kv_pages_total=self.pool.num_pages,
+            prefix_cache_queried_tokens=s.prefix_queried_tokens,
+            prefix_cache_hit_tokens=s.prefix_hit_tokens,
+            preemptions=s.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            spec_draft_tokens=spec.draft_tokens if spec else 0,
+            spec_accepted_tokens=spec.accepted_tokens if spec else 0,
+            spec_drafts=spec.drafts if spec else 0,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
+            **s.host_tier_stats(),
+        )
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -319,8 +364,10 @@ class LLMEngine:
     def _precision(self):
         """Every device call runs in here: float32 means float32 (no TF32 shortcuts in matmuls on GPUs: golden
         parity is to 1e-4), and under tensor parallelism the steps trace and run on its mesh."""
-        with jax.default_matmul_precision("float32" if self.dtype == jnp.float32 else "default"), \
-                self.parallel.context():
+        with (
+            jax.default_matmul_precision("float32" if self.dtype == jnp.float32 else "default"),
+            self.parallel.context(),
+        ):
             yield
 
     def _fork(self, parent: Sequence) -> None:
@@ -349,8 +396,17 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if p.logprobs is not None:
-            seq.new_logprobs.append(position_logprobs(self.tokenizer, token, float(s.logprob[at]), int(s.rank[at]),
-                                                      s.top_ids[at], s.top_logprobs[at], p.logprobs))
+            seq.new_logprobs.append(
+                position_logprobs(
+                    self.tokenizer,
+                    token,
+                    float(s.logprob[at]),
+                    int(s.rank[at]),
+                    s.top_ids[at],
+                    s.top_logprobs[at],
+                    p.logprobs,
+                )
+            )
         if token in (p.stop_token_ids or ()):
             return self._finish(seq, "stop", stop_reason=token)
         if token in self.eos_token_ids and not p.ignore_eos:
@@ -389,10 +445,16 @@ class LLMEngine:
         outputs, prompt_lp = [], None
         for seq in seqs:
             if seq.new_token_ids or seq.new_text or (seq.finish_reason and not seq.reported_finish):
-                outputs.append(CompletionOutput(
-                    index=seq.index, text=seq.new_text, token_ids=seq.new_token_ids,
-                    logprobs=seq.new_logprobs if seq.params.logprobs is not None else None,
-                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                outputs.append(
+                    CompletionOutput(
+                        index=seq.index,
+                        text=seq.new_text,
+                        token_ids=seq.new_token_ids,
+                        logprobs=seq.new_logprobs if seq.params.logprobs is not None else None,
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                )
                 seq.new_text, seq.new_token_ids, seq.new_logprobs = "", [], []
                 seq.reported_finish = seq.finish_reason is not None
             if seq.index == 0 and seq.prompt_logprobs_done and seq.prompt_logprobs and not seq.prompt_logprobs_sent:
@@ -402,6 +464,12 @@ class LLMEngine:
         finished = all(s.finished for s in seqs)
         if finished:
             del self.requests[request_id]
-        return RequestOutput(request_id=request_id, prompt=seqs[0].prompt_text, prompt_token_ids=seqs[0].prompt_ids, outputs=outputs,
-                             finished=finished, prompt_logprobs=prompt_lp, num_cached_tokens=seqs[0].num_cached_tokens)
-
+        return RequestOutput(
+            request_id=request_id,
+            prompt=seqs[0].prompt_text,
+            prompt_token_ids=seqs[0].prompt_ids,
+            outputs=outputs,
+            finished=finished,
+            prompt_logprobs=prompt_lp,
+            num_cached_tokens=seqs[0].num_cached_tokens,
+        )

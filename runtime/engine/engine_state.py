@@ -1,5 +1,6 @@
 """What the engine's decode strategies (multi_step.py; speculative.py works the same way) use of the LLMEngine that
 owns them: typed here, so that they never import engine.py, which imports them."""
+
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
@@ -36,5 +37,6 @@ class EngineState(Protocol):
 
     def _precision(self) -> AbstractContextManager: ...
 
-    def _append_token(self, seq: Sequence, token: int, s: SampleResult, at: Any,
-                      grammar_done: bool | None = None) -> None: ...
+    def _append_token(
+        self, seq: Sequence, token: int, s: SampleResult, at: Any, grammar_done: bool | None = None
+    ) -> None: ...

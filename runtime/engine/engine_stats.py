@@ -1,5 +1,6 @@
 """EngineStats: one snapshot of the engine's gauges and counters (probes, /metrics, the autoscaler), plain values
 that cross from the engine core to its frontends."""
+
 from __future__ import annotations
 
 import dataclasses

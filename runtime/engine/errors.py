@@ -1,4 +1,5 @@
 """How a request can end without its output, as the server's routes see it (each maps to an HTTP status)."""
+
 from __future__ import annotations
 
 

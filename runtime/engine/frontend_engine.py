@@ -4,6 +4,7 @@ Each open request has an asyncio queue that the engine's deltas (or an error) ar
 away (a client disconnect, a cancellation) aborts its request so its pages return at once. AsyncLLM (the engine on a
 thread of this process) and EngineCoreClient (the engine core in its own process) differ only in how a request is
 submitted and how its outputs come back."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,9 @@ class FrontendEngine:
         raise NotImplementedError
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         """Validates (raising InvalidRequestError or QueueFullError), then yields delta RequestOutputs."""
         self._check_alive()
         submit = self._submit_generate(request_id, prompt, params)

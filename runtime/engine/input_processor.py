@@ -1,6 +1,7 @@
 """InputProcessor: a request validated and tokenized before it reaches the engine (the frontend's half of
 admission). It needs the tokenizer and the model's limits only, never engine state, so a frontend process without
 the device runs it; the engine core then builds sequences from the EngineRequest it gets."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,7 +53,8 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, limits: ModelLimits, grammar: GrammarTokenizer | None = None):
         self.tokenizer, self.limits = tokenizer, limits
         self.grammar = grammar or GrammarTokenizer(
-            tokenizer, set(tokenizer.end_of_turn_ids()) | set(limits.eos_token_ids), limits.vocab_size)
+            tokenizer, set(tokenizer.end_of_turn_ids()) | set(limits.eos_token_ids), limits.vocab_size
+        )
         # Text longer than this cannot fit the context (x2: normalisers may compose characters), so it is refused
         # before the tokenizer spends time and memory on it.
         self.max_prompt_chars = 2 * limits.max_model_len * tokenizer.max_token_chars
@@ -68,7 +70,9 @@ class InputProcessor:
         if chars > self.max_prompt_chars:
             raise InvalidRequestError(
                 f"{param}: {chars} characters cannot fit this model's maximum context length of "
-                f"{self.limits.max_model_len} tokens (at most {self.max_prompt_chars} characters)", param)
+                f"{self.limits.max_model_len} tokens (at most {self.max_prompt_chars} characters)",
+                param,
+            )
 
     def token_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """The prompt's ids: text tokenized (after the length check), ids checked against the vocabulary."""
@@ -89,20 +93,26 @@ class InputProcessor:
         if len(ids) >= limit:
             raise InvalidRequestError(
                 f"prompt: this model's maximum context length is {limit} tokens, and the prompt has {len(ids)} "
-                f"tokens (at least one token must remain for the output)", "prompt")
+                f"tokens (at least one token must remain for the output)",
+                "prompt",
+            )
         room = limit - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidRequestError(
                 f"max_tokens: this model's maximum context length is {limit} tokens; the prompt has {len(ids)}, so "
-                f"max_tokens can be at most {room}, got {params.max_tokens}", "max_tokens")
+                f"max_tokens can be at most {room}, got {params.max_tokens}",
+                "max_tokens",
+            )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         pages_needed, num_pages = self.limits.pages_for(len(ids) + max_tokens), self.limits.num_pages
         if pages_needed > num_pages:
             raise InvalidRequestError(
-                f"max_tokens: prompt plus output need {pages_needed} KV pages, the pool has {num_pages}", "max_tokens")
+                f"max_tokens: prompt plus output need {pages_needed} KV pages, the pool has {num_pages}", "max_tokens"
+            )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return EngineRequest(request_id, ids, params, max_tokens, seed,
-                             prompt_text=prompt if isinstance(prompt, str) else None)
+        return EngineRequest(
+            request_id, ids, params, max_tokens, seed, prompt_text=prompt if isinstance(prompt, str) else None
+        )
 
     def embedding(self, request_id: str, prompts: list[str | list[int]]) -> EmbeddingRequest:
         inputs, limits = [], self.limits
@@ -110,10 +120,14 @@ class InputProcessor:
             param = "input" if len(prompts) == 1 else f"input[{i}]"
             ids = self.token_ids(prompt, param)
             if len(ids) > limits.max_model_len:
-                raise InvalidRequestError(f"{param}: this model's maximum context length is {limits.max_model_len} "
-                                          f"tokens, and the input has {len(ids)} tokens", param)
+                raise InvalidRequestError(
+                    f"{param}: this model's maximum context length is {limits.max_model_len} "
+                    f"tokens, and the input has {len(ids)} tokens",
+                    param,
+                )
             if limits.pages_for(len(ids)) > limits.num_pages:
-                raise InvalidRequestError(f"{param}: {len(ids)} tokens need more KV pages than the pool has "
-                                          f"({limits.num_pages})", param)
+                raise InvalidRequestError(
+                    f"{param}: {len(ids)} tokens need more KV pages than the pool has ({limits.num_pages})", param
+                )
             inputs.append(ids)
         return EmbeddingRequest(request_id, inputs)

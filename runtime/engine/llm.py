@@ -1,4 +1,5 @@
 """LLM: the offline batch API in vLLM's shape: LLM(model).generate(prompts, SamplingParams), .chat(), .embed()."""
+
 from __future__ import annotations
 
 import copy
@@ -41,9 +42,12 @@ class LLM:
         """What generate() and chat() use without sampling_params: the model's recommended sampling (vLLM's)."""
         return SamplingParams(**self.sampling_defaults)
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Runs every prompt to completion, batched; results in the order of the prompts."""
         prompts = [_engine_prompt(p, i) for i, p in enumerate(_as_list(prompts))]
         params = sampling_params or self.get_default_sampling_params()
@@ -64,21 +68,34 @@ class LLM:
                 self._raise_failed(ids)
         return [results[rid] for rid in ids]
 
-    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None
-             ) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered with the
         checkpoint's chat template; each stops at the template's end-of-turn token, as the server's chat does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
-            list(c), add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
-            for c in conversations]
+        prompts = [
+            {
+                "prompt_token_ids": self.tokenizer.apply_chat_template(
+                    list(c), add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {})
+                )
+            }
+            for c in conversations
+        ]
         params = sampling_params or self.get_default_sampling_params()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         stops = self.tokenizer.end_of_turn_ids()
-        params = [p if p.ignore_eos else dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids or [])
-                                                                                     | set(stops))) for p in params]
+        params = [
+            p
+            if p.ignore_eos
+            else dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids or []) | set(stops)))
+            for p in params
+        ]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -86,7 +103,9 @@ class LLM:
         prompts = [_engine_prompt(p, i) for i, p in enumerate(_as_list(prompts))]
         embedder = self.engine.embedder
         ids = [f"embed-{next(self._ids)}" for _ in prompts]
-        inputs = [embedder.prepare(rid, [p]) for rid, p in zip(ids, prompts, strict=True)]  # validate all before queueing any
+        inputs = [
+            embedder.prepare(rid, [p]) for rid, p in zip(ids, prompts, strict=True)
+        ]  # validate all before queueing any
         for x in inputs:
             embedder.add(x)
         results: dict[str, EmbeddingRequestOutput] = {}
@@ -103,8 +122,9 @@ class LLM:
             for other in ids:
                 self.engine.abort(other)
                 self.engine.embedder.abort(other)
-            raise RuntimeError(f"prompt {ids.index(rid)} failed in the engine: {type(error).__name__}: "
-                               f"{error}") from error
+            raise RuntimeError(
+                f"prompt {ids.index(rid)} failed in the engine: {type(error).__name__}: {error}"
+            ) from error
 
 
 def _as_list(prompts) -> list:
@@ -122,8 +142,9 @@ def _engine_prompt(prompt, index: int) -> str | list[int]:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"]
-        raise TypeError(f"prompts[{index}]: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys "
-                        f"{sorted(prompt)}")
+        raise TypeError(
+            f"prompts[{index}]: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+        )
     if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise TypeError(f"prompts[{index}]: expected a string, token ids or a dict, got {type(prompt).__name__}")
@@ -135,7 +156,9 @@ def merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
         total = dataclasses.replace(delta, outputs=[])
     by_index = {o.index: o for o in total.outputs}
     for o in delta.outputs:
-        acc = by_index.setdefault(o.index, CompletionOutput(index=o.index, logprobs=[] if o.logprobs is not None else None))
+        acc = by_index.setdefault(
+            o.index, CompletionOutput(index=o.index, logprobs=[] if o.logprobs is not None else None)
+        )
         acc.text += o.text
         acc.token_ids = acc.token_ids + o.token_ids
         if o.logprobs is not None:

@@ -1,5 +1,6 @@
 """Log-probabilities from the step's outputs as vLLM reports them: per position, the chosen token first (with
 its rank), then the top-N alternatives, each with its decoded text."""
+
 from __future__ import annotations
 
 from ..scheduling.scheduler import ScheduledChunk
@@ -9,8 +10,9 @@ from .outputs import Logprob, PositionLogprobs
 from .step import StepOutputs
 
 
-def position_logprobs(tokenizer: Tokenizer, token: int, logprob: float, rank: int, top_ids, top_lps,
-                      n: int) -> PositionLogprobs:
+def position_logprobs(
+    tokenizer: Tokenizer, token: int, logprob: float, rank: int, top_ids, top_lps, n: int
+) -> PositionLogprobs:
     entry = {token: Logprob(logprob, rank, tokenizer.decode([token], skip_special_tokens=False))}
     for i in range(n):
         tid = int(top_ids[i])
@@ -30,8 +32,16 @@ def add_prompt_logprobs(tokenizer: Tokenizer, seq: Sequence, c: ScheduledChunk, 
         if pos >= last_prompt:
             break
         target = seq.token_ids[pos + 1]
-        seq.prompt_logprobs.append(position_logprobs(
-            tokenizer, target, float(pl.logprob[t0 + i]), int(pl.rank[t0 + i]), pl.top_ids[t0 + i],
-            pl.top_logprobs[t0 + i], n))
+        seq.prompt_logprobs.append(
+            position_logprobs(
+                tokenizer,
+                target,
+                float(pl.logprob[t0 + i]),
+                int(pl.rank[t0 + i]),
+                pl.top_ids[t0 + i],
+                pl.top_logprobs[t0 + i],
+                n,
+            )
+        )
     if c.start + c.num_tokens >= len(seq.prompt_ids):
         seq.prompt_logprobs_done = True

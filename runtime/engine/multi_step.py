@@ -15,6 +15,7 @@ and builds outputs. The next engine step takes that dispatch's results (`continu
 (EOS, a stop string, an abort) is found one dispatch late: its next dispatch computes tokens the host drops, into
 pages it still held when that dispatch was queued (programs run in queue order, so the pages' next owner writes
 after it)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,9 @@ from .sampling_params import SamplingParams
 from .step import StepInputs
 
 
-def _forward(model: DecoderModel, kv: KVCache, x: StepInputs, tokens: jax.Array, active: jax.Array,
-             j: jax.Array) -> tuple[jax.Array, KVCache]:
+def _forward(
+    model: DecoderModel, kv: KVCache, x: StepInputs, tokens: jax.Array, active: jax.Array, j: jax.Array
+) -> tuple[jax.Array, KVCache]:
     """Step j of a decode run: each row's token at its position + j; returns the rows' logits [S, V]."""
     meta, page = x.meta, kv.page_size
     rows = jnp.arange(x.tokens.shape[0])
@@ -48,9 +50,14 @@ def _forward(model: DecoderModel, kv: KVCache, x: StepInputs, tokens: jax.Array,
     writes = (j < active) & (meta.seq_lens > 0)
     slots = jnp.where(writes, pages * page + positions % page, INVALID_SLOT)
     # a row past its last step (its max_tokens, or found stopped) reads no K/V either: attention skips empty rows
-    step_meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=meta.token_seq,
-                                  block_tables=meta.block_tables, seq_lens=jnp.where(writes, meta.seq_lens + j, 0),
-                                  decode=True)
+    step_meta = AttentionMetadata(
+        positions=positions,
+        slot_mapping=slots,
+        token_seq=meta.token_seq,
+        block_tables=meta.block_tables,
+        seq_lens=jnp.where(writes, meta.seq_lens + j, 0),
+        decode=True,
+    )
     hidden, kv = model(tokens, step_meta, kv)
     return model.logits(hidden).array, kv
 
@@ -60,17 +67,23 @@ def _at_step(sampling: SamplingBatch, j: jax.Array) -> SamplingBatch:
 
 
 # the scan never sees grammars (the pipeline takes them) or penalties and bans (plan() refuses them)
-SCAN_BRANCHES = Branches(plain_greedy=None, any_constrained=False, any_penalty=False, any_filter=None, all_greedy=None,
-                         want_logprobs=None)
+SCAN_BRANCHES = Branches(
+    plain_greedy=None, any_constrained=False, any_penalty=False, any_filter=None, all_greedy=None, want_logprobs=None
+)
 # On GPUs every branch of a run is decided on the host: XLA:GPU copies each lax.cond's predicate to the host, and
 # the device idles until the host has queued the kernels after it (H100, Llama-3.2-1B shape, 256 rows: a greedy
 # dispatch of 16 steps 80 -> 67 ms without its two). A plain greedy run (the argmax of the raw logits) has a program
 # of its own; sampled runs filter always (exact for rows without filters: the candidates' draw decides them
 # without a fallback), with or without logprobs. CPUs keep one program for sampled runs (a cond costs them nothing).
-GREEDY_SCAN = Branches(plain_greedy=True, any_constrained=False, any_penalty=False, any_filter=False, all_greedy=True,
-                       want_logprobs=False)
-SAMPLED_SCANS = {w: Branches(plain_greedy=False, any_constrained=False, any_penalty=False, any_filter=True,
-                             all_greedy=False, want_logprobs=w) for w in (False, True)}
+GREEDY_SCAN = Branches(
+    plain_greedy=True, any_constrained=False, any_penalty=False, any_filter=False, all_greedy=True, want_logprobs=False
+)
+SAMPLED_SCANS = {
+    w: Branches(
+        plain_greedy=False, any_constrained=False, any_penalty=False, any_filter=True, all_greedy=False, want_logprobs=w
+    )
+    for w in (False, True)
+}
 
 
 def scans(backend: str) -> tuple[Branches, ...]:
@@ -85,9 +98,17 @@ def scan_branches(params: list[SamplingParams], backend: str) -> Branches:
     return SAMPLED_SCANS[any(p.logprobs is not None for p in params)] if backend == "gpu" else SCAN_BRANCHES
 
 
-def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: jax.Array, offset: jax.Array,
-                     previous: jax.Array, block_tables: jax.Array, num_steps: int,
-                     branches: Branches = SCAN_BRANCHES) -> tuple[KVCache, SampleResult]:
+def run_decode_steps(
+    model: DecoderModel,
+    kv: KVCache,
+    packed: Packed,
+    active: jax.Array,
+    offset: jax.Array,
+    previous: jax.Array,
+    block_tables: jax.Array,
+    num_steps: int,
+    branches: Branches = SCAN_BRANCHES,
+) -> tuple[KVCache, SampleResult]:
     """Steps offset .. offset + num_steps - 1 of a run; packed holds one decode token per row (T == S), the first
     step's tokens at offset 0, else previous[-1] (the dispatch before's last samples, [num_steps, S]); block_tables
     [S, pages] the rows' pages so far. Returns SampleResult with a leading [num_steps] axis."""
@@ -105,16 +126,18 @@ def run_decode_steps(model: DecoderModel, kv: KVCache, packed: Packed, active: j
     return kv, results
 
 
-def run_decode_forward(model: DecoderModel, kv: KVCache, packed: Packed, previous: jax.Array, active: jax.Array,
-                       j: jax.Array) -> tuple[KVCache, jax.Array]:
+def run_decode_forward(
+    model: DecoderModel, kv: KVCache, packed: Packed, previous: jax.Array, active: jax.Array, j: jax.Array
+) -> tuple[KVCache, jax.Array]:
     """The pipeline's forward of step j: the packed tokens at j == 0, then the previous step's samples."""
     x: StepInputs = packed.unpack()
     logits, kv = _forward(model, kv, x, jnp.where(j == 0, x.tokens, previous), active, j)
     return kv, logits
 
 
-def run_decode_sample(logits: jax.Array, packed: Packed, allowed: jax.Array, j: jax.Array,
-                      branches: Branches) -> SampleResult:
+def run_decode_sample(
+    logits: jax.Array, packed: Packed, allowed: jax.Array, j: jax.Array, branches: Branches
+) -> SampleResult:
     """The pipeline's sampling of step j with this step's grammar masks; its branches are static, so queueing it
     never waits for the device (see Branches)."""
     x: StepInputs = packed.unpack()
@@ -124,12 +147,24 @@ def run_decode_sample(logits: jax.Array, packed: Packed, allowed: jax.Array, j: 
 
 def pipeline_branches(*, all_greedy: bool, any_filter: bool, want_logprobs: bool) -> Branches:
     """The sampling branches of a grammar batch (penalties never run multi-step); greedy rows ignore filters."""
-    return Branches(plain_greedy=False, any_constrained=True, any_penalty=False,
-                    any_filter=any_filter and not all_greedy, all_greedy=all_greedy, want_logprobs=want_logprobs)
+    return Branches(
+        plain_greedy=False,
+        any_constrained=True,
+        any_penalty=False,
+        any_filter=any_filter and not all_greedy,
+        all_greedy=all_greedy,
+        want_logprobs=want_logprobs,
+    )
 
 
-PIPELINE_BRANCHES = sorted({pipeline_branches(all_greedy=g, any_filter=f, want_logprobs=w)
-                            for g in (False, True) for f in (False, True) for w in (False, True)})
+PIPELINE_BRANCHES = sorted(
+    {
+        pipeline_branches(all_greedy=g, any_filter=f, want_logprobs=w)
+        for g in (False, True)
+        for f in (False, True)
+        for w in (False, True)
+    }
+)
 
 
 decode_steps_fn = jax.jit(run_decode_steps, donate_argnums=(1,), static_argnames=("num_steps", "branches"))
@@ -140,6 +175,7 @@ decode_sample_fn = jax.jit(run_decode_sample, static_argnames=("branches",))
 @dataclasses.dataclass
 class Dispatch:
     """One dispatch of a free batch's run: steps offset .. offset + num_steps - 1 from each row's chunk start."""
+
     chunks: list[ScheduledChunk]  # row r is chunks[r]; c.start is the row's position at the run's first step
     inputs: Packed
     limits: list[int]  # the most steps each row may take in the run (its max_tokens, the context's end)
@@ -169,14 +205,23 @@ class MultiStepDecoder:
         k, S = e.config.decode_steps, e.builder.S
         with e._precision():
             for branches in scans(jax.default_backend()):
-                e.kv, out = decode_steps_fn(e.model, e.kv, inputs, np.zeros(S, np.int32), np.int32(0),
-                                            np.zeros((k, S), np.int32), self._block_tables([]), num_steps=k,
-                                            branches=branches)
+                e.kv, out = decode_steps_fn(
+                    e.model,
+                    e.kv,
+                    inputs,
+                    np.zeros(S, np.int32),
+                    np.int32(0),
+                    np.zeros((k, S), np.int32),
+                    self._block_tables([]),
+                    num_steps=k,
+                    branches=branches,
+                )
                 jax.block_until_ready(out)
             e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, out.tokens[0], out.tokens[0], np.int32(0))
             for branches in PIPELINE_BRANCHES:
-                jax.block_until_ready(decode_sample_fn(logits, inputs, e.builder.all_allowed, np.int32(0),
-                                                       branches=branches))
+                jax.block_until_ready(
+                    decode_sample_fn(logits, inputs, e.builder.all_allowed, np.int32(0), branches=branches)
+                )
 
     def plan(self, chunks: list[ScheduledChunk]) -> list[int] | None:
         """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""
@@ -186,12 +231,19 @@ class MultiStepDecoder:
             return None
         for c in chunks:
             p = c.seq.params
-            if not (c.num_tokens == 1 and c.samples) or c.seq.max_tokens == 0 or c.seq.pending_forks \
-                    or p.uses_penalties \
-                    or c.seq.num_output < p.min_tokens or p.prompt_logprobs is not None and not c.seq.prompt_logprobs_done:
+            if (
+                not (c.num_tokens == 1 and c.samples)
+                or c.seq.max_tokens == 0
+                or c.seq.pending_forks
+                or p.uses_penalties
+                or c.seq.num_output < p.min_tokens
+                or p.prompt_logprobs is not None
+                and not c.seq.prompt_logprobs_done
+            ):
                 return None
-        active = [max(1, min(k, c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens))
-                  for c in chunks]
+        active = [
+            max(1, min(k, c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens)) for c in chunks
+        ]
         for c, n in zip(chunks, active, strict=True):
             if not e.scheduler.reserve_ahead(c.seq, n):
                 return None
@@ -207,16 +259,27 @@ class MultiStepDecoder:
             return []
         active = [steps[id(c.seq)] for c in chunks]
         rows = np.zeros(e.builder.S, np.int32)
-        rows[:len(active)] = active
+        rows[: len(active)] = active
         if not constrained:
             k, S = e.config.decode_steps, e.builder.S
-            limits = [max(1, min(c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens))
-                      for c in chunks]
-            d = Dispatch(chunks, inputs, limits, 0, rows, scan_branches([c.seq.params for c in chunks],
-                                                                      jax.default_backend()))
+            limits = [
+                max(1, min(c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens)) for c in chunks
+            ]
+            d = Dispatch(
+                chunks, inputs, limits, 0, rows, scan_branches([c.seq.params for c in chunks], jax.default_backend())
+            )
             with e._precision():
-                e.kv, d.out = decode_steps_fn(e.model, e.kv, inputs, rows, np.int32(0), np.zeros((k, S), np.int32),
-                                              self._block_tables(chunks), num_steps=k, branches=d.branches)
+                e.kv, d.out = decode_steps_fn(
+                    e.model,
+                    e.kv,
+                    inputs,
+                    rows,
+                    np.int32(0),
+                    np.zeros((k, S), np.int32),
+                    self._block_tables(chunks),
+                    num_steps=k,
+                    branches=d.branches,
+                )
             return self._apply(d)
         grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
         refused: dict[int, BaseException] = {}  # row -> why its grammar refused a token
@@ -285,8 +348,7 @@ class MultiStepDecoder:
         e = self.engine
         k = e.config.decode_steps
         offset = d.offset + k
-        live = [r for r, c in enumerate(d.chunks)
-                if c.seq.request_id in e.requests and not c.seq.finished]
+        live = [r for r, c in enumerate(d.chunks) if c.seq.request_id in e.requests and not c.seq.finished]
         # speculation proposes at every engine step (unless the batch is too large for it): a run queued ahead would
         # skip its proposals
         if e.speculator is not None and e.speculator.active() or not any(d.limits[r] > offset for r in live):
@@ -309,8 +371,9 @@ class MultiStepDecoder:
 
         def call():
             with e._precision():
-                return decode_steps_fn(e.model, kv, d.inputs, active, np.int32(offset), previous, tables, num_steps=k,
-                                       branches=d.branches)
+                return decode_steps_fn(
+                    e.model, kv, d.inputs, active, np.int32(offset), previous, tables, num_steps=k, branches=d.branches
+                )
 
         nxt.future = self._thread.submit(call)
         return nxt
@@ -319,11 +382,18 @@ class MultiStepDecoder:
         e = self.engine
         tables = np.zeros((e.builder.S, e.builder.max_pages), np.int32)
         for r, c in enumerate(chunks):
-            tables[r, :len(c.seq.pages)] = c.seq.pages
+            tables[r, : len(c.seq.pages)] = c.seq.pages
         return tables
 
-    def _pipeline(self, chunks: list[ScheduledChunk], active: list[int], inputs, rows: np.ndarray,
-                  grammar_end: dict[int, int], refused: dict[int, BaseException]) -> SampleResult:
+    def _pipeline(
+        self,
+        chunks: list[ScheduledChunk],
+        active: list[int],
+        inputs,
+        rows: np.ndarray,
+        grammar_end: dict[int, int],
+        refused: dict[int, BaseException],
+    ) -> SampleResult:
         """The decode steps of a batch with grammars, two dispatches a step: while the device runs step j's
         forward, the host advances each grammar by its step j-1 token and computes its step j mask. Returns the
         steps' samples on the host ([step, row] leading axes) and fills grammar_end and refused."""
@@ -332,9 +402,11 @@ class MultiStepDecoder:
         words = mask_words(e.model.cfg.vocab_size)
         active_rows = jax.device_put(rows)
         params = [c.seq.params for c in chunks]
-        branches = pipeline_branches(all_greedy=all(p.temperature == 0.0 for p in params),
-                                     any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params),
-                                     want_logprobs=any(p.logprobs is not None for p in params))
+        branches = pipeline_branches(
+            all_greedy=all(p.temperature == 0.0 for p in params),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params),
+            want_logprobs=any(p.logprobs is not None for p in params),
+        )
         results: list[SampleResult] = []
         previous = active_rows  # any [S] i32 array: step 0 reads the packed tokens instead
 
@@ -354,13 +426,13 @@ class MultiStepDecoder:
                 e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, previous, active_rows, np.int32(j))
                 if j:
                     advance(j - 1)  # the forward above is queued: this host work overlaps it
-                live = [(c, r) for c, r in grammars
-                        if j < active[r] and r not in grammar_end and r not in refused]
+                live = [(c, r) for c, r in grammars if j < active[r] and r not in grammar_end and r not in refused]
                 allowed = np.full((e.builder.S, words), -1, np.int32)  # fresh: the last one may still be in flight
                 if live:
                     fill_masks(live, allowed)
-                results.append(decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j),
-                                                branches=branches))
+                results.append(
+                    decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j), branches=branches)
+                )
                 previous = results[-1].tokens
         advance(e.config.decode_steps - 1)
         host = e.fetch(results)

@@ -1,4 +1,5 @@
 """What the engine returns, in vLLM's shape: RequestOutput holding one CompletionOutput per choice."""
+
 from __future__ import annotations
 
 import dataclasses

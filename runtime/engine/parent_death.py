@@ -1,5 +1,6 @@
 """A child process of `capstan serve` dies with its parent, so that no engine core or frontend outlives the pod's
 main process (SIGKILL included): Linux's parent-death signal."""
+
 from __future__ import annotations
 
 import ctypes

@@ -1,6 +1,7 @@
 """RequestText: a frontend's half of an engine-core request's output. The core sends token ids only; this turns each of
 its deltas into the one the engine makes in-process (LLMEngine._append_token, _finish): text detokenized
 incrementally, cut before the first stop string, the held text flushed at the end."""
+
 from __future__ import annotations
 
 from ..tokenizer import Tokenizer
@@ -13,8 +14,9 @@ class RequestText:
     def __init__(self, tokenizer: Tokenizer, request: EngineRequest, eos_token_ids: frozenset[int]):
         params = request.params
         self.ignore_eos, self.eos_token_ids = params.ignore_eos, eos_token_ids
-        self.choices = [ChoiceText(tokenizer, request.prompt_ids, params) if params.detokenize else None
-                        for _ in range(params.n)]
+        self.choices = [
+            ChoiceText(tokenizer, request.prompt_ids, params) if params.detokenize else None for _ in range(params.n)
+        ]
         self.done = [False] * params.n
 
     def apply(self, out: RequestOutput) -> list[int]:
@@ -43,8 +45,8 @@ class RequestText:
             piece, stopped = text.add(token)
             pieces.append(piece)
             if stopped:  # as the engine does: the output ends with the token that completed the stop string
-                c.token_ids = c.token_ids[:k + 1]
-                c.logprobs = c.logprobs[:k + 1] if c.logprobs is not None else None
+                c.token_ids = c.token_ids[: k + 1]
+                c.logprobs = c.logprobs[: k + 1] if c.logprobs is not None else None
                 c.finish_reason, c.stop_reason = "stop", text.stop
                 c.text = "".join(pieces)
                 return True

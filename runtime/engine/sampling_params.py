@@ -1,4 +1,5 @@
 """SamplingParams in vLLM's shape; validate() turns bad values into errors that name the field and the limit."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,6 +66,7 @@ class SamplingParams:
 
     def validate(self, *, vocab_size: int, max_n: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Every field within its limit (runtime/limits.py), before anything is built from it."""
+
         def bad(param: str, message: str):
             raise InvalidRequestError(f"{param}: {message}", param)
 
@@ -81,16 +83,19 @@ class SamplingParams:
         integer("n", 1, max_n, f"between 1 and {max_n} (the server's max_num_seqs)")
         if self.max_tokens is not None:
             integer("max_tokens", 0, INT32_MAX, f"between 0 and {INT32_MAX}")
-        integer("min_tokens", 0, self.max_tokens if self.max_tokens is not None else INT32_MAX,
-                f"between 0 and max_tokens ({self.max_tokens})")
+        integer(
+            "min_tokens",
+            0,
+            self.max_tokens if self.max_tokens is not None else INT32_MAX,
+            f"between 0 and max_tokens ({self.max_tokens})",
+        )
         number("temperature", 0.0, MAX_TEMPERATURE, f"between 0 and {MAX_TEMPERATURE:g}")
         number("top_p", 0.0, 1.0, "in (0, 1]", low_open=True)
         integer("top_k", -1, INT32_MAX, f"-1 (off), 0 (off) or a positive integer up to {INT32_MAX}")
         number("min_p", 0.0, 1.0, "between 0 and 1")
         for name in ("presence_penalty", "frequency_penalty"):
             number(name, -PENALTY_RANGE, PENALTY_RANGE, f"between {-PENALTY_RANGE:g} and {PENALTY_RANGE:g}")
-        number("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, f"in (0, {MAX_REPETITION_PENALTY:g}]",
-               low_open=True)
+        number("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, f"in (0, {MAX_REPETITION_PENALTY:g}]", low_open=True)
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
@@ -98,8 +103,11 @@ class SamplingParams:
                 if not _is_int(token) or not 0 <= token < vocab_size:
                     bad("logit_bias", f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
                 if not _is_number(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-                    bad("logit_bias", f"bias for token {token} must be between {-LOGIT_BIAS_RANGE:g} and "
-                                      f"{LOGIT_BIAS_RANGE:g}, got {bias!r}")
+                    bad(
+                        "logit_bias",
+                        f"bias for token {token} must be between {-LOGIT_BIAS_RANGE:g} and "
+                        f"{LOGIT_BIAS_RANGE:g}, got {bias!r}",
+                    )
         if self.stop:
             if not self.detokenize:
                 bad("stop", "stop strings need detokenize=true")

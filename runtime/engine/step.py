@@ -3,6 +3,7 @@
 Shapes are static: T tokens padded to a bucket, S sequence rows padded to max_num_seqs, so XLA compiles one
 program per bucket, at warm-up. Logits are computed only at each sampling row's last token, unless some
 request asked for prompt logprobs."""
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -55,8 +56,12 @@ def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache,
         return PromptLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_lp)
 
     def none(h):
-        return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.ones((T,), jnp.int32),
-                              jnp.zeros((T, MAX_LOGPROBS), jnp.int32), jnp.zeros((T, MAX_LOGPROBS), jnp.float32))
+        return PromptLogprobs(
+            jnp.zeros((T,), jnp.float32),
+            jnp.ones((T,), jnp.int32),
+            jnp.zeros((T, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((T, MAX_LOGPROBS), jnp.float32),
+        )
 
     prompt = jax.lax.cond(x.want_prompt_logprobs, prompt_logprobs, none, hidden)
     return kv, StepOutputs(sampled, prompt)

@@ -5,6 +5,7 @@ With client keys (`--client-keys`): 401 without a known key, 403 for a model the
 reaches a replica: the gateway sends the service's own key (`--upstream-keys`, YAML `MODEL: KEY`, `"*"` for any
 other model), which clients never see. Both files are read again when they change.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,9 +44,10 @@ class UpstreamKeys:
             if fingerprint == self._fingerprint:
                 return False
             keys = yaml.safe_load(text) or {}
-            if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
-                                                     for k, v in keys.items()):
-                raise ValueError(f"--upstream-keys {self.path}: expected a mapping of model names (or \"*\") to keys")
+            if not isinstance(keys, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in keys.items()
+            ):
+                raise ValueError(f'--upstream-keys {self.path}: expected a mapping of model names (or "*") to keys')
         except (OSError, ValueError, yaml.YAMLError) as error:
             if strict:
                 raise ValueError(f"--upstream-keys {self.path}: {error}") from None
@@ -62,15 +64,28 @@ class UpstreamKeys:
 
 class ClientMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.requests = Counter(names.GATEWAY_CLIENT_REQUESTS, "Requests admitted per client key, by status code.",
-                                ["client", "code"], registry=registry)
-        self.tokens = Counter(names.GATEWAY_CLIENT_TOKENS, "Tokens used per client key (the replicas' usage).",
-                              ["client", "kind"], registry=registry)
-        self.rejections = Counter(names.GATEWAY_CLIENT_REJECTIONS, "Requests refused per client key: forbidden "
-                                  "model (403), or a spent budget (429: requests, tokens, concurrency).",
-                                  ["client", "reason"], registry=registry)
-        self.unauthenticated = Counter(names.GATEWAY_UNAUTHENTICATED, "Requests refused 401: no key, or an unknown "
-                                       "one.", registry=registry)
+        self.requests = Counter(
+            names.GATEWAY_CLIENT_REQUESTS,
+            "Requests admitted per client key, by status code.",
+            ["client", "code"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            names.GATEWAY_CLIENT_TOKENS,
+            "Tokens used per client key (the replicas' usage).",
+            ["client", "kind"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            names.GATEWAY_CLIENT_REJECTIONS,
+            "Requests refused per client key: forbidden "
+            "model (403), or a spent budget (429: requests, tokens, concurrency).",
+            ["client", "reason"],
+            registry=registry,
+        )
+        self.unauthenticated = Counter(
+            names.GATEWAY_UNAUTHENTICATED, "Requests refused 401: no key, or an unknown one.", registry=registry
+        )
 
 
 @dataclass
@@ -89,24 +104,35 @@ class Access:
         if client is None:
             self.metrics.unauthenticated.inc()
             reason = "no API key" if not authorization else "an unknown API key"
-            raise APIError(401, f"Incorrect API key provided: the request has {reason}; send "
-                           "`Authorization: Bearer KEY` with a key the gateway's operators gave you.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                f"Incorrect API key provided: the request has {reason}; send "
+                "`Authorization: Bearer KEY` with a key the gateway's operators gave you.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return client
 
     def admit(self, client: ClientKey, model: str) -> Admission:
         """Raise 403 or 429, or take a budget slot (give it back with `finish`)."""
         if not client.may_use(model):
             self.metrics.rejections.labels(client=client.name, reason="model").inc()
-            raise APIError(403, f"The API key of client {client.name!r} may not use model `{model}`.",
-                           param="model", code="model_not_allowed")
+            raise APIError(
+                403,
+                f"The API key of client {client.name!r} may not use model `{model}`.",
+                param="model",
+                code="model_not_allowed",
+            )
         refusal = self.budgets.admit(client)
         if refusal is not None:
             self.metrics.rejections.labels(client=client.name, reason=refusal.reason).inc()
             retry_after = str(max(1, round(refusal.retry_after + 0.5)))
-            raise APIError(429, f"Rate limit reached: {refusal.message}. Retry after {retry_after} s.",
-                           code="rate_limit_exceeded",
-                           headers={"Retry-After": retry_after, **self.budgets.headers(client)})
+            raise APIError(
+                429,
+                f"Rate limit reached: {refusal.message}. Retry after {retry_after} s.",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": retry_after, **self.budgets.headers(client)},
+            )
         return Admission(client, self.upstream.authorization(model))
 
     def finish(self, admission: Admission, code: int, prompt_tokens: int, completion_tokens: int) -> None:

@@ -9,6 +9,7 @@ Several gateway replicas: each enforces `1/shares` of every budget (`--budget-sh
 replica count), so together they never admit more than the budget; a client whose requests the Service spreads
 unevenly over the replicas may be refused before it has spent its whole budget. One replica (shares 1) is exact.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,6 +49,7 @@ class Budgets:
 
         def per_window(per_minute: int | None) -> int | None:
             return None if per_minute is None else max(1, math.floor(per_minute * scale))
+
         concurrency = None if client.max_concurrent is None else max(1, client.max_concurrent // self.shares)
         return per_window(client.requests_per_minute), per_window(client.tokens_per_minute), concurrency
 
@@ -64,11 +66,17 @@ class Budgets:
         usage, reset = self._current(client)
         requests, tokens, concurrency = self.limits(client)
         if requests is not None and usage.requests >= requests:
-            return Refusal("requests", f"client {client.name!r} used its {requests} requests of this "
-                           f"{self.window_seconds:g} s window", reset)
+            return Refusal(
+                "requests",
+                f"client {client.name!r} used its {requests} requests of this {self.window_seconds:g} s window",
+                reset,
+            )
         if tokens is not None and usage.tokens >= tokens:
-            return Refusal("tokens", f"client {client.name!r} used its {tokens} tokens of this "
-                           f"{self.window_seconds:g} s window", reset)
+            return Refusal(
+                "tokens",
+                f"client {client.name!r} used its {tokens} tokens of this {self.window_seconds:g} s window",
+                reset,
+            )
         if concurrency is not None and usage.open >= concurrency:
             return Refusal("concurrency", f"client {client.name!r} has {usage.open} requests open, its limit", 1.0)
         usage.requests += 1

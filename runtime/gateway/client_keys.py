@@ -13,6 +13,7 @@ holding YAML:
 Only SHA-256 digests are kept in memory; the files are read again when their content changes (a rotated Secret
 takes effect within a poll interval, without a restart), and a file that no longer parses keeps the keys in force.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -29,8 +30,11 @@ import yaml
 log = logging.getLogger("capstan.gateway")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # a Prometheus label value we can show
 MAX_KEY_CHARS = 512
-LIMIT_FIELDS = {"requestsPerMinute": "requests_per_minute", "tokensPerMinute": "tokens_per_minute",
-                "maxConcurrentRequests": "max_concurrent"}
+LIMIT_FIELDS = {
+    "requestsPerMinute": "requests_per_minute",
+    "tokensPerMinute": "tokens_per_minute",
+    "maxConcurrentRequests": "max_concurrent",
+}
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,14 @@ def parse_clients(text: str, source: str) -> list[ClientKey]:
         name = entry.get("name")
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
             raise ValueError(f"{where}.name: required, 1-63 letters, digits, '_', '.', '-'")
-        keys.append(ClientKey(name, _digest(entry, f"{where}"), _models(entry, where),
-                              **{attr: _limit(entry, field_, where) for field_, attr in LIMIT_FIELDS.items()}))
+        keys.append(
+            ClientKey(
+                name,
+                _digest(entry, f"{where}"),
+                _models(entry, where),
+                **{attr: _limit(entry, field_, where) for field_, attr in LIMIT_FIELDS.items()},
+            )
+        )
     return keys
 
 
@@ -91,7 +101,7 @@ def _digest(entry: dict, where: str) -> bytes:
 def _models(entry: dict, where: str) -> tuple[str, ...]:
     models = entry.get("models")
     if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
-        raise ValueError(f"{where}.models: a non-empty list of model names or patterns (\"*\": every model)")
+        raise ValueError(f'{where}.models: a non-empty list of model names or patterns ("*": every model)')
     return tuple(models)
 
 

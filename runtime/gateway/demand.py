@@ -2,6 +2,7 @@
 InferenceService (an annotation, refreshed at most every DEMAND_REFRESH_SECONDS per model). The operator reads it
 level-triggered: a service at minReplicas 0 with a recent stamp gets one replica, and goes back to zero only once
 no request has come for its idle period. Outside a cluster (static replicas) there is nothing to scale."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +45,8 @@ class DemandSignal:
             self._custom = client.CustomObjectsApi(load_api_client())
         patch = {"metadata": {"annotations": {api.DEMAND_ANNOTATION: f"{now:.0f}"}}}
         try:
-            self._custom.patch_namespaced_custom_object(api.GROUP, api.VERSION, ref.namespace, api.PLURAL, ref.name, patch)
+            self._custom.patch_namespaced_custom_object(
+                api.GROUP, api.VERSION, ref.namespace, api.PLURAL, ref.name, patch
+            )
         except ApiException as error:
             log.warning("could not signal demand on %s/%s: %s %s", ref.namespace, ref.name, error.status, error.reason)

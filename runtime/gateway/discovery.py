@@ -4,6 +4,7 @@ Two sources: a static list of `[MODEL=]URL` (tests, and running outside a cluste
 every InferenceService (its served model name) and the ready endpoints of its EndpointSlices (the slices of
 the Service the operator renders carry that Service's labels, so one label selector finds them all).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,16 +72,22 @@ class EndpointSliceDiscovery:
 
         if not self.namespaces:
             return self._custom.list_cluster_custom_object(api.GROUP, api.VERSION, api.PLURAL)["items"]
-        return [item for ns in self.namespaces
-                for item in self._custom.list_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL)["items"]]
+        return [
+            item
+            for ns in self.namespaces
+            for item in self._custom.list_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL)["items"]
+        ]
 
     def _list_slices(self) -> list:
         from capstan.operator.render import INSTANCE_LABEL
 
         if not self.namespaces:
             return self._discovery.list_endpoint_slice_for_all_namespaces(label_selector=INSTANCE_LABEL).items
-        return [s for ns in self.namespaces
-                for s in self._discovery.list_namespaced_endpoint_slice(ns, label_selector=INSTANCE_LABEL).items]
+        return [
+            s
+            for ns in self.namespaces
+            for s in self._discovery.list_namespaced_endpoint_slice(ns, label_selector=INSTANCE_LABEL).items
+        ]
 
     def _discover(self) -> tuple[list[Target], set[str]]:
         from capstan.operator.model_source import served_model_name

@@ -1,5 +1,6 @@
 """Requests for a model with no ready replica wait here (scale from zero, or every replica restarting), up to a
 bound on how many and for how long; then they get 503 with Retry-After, as a full server's queue does."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,12 @@ class HoldQueue:
             return
         if self.held >= self.max_held:
             self.refused += 1
-            raise APIError(503, f"no replica of `{model}` is ready and {self.held} requests already wait for one; "
-                                "retry later", code="no_replica", headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                f"no replica of `{model}` is ready and {self.held} requests already wait for one; retry later",
+                code="no_replica",
+                headers={"Retry-After": "5"},
+            )
         self.held += 1
         try:
             ready = await self.pool.wait_ready(model, self.timeout)
@@ -34,5 +39,10 @@ class HoldQueue:
             self.held -= 1
         if not ready:
             self.refused += 1
-            raise APIError(503, f"no replica of `{model}` became ready within {self.timeout:g} s (scaling from zero "
-                                "or restarting); retry later", code="no_replica", headers={"Retry-After": "10"})
+            raise APIError(
+                503,
+                f"no replica of `{model}` became ready within {self.timeout:g} s (scaling from zero "
+                "or restarting); retry later",
+                code="no_replica",
+                headers={"Retry-After": "10"},
+            )

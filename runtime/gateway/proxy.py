@@ -5,6 +5,7 @@ A request that fails before its first byte (connection refused or reset, or a re
 to another replica, up to `max_attempts`; once a response has begun it is the client's, so nothing is ever sent
 twice. A model with no ready replica holds its requests (hold_queue.py) and signals demand (demand.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,17 @@ log = logging.getLogger("capstan.gateway")
 PROXIED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 RETRYABLE_STATUS = {429, 502, 503}  # the replica took nothing on: queue full, draining, not ready
 FORWARDED_REQUEST_HEADERS = {"authorization", "content-type", "accept", "traceparent", "tracestate", "x-request-id"}
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length",
-              "proxy-authenticate", "proxy-authorization"}
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+    "proxy-authenticate",
+    "proxy-authorization",
+}
 DISCONNECT_CHECK_SECONDS = 0.5  # how often a held request looks whether its client is still there
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)  # a long generation may be silent
 
@@ -53,8 +63,9 @@ class Gateway:
     def __post_init__(self):
         self.metrics = GatewayMetrics(self.pool, self.holds)
         self.drain = Drain()
-        self.client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, limits=httpx.Limits(max_connections=None,
-                                                                                       max_keepalive_connections=64))
+        self.client = httpx.AsyncClient(
+            timeout=UPSTREAM_TIMEOUT, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
 
     def choose(self, model: str, key: str, tried: set[str]) -> Replica | None:
         candidates = {r.url: r for r in self.pool.ready_for(model) if r.url not in tried}
@@ -91,8 +102,18 @@ class Gateway:
         response.headers.update(self.access.budgets.headers(client))
         return response
 
-    async def _route(self, request: Request, path: str, model: str, body: dict, raw: bytes, headers: dict,
-                     arrival: float, admission: Admission | None, meter: UsageMeter | None) -> Response:
+    async def _route(
+        self,
+        request: Request,
+        path: str,
+        model: str,
+        body: dict,
+        raw: bytes,
+        headers: dict,
+        arrival: float,
+        admission: Admission | None,
+        meter: UsageMeter | None,
+    ) -> Response:
         if not self.pool.serves(model):
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         self.demand.note(model)
@@ -115,7 +136,8 @@ class Gateway:
             replica.in_flight += 1
             try:
                 upstream = await self.client.send(
-                    self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers), stream=True)
+                    self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers), stream=True
+                )
             except httpx.TransportError as error:
                 replica.in_flight -= 1
                 log.warning("replica %s failed before a byte (%s); trying another", replica.url, error)
@@ -133,14 +155,21 @@ class Gateway:
             self.metrics.routed.labels(replica=replica.url).inc()
             self.metrics.time_to_first_byte.observe(time.perf_counter() - arrival)
             self.metrics.requests.labels(model=model, code=str(upstream.status_code)).inc()
-            return StreamingResponse(self._relay(upstream, replica, admission, meter), status_code=upstream.status_code,
-                                     headers=_response_headers(upstream))
+            return StreamingResponse(
+                self._relay(upstream, replica, admission, meter),
+                status_code=upstream.status_code,
+                headers=_response_headers(upstream),
+            )
         status, content, response_headers = last or (503, b"", {})
         self.metrics.requests.labels(model=model, code=str(status)).inc()
         if content:
             return Response(content, status_code=status, headers=response_headers)
-        return error_response(502, f"{attempts} attempts on replicas of `{model}` failed before answering",
-                              code="upstream_unavailable", headers={"Retry-After": "1"})
+        return error_response(
+            502,
+            f"{attempts} attempts on replicas of `{model}` failed before answering",
+            code="upstream_unavailable",
+            headers={"Retry-After": "1"},
+        )
 
     async def _hold(self, request: Request, model: str) -> None:
         """Wait for a replica of `model`; a client that hangs up stops waiting (and leaves the queue) at once."""
@@ -149,14 +178,20 @@ class Gateway:
             while not waiting.done():
                 await asyncio.wait({waiting}, timeout=DISCONNECT_CHECK_SECONDS)
                 if not waiting.done() and await request.is_disconnected():
-                    raise APIError(499, "the client closed the connection while its request was held",
-                                   code="client_closed")
+                    raise APIError(
+                        499, "the client closed the connection while its request was held", code="client_closed"
+                    )
             waiting.result()
         finally:
             waiting.cancel()
 
-    async def _relay(self, upstream: httpx.Response, replica: Replica, admission: Admission | None = None,
-                     meter: UsageMeter | None = None):
+    async def _relay(
+        self,
+        upstream: httpx.Response,
+        replica: Replica,
+        admission: Admission | None = None,
+        meter: UsageMeter | None = None,
+    ):
         try:
             async for chunk in upstream.aiter_raw():
                 if meter is not None:
@@ -170,8 +205,12 @@ class Gateway:
             self.metrics.broken.inc()
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 # As the server itself reports a failure mid-stream: an error event, then [DONE].
-                body = error_body(502, f"the replica serving this stream stopped mid-response ({error}); the request "
-                                  "was not retried, as part of the answer had been sent", code="upstream_broke_off")
+                body = error_body(
+                    502,
+                    f"the replica serving this stream stopped mid-response ({error}); the request "
+                    "was not retried, as part of the answer had been sent",
+                    code="upstream_broke_off",
+                )
                 yield b"\n\ndata: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             replica.in_flight -= 1
@@ -180,8 +219,10 @@ class Gateway:
                 self.access.finish(admission, upstream.status_code, meter.prompt_tokens, meter.completion_tokens)
 
     async def list_models(self) -> dict:
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "capstan"}
-                                           for m in self.pool.all_models()]}
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "capstan"} for m in self.pool.all_models()],
+        }
 
 
 def _parse_body(raw: bytes) -> dict:
@@ -192,8 +233,9 @@ def _parse_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
-        raise APIError(400, "`model` is required: the name of the model to use (GET /v1/models lists them)",
-                       param="model")
+        raise APIError(
+            400, "`model` is required: the name of the model to use (GET /v1/models lists them)", param="model"
+        )
     return body
 
 
@@ -225,8 +267,10 @@ def build_gateway_app(gateway: Gateway, max_body_bytes: int = DEFAULT_MAX_BODY_B
         return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     for route in PROXIED_ROUTES:
+
         async def proxied(request: Request, _path: str = route) -> Response:
             return await gateway.forward(request, _path)
+
         app.add_api_route(route, proxied, methods=["POST"])
 
     @app.get("/v1/models")

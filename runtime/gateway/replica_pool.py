@@ -1,6 +1,7 @@
 """The replicas the gateway may send to, kept fresh in the background: which are ready, which models each serves,
 and how loaded each is (its own /metrics: running, waiting, KV-cache use), plus the requests this gateway has
 open on each. Discovery says which replicas exist; this pool says which can take a request now."""
+
 from __future__ import annotations
 
 import asyncio

@@ -7,6 +7,7 @@ ceil(c * (total load + 1) / replicas). Requests that share a prefix so meet the 
 a hot prefix spills to the next replica on the ring (the same one every time, so the spill is cached too)
 rather than to a random one; and no replica is ever given more than the bound.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -141,6 +142,11 @@ def routing_key(body: dict[str, Any], prefix_chars: int = DEFAULT_PREFIX_CHARS) 
         prompt = body.get("prompt", body.get("input", ""))
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: its first prompt (a list of token ids keys by its leading ids)
-        text = prompt if isinstance(prompt, str) else ",".join(map(str, prompt[:prefix_chars])) \
-            if isinstance(prompt, list) else ""
+        text = (
+            prompt
+            if isinstance(prompt, str)
+            else ",".join(map(str, prompt[:prefix_chars]))
+            if isinstance(prompt, list)
+            else ""
+        )
     return f"{model}\x00{text[:prefix_chars]}"

@@ -4,6 +4,7 @@ A JSON response carries `usage`; a stream carries it in its last chunk only when
 (`stream_options.include_usage`), so the gateway asks for it on every stream it meters and drops that chunk again
 when the client had not asked: the client sees the stream it requested, the budget counts exact tokens.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 It reads each sequence's pages in place (no gathered copy of the context) and splits long contexts across
 thread blocks (flash-decoding). It has no sliding window and no softmax scale of its own: queries are
 pre-scaled, and sliding-window models keep the reference."""
+
 from __future__ import annotations
 
 import jax
@@ -36,9 +37,18 @@ def supported(S: int, KVH: int, pages_per_seq: int, page_size: int, head_dim: in
     return block_k >= 16 and block_k & (block_k - 1) == 0
 
 
-def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *,
-                     scale: float, interpret: bool = False, num_warps: int | None = None,
-                     num_stages: int | None = None, pages_per_block: int | None = None) -> jax.Array:
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    pages_per_block: int | None = None,
+) -> jax.Array:
     """q[S, KVH, G, D] (row r is sequence r's only token); caches [KVH, pages, page_size, D] of one layer.
     num_warps, num_stages, pages_per_block: Triton's tuning, else _layout's (attention_kernels.py --sweep)."""
     S, KVH, G, D = q.shape
@@ -49,7 +59,17 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta:
     if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     lengths = jnp.where(meta.seq_lens > 0, meta.positions + 1, 0)  # keys 0..position; padding rows see none
-    out = pallas_paged_attention((q * scale).reshape(S, KVH * G, D), k_cache, v_cache, tables, lengths,
-                                 block_h=max(16, G), pages_per_compute_block=pages_per_block, k_splits=k_splits,
-                                 num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    out = pallas_paged_attention(
+        (q * scale).reshape(S, KVH * G, D),
+        k_cache,
+        v_cache,
+        tables,
+        lengths,
+        block_h=max(16, G),
+        pages_per_compute_block=pages_per_block,
+        k_splits=k_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
     return out.reshape(S, KVH, G, D)

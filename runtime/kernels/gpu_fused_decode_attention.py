@@ -9,6 +9,7 @@ cached context (flash-decoding: splits share the pages the sequence has filled, 
 own key and value from registers, and the first split writes them into their page slot, so no program reads a
 slot another writes.
 Float32 takes IEEE dots (JAX's decode kernel multiplies in TF32), so golden float32 parity holds through it."""
+
 from __future__ import annotations
 
 import functools
@@ -41,9 +42,26 @@ def supported(page_size: int, head_dim: int) -> bool:
     return head_dim >= 16 and pow2(head_dim) and pow2(page_size) and page_size * pages >= 16
 
 
-def _kernel(qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, tables_ref, row_ref, k_ref, v_ref,
-            o_ref, *rest, groups: int, pages_per_block: int, scale: float, eps: float, one_plus: bool,
-            normalize: bool, precision):
+def _kernel(
+    qkv_ref,
+    cos_ref,
+    sin_ref,
+    q_norm_ref,
+    k_norm_ref,
+    tables_ref,
+    row_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *rest,
+    groups: int,
+    pages_per_block: int,
+    scale: float,
+    eps: float,
+    one_plus: bool,
+    normalize: bool,
+    precision,
+):
     l_ref, m_ref, k_out_ref, v_out_ref = (None, None, *rest) if normalize else rest
     split, splits = pl.program_id(2), pl.num_programs(2)
     block_h, D = o_ref.shape
@@ -93,8 +111,11 @@ def _kernel(qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, tables_ref, row_r
     per_split = pl.cdiv(pl.cdiv(filled, splits), pages_per_block) * pages_per_block
     start = split * per_split
     blocks = pl.cdiv(jnp.maximum(jnp.minimum(filled, start + per_split) - start, 0), pages_per_block)
-    init = (jnp.zeros((block_h, D), jnp.float32), jnp.full((block_h,), MASKED, jnp.float32),
-            jnp.zeros((block_h,), jnp.float32))
+    init = (
+        jnp.zeros((block_h, D), jnp.float32),
+        jnp.full((block_h,), MASKED, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
     o, m, l = jax.lax.fori_loop(0, blocks, block, init)
     # the step's own key and value, from registers, counted once: by the first split
     own = (split == 0) & (length > 0)
@@ -118,11 +139,25 @@ def _kernel(qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, tables_ref, row_r
         v_out_ref[slot // page_size, slot % page_size, :] = v_new
 
 
-def fused_decode_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                           meta: AttentionMetadata, *, scale: float, q_norm: jax.Array | None = None,
-                           k_norm: jax.Array | None = None, eps: float = 0.0, one_plus: bool = False,
-                           interpret: bool = False, num_warps: int | None = None, num_stages: int | None = None,
-                           pages_per_block: int | None = None, k_splits: int | None = None):
+def fused_decode_attention(
+    qkv: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None,
+    eps: float = 0.0,
+    one_plus: bool = False,
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    pages_per_block: int | None = None,
+    k_splits: int | None = None,
+):
     """qkv[S, KVH, G + 2, D]: row r's query heads, key and value before norms and rope (row r is sequence r's only
     token, at meta.positions[r]); cos, sin [S, D] float32; caches [KVH, pages, page_size, D] of one layer;
     q_norm, k_norm [D] or None. Returns (out [S, KVH, G, D], k_cache, v_cache with the step's K/V written at
@@ -143,8 +178,16 @@ def fused_decode_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cac
     block_h = max(16, 1 << G.bit_length())  # G query rows and the key's, a power of two, at least a dot's 16
     normalize = k_splits == 1
     precision = jax.lax.Precision.HIGHEST if qkv.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, groups=G, pages_per_block=pages_per_block, scale=scale, eps=eps,
-                               one_plus=one_plus, normalize=normalize, precision=precision)
+    kernel = functools.partial(
+        _kernel,
+        groups=G,
+        pages_per_block=pages_per_block,
+        scale=scale,
+        eps=eps,
+        one_plus=one_plus,
+        normalize=normalize,
+        precision=precision,
+    )
     cache_spec = pl.BlockSpec((None, *k_cache.shape[1:]), lambda s, h, k: (h, 0, 0, 0))
     norm_spec = pl.BlockSpec((D,), lambda s, h, k: (0,))
     out_spec = pl.BlockSpec((None, None, None, block_h, D), lambda s, h, k: (k, s, h, 0, 0))
@@ -170,9 +213,12 @@ def fused_decode_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cac
             cache_spec,
         ],
         out_specs=[out_spec, *stats, cache_spec, cache_spec],
-        out_shape=[jax.ShapeDtypeStruct((k_splits, S, KVH, block_h, D), qkv.dtype if normalize else jnp.float32),
-                   *stat_shapes, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct((k_splits, S, KVH, block_h, D), qkv.dtype if normalize else jnp.float32),
+            *stat_shapes,
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ],
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or warps, num_stages=num_stages or stages),
         interpret=interpret,

@@ -9,6 +9,7 @@ contracted axis is split across them too (split-K) and XLA sums the float32 part
 operation). The weight keeps Hugging Face's [out, in] layout, so nothing is copied. For bf16, FP8 and INT8 weights
 XLA's own GEMMs were as fast or faster (benchmarks/RESULTS.md, "One stream's matmuls"), so by default only Q8_0
 comes here."""
+
 from __future__ import annotations
 
 import functools
@@ -92,11 +93,22 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, precision, 
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "block_n", "block_k", "splits", "num_warps", "num_stages",
-                                             "reduce"))
-def gemv(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, block: int = 0, block_n: int | None = None,
-         block_k: int | None = None, splits: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, reduce: bool | None = None) -> jax.Array:
+@functools.partial(
+    jax.jit, static_argnames=("block", "block_n", "block_k", "splits", "num_warps", "num_stages", "reduce")
+)
+def gemv(
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array | None = None,
+    *,
+    block: int = 0,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    reduce: bool | None = None,
+) -> jax.Array:
     """x[rows, k] @ w[n, k].T, in x's dtype, times scale (float32): scale[n] per output channel, or with `block`
     (GGUF Q8_0: 32) scale[n, k / block] per run of `block` inputs. The tuning arguments default to TUNING and the
     split rule above (benchmarks/gemv.py sweeps them); reduce: multiply-add and sum instead of a tensor-core dot
@@ -118,10 +130,14 @@ def gemv(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, block: i
     fused_scale = scale is not None and (splits == 1 or block)
     out_dtype = x.dtype if splits == 1 else jnp.float32
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, block_k=block_k, steps=steps // splits, precision=precision,
-                               reduce=reduce, block=block)
-    scale_spec = (pl.BlockSpec((block_n, k // block), lambda j, s, i: (j, 0)) if block
-                  else pl.BlockSpec((block_n,), lambda j, s, i: (j,)))
+    kernel = functools.partial(
+        _kernel, block_k=block_k, steps=steps // splits, precision=precision, reduce=reduce, block=block
+    )
+    scale_spec = (
+        pl.BlockSpec((block_n, k // block), lambda j, s, i: (j, 0))
+        if block
+        else pl.BlockSpec((block_n,), lambda j, s, i: (j,))
+    )
     out = pl.pallas_call(
         kernel,
         grid=(n // block_n, splits, m_blocks),

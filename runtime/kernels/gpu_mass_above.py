@@ -5,6 +5,7 @@ draw_by_candidates asks, for each of a row's DRAWN best perturbed values, the pr
 16 reads of 256 x 128,256 float32 logits (0.31 ms of the GPU sampler's 1.62 on an H100, benchmarks/RESULTS.md).
 Here programs read the row once, each a part of it in chunks, and add each value's terms from registers; XLA sums
 the parts. Rows not asked for read nothing (gpu_sampler asks only for rows whose top-p is still open)."""
+
 from __future__ import annotations
 
 import functools
@@ -46,8 +47,15 @@ def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_
         out_ref[...] = jax.lax.fori_loop(0, n, add, jnp.zeros(values.shape, jnp.float32))
 
 
-def mass_above(x: jax.Array, cut: jax.Array, top: jax.Array, values: jax.Array, *, rows: jax.Array | None = None,
-               interpret: bool = False) -> jax.Array:
+def mass_above(
+    x: jax.Array,
+    cut: jax.Array,
+    top: jax.Array,
+    values: jax.Array,
+    *,
+    rows: jax.Array | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """[S, D]: per row of x [S, V], the sum of exp(x - top) over x >= cut and x > each of its D values [S, D] (D a
     power of two); sampler.mass_above with weights where(x >= cut, exp(x - top), 0). rows [S] bool: the rows to
     sum (others read nothing and give 0); all by default."""
@@ -61,13 +69,19 @@ def mass_above(x: jax.Array, cut: jax.Array, top: jax.Array, values: jax.Array, 
     parts = pl.pallas_call(
         functools.partial(_kernel, vocab=V, chunk=chunk, per_program=CHUNKS_PER_PROGRAM),
         grid=(S, programs),
-        in_specs=[pl.BlockSpec((None, V), lambda s, p: (s, 0)), pl.BlockSpec((None, 4), lambda s, p: (s, 0)),
-                  pl.BlockSpec((None, D), lambda s, p: (s, 0))],
+        in_specs=[
+            pl.BlockSpec((None, V), lambda s, p: (s, 0)),
+            pl.BlockSpec((None, 4), lambda s, p: (s, 0)),
+            pl.BlockSpec((None, D), lambda s, p: (s, 0)),
+        ],
         out_specs=pl.BlockSpec((None, None, D), lambda s, p: (s, p, 0)),
         out_shape=jax.ShapeDtypeStruct((S, programs, D), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="mass_above",
-    )(x.astype(jnp.float32), jnp.stack([cut, top, wanted, wanted], axis=1).astype(jnp.float32),
-      values.astype(jnp.float32))
+    )(
+        x.astype(jnp.float32),
+        jnp.stack([cut, top, wanted, wanted], axis=1).astype(jnp.float32),
+        values.astype(jnp.float32),
+    )
     return jnp.sum(parts, axis=1)

@@ -7,6 +7,7 @@ streams that sequence's pages from the cache once with an online softmax, and st
 key; a sliding window also skips the pages before it. A decode token is a block of one token: its program reads
 the context once for all its query heads, as a decode kernel does. Nothing is gathered (the reference reads
 max_model_len keys for every token). float32 runs its dots in IEEE float32 (no TF32), so golden parity holds."""
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,22 @@ def supported(head_dim: int, page_size: int, itemsize: int = 2) -> bool:
     return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, block_k))
 
 
-def _kernel(blocks_ref, tables_ref, q_ref, k_ref, v_ref, _, o_ref, *, scale: float, window: int | None,
-            softcap: float | None, page_size: int, pages_per_block: int, query_block: int):
+def _kernel(
+    blocks_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    _,
+    o_ref,
+    *,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    page_size: int,
+    pages_per_block: int,
+    query_block: int,
+):
     b = pl.program_id(0)
     start, num, row, first_pos = blocks_ref[b, 0], blocks_ref[b, 1], blocks_ref[b, 2], blocks_ref[b, 3]
     block_k = page_size * pages_per_block
@@ -72,8 +87,11 @@ def _kernel(blocks_ref, tables_ref, q_ref, k_ref, v_ref, _, o_ref, *, scale: flo
             o = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
             return o, m_new, l
 
-        init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), MASKED, jnp.float32),
-                jnp.zeros((rows,), jnp.float32))
+        init = (
+            jnp.zeros((rows, D), jnp.float32),
+            jnp.full((rows,), MASKED, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+        )
         o, _, l = jax.lax.fori_loop(lo, hi, body, init)
         out = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype).reshape(query_block, G, D)
         tokens = jnp.arange(query_block) < num
@@ -88,9 +106,17 @@ def decode_query_blocks(meta: AttentionMetadata) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "interpret"))
-def ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *,
-                     scale: float, window: int | None = None, softcap: float | None = None,
-                     interpret: bool = False) -> jax.Array:
+def ragged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """q[T, KVH, G, D]; caches [KVH, pages, page_size, D] of one layer, already holding this step's K/V."""
     T, KVH, G, D = q.shape
     page_size = k_cache.shape[2]
@@ -106,8 +132,15 @@ def ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta:
     Gp = padded_group(G)
     q_padded = jnp.pad(q, ((0, query_block), (0, 0), (0, Gp - G), (0, 0)))
     out = jnp.zeros_like(q_padded)  # tokens no block covers (padding) read as zeros
-    kernel = functools.partial(_kernel, scale=scale, window=window, softcap=softcap, page_size=page_size,
-                               pages_per_block=ppb, query_block=query_block)
+    kernel = functools.partial(
+        _kernel,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        page_size=page_size,
+        pages_per_block=ppb,
+        query_block=query_block,
+    )
     whole = lambda *shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))  # noqa: E731
     per_kv_head = pl.BlockSpec((T + query_block, None, Gp, D), lambda b, h: (0, h, 0, 0))
     out = pl.pallas_call(

@@ -15,6 +15,7 @@ Here (0.61-0.68 ms):
     no lax.cond (whose predicate XLA:GPU copies back to the host).
 The tokens are draw_by_candidates' (the same thresholds, the same noise: JAX's threefry of (row key, token id),
 here in plain uint32 operations Triton can lower)."""
+
 from __future__ import annotations
 
 import functools
@@ -69,10 +70,12 @@ def _value(key):
 
 def _largest_holding(lo, hi, holds):
     """The largest int32 t in [lo, hi) where holds(t), given holds(lo), not holds(hi), and holds true then false."""
+
     def narrow(_, bounds):
         lo, hi = bounds
-        mid = lo + jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(hi - lo, jnp.uint32) >> jnp.uint32(1),
-                                                jnp.int32)  # hi - lo exact mod 2^32
+        mid = lo + jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(hi - lo, jnp.uint32) >> jnp.uint32(1), jnp.int32
+        )  # hi - lo exact mod 2^32
         ok = holds(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
@@ -84,8 +87,9 @@ def _select(bm_ref, which_ref, t0_ref):
     block maxima bm_ref [NB] in registers: their ids into which_ref [BLOCKS], in block order, each at its slot
     (the number of chosen blocks before it), and t0, the smallest of their maxima."""
     keys = _ordered(bm_ref[...])
-    t0_key = _largest_holding(jnp.min(keys), jnp.max(keys) + 1,
-                              lambda t: jnp.sum((keys >= t).astype(jnp.int32)) >= BLOCKS)
+    t0_key = _largest_holding(
+        jnp.min(keys), jnp.max(keys) + 1, lambda t: jnp.sum((keys >= t).astype(jnp.int32)) >= BLOCKS
+    )
     tie = keys == t0_key
     ties_wanted = BLOCKS - jnp.sum((keys > t0_key).astype(jnp.int32))
     chosen = (keys > t0_key) | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= ties_wanted))
@@ -109,8 +113,11 @@ def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vo
     # top-k: the largest key with at least k candidates at or above it (every value above t0 is a candidate)
     at_least_k = lambda t: jnp.sum((keys >= t).astype(jnp.int32)) >= kk  # noqa: E731
     # a branch's constant is computed from a loaded value: Pallas' Triton lowering of cond yields only values
-    kth_key = jax.lax.cond(k_on & (kk <= C), lambda: _largest_holding(jnp.min(keys), jnp.max(keys) + 1, at_least_k),
-                           lambda: k * 0 + jnp.iinfo(jnp.int32).min)
+    kth_key = jax.lax.cond(
+        k_on & (kk <= C),
+        lambda: _largest_holding(jnp.min(keys), jnp.max(keys) + 1, at_least_k),
+        lambda: k * 0 + jnp.iinfo(jnp.int32).min,
+    )
     kth = jnp.where(k_on, _value(kth_key), -jnp.inf)
     k_known = ~k_on | (kk <= BLOCKS) | ((kk <= C) & (kth > t0))
     w = jnp.where(c >= kth, jnp.exp(c - top), 0.0)
@@ -140,8 +147,9 @@ def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vo
     known = k_known & (~p_on | z_known)
     token = jnp.where(greedy, jnp.where(top_c > t0, argmax, UNDECIDED), jnp.where(known, token, UNDECIDED))
     slot4, slot2 = jnp.arange(4), jnp.arange(2)
-    out_f_ref[...] = jnp.where(slot4 == 0, jnp.where(p_decided, threshold, base),
-                               jnp.where(slot4 == 1, kth, jnp.where(slot4 == 2, top, z)))
+    out_f_ref[...] = jnp.where(
+        slot4 == 0, jnp.where(p_decided, threshold, base), jnp.where(slot4 == 1, kth, jnp.where(slot4 == 2, top, z))
+    )
     out_i_ref[...] = jnp.where(slot2 == 0, token, (p_on & ~p_decided).astype(jnp.int32))
 
 
@@ -162,8 +170,12 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
             best = jnp.max(y)
             j = jnp.min(jnp.where(y == best, ids, NO_ID))
             xj = jnp.max(jnp.where(ids == j, x, -jnp.inf))
-            return (jnp.where(ids == j, -jnp.inf, y), jnp.where(slot == d, best, ys), jnp.where(slot == d, xj, xs),
-                    jnp.where(slot == d, j, js))
+            return (
+                jnp.where(ids == j, -jnp.inf, y),
+                jnp.where(slot == d, best, ys),
+                jnp.where(slot == d, xj, xs),
+                jnp.where(slot == d, j, js),
+            )
 
         none = jnp.full((D,), -jnp.inf, jnp.float32)
         _, ys, xs, js = jax.lax.fori_loop(0, D, take, (y, none, none, jnp.zeros((D,), jnp.int32)))
@@ -179,10 +191,12 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
 def _fold(x_ref, vocab: int, chunk: int, add, acc):
     """acc through add(x, ids, acc) over a row ref in chunks of `chunk` values; the ragged end's values that a
     whole chunk took are -inf."""
+
     def step(i, acc):
         start = jnp.minimum(i * chunk, vocab - chunk)
         ids = start + jnp.arange(chunk, dtype=jnp.int32)
         return add(jnp.where(ids >= i * chunk, x_ref[pl.ds(start, chunk)], -jnp.inf), ids, acc)
+
     return jax.lax.fori_loop(0, -(-vocab // chunk), step, acc)
 
 
@@ -205,14 +219,16 @@ def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chun
         floor_key = _ordered(top_p * 0.0 - jnp.inf)  # the key of -inf: every value is at or above it
         kk = jnp.where(k > 0, jnp.minimum(k, vocab), vocab)
         count_at_least = lambda t: fold(  # noqa: E731
-            lambda x, ids, n: n + jnp.sum((_ordered(x) >= t).astype(jnp.int32)), k * 0)
+            lambda x, ids, n: n + jnp.sum((_ordered(x) >= t).astype(jnp.int32)), k * 0
+        )
         kth = _value(_largest_holding(floor_key, _ordered(top) + 1, lambda t: count_at_least(t) >= kk))
         kth = jnp.where(kk < vocab, kth, -jnp.inf)
         scale = jnp.where(jnp.isfinite(top), top, 0.0)
         z = fold(lambda x, ids, z: z + jnp.sum(jnp.where(x >= kth, jnp.exp(x - scale), 0.0)), top_p * 0.0)
         above = lambda t: fold(  # noqa: E731
             lambda x, ids, m: m + jnp.sum(jnp.where((x >= kth) & (_ordered(x) > t), jnp.exp(x - scale), 0.0)),
-            top_p * 0.0)
+            top_p * 0.0,
+        )
         pth = _value(_largest_holding(floor_key - 1, _ordered(top), lambda t: above(t) / z >= top_p) + 1)
         pth = jnp.where(top_p < 1.0, pth, -jnp.inf)
         floor = jnp.where(min_p > 0, top + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)  # p >= min_p * p_max
@@ -231,8 +247,18 @@ def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chun
         out_ref[...] = jnp.full(out_ref.shape, jnp.where(at == NO_ID, 0, at), jnp.int32)
 
 
-def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, greedy: jax.Array,
-         keys: jax.Array, *, exact: bool = True, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def draw(
+    x: jax.Array,
+    maxima: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    greedy: jax.Array,
+    keys: jax.Array,
+    *,
+    exact: bool = True,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     """Tokens [S] and whether each is decided, for rows x [S, V] whose blocks of BLOCK values have the maxima
     [S, ceil(V / BLOCK)] (more than BLOCKS); keys [S, 2] the rows' threefry key data. A row the candidates leave
     undecided (top-k beyond them, a tie across all of them, top-p open past the parts' best values) is decided
@@ -247,13 +273,18 @@ def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, mi
     top = jnp.max(maxima, axis=1)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     whole = (top_p < 1.0) & ((top_k <= 0) | (top_k >= V))
-    z_row = mass_above(x, jnp.full((S,), -jnp.inf), top, jnp.full((S, 2), -jnp.inf), rows=whole,
-                       interpret=interpret)[:, 0]
+    z_row = mass_above(x, jnp.full((S,), -jnp.inf), top, jnp.full((S, 2), -jnp.inf), rows=whole, interpret=interpret)[
+        :, 0
+    ]
     which, t0 = pl.pallas_call(
-        _select, grid=(S,), in_specs=[row(width)], out_specs=[row(BLOCKS), row(2)],
+        _select,
+        grid=(S,),
+        in_specs=[row(width)],
+        out_specs=[row(BLOCKS), row(2)],
         out_shape=[jax.ShapeDtypeStruct((S, BLOCKS), jnp.int32), jax.ShapeDtypeStruct((S, 2), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=SELECT_TUNING[0], num_stages=SELECT_TUNING[1]),
-        interpret=interpret, name="sampler_select",
+        interpret=interpret,
+        name="sampler_select",
     )(maxima)
     zero = jnp.zeros_like(top_p)
     rowf = jnp.stack([top_p, min_p, greedy.astype(jnp.float32), z_row, t0[:, 0], zero, zero, zero], axis=1)
@@ -267,7 +298,8 @@ def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, mi
         out_specs=[row(4), row(2)],
         out_shape=[jax.ShapeDtypeStruct((S, 4), jnp.float32), jax.ShapeDtypeStruct((S, 2), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret, name="sampler_choose",
+        interpret=interpret,
+        name="sampler_choose",
     )(x, which, rowf, rowk, keys)
     token, p_open = out_i[:, 0], out_i[:, 1] > 0
     kth, top, z = out_f[:, 1], out_f[:, 2], out_f[:, 3]
@@ -282,7 +314,8 @@ def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, mi
         out_shape=[jax.ShapeDtypeStruct((S, parts, PER_PART), jnp.float32)] * 2
         + [jax.ShapeDtypeStruct((S, parts, PER_PART), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret, name="sampler_drawn",
+        interpret=interpret,
+        name="sampler_drawn",
     )(x, out_f, out_i, keys)
     # the row's best perturbed values in order, exact down to the largest of the parts' last reported values
     boundary = jnp.max(ys[:, :, -1], axis=1)
@@ -305,6 +338,7 @@ def draw(x: jax.Array, maxima: jax.Array, top_k: jax.Array, top_p: jax.Array, mi
         out_specs=row(2),
         out_shape=jax.ShapeDtypeStruct((S, 2), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=EXACT_TUNING[0], num_stages=EXACT_TUNING[1]),
-        interpret=interpret, name="sampler_exact",
+        interpret=interpret,
+        name="sampler_exact",
     )(x, rowf, rowk, keys, jnp.stack([jnp.where(decided, tokens, -1)] * 2, axis=1))[:, 0]
     return tokens, jnp.ones_like(decided)

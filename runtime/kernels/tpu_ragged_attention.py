@@ -9,6 +9,7 @@ K/V are scattered straight into it: nothing is transposed per step. The other ba
 
 Its queries are the step's tokens grouped by sequence (`cu_q_lens`), each sequence's tokens being the last of
 its `kv_lens` cached ones: exactly the batch builder's rows (row r's chunk ends at seq_lens[r])."""
+
 from __future__ import annotations
 
 import jax
@@ -81,8 +82,16 @@ def kernel_arguments(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax
     return kv_lens, meta.block_tables.astype(jnp.int32), cu_q_lens, jnp.array([S], jnp.int32)
 
 
-def ragged_attention(q: jax.Array, kv_pages: jax.Array, meta: AttentionMetadata, *, scale: float,
-                     window: int | None = None, softcap: float | None = None, interpret=None) -> jax.Array:
+def ragged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    interpret=None,
+) -> jax.Array:
     """q [T, KVH, G, D] over kv_pages [pages, page_size, 2 * KVH, D]; returns [T, KVH, G, D], zeros for padding.
 
     interpret: None compiles for the TPU; a pltpu.InterpretParams (or True, Pallas' generic interpreter) runs the
@@ -97,8 +106,17 @@ def ragged_attention(q: jax.Array, kv_pages: jax.Array, meta: AttentionMetadata,
         pages, queries = INTERPRETED_BLOCKS
         blocks = dict(num_kv_pages_per_block=min(pages, page_indices.shape[1]), num_queries_per_block=min(queries, T))
     run = lambda: ragged_paged_attention(  # noqa: E731
-        q.reshape(T, KVH * G, D), kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-        sm_scale=scale, sliding_window=window, soft_cap=softcap or None, **blocks)
+        q.reshape(T, KVH * G, D),
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=scale,
+        sliding_window=window,
+        soft_cap=softcap or None,
+        **blocks,
+    )
     if interpret is None:
         out = run()
     else:

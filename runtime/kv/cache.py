@@ -1,4 +1,5 @@
 """KVCache: the device-side page pool, one K and one V array for all layers."""
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -22,8 +23,16 @@ class KVCache(eqx.Module):
     page_size: int = eqx.field(static=True)
 
     @staticmethod
-    def allocate(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,
-                 sharding=None, layout: str | None = None) -> KVCache:
+    def allocate(
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        sharding=None,
+        layout: str | None = None,
+    ) -> KVCache:
         """sharding: where the pages live (tensor parallelism splits them by KV head); None: the default device.
         layout: None chooses by backend."""
         if layout is None:
@@ -31,12 +40,19 @@ class KVCache(eqx.Module):
             layout = kv_layout(jax.default_backend(), kv_heads // shards, head_dim, dtype)
         if layout == PAGES_INTERLEAVED:
             empty = None if sharding is None else jax.sharding.NamedSharding(sharding.mesh, P())
-            return KVCache(tuple(allocate_pages(num_pages, page_size, kv_heads, head_dim, dtype, sharding)
-                                 for _ in range(num_layers)),
-                           tuple(jnp.zeros((0,), dtype, device=empty) for _ in range(num_layers)), page_size)
+            return KVCache(
+                tuple(
+                    allocate_pages(num_pages, page_size, kv_heads, head_dim, dtype, sharding) for _ in range(num_layers)
+                ),
+                tuple(jnp.zeros((0,), dtype, device=empty) for _ in range(num_layers)),
+                page_size,
+            )
         shape = (kv_heads, num_pages, page_size, head_dim)
-        return KVCache(tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
-                       tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)), page_size)
+        return KVCache(
+            tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
+            tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
+            page_size,
+        )
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:

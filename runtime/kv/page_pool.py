@@ -5,6 +5,7 @@ before it), so identical prefixes map to identical pages. A page whose last refe
 hash and waits in an LRU list: a later request with the same prefix revives it, and allocation evicts the
 least recently used one only when no never-hashed page is free. With a host-memory tier (host_offload.py), each
 evicted page is named to `on_evict` first, so its bytes can be copied out before its next owner writes it."""
+
 from __future__ import annotations
 
 import collections
@@ -34,7 +35,9 @@ class PagePool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_pages
         self._free: collections.deque[int] = collections.deque(range(num_pages))  # unreferenced and unhashed
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced, hashed; LRU first
+        self._evictable: collections.OrderedDict[int, None] = (
+            collections.OrderedDict()
+        )  # unreferenced, hashed; LRU first
         self._hash_of: dict[int, PageHash] = {}
         self._page_of: dict[PageHash, int] = {}
         self.on_evict: Callable[[int, PageHash], None] | None = None  # the host tier's hook (HostOffload.on_evict)
@@ -89,7 +92,7 @@ class PagePool:
             return [], []
         pages, hashes, parent = [], [], None
         for start in range(0, len(tokens) - 1 - (len(tokens) - 1) % self.page_size, self.page_size):
-            h = page_hash(parent, tokens[start:start + self.page_size])
+            h = page_hash(parent, tokens[start : start + self.page_size])
             page = self._page_of.get(h)
             if page is None:
                 break

@@ -1,4 +1,5 @@
 """Assemble a DecoderModel of any supported family from a TensorSource (safetensors, GGUF or random weights)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -62,24 +63,43 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
 
         def qkv_bias():
             """q, k and v biases stacked per kv head along ax.QKV, as the fused weight is."""
-            parts = [source(f"model.layers.{i}.self_attn.{p}_proj.bias", (n,)).astype(dtype).reshape(KVH, n // KVH // D, D)
-                     for p, n in (("q", KVH * G * D), ("k", KVH * D), ("v", KVH * D))]
+            parts = [
+                source(f"model.layers.{i}.self_attn.{p}_proj.bias", (n,)).astype(dtype).reshape(KVH, n // KVH // D, D)
+                for p, n in (("q", KVH * G * D), ("k", KVH * D), ("v", KVH * D))
+            ]
             return hax.named(jnp.concatenate(parts, axis=1), (ax.KVHeads, ax.QKV, ax.HeadSize))
 
         qkv_sizes = (KVH * G * D, KVH * D, KVH * D)
         attn = Attention(
-            qkv_proj=linears([f"self_attn.{p}_proj.weight" for p in "qkv"], [(n, E) for n in qkv_sizes],
-                             [(KVH, n // KVH // D, D, E) for n in qkv_sizes],
-                             (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed), 1, lambda xs: jnp.concatenate(xs, axis=1)),
-            o_proj=linears(["self_attn.o_proj.weight"], [(E, KVH * G * D)], [(E, KVH, G, D)],
-                           (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize), 3, lambda xs: xs[0]),
+            qkv_proj=linears(
+                [f"self_attn.{p}_proj.weight" for p in "qkv"],
+                [(n, E) for n in qkv_sizes],
+                [(KVH, n // KVH // D, D, E) for n in qkv_sizes],
+                (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed),
+                1,
+                lambda xs: jnp.concatenate(xs, axis=1),
+            ),
+            o_proj=linears(
+                ["self_attn.o_proj.weight"],
+                [(E, KVH * G * D)],
+                [(E, KVH, G, D)],
+                (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize),
+                3,
+                lambda xs: xs[0],
+            ),
             qkv_bias=qkv_bias() if cfg.attention_bias else None,
             q_norm=w("self_attn.q_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
             k_norm=w("self_attn.k_norm.weight", (D,), (ax.HeadSize,)) if cfg.qk_norm else None,
         )
         mlp = GatedMLP(
-            gate_up_proj=linears(["mlp.gate_proj.weight", "mlp.up_proj.weight"], [(I, E)] * 2, [(I, E)] * 2,
-                                 (ax.GateUp, ax.Mlp, ax.Embed), 1, jnp.stack),
+            gate_up_proj=linears(
+                ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                [(I, E)] * 2,
+                [(I, E)] * 2,
+                (ax.GateUp, ax.Mlp, ax.Embed),
+                1,
+                jnp.stack,
+            ),
             down_proj=linears(["mlp.down_proj.weight"], [(E, I)], [(E, I)], (ax.Embed, ax.Mlp), 1, lambda xs: xs[0]),
         )
         names = GEMMA3_BLOCK_WEIGHTS if gemma else LLAMA_BLOCK_WEIGHTS
@@ -95,5 +115,12 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
     else:
         lm_head = hax.named(source("lm_head.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
     final_norm = hax.named(source("model.norm.weight", (E,)).astype(dtype), (ax.Embed,))
-    return DecoderModel(cfg=cfg, ax=ax, embedding=embedding, layers=layers, final_norm=final_norm, lm_head=lm_head,
-                        inv_freq=rope_tables(cfg))
+    return DecoderModel(
+        cfg=cfg,
+        ax=ax,
+        embedding=embedding,
+        layers=layers,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        inv_freq=rope_tables(cfg),
+    )

@@ -1,6 +1,7 @@
 """ModelConfig: the subset of a Hugging Face config.json that Capstan's models read, validated.
 
 A checkpoint we cannot serve correctly is refused here with a message naming the field."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,14 +81,16 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"config.json architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"config.json architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         arch = archs[0]
         gemma = arch == "Gemma3ForCausalLM"
         num_heads = _req(hf, "num_attention_heads")
         num_kv_heads = hf.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
             raise UnsupportedModelError(
-                f"config.json num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+                f"config.json num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
         hidden = _req(hf, "hidden_size")
         head_dim = hf.get("head_dim") or hidden // num_heads
         num_layers = _req(hf, "num_hidden_layers")
@@ -95,12 +98,13 @@ class ModelConfig:
         activation = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         if activation not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(
-                f"config.json hidden_act={activation!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+                f"config.json hidden_act={activation!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
         if hf.get("mlp_bias"):
             raise UnsupportedModelError("config.json mlp_bias=true is not supported")
         # Qwen2 always has q/k/v biases; its config does not say so
         attention_bias = arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
-        scale = _req(hf, "query_pre_attn_scalar") ** -0.5 if gemma else head_dim ** -0.5
+        scale = _req(hf, "query_pre_attn_scalar") ** -0.5 if gemma else head_dim**-0.5
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return ModelConfig(
@@ -180,7 +184,8 @@ def _rope(p: dict, where: str) -> RopeConfig:
     rope_type = p.get("rope_type") or p.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"config.json {where}.rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            f"config.json {where}.rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     theta = float(p.get("rope_theta", 10000.0))
     if not math.isfinite(theta) or theta <= 0:
         raise UnsupportedModelError(f"config.json {where}.rope_theta={theta} must be positive")

@@ -1,6 +1,7 @@
 """DecoderModel: embed -> the blocks in order (each writing K/V into its layer's pages) -> norm -> logits.
 
 The families differ only in their block (llama.py, gemma3.py); this is the part they share."""
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -31,7 +32,7 @@ class DecoderModel(eqx.Module):
         cfg, ax = self.cfg, self.ax
         x = embed(tokens, self.embedding, ax)
         if cfg.family == "gemma3":
-            x = x * jnp.asarray(cfg.hidden_size ** 0.5, dtype=x.dtype)
+            x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
         rope = {kind: rotary_tables(f, meta.positions) for kind, f in self.inv_freq.items()}
         k_layers, v_layers = list(kv.k), list(kv.v)
         # a Python loop, unrolled in the trace: each layer reads and writes its own cache arrays in place, with
@@ -40,8 +41,9 @@ class DecoderModel(eqx.Module):
             kind = cfg.layer_types[i]
             window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
             cos, sin = rope[kind]
-            x, k_layers[i], v_layers[i] = block(x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax,
-                                                kv.page_size)
+            x, k_layers[i], v_layers[i] = block(
+                x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax, kv.page_size
+            )
         x = rms_norm(x, self.final_norm, ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
         return x, KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)
 
@@ -55,7 +57,8 @@ class DecoderModel(eqx.Module):
         return logits
 
 
-
 def rope_tables(cfg: ModelConfig) -> dict[str, jax.Array]:
     """Inverse RoPE frequencies for each layer type the config uses."""
-    return {kind: jnp.asarray(inverse_frequencies(cfg.rope[kind], cfg.head_dim)) for kind in sorted(set(cfg.layer_types))}
+    return {
+        kind: jnp.asarray(inverse_frequencies(cfg.rope[kind], cfg.head_dim)) for kind in sorted(set(cfg.layer_types))
+    }

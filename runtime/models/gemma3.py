@@ -1,6 +1,7 @@
 """Gemma 3 (text): (1+w) RMSNorm before and after attention and MLP, GeGLU, q/k norm, sliding-window layers.
 
 Embedding scaling by sqrt(hidden), query_pre_attn_scalar and per-layer-type RoPE live in config/decoder."""
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -18,8 +19,7 @@ class Gemma3Block(eqx.Module):
     mlp: GatedMLP
     post_mlp_norm: NamedArray
 
-    def __call__(self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes,
-                 page_size: int):
+    def __call__(self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int):
         eps = cfg.rms_norm_eps
         h = rms_norm(x, self.input_norm, ax.Embed, eps, one_plus=True)
         h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size)

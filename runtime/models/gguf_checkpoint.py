@@ -2,6 +2,7 @@
 
 Read with llama.cpp's own `gguf` package. GGUF tensor names are mapped onto the Hugging Face names that
 build_model asks for, and llama.cpp's conversion edits (Q/K row permutation, Gemma's +1 norms) are undone."""
+
 from __future__ import annotations
 
 import functools
@@ -24,21 +25,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("capstan")
 Q8_0_BLOCK = 32
 # general.architecture -> the Hugging Face architecture whose block we build
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden/heads instead of head_dim (its config)
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.")
 LAYER_TENSORS = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
 }
 LLAMA_LAYER_TENSORS = {"post_attention_layernorm": "ffn_norm"}
-GEMMA3_LAYER_TENSORS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                        "post_feedforward_layernorm": "post_ffw_norm"}
-TOP_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
+GEMMA3_LAYER_TENSORS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+TOP_TENSORS = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
@@ -63,8 +80,9 @@ def field(reader: gguf.GGUFReader, key: str, default=None):
 def architecture(reader: gguf.GGUFReader, path: str | Path) -> str:
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"{path}: GGUF general.architecture={arch!r} is not supported; "
-                                    f"supported: {', '.join(ARCHITECTURES)}")
+        raise UnsupportedModelError(
+            f"{path}: GGUF general.architecture={arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
     return arch
 
 
@@ -85,15 +103,18 @@ def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
     if key("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError(f"{path}: GGUF {arch}.attention.value_length differs from key_length")
     if key("rope.dimension_count", head_dim) != head_dim:
-        raise UnsupportedModelError(f"{path}: GGUF {arch}.rope.dimension_count={key('rope.dimension_count')} "
-                                    f"(partial rotary) is not supported; head size is {head_dim}")
+        raise UnsupportedModelError(
+            f"{path}: GGUF {arch}.rope.dimension_count={key('rope.dimension_count')} "
+            f"(partial rotary) is not supported; head size is {head_dim}"
+        )
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise UnsupportedModelError(f"{path}: GGUF tensor rope_freqs.weight (Llama 3.1 rope scaling) is not supported")
     scaling = key("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
-        raise UnsupportedModelError(f"{path}: GGUF {arch}.rope.scaling.type={scaling!r} is not supported; "
-                                    "supported: none, linear")
+        raise UnsupportedModelError(
+            f"{path}: GGUF {arch}.rope.scaling.type={scaling!r} is not supported; supported: none, linear"
+        )
     num_layers = key("block_count", required=True)
     tokens = field(reader, "tokenizer.ggml.tokens") or []
     hf = {
@@ -119,8 +140,11 @@ def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
     }
     if arch == "gemma3":
         pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 6)
-        hf |= {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": key("rope.freq_base_swa", 10000.0),
-               "query_pre_attn_scalar": hidden // heads if num_layers == GEMMA3_27B_LAYERS else head_dim}
+        hf |= {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_local_base_freq": key("rope.freq_base_swa", 10000.0),
+            "query_pre_attn_scalar": hidden // heads if num_layers == GEMMA3_27B_LAYERS else head_dim,
+        }
         if isinstance(pattern, list):  # one flag per layer: true for a sliding-window layer
             hf["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
         else:
@@ -166,8 +190,9 @@ def gguf_tensor_source(reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Pa
         if keep_q8_0 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and hf_name.endswith("_proj.weight"):
             q = q8_0_blocks(np.asarray(t.data), dims)
             if permuted:
-                q = QuantizedTensor(unpermute_rows(np.asarray(q.values), heads), unpermute_rows(np.asarray(q.scale), heads),
-                                    q.block)
+                q = QuantizedTensor(
+                    unpermute_rows(np.asarray(q.values), heads), unpermute_rows(np.asarray(q.scale), heads), q.block
+                )
             return QuantizedTensor(jnp.asarray(q.values), jnp.asarray(q.scale), q.block)
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(dims)
         if permuted:

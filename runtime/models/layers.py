@@ -1,6 +1,7 @@
 """Building blocks shared by the model families: named axes, RMSNorm, attention over the paged cache, gated MLP.
 
 Every weight is a haliax NamedArray; each layer's block holds its own."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,20 +65,40 @@ class Attention(eqx.Module):
     q_norm: NamedArray | None  # [HeadSize]
     k_norm: NamedArray | None
 
-    def __call__(self, x: NamedArray, cos: jax.Array, sin: jax.Array, window: int | None,
-                 k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
-                 ax: ModelAxes, page_size: int):
+    def __call__(
+        self,
+        x: NamedArray,
+        cos: jax.Array,
+        sin: jax.Array,
+        window: int | None,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        meta: AttentionMetadata,
+        cfg: ModelConfig,
+        ax: ModelAxes,
+        page_size: int,
+    ):
         """k_cache, v_cache: this layer's [KVHeads, pages, page_size, HeadSize]; returns (y, k_cache, v_cache)."""
         qkv = linear(x, self.qkv_proj, axis=ax.Embed)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         gemma = cfg.family == "gemma3"
-        if decode_fuses(k_cache, v_cache, meta, head_dim=ax.HeadSize.size, window=window,
-                        softcap=cfg.attn_logit_softcapping):  # one kernel from here to attention's out
+        if decode_fuses(
+            k_cache, v_cache, meta, head_dim=ax.HeadSize.size, window=window, softcap=cfg.attn_logit_softcapping
+        ):  # one kernel from here to attention's out
             out, k_cache, v_cache = fused_decode(
-                qkv.rearrange((Token.name, ax.KVHeads, ax.QKV, ax.HeadSize)).array, cos, sin, k_cache, v_cache, meta,
-                scale=cfg.attention_scale, q_norm=None if self.q_norm is None else self.q_norm.array,
-                k_norm=None if self.k_norm is None else self.k_norm.array, eps=cfg.rms_norm_eps, one_plus=gemma)
+                qkv.rearrange((Token.name, ax.KVHeads, ax.QKV, ax.HeadSize)).array,
+                cos,
+                sin,
+                k_cache,
+                v_cache,
+                meta,
+                scale=cfg.attention_scale,
+                q_norm=None if self.q_norm is None else self.q_norm.array,
+                k_norm=None if self.k_norm is None else self.k_norm.array,
+                eps=cfg.rms_norm_eps,
+                one_plus=gemma,
+            )
         else:
             G = ax.QPerKV.size
             q = qkv[ax.QKV.name, hax.dslice(0, G)].rename({ax.QKV.name: ax.QPerKV.name})
@@ -88,9 +109,18 @@ class Attention(eqx.Module):
             q_arr = apply_rotary(q.rearrange((Token.name, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
             k_arr = apply_rotary(k.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array, cos, sin)
             v_arr = v.rearrange((Token.name, ax.KVHeads, ax.HeadSize)).array
-            out, k_cache, v_cache = write_and_attend(q_arr, k_arr, v_arr, k_cache, v_cache, meta,
-                                                     page_size=page_size, scale=cfg.attention_scale, window=window,
-                                                     softcap=cfg.attn_logit_softcapping)
+            out, k_cache, v_cache = write_and_attend(
+                q_arr,
+                k_arr,
+                v_arr,
+                k_cache,
+                v_cache,
+                meta,
+                page_size=page_size,
+                scale=cfg.attention_scale,
+                window=window,
+                softcap=cfg.attn_logit_softcapping,
+            )
         out = hax.named(out, (qkv.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
         y = linear(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
         return y, k_cache, v_cache
@@ -133,8 +163,11 @@ def lm_logits(hidden: NamedArray, head: NamedArray, ax: ModelAxes, softcap: floa
     else:  # explicit, or XLA may all-gather the [Vocab, Embed] head every step rather than the far smaller logits
         hidden = hidden.rearrange((..., ax.Embed))
         split = P(*[None] * (hidden.ndim - 1), MODEL_AXIS)
-        rows = jax.shard_map(lambda h, w: jnp.einsum("...e,ve->...v", h, w, preferred_element_type=jnp.float32),
-                             in_specs=(P(), P(MODEL_AXIS)), out_specs=split)(hidden.array, head.array)
+        rows = jax.shard_map(
+            lambda h, w: jnp.einsum("...e,ve->...v", h, w, preferred_element_type=jnp.float32),
+            in_specs=(P(), P(MODEL_AXIS)),
+            out_specs=split,
+        )(hidden.array, head.array)
         logits = hax.named(rows, hidden.axes[:-1] + (head.resolve_axis("vocab"),))
     if softcap:
         logits = hax.tanh(logits / softcap) * softcap

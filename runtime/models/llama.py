@@ -1,4 +1,5 @@
 """Llama family: Llama (incl. llama3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm)."""
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -14,8 +15,7 @@ class LlamaBlock(eqx.Module):
     post_attn_norm: NamedArray  # [Embed]
     mlp: GatedMLP
 
-    def __call__(self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes,
-                 page_size: int):
+    def __call__(self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int):
         h = rms_norm(x, self.input_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
         h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size)
         x = x + h

@@ -1,4 +1,5 @@
 """Load a Hugging Face checkpoint folder (or build random weights of a named shape) into a DecoderModel."""
+
 from __future__ import annotations
 
 import json
@@ -35,12 +36,15 @@ def resolve_checkpoint(model: str | Path) -> Path:
     """A local folder or .gguf file as is; hf://org/name[@revision] downloaded (or found in the cache)."""
     text = str(model)
     if text.startswith("hf://"):
-        repo, _, revision = text[len("hf://"):].partition("@")
+        repo, _, revision = text[len("hf://") :].partition("@")
         from huggingface_hub import snapshot_download
 
         try:
-            return Path(snapshot_download(repo, revision=revision or None,
-                                          allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+            return Path(
+                snapshot_download(
+                    repo, revision=revision or None, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+                )
+            )
         except Exception as e:  # no network, no such repo, gated: say which and why
             raise UnsupportedModelError(f"model {text}: download failed: {type(e).__name__}: {e}") from None
     path = Path(text)
@@ -64,12 +68,16 @@ def load_model(path: str | Path, dtype: str = "float32", quantization: str | Non
     if prequantized is None:
         return build_model(cfg, source, parse_dtype(dtype), quantization)
     if quantization not in (None, prequantized.method):
-        raise UnsupportedModelError(f"{FLAG}={quantization}: {path} is quantized already ({prequantized.quant_method}, "
-                                    f"{prequantized.method} weights); leave {FLAG} out or set it to {prequantized.method}")
+        raise UnsupportedModelError(
+            f"{FLAG}={quantization}: {path} is quantized already ({prequantized.quant_method}, "
+            f"{prequantized.method} weights); leave {FLAG} out or set it to {prequantized.method}"
+        )
     return build_model(cfg, quantized_source(source, prequantized, path), parse_dtype(dtype))
 
 
-def random_model(cfg: ModelConfig, dtype: str = "bfloat16", seed: int = 0, quantization: str | None = None) -> DecoderModel:
+def random_model(
+    cfg: ModelConfig, dtype: str = "bfloat16", seed: int = 0, quantization: str | None = None
+) -> DecoderModel:
     """Random weights of the right shapes, made on the device (benchmarks need no download). quantization may also
     be "q8_0": the linear weights in GGUF Q8_0's blocks, as a Q8_0 file is served."""
     q8_0 = quantization == "q8_0"

@@ -12,6 +12,7 @@ axes (so tensor parallelism splits it as it splits the dense one) and float32 sc
         weight is upcast and scaled block by block, then multiplied (XLA writes that bf16 copy each step); on GPUs
         a decode step's matmuls read the blocks in place instead (gpu_gemv.py: 3x faster).
 Embeddings, norms and the LM head stay in the model dtype."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,6 +49,7 @@ def check_method(method: str | None) -> None:
 class QuantizedTensor:
     """A linear weight as loaded, in Hugging Face's [out, in] layout: values (int8 or e4m3) and scale [out], or
     with `block` (GGUF Q8_0: 32) scale [out, in / block], one per block of consecutive inputs."""
+
     values: jax.Array
     scale: jax.Array
     block: int = 0
@@ -140,9 +142,9 @@ def _in_gemv_kernel(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
     if model_parallel_size() != 1:
         return None
     names = [a.name if isinstance(a, hax.Axis) else a for a in (axis if isinstance(axis, (tuple, list)) else (axis,))]
-    if [a.name for a in weight.axes[len(weight.axes) - len(names):]] != names:
+    if [a.name for a in weight.axes[len(weight.axes) - len(names) :]] != names:
         return None
-    out_axes = weight.axes[:len(weight.axes) - len(names)]
+    out_axes = weight.axes[: len(weight.axes) - len(names)]
     batch = tuple(a for a in x.axes if a.name not in names)
     n = math.prod(a.size for a in out_axes)
     k = weight.size // n
@@ -166,5 +168,6 @@ def as_numpy_scale(scale, rows: int, name: str) -> np.ndarray:
         return np.full((rows,), s.reshape(()), np.float32)
     if s.shape in ((rows,), (rows, 1)):
         return s.reshape(rows)
-    raise UnsupportedModelError(f"{name}: scale of shape {s.shape} is neither per tensor nor per output channel "
-                                f"(rows={rows})")
+    raise UnsupportedModelError(
+        f"{name}: scale of shape {s.shape} is neither per tensor nor per output channel (rows={rows})"
+    )

@@ -7,6 +7,7 @@ Served without dequantizing (weights kept as they are, scales as one per output 
 Hugging Face's fine-grained FP8 (weight_block_size, weight_scale_inv per block) is dequantized with its block
 scales and requantized to FP8 per output channel at load (logged), since the matmuls here scale per channel.
 Anything else is refused naming quant_method and the field."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,10 +24,19 @@ from .config import UnsupportedModelError
 from .quantization import QuantizedTensor, as_numpy_scale, quantize_rows
 
 log = logging.getLogger("capstan")
-SUPPORTED = ("compressed-tensors (float-quantized FP8 or int-quantized INT8, 8-bit symmetric weights, strategy "
-             "channel or tensor) and fp8 (per tensor, or weight_block_size blocks requantized per channel)")
-LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                   "up_proj.weight", "down_proj.weight")
+SUPPORTED = (
+    "compressed-tensors (float-quantized FP8 or int-quantized INT8, 8-bit symmetric weights, strategy "
+    "channel or tensor) and fp8 (per tensor, or weight_block_size blocks requantized per channel)"
+)
+LINEAR_SUFFIXES = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
 # safetensors names the dtypes its own numpy loader cannot build (numpy has no float8)
 RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
 
@@ -48,8 +58,9 @@ def checkpoint_quantization(hf: dict, path) -> CheckpointQuantization | None:
     where = f"{path}: config.json quantization_config"
     if method == "fp8":
         if qc.get("activation_scheme", "dynamic") != "dynamic":
-            log.info("%s: activation_scheme=%r: activations are scaled per token instead", path,
-                     qc.get("activation_scheme"))
+            log.info(
+                "%s: activation_scheme=%r: activations are scaled per token instead", path, qc.get("activation_scheme")
+            )
         block = qc.get("weight_block_size")
         if block is not None and len(block) != 2:
             raise UnsupportedModelError(f"{where}.weight_block_size={block!r} must be [rows, columns]")
@@ -58,17 +69,21 @@ def checkpoint_quantization(hf: dict, path) -> CheckpointQuantization | None:
         fmt = qc.get("format")
         kinds = {"float-quantized": "float", "int-quantized": "int"}
         if fmt not in kinds:
-            raise UnsupportedModelError(f"{where}: quant_method 'compressed-tensors' with format={fmt!r} is not "
-                                        f"supported; supported: {SUPPORTED}")
+            raise UnsupportedModelError(
+                f"{where}: quant_method 'compressed-tensors' with format={fmt!r} is not "
+                f"supported; supported: {SUPPORTED}"
+            )
         for name, group in (qc.get("config_groups") or {}).items():
             wq = group.get("weights") or {}
             got = (wq.get("num_bits"), wq.get("type"), wq.get("strategy"), wq.get("symmetric", True))
             if got[:2] != (8, kinds[fmt]) or got[2] not in ("channel", "tensor") or not got[3]:
                 raise UnsupportedModelError(
                     f"{where}.config_groups.{name}.weights (num_bits={got[0]}, type={got[1]!r}, strategy={got[2]!r}, "
-                    f"symmetric={got[3]}) is not supported; supported: {SUPPORTED}")
-        return CheckpointQuantization("compressed-tensors", "fp8" if fmt == "float-quantized" else "int8",
-                                      "weight_scale")
+                    f"symmetric={got[3]}) is not supported; supported: {SUPPORTED}"
+                )
+        return CheckpointQuantization(
+            "compressed-tensors", "fp8" if fmt == "float-quantized" else "int8", "weight_scale"
+        )
     raise UnsupportedModelError(f"{where}.quant_method={method!r} is not supported; supported: {SUPPORTED}")
 
 
@@ -90,18 +105,21 @@ def quantized_source(dense_source, q: CheckpointQuantization, path: Path):
     requantized: list[str] = []
 
     def source(name: str, shape):
-        scale_name = name + q.scale_suffix[len("weight"):]
+        scale_name = name + q.scale_suffix[len("weight") :]
         if not name.endswith(LINEAR_SUFFIXES) or not dense_source.has(scale_name):
             return dense_source(name, shape)
         values = dense_source(name, shape)
         scale = np.asarray(dense_source(scale_name, None), np.float32)
         want = jnp.float8_e4m3fn if q.method == "fp8" else jnp.int8
         if values.dtype != want:
-            raise UnsupportedModelError(f"{path}: tensor {name} is {values.dtype}, but quantization_config says "
-                                        f"{q.method} weights")
+            raise UnsupportedModelError(
+                f"{path}: tensor {name} is {values.dtype}, but quantization_config says {q.method} weights"
+            )
         if q.block is not None and scale.size > 1:
             if not requantized:
-                log.warning("%s: FP8 weights in %sx%s blocks are requantized per output channel at load", path, *q.block)
+                log.warning(
+                    "%s: FP8 weights in %sx%s blocks are requantized per output channel at load", path, *q.block
+                )
             requantized.append(name)
             return quantize_rows(dequantize_blocks(values, scale, q.block), "fp8")
         return QuantizedTensor(jnp.asarray(values), jnp.asarray(as_numpy_scale(scale, shape[0], name)))

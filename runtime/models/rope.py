@@ -1,4 +1,5 @@
 """Rotary position embeddings as Hugging Face computes them (rotate-half layout, float32 angles)."""
+
 from __future__ import annotations
 
 import math

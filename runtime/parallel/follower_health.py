@@ -1,5 +1,6 @@
 """/health and /ready on a worker host (a follower of the leader's steps), which serves no API: the operator's
 probes render the same for every host of a group, and a group is ready only when all its hosts are."""
+
 from __future__ import annotations
 
 import http.server

@@ -1,5 +1,6 @@
 """The model axis of the device mesh, as traced code sees it: the mesh a step runs under is set by the engine
 (jax.set_mesh), so layers ask for it here instead of carrying it through every call."""
+
 from __future__ import annotations
 
 import jax

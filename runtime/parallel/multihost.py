@@ -10,6 +10,7 @@ leader's state travels with each broadcast and a follower that diverged stops wi
 in a collective.
 
 The operator sets JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,10 +43,19 @@ def initialize_from_env(timeout_s: int = 300) -> bool:
     if missing:
         raise ValueError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']} needs {', '.join(missing)} as well")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts' collectives across processes
-    jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                               process_id=int(os.environ["JAX_PROCESS_ID"]), initialization_timeout=timeout_s)
-    log.info("process %d of %d; devices: %d here, %d in all", jax.process_index(), jax.process_count(),
-             jax.local_device_count(), jax.device_count())
+    jax.distributed.initialize(
+        os.environ["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]),
+        initialization_timeout=timeout_s,
+    )
+    log.info(
+        "process %d of %d; devices: %d here, %d in all",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -84,8 +94,9 @@ class LockstepEngine(LLMEngine):
     def enqueue(self, seqs) -> None:
         super().enqueue(seqs)
         first = seqs[0]
-        self._changes.append(Added(first.request_id, list(first.prompt_ids),
-                                   dataclasses.replace(first.params, seed=first.seed)))
+        self._changes.append(
+            Added(first.request_id, list(first.prompt_ids), dataclasses.replace(first.params, seed=first.seed))
+        )
 
     def abort(self, request_id: str):
         if request_id in self.requests:
@@ -111,8 +122,10 @@ class LockstepEngine(LLMEngine):
         while (message := self._receive()) != STOP:
             changes, fingerprint = message
             if fingerprint != self._fingerprint():  # this host's state after the last step, before the changes
-                raise RuntimeError(f"process {jax.process_index()} diverged from the leader: its state "
-                                   f"{self._fingerprint()} != the leader's {fingerprint}")
+                raise RuntimeError(
+                    f"process {jax.process_index()} diverged from the leader: its state "
+                    f"{self._fingerprint()} != the leader's {fingerprint}"
+                )
             for change in changes:
                 if isinstance(change, Added):
                     LLMEngine.enqueue(self, self.prepare(change.request_id, change.prompt_ids, change.params))
@@ -145,8 +158,9 @@ class LockstepEngine(LLMEngine):
 
 
 def _refuse_embeddings(inputs) -> None:
-    raise InvalidRequestError("input: embeddings are not served across several hosts yet (JAX_NUM_PROCESSES > 1)",
-                              "input")
+    raise InvalidRequestError(
+        "input: embeddings are not served across several hosts yet (JAX_NUM_PROCESSES > 1)", "input"
+    )
 
 
 def run_follower(config: EngineConfig, host: str = "0.0.0.0", port: int | None = None) -> int:

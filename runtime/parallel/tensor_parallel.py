@@ -12,6 +12,7 @@ serving its share of that head's query heads, as vLLM does: identical numbers, N
 A vocabulary that N does not divide is padded with zero rows, and the padded logits are cut before sampling.
 Quantized weights (models/quantization.py) keep the dense weights' axis names, their per-output-channel scales the
 output axes: both split by the same names, so a quantized model splits as the dense one does."""
+
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +51,8 @@ def check_size(cfg: ModelConfig, size: int, num_devices: int) -> None:
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         raise TensorParallelError(
             f"{FLAG}={size} must divide the model's num_key_value_heads={cfg.num_kv_heads} or be a multiple of it "
-            f"(then each KV head is replicated)")
+            f"(then each KV head is replicated)"
+        )
     if cfg.intermediate_size % size:
         raise TensorParallelError(f"{FLAG}={size} must divide the model's intermediate_size={cfg.intermediate_size}")
 
@@ -65,8 +67,10 @@ class TensorParallel:
         devices = jax.devices()
         check_size(cfg, size, len(devices))
         if jax.process_count() > 1 and size != len(devices):
-            raise TensorParallelError(f"{FLAG}={size}: across {jax.process_count()} hosts it must equal the devices of "
-                                      f"all of them ({len(devices)}), so that every host holds its part of the mesh")
+            raise TensorParallelError(
+                f"{FLAG}={size}: across {jax.process_count()} hosts it must equal the devices of "
+                f"all of them ({len(devices)}), so that every host holds its part of the mesh"
+            )
         if size == 1:
             return TensorParallel(None)
         return TensorParallel(Mesh(np.asarray(devices[:size]), (MODEL_AXIS,)))
@@ -84,10 +88,14 @@ class TensorParallel:
         every weight placed on the mesh, split along SPLIT_AXES."""
         if self.mesh is None:
             return model
-        if any(isinstance(w, QuantizedWeight) and w.block for w in jax.tree.leaves(
-                model, is_leaf=lambda x: isinstance(x, QuantizedWeight))):
-            raise TensorParallelError(f"{FLAG}={self.size}: GGUF Q8_0 weights are served in their blocks on one device "
-                                      f"only; add --quantization int8 to requantize them per output channel")
+        if any(
+            isinstance(w, QuantizedWeight) and w.block
+            for w in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        ):
+            raise TensorParallelError(
+                f"{FLAG}={self.size}: GGUF Q8_0 weights are served in their blocks on one device "
+                f"only; add --quantization int8 to requantize them per output channel"
+            )
         model = replicate_kv_heads(model, self.size)
         model = _pad_vocab(model, self.size)
         placed: dict[int, NamedArray] = {}  # a tied LM head is the embedding itself: place it once
@@ -145,13 +153,19 @@ def replicate_kv_heads(model: DecoderModel, size: int) -> DecoderModel:
         if isinstance(w, QuantizedWeight):
             return dataclasses.replace(w, weight=out(w.weight))
         o = w.array
-        return hax.named(o.reshape(o.shape[0], KVH * r, G // r, o.shape[-1]), (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize))
+        return hax.named(
+            o.reshape(o.shape[0], KVH * r, G // r, o.shape[-1]), (ax.Embed, ax.KVHeads, ax.QPerKV, ax.HeadSize)
+        )
 
     def attention(a: Attention) -> Attention:
         return dataclasses.replace(
-            a, qkv_proj=qkv(a.qkv_proj), o_proj=out(a.o_proj),
-            qkv_bias=None if a.qkv_bias is None else hax.named(fused(a.qkv_bias.array),
-                                                                (ax.KVHeads, ax.QKV, ax.HeadSize)))
+            a,
+            qkv_proj=qkv(a.qkv_proj),
+            o_proj=out(a.o_proj),
+            qkv_bias=None
+            if a.qkv_bias is None
+            else hax.named(fused(a.qkv_bias.array), (ax.KVHeads, ax.QKV, ax.HeadSize)),
+        )
 
     # every family's block has .attn; DecoderModel types its layers as eqx.Module
     layers = tuple(dataclasses.replace(b, attn=attention(b.attn)) for b in model.layers)  # type: ignore[call-arg, attr-defined]

@@ -1,5 +1,6 @@
 """What the candidates draw shares between XLA (sampler.py) and its Pallas kernels (gpu_sampler.py): the block
 layout of the candidates, Gumbel noise from threefry's bits, and float32 values as ordered int32 keys."""
+
 from __future__ import annotations
 
 import jax

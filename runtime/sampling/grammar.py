@@ -6,6 +6,7 @@ The grammar engine is llguidance (Rust, no torch): it derives each step's mask l
 enums and numeric bounds, and bounds its own work per token (LLParserLimits), so a hostile schema costs a 400,
 not a stuck engine. xgrammar needs torch and transformers; outlines-core compiles a whole automaton per
 schema up front."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,9 +55,12 @@ class GrammarTokenizer:
 
     def __init__(self, tokenizer, stop_token_ids: set[int], vocab_size: int):
         self.vocab_size = vocab_size
-        self._build = functools.partial(llguidance.LLTokenizer, tokenizer.backend_json(), n_vocab=vocab_size,
-                                        eos_token=sorted(t for t in stop_token_ids
-                                                         if t < min(vocab_size, tokenizer.vocab_size)))
+        self._build = functools.partial(
+            llguidance.LLTokenizer,
+            tokenizer.backend_json(),
+            n_vocab=vocab_size,
+            eos_token=sorted(t for t in stop_token_ids if t < min(vocab_size, tokenizer.vocab_size)),
+        )
 
     @functools.cached_property
     def ll(self) -> llguidance.LLTokenizer:
@@ -87,8 +91,9 @@ def fill_masks(rows: list[tuple[TokenConstraint, int]], allowed: np.ndarray) -> 
         constraint, r = rows[0]
         constraint.fill(allowed[r])
         return
-    _executor().unsafe_compute_mask_ptr([(c._matcher, r) for c, r in rows], allowed.ctypes.data,
-                                        allowed.shape[1] * 4, allowed.shape[0])
+    _executor().unsafe_compute_mask_ptr(
+        [(c._matcher, r) for c, r in rows], allowed.ctypes.data, allowed.shape[1] * 4, allowed.shape[0]
+    )
 
 
 class TokenConstraint:

@@ -1,4 +1,5 @@
 """BatchBuilder: turns the scheduler's chunks into the padded host arrays of one step."""
+
 from __future__ import annotations
 
 import bisect
@@ -35,8 +36,18 @@ def row_key_data(seed: int, index: int) -> tuple[int, int]:
 
 
 class BatchBuilder:
-    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int, max_model_len: int,
-                 vocab_size: int, eos_token_ids: frozenset[int], smallest_bucket: int = 16, queries_per_kv: int = 1):
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        page_size: int,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        smallest_bucket: int = 16,
+        queries_per_kv: int = 1,
+    ):
         self.S = max_num_seqs
         self.queries_per_kv = queries_per_kv  # sizes the ragged kernel's query blocks
         self.buckets = token_buckets(max_num_batched_tokens, min(smallest_bucket, max_num_batched_tokens))
@@ -83,19 +94,19 @@ class BatchBuilder:
             seq, p = c.seq, c.seq.params
             n, start = c.num_step_tokens, c.start
             pos = np.arange(start, start + n)
-            tokens[t:t + n] = seq.token_ids[start:start + c.num_tokens] + c.draft
+            tokens[t : t + n] = seq.token_ids[start : start + c.num_tokens] + c.draft
             draft_lens[r] = len(c.draft)
-            positions[t:t + n] = pos
+            positions[t : t + n] = pos
             pages = np.asarray(seq.pages, np.int32)
-            slots[t:t + n] = pages[pos // page] * page + pos % page
-            token_seq[t:t + n] = r
-            block_tables[r, :len(pages)] = pages
+            slots[t : t + n] = pages[pos // page] * page + pos % page
+            token_seq[t : t + n] = r
+            block_tables[r, : len(pages)] = pages
             seq_lens[r] = start + n
             sample_index[r] = t + n - 1
             if p.prompt_logprobs is not None and not seq.prompt_logprobs_done:
                 want_prompt = True
                 nxt = np.minimum(pos + 1, seq.num_tokens - 1)
-                targets[t:t + n] = np.asarray(seq.token_ids)[nxt]
+                targets[t : t + n] = np.asarray(seq.token_ids)[nxt]
             t += n
             f["temperature"][r] = p.temperature
             f["top_p"][r], f["min_p"][r] = p.top_p, p.min_p
@@ -107,38 +118,64 @@ class BatchBuilder:
             sample_pos[r] = seq.num_tokens
             if p.logit_bias:
                 ids = list(p.logit_bias)
-                bias_ids[r, :len(ids)] = ids
-                bias_values[r, :len(ids)] = [p.logit_bias[i] for i in ids]
+                bias_ids[r, : len(ids)] = ids
+                bias_values[r, : len(ids)] = [p.logit_bias[i] for i in ids]
             if seq.num_output < p.min_tokens:
                 ban = sorted(set(self.eos) | set(p.stop_token_ids or []))[:MAX_BANNED]
-                banned[r, :len(ban)] = ban
+                banned[r, : len(ban)] = ban
             if seq.constraint is not None and c.samples and masks:
                 constrained.append((seq.constraint, r))
             if p.uses_penalties:
                 if history is None:
                     history = np.full((S, self.H), V, np.int32)
-                history[r, :seq.num_tokens] = seq.token_ids
+                history[r, : seq.num_tokens] = seq.token_ids
                 prompt_lens[r] = len(seq.prompt_ids)
                 f["presence"][r], f["frequency"][r] = p.presence_penalty, p.frequency_penalty
                 repetition[r] = p.repetition_penalty
         if constrained:
             allowed = np.full((S, mask_words(V)), -1, np.int32)
             fill_masks(constrained, allowed)
-        blocks = query_blocks([(r, c.start, c.num_step_tokens) for r, c in enumerate(chunks)], T, S,
-                              self.queries_per_kv)
-        meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
-                                 block_tables=block_tables, seq_lens=seq_lens, query_blocks=blocks)
+        blocks = query_blocks(
+            [(r, c.start, c.num_step_tokens) for r, c in enumerate(chunks)], T, S, self.queries_per_kv
+        )
+        meta = AttentionMetadata(
+            positions=positions,
+            slot_mapping=slots,
+            token_seq=token_seq,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_blocks=blocks,
+        )
         sampling = SamplingBatch(
-            temperature=f["temperature"], top_k=top_k, top_p=f["top_p"], min_p=f["min_p"],
-            presence_penalty=f["presence"], frequency_penalty=f["frequency"], repetition_penalty=repetition,
-            key_data=key_data, position=sample_pos, bias_ids=bias_ids, bias_values=bias_values, banned_ids=banned,
+            temperature=f["temperature"],
+            top_k=top_k,
+            top_p=f["top_p"],
+            min_p=f["min_p"],
+            presence_penalty=f["presence"],
+            frequency_penalty=f["frequency"],
+            repetition_penalty=repetition,
+            key_data=key_data,
+            position=sample_pos,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            banned_ids=banned,
             # history is a device array either way, so the packed layout (and the compiled step) is the same
-            history=self._no_history if history is None else jax.device_put(history), prompt_lens=prompt_lens,
+            history=self._no_history if history is None else jax.device_put(history),
+            prompt_lens=prompt_lens,
             allowed=self.all_allowed if allowed is None else jax.device_put(allowed),
             any_constrained=np.bool_(allowed is not None),
-            any_penalty=np.bool_(history is not None), any_filter=np.bool_(any_filter),
+            any_penalty=np.bool_(history is not None),
+            any_filter=np.bool_(any_filter),
             want_logprobs=np.bool_(want_logprobs),
-            plain_greedy=np.bool_(not (processing or any_filter or history is not None or allowed is not None)))
-        inputs = StepInputs(tokens=tokens, meta=meta, sample_index=sample_index, draft_lens=draft_lens,
-                            sampling=sampling, prompt_targets=targets, want_prompt_logprobs=np.bool_(want_prompt))
+            plain_greedy=np.bool_(not (processing or any_filter or history is not None or allowed is not None)),
+        )
+        inputs = StepInputs(
+            tokens=tokens,
+            meta=meta,
+            sample_index=sample_index,
+            draft_lens=draft_lens,
+            sampling=sampling,
+            prompt_targets=targets,
+            want_prompt_logprobs=np.bool_(want_prompt),
+        )
         return pack(inputs)  # a few transfers, and device arrays throughout, so jit sees one signature per bucket

@@ -3,6 +3,7 @@
 A step has some thirty small arrays; transferring each costs more host time than the device spends on a small
 decode step. pack() concatenates them on the host, and the jitted step calls unpack() first: the slices are
 free inside the compiled program. Arrays already on the device pass through untouched."""
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -17,9 +18,12 @@ class Packed(eqx.Module):
 
     def unpack(self):
         treedef, places = self.layout
-        leaves = [self.on_device[offset] if buf is None else
-                  self.buffers[buf][offset:offset + int(np.prod(shape))].reshape(shape)
-                  for buf, offset, shape in places]
+        leaves = [
+            self.on_device[offset]
+            if buf is None
+            else self.buffers[buf][offset : offset + int(np.prod(shape))].reshape(shape)
+            for buf, offset, shape in places
+        ]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

@@ -1,4 +1,5 @@
 """Sequence: one choice of one request as the scheduler sees it: its tokens, its pages, how far it is computed."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """The FastAPI app over one AsyncLLM, and `serve()`, which runs it under uvicorn with the SIGTERM drain."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,9 @@ from .tracing import make_tracer_provider
 log = logging.getLogger("capstan.server")
 
 
-def build_app(ctx: ServerContext, api_keys: list[str] | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(
+    ctx: ServerContext, api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await ctx.engine.start()  # an engine core's client connects on this loop
@@ -40,8 +42,15 @@ def build_app(ctx: ServerContext, api_keys: list[str] | None = None,
     app = FastAPI(title="Capstan", description="OpenAI-compatible LLM server", version="0.1.0", lifespan=lifespan)
     app.state.context = ctx
     install_error_handlers(app)
-    for router in (completions.router, chat.router, embeddings.router, tokenize.router, model_list.router,
-                   probes.router, version.router):
+    for router in (
+        completions.router,
+        chat.router,
+        embeddings.router,
+        tokenize.router,
+        model_list.router,
+        probes.router,
+        version.router,
+    ):
         app.include_router(router)
     app.add_middleware(APIKeyMiddleware, keys=api_keys or [])  # /v1 only: probes and /metrics stay open
     app.add_middleware(DrainMiddleware, drain=ctx.drain)
@@ -49,15 +58,27 @@ def build_app(ctx: ServerContext, api_keys: list[str] | None = None,
     return app
 
 
-def make_context(engine, served_model_names: list[str] | None = None, log_prompts: bool = False,
-                 tracer_provider=None, tool_call_parser: str | None = None) -> ServerContext:
+def make_context(
+    engine,
+    served_model_names: list[str] | None = None,
+    log_prompts: bool = False,
+    tracer_provider=None,
+    tool_call_parser: str | None = None,
+) -> ServerContext:
     names = served_model_names or [engine.model_name]
     tracer = tracer_provider.get_tracer("capstan.server") if tracer_provider is not None else None
     defaults = sampling_defaults(engine.config)  # from the config and the checkpoint's files: no device needed
     log.info(describe_defaults(defaults, engine.config))
-    return ServerContext(engine=engine, served_model_names=names, metrics=ServerMetrics(engine), drain=Drain(),
-                         tracer=tracer, log_prompts=log_prompts,
-                         tool_parser=parser_for(tool_call_parser, engine.tokenizer), sampling_defaults=defaults)
+    return ServerContext(
+        engine=engine,
+        served_model_names=names,
+        metrics=ServerMetrics(engine),
+        drain=Drain(),
+        tracer=tracer,
+        log_prompts=log_prompts,
+        tool_parser=parser_for(tool_call_parser, engine.tokenizer),
+        sampling_defaults=defaults,
+    )
 
 
 async def _log_warmup(engine) -> None:
@@ -73,11 +94,24 @@ async def _log_warmup(engine) -> None:
     log.info("warm-up compiled in %.1f s; ready to serve", time.monotonic() - started)
 
 
-def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_names: list[str] | None = None,
-          api_keys: list[str] | None = None, drain_timeout: float = 30.0, log_prompts: bool = False,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-          tool_call_parser: str | None = None, reuse_port: bool = False, on_start=None, on_drain=None,
-          ssl_keyfile: str | None = None, ssl_certfile: str | None = None) -> int:
+def serve(
+    engine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_names: list[str] | None = None,
+    api_keys: list[str] | None = None,
+    drain_timeout: float = 30.0,
+    log_prompts: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_level: str = "info",
+    tool_call_parser: str | None = None,
+    reuse_port: bool = False,
+    on_start=None,
+    on_drain=None,
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
+) -> int:
     """Serves until SIGTERM (drain, then exit) or SIGINT; shuts the engine down on the way out. reuse_port: several
     frontend processes share the port (the kernel spreads connections); on_start(server) runs on the server's loop,
     on_drain() when a drain starts; ssl_keyfile and ssl_certfile: HTTPS, the pair read again when it changes. Returns
@@ -87,19 +121,40 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_nam
     ctx = make_context(engine, served_model_names, log_prompts, provider, tool_call_parser)
     app = build_app(ctx, api_keys, max_body_bytes)
     # After a drain (or its timeout), give streams still open a moment, then cancel them (which aborts them).
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5, **(certificate.uvicorn_options() if certificate else {}))
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+        **(certificate.uvicorn_options() if certificate else {}),
+    )
     watches = []  # keeps the certificate's reload task referenced
     if certificate is not None:
         certificate.attach(config)
         on_start = _also(on_start, lambda server: watches.append(asyncio.ensure_future(certificate.watch())))
-    timeout_error = RequestCancelledError(f"the server is shutting down and its drain timeout ({drain_timeout:g} s) "
-                                          "has passed; retry on another replica")
-    server = DrainingServer(config, ctx.drain, drain_timeout, on_timeout=lambda: engine.cancel_all(timeout_error),
-                            on_start=on_start, on_drain=on_drain)
+    timeout_error = RequestCancelledError(
+        f"the server is shutting down and its drain timeout ({drain_timeout:g} s) has passed; retry on another replica"
+    )
+    server = DrainingServer(
+        config,
+        ctx.drain,
+        drain_timeout,
+        on_timeout=lambda: engine.cancel_all(timeout_error),
+        on_start=on_start,
+        on_drain=on_drain,
+    )
     auth = f"{len(api_keys)} API key(s)" if api_keys else "no API key (open)"
-    log.info("serving %s as %s on %s://%s:%d with %s", engine.model_name, ", ".join(ctx.served_model_names),
-             "https" if certificate else "http", host, port, auth)
+    log.info(
+        "serving %s as %s on %s://%s:%d with %s",
+        engine.model_name,
+        ", ".join(ctx.served_model_names),
+        "https" if certificate else "http",
+        host,
+        port,
+        auth,
+    )
     try:
         server.run(sockets=[shared_port_socket(host, port)] if reuse_port else None)
     finally:
@@ -111,10 +166,12 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, served_model_nam
 
 def _also(first, second):
     """Both on_start hooks, in order (the first may be None)."""
+
     def both(server) -> None:
         if first is not None:
             first(server)
         second(server)
+
     return both
 
 

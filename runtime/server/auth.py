@@ -1,5 +1,6 @@
 """API keys: from --api-key (repeatable), --api-key-file (one key a line, e.g. a mounted Secret) and the
 CAPSTAN_API_KEY env var (comma-separated). With any configured, every /v1 call needs `Authorization: Bearer`."""
+
 from __future__ import annotations
 
 import hmac
@@ -37,8 +38,9 @@ class APIKeyCheck:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise APIError(401, "missing API key: send the header `Authorization: Bearer <key>`",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing API key: send the header `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
         given = token.strip().encode()
         # Compare against every key, without stopping early, so timing says nothing about which one matched.
         matched = False

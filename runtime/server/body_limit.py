@@ -1,4 +1,5 @@
 """Request bodies over a size limit get 413 before anything parses them (declared or chunked length alike)."""
+
 from __future__ import annotations
 
 from .error_body import error_response
@@ -12,8 +13,9 @@ class BodyLimitMiddleware:
         self.app, self.max_bytes = app, max_bytes
 
     def _too_large(self):
-        return error_response(413, f"request body is larger than the server's limit of {self.max_bytes} bytes",
-                              code="request_too_large")
+        return error_response(
+            413, f"request body is larger than the server's limit of {self.max_bytes} bytes", code="request_too_large"
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages rendered with the checkpoint's chat template, generation stopped
 at its end-of-turn token."""
+
 from __future__ import annotations
 
 import uuid
@@ -33,8 +34,11 @@ def render_prompt(body: ChatCompletionRequest, tokenizer, engine) -> list[int]:
     messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
     engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                             **{**(body.chat_template_kwargs or {}), "tools": template_tools(body.tools)})
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            **{**(body.chat_template_kwargs or {}), "tools": template_tools(body.tools)},
+        )
     except (jinja2.TemplateError, ValueError, TypeError, OverflowError, RecursionError) as e:
         raise InvalidRequestError(f"messages: the model's chat template refused them: {e}", "messages") from e
     engine.check_prompt_chars(len(text), "messages")
@@ -42,8 +46,9 @@ def render_prompt(body: ChatCompletionRequest, tokenizer, engine) -> list[int]:
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 ctx: ServerContext = Depends(get_context)):
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, ctx: ServerContext = Depends(get_context)
+):
     model = ctx.resolve_model(body.model)
     params = body.to_sampling_params(ctx.engine.config.max_logprobs, ctx.sampling_defaults)
     ctx.validate(params, 1)  # every limit, before anything is built per choice
@@ -55,9 +60,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     named = body.tool_choice.function.name if body.tool_mode == "named" else None
     tools = ToolCallOutput(body.tool_mode, ctx.tool_parser, named)
     gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [prompt], params)
-    return await respond(request, gen, body.stream, lambda g: _events(g, body, tools),
-                         lambda g: _response(g, body, tools))
-
+    return await respond(
+        request, gen, body.stream, lambda g: _events(g, body, tools), lambda g: _response(g, body, tools)
+    )
 
 
 def _logprobs(token_ids: list[int], positions: list, top_n: int) -> ChatLogprobs:
@@ -65,11 +70,17 @@ def _logprobs(token_ids: list[int], positions: list, top_n: int) -> ChatLogprobs
     for token_id, position in zip(token_ids, positions, strict=True):
         chosen = position[token_id]
         top = sorted((lp for lp in position.values() if lp.rank <= top_n), key=lambda lp: lp.rank)
-        content.append(TokenLogprob(
-            token=chosen.decoded_token, logprob=chosen.logprob, bytes=list(chosen.decoded_token.encode()),
-            top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob, bytes=list(lp.decoded_token.encode()))
-                          for lp in top],
-        ))
+        content.append(
+            TokenLogprob(
+                token=chosen.decoded_token,
+                logprob=chosen.logprob,
+                bytes=list(chosen.decoded_token.encode()),
+                top_logprobs=[
+                    TopLogprob(token=lp.decoded_token, logprob=lp.logprob, bytes=list(lp.decoded_token.encode()))
+                    for lp in top
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
@@ -77,9 +88,16 @@ def _response(gen: Generation, body: ChatCompletionRequest, tools: ToolCallOutpu
     choices = []
     for c_index, choice in enumerate(gen.choices[0]):
         content, calls, finish_reason = tools.message_fields(choice.text, choice.finish_reason)
-        choices.append(ChatChoice(
-            index=c_index, message=AssistantMessage(content=content, tool_calls=calls), finish_reason=finish_reason,
-            logprobs=_logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0) if body.logprobs else None))
+        choices.append(
+            ChatChoice(
+                index=c_index,
+                message=AssistantMessage(content=content, tool_calls=calls),
+                finish_reason=finish_reason,
+                logprobs=_logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0)
+                if body.logprobs
+                else None,
+            )
+        )
     return ChatCompletionResponse(id=gen.id, model=gen.model, choices=choices, usage=gen.usage())
 
 
@@ -93,8 +111,9 @@ async def _events(gen: Generation, body: ChatCompletionRequest, tools: ToolCallO
         return sse(c.model_dump_json(exclude=exclude))
 
     # OpenAI opens every choice with the role and empty content.
-    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                 for i in range(gen.params.n)])
+    yield chunk(
+        [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(gen.params.n)]
+    )
     streams = [tools.stream() for _ in range(gen.params.n)]
     async for _, out in gen.deltas():
         choices, finished = [], []
@@ -110,8 +129,9 @@ async def _events(gen: Generation, body: ChatCompletionRequest, tools: ToolCallO
             if logprobs and not deltas:
                 deltas = [DeltaMessage()]
             for k, delta in enumerate(deltas):  # logprobs ride on the last delta
-                choices.append(ChatChunkChoice(index=c.index, delta=delta,
-                                               logprobs=logprobs if k == len(deltas) - 1 else None))
+                choices.append(
+                    ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs if k == len(deltas) - 1 else None)
+                )
         if choices:
             yield chunk(choices)
         if finished:  # as OpenAI sends it: the finish reason in a chunk of its own, with an empty delta

@@ -1,4 +1,5 @@
 """POST /v1/completions: OpenAI's legacy completions (prompt as text, texts, token ids or lists of them)."""
+
 from __future__ import annotations
 
 import uuid
@@ -21,8 +22,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     ctx.validate(params, len(prompts))  # every limit, before anything is built per prompt or per choice
     ctx.check_ready()
     gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", "text_completion", model, prompts, params)
-    return await respond(request, gen, body.stream, lambda g: _events(g, body, ctx),
-                         lambda g: _response(g, body, ctx))
+    return await respond(request, gen, body.stream, lambda g: _events(g, body, ctx), lambda g: _response(g, body, ctx))
 
 
 def _prompt_text(gen: Generation, i: int, ctx: ServerContext) -> str:
@@ -55,8 +55,12 @@ class _LogprobWriter:
 
 
 def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs +
-                              b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+    return CompletionLogprobs(
+        text_offset=a.text_offset + b.text_offset,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        tokens=a.tokens + b.tokens,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+    )
 
 
 def _response(gen: Generation, body: CompletionRequest, ctx: ServerContext) -> CompletionResponse:
@@ -67,8 +71,9 @@ def _response(gen: Generation, body: CompletionRequest, ctx: ServerContext) -> C
     return CompletionResponse(id=gen.id, model=gen.model, choices=choices, usage=gen.usage())
 
 
-def _choice(gen: Generation, body: CompletionRequest, ctx: ServerContext, i: int, index: int,
-            choice: Choice) -> CompletionChoice:
+def _choice(
+    gen: Generation, body: CompletionRequest, ctx: ServerContext, i: int, index: int, choice: Choice
+) -> CompletionChoice:
     text, logprobs = choice.text, None
     writer = _LogprobWriter(ctx.engine.tokenizer)
     prompt_logprobs = CompletionLogprobs()
@@ -105,8 +110,9 @@ async def _events(gen: Generation, body: CompletionRequest, ctx: ServerContext):
                 generated = writers[index].write(c.token_ids, c.logprobs or [])
                 logprobs = _join(logprobs, generated) if logprobs else generated
             if text or logprobs or c.finish_reason:
-                choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason))
+                choices.append(
+                    CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
+                )
         if choices:
             chunk = CompletionResponse(id=gen.id, created=created, model=gen.model, choices=choices)
             yield sse(chunk.model_dump_json(exclude=exclude))

@@ -1,4 +1,5 @@
 """ServerContext: what every route needs (engine, served names, metrics, drain, tracer), one per app."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,17 +45,27 @@ class ServerContext:
         self.engine.validate(params)
         choices, cap = num_prompts * params.n, self.engine.config.max_waiting
         if choices > cap:
-            raise InvalidRequestError(f"n: {num_prompts} prompt(s) x n={params.n} is {choices} choices, more than "
-                                      f"the server queues ({cap}, --max-waiting)", "n")
+            raise InvalidRequestError(
+                f"n: {num_prompts} prompt(s) x n={params.n} is {choices} choices, more than "
+                f"the server queues ({cap}, --max-waiting)",
+                "n",
+            )
 
     def check_ready(self) -> None:
         """Generation before warm-up would compile on the request path; clients should retry (probes gate it)."""
         if not self.engine.is_alive():
-            raise APIError(503, "the engine has failed and this server cannot generate; it is restarting (its "
-                                "/health answers 503)", code="engine_dead")
+            raise APIError(
+                503,
+                "the engine has failed and this server cannot generate; it is restarting (its /health answers 503)",
+                code="engine_dead",
+            )
         if not self.engine.is_ready():
-            raise APIError(503, "the model is still loading or compiling; retry when /ready answers 200",
-                           code="not_ready", headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                "the model is still loading or compiling; retry when /ready answers 200",
+                code="not_ready",
+                headers={"Retry-After": "5"},
+            )
 
 
 def get_context(request: Request) -> ServerContext:

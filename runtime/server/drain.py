@@ -3,6 +3,7 @@ included) finish within the drain timeout, then uvicorn shuts down and the proce
 
 uvicorn installs its own SIGTERM handler, which would stop the server straight away (and re-raise the
 signal on exit, so the process would die of it); `DrainingServer` replaces that handler with the drain."""
+
 from __future__ import annotations
 
 import asyncio
@@ -67,8 +68,9 @@ class DrainMiddleware:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose SIGTERM drains first; SIGINT (Ctrl-C) stops at once, a second one forcibly."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float, on_timeout=None, on_start=None,
-                 on_drain=None):
+    def __init__(
+        self, config: uvicorn.Config, drain: Drain, drain_timeout: float, on_timeout=None, on_start=None, on_drain=None
+    ):
         super().__init__(config)
         self.drain, self.drain_timeout = drain, drain_timeout
         self.on_timeout = on_timeout  # ends what is still in flight with an error its clients see

@@ -2,6 +2,7 @@
 token or mean, `--embedding-pooling`), as floats or base64 float32; request and response models live here.
 
 The inputs run through the engine (runtime/engine/embedder.py) between generation steps, on its KV pages."""
+
 from __future__ import annotations
 
 import base64
@@ -29,8 +30,12 @@ router = APIRouter(route_class=StrictJSONRoute)
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    input: Text | Annotated[list[Text], Field(min_length=1, max_length=limits.MAX_EMBEDDING_INPUTS)] | TokenList \
+    input: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=limits.MAX_EMBEDDING_INPUTS)]
+        | TokenList
         | Annotated[list[TokenList], Field(min_length=1, max_length=limits.MAX_EMBEDDING_INPUTS)]
+    )
     model: Name | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] | None = None
@@ -70,25 +75,36 @@ async def create_embedding(body: EmbeddingRequest, request: Request, ctx: Server
     model = ctx.resolve_model(body.model)
     size = ctx.engine.embedding_dimensions
     if body.dimensions is not None and body.dimensions != size:
-        raise InvalidRequestError(f"dimensions: this model's embeddings have {size} dimensions and cannot be shortened "
-                                  f"(it is not a Matryoshka model); omit dimensions or send {size}", "dimensions")
+        raise InvalidRequestError(
+            f"dimensions: this model's embeddings have {size} dimensions and cannot be shortened "
+            f"(it is not a Matryoshka model); omit dimensions or send {size}",
+            "dimensions",
+        )
     inputs = body.inputs()
     cap = ctx.engine.config.max_waiting
     if len(inputs) > cap:
-        raise InvalidRequestError(f"input: {len(inputs)} inputs, more than the server queues ({cap}, --max-waiting)",
-                                  "input")
+        raise InvalidRequestError(
+            f"input: {len(inputs)} inputs, more than the server queues ({cap}, --max-waiting)", "input"
+        )
     ctx.check_ready()
     request_id, started = f"embd-{uuid.uuid4().hex}", time.perf_counter()
     finished, outputs = await until_disconnected(request, ctx.engine.embed(inputs, request_id))
     if not finished:
         return Response(status_code=CLIENT_CLOSED)
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    log.info("request %s: embeddings, %d input(s), %d tokens, %.2f s", request_id, len(inputs), tokens,
-             time.perf_counter() - started)
-    data = [Embedding(index=i, embedding=_encode(o.outputs.embedding, body.encoding_format))
-            for i, o in enumerate(outputs)]
-    return EmbeddingResponse(id=request_id, model=model, data=data,
-                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    log.info(
+        "request %s: embeddings, %d input(s), %d tokens, %.2f s",
+        request_id,
+        len(inputs),
+        tokens,
+        time.perf_counter() - started,
+    )
+    data = [
+        Embedding(index=i, embedding=_encode(o.outputs.embedding, body.encoding_format)) for i, o in enumerate(outputs)
+    ]
+    return EmbeddingResponse(
+        id=request_id, model=model, data=data, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+    )
 
 
 def _encode(embedding: list[float], encoding_format: str) -> list[float] | str:

@@ -1,5 +1,6 @@
 """OpenAI's error body and the errors any HTTP front of Capstan raises (server and gateway alike); no engine import,
 so the gateway serves these without loading JAX. errors.py maps the engine's exceptions onto them."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ _TYPES = {
 class APIError(Exception):
     """An error a route raises on purpose: status, OpenAI type and code, the field at fault."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
@@ -44,11 +52,21 @@ class ErrorJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return ErrorJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def draining() -> APIError:
-    return APIError(503, "The server is shutting down and takes no new requests; retry (another replica will "
-                         "answer).", code="draining", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return APIError(
+        503,
+        "The server is shutting down and takes no new requests; retry (another replica will answer).",
+        code="draining",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )

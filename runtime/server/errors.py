@@ -1,4 +1,5 @@
 """Every failure leaves the server as OpenAI's error body with OpenAI's status code; no stack trace in a body."""
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,12 @@ def model_not_found(name: str) -> APIError:
 
 
 def queue_full() -> APIError:
-    return APIError(429, "The server is at capacity: too many requests are waiting. Retry shortly.",
-                    code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return APIError(
+        429,
+        "The server is at capacity: too many requests are waiting. Retry shortly.",
+        code="queue_full",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 def _field_path(loc: tuple) -> str | None:

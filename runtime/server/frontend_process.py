@@ -1,5 +1,6 @@
 """A frontend of `capstan serve --api-server-count N` beyond the first: the same FastAPI app on the same port
 (SO_REUSEPORT), in front of the same engine core; started by processes.py, its FrontendSpec on stdin."""
+
 from __future__ import annotations
 
 import logging
@@ -51,12 +52,20 @@ def serve_kwargs(options: ServeOptions) -> dict:
 def main() -> int:
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=FrontendSpec)
     die_with_parent(spec.parent_pid)
-    logging.basicConfig(level=spec.options.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s [frontend {spec.frontend}]: %(message)s")
+    logging.basicConfig(
+        level=spec.options.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s [frontend {spec.frontend}]: %(message)s",
+    )
     config = spec.config
-    client = EngineCoreClient(config, Tokenizer.from_pretrained(config.tokenizer or config.model), spec.model_name,
-                              frontend=spec.frontend, input_addresses=spec.input_addresses,
-                              output_address=spec.output_address, core_pids=spec.core_pids)
+    client = EngineCoreClient(
+        config,
+        Tokenizer.from_pretrained(config.tokenizer or config.model),
+        spec.model_name,
+        frontend=spec.frontend,
+        input_addresses=spec.input_addresses,
+        output_address=spec.output_address,
+        core_pids=spec.core_pids,
+    )
     return serve(client, **serve_kwargs(spec.options), reuse_port=True)
 
 

@@ -1,5 +1,6 @@
 """Generation: one API request's engine requests (one per prompt) as a single stream of deltas, with the
 latency metrics, the span, the request log line, and abort-on-close that frees KV pages at once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,15 @@ class Choice:
 
 
 class Generation:
-    def __init__(self, ctx: ServerContext, request_id: str, operation: str, model: str,
-                 prompts: list[str | list[int]], params: SamplingParams):
+    def __init__(
+        self,
+        ctx: ServerContext,
+        request_id: str,
+        operation: str,
+        model: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+    ):
         self.ctx, self.id, self.operation, self.model = ctx, request_id, operation, model
         self.prompts, self.params = prompts, params
         self.arrival = time.perf_counter()
@@ -76,9 +84,15 @@ class Generation:
             self.close(errors[0])
             raise errors[0]
         self._firsts = firsts
-        log.info("request %s: %s, %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s", self.id, self.operation,
-                 len(self.prompts), sum(len(f.prompt_token_ids) for f in firsts if isinstance(f, RequestOutput)), self.params.n,
-                 self.params.max_tokens)
+        log.info(
+            "request %s: %s, %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s",
+            self.id,
+            self.operation,
+            len(self.prompts),
+            sum(len(f.prompt_token_ids) for f in firsts if isinstance(f, RequestOutput)),
+            self.params.n,
+            self.params.max_tokens,
+        )
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) pairs from all prompts, as they arrive."""
@@ -130,8 +144,12 @@ class Generation:
 
     def usage(self) -> Usage:
         prompt, completion = self.prompt_tokens, self.completion_tokens
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)),
+        )
 
     def close(self, error: BaseException | None = None) -> None:
         """Ends the request: aborts what is still running (freeing its pages), records metrics, ends the span."""
@@ -143,11 +161,23 @@ class Generation:
                 self.ctx.engine.abort(self.engine_id(i))
                 self._timers[i].aborted(sum(c.finish_reason is None for c in self.choices[i]))
         reasons = [c.finish_reason or "abort" for per_prompt in self.choices for c in per_prompt]
-        end_request_span(self._span, response_id=self.id, model=self.model, input_tokens=self.prompt_tokens,
-                         output_tokens=self.completion_tokens, finish_reasons=reasons, error=error)
+        end_request_span(
+            self._span,
+            response_id=self.id,
+            model=self.model,
+            input_tokens=self.prompt_tokens,
+            output_tokens=self.completion_tokens,
+            finish_reasons=reasons,
+            error=error,
+        )
         if self._firsts:
-            log.info("request %s finished: %d completion tokens, finish_reason=%s, %.2f s", self.id,
-                     self.completion_tokens, ",".join(sorted(set(reasons))), time.perf_counter() - self.arrival)
+            log.info(
+                "request %s finished: %d completion tokens, finish_reason=%s, %.2f s",
+                self.id,
+                self.completion_tokens,
+                ",".join(sorted(set(reasons))),
+                time.perf_counter() - self.arrival,
+            )
 
 
 async def respond(request: Request, gen: Generation, stream: bool, events, build):
@@ -232,8 +262,9 @@ class SSEResponse(StreamingResponse):
     """Server-sent events whose `on_close` runs however the stream ends: finished, failed or disconnected."""
 
     def __init__(self, events: AsyncIterator[str], on_close):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):

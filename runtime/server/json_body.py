@@ -1,5 +1,6 @@
 """Request bodies parsed strictly: invalid UTF-8 and nesting too deep for the parser are HTTP 400 with a
 message that says so, not FastAPI's generic "error parsing the body" (or a 500 later on)."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ class StrictJSONRequest(Request):
             try:
                 text = body.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise BodyError(f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset "
-                                f"{e.start})") from None
+                raise BodyError(
+                    f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start})"
+                ) from None
             try:
                 self._json = json.loads(text)  # JSONDecodeError goes on: FastAPI reports it as malformed JSON
             except RecursionError:

@@ -2,6 +2,7 @@
 
 JSON may carry lone UTF-16 surrogates ("\\ud800"), which Python decodes into strings that no encoder accepts:
 refused here, before a tokenizer, a template, a log line or an error body meets them."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,9 @@ def valid_unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"contains a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}, "
-                         "which is not valid Unicode") from None
+        raise ValueError(
+            f"contains a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}, which is not valid Unicode"
+        ) from None
     return text
 
 

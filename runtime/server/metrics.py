@@ -1,6 +1,7 @@
 """Prometheus metrics: engine gauges and counters read from engine.stats() at scrape time (the engine core sends them
 with every step), plus the latency histograms and finish-reason counter the server observes per request (added up
 over every frontend process with --api-server-count). Names: metric_names.py."""
+
 from __future__ import annotations
 
 import os
@@ -13,12 +14,69 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from . import metric_names as names
 
 # Buckets in the range vLLM uses: TTFT from a few ms (cached prefix) to minutes (a long queue).
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0, 160.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-               0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0)
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -40,8 +98,12 @@ class EngineCollector:
         yield GaugeMetricFamily(names.KV_PAGES_FREE, "Free KV-cache pages.", value=s.kv_pages_total - s.kv_pages_used)
         yield GaugeMetricFamily(names.KV_PAGES_TOTAL, "KV-cache pages in the pool.", value=s.kv_pages_total)
         hit_rate = s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens if s.prefix_cache_queried_tokens else 0.0
-        yield GaugeMetricFamily(names.PREFIX_CACHE_HIT_RATE, "Prompt tokens found in the prefix cache / looked up, "
-                                "since start (use the two counters for a windowed rate).", value=hit_rate)
+        yield GaugeMetricFamily(
+            names.PREFIX_CACHE_HIT_RATE,
+            "Prompt tokens found in the prefix cache / looked up, "
+            "since start (use the two counters for a windowed rate).",
+            value=hit_rate,
+        )
         for name, doc, value in (
             (names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queried_tokens),
             (names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens),
@@ -49,15 +111,21 @@ class EngineCollector:
             (names.PROMPT_TOKENS, "Prompt tokens of requests admitted to the engine.", s.prompt_tokens),
             (names.GENERATION_TOKENS, "Tokens generated.", s.generation_tokens),
             (names.SPEC_DRAFT_TOKENS, "Tokens proposed by speculative decoding.", s.spec_draft_tokens),
-            (names.SPEC_ACCEPTED_TOKENS, "Proposed tokens the target model verified (accepted).",
-             s.spec_accepted_tokens),
+            (
+                names.SPEC_ACCEPTED_TOKENS,
+                "Proposed tokens the target model verified (accepted).",
+                s.spec_accepted_tokens,
+            ),
             (names.SPEC_DRAFTS, "Proposals verified (a sequence's tokens proposed for one step).", s.spec_drafts),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from _host_tier_families(s)
-        per_pos = CounterMetricFamily(names.SPEC_ACCEPTED_PER_POS, "Accepted proposed tokens by their position in "
-                                      "the proposal (0 first): where acceptance falls off, for choosing K.",
-                                      labels=["position"])
+        per_pos = CounterMetricFamily(
+            names.SPEC_ACCEPTED_PER_POS,
+            "Accepted proposed tokens by their position in "
+            "the proposal (0 first): where acceptance falls off, for choosing K.",
+            labels=["position"],
+        )
         for position, value in enumerate(s.spec_accepted_per_pos):
             per_pos.add_metric([str(position)], value)
         yield per_pos
@@ -67,20 +135,33 @@ def _host_tier_families(s):
     """The prefix cache's host-memory tier (--kv-offloading-size); the device tier is prefix_cache_*."""
     usage = s.kv_offload_pages_used / s.kv_offload_pages_total if s.kv_offload_pages_total else 0.0
     yield GaugeMetricFamily(names.KV_OFFLOAD_USAGE, "Host-tier K/V pages held / its pages (0..1).", value=usage)
-    yield CounterMetricFamily(names.KV_OFFLOAD_QUERIES, "Prompt tokens the device prefix cache lacked, looked up in "
-                              "the host tier.", value=s.kv_offload_queried_tokens)
-    yield CounterMetricFamily(names.KV_OFFLOAD_HITS, "Prompt tokens copied back from the host tier instead of "
-                              "recomputed.", value=s.kv_offload_hit_tokens)
-    moved = CounterMetricFamily(names.KV_OFFLOAD_BYTES, "K/V bytes copied between the device and the host tier.",
-                                labels=["direction"])
+    yield CounterMetricFamily(
+        names.KV_OFFLOAD_QUERIES,
+        "Prompt tokens the device prefix cache lacked, looked up in the host tier.",
+        value=s.kv_offload_queried_tokens,
+    )
+    yield CounterMetricFamily(
+        names.KV_OFFLOAD_HITS,
+        "Prompt tokens copied back from the host tier instead of recomputed.",
+        value=s.kv_offload_hit_tokens,
+    )
+    moved = CounterMetricFamily(
+        names.KV_OFFLOAD_BYTES, "K/V bytes copied between the device and the host tier.", labels=["direction"]
+    )
     moved.add_metric(["to_host"], s.kv_offload_bytes_to_host)
     moved.add_metric(["to_device"], s.kv_offload_bytes_to_device)
     yield moved
-    yield CounterMetricFamily(names.KV_OFFLOAD_FAILED_LOADS, "Copies back from the host tier that failed or were "
-                              "late (their pages were recomputed).", value=s.kv_offload_failed_loads)
-    yield GaugeMetricFamily(names.KV_OFFLOAD_SAVED_SECONDS, "Estimated prefill seconds the host tier saved (restored "
-                            "tokens at the measured prefill cost), less the time its copies took.",
-                            value=s.kv_offload_saved_seconds)
+    yield CounterMetricFamily(
+        names.KV_OFFLOAD_FAILED_LOADS,
+        "Copies back from the host tier that failed or were late (their pages were recomputed).",
+        value=s.kv_offload_failed_loads,
+    )
+    yield GaugeMetricFamily(
+        names.KV_OFFLOAD_SAVED_SECONDS,
+        "Estimated prefill seconds the host tier saved (restored "
+        "tokens at the measured prefill cost), less the time its copies took.",
+        value=s.kv_offload_saved_seconds,
+    )
 
 
 class ServerMetrics:
@@ -90,14 +171,30 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._engine_collector = EngineCollector(engine)
         self.registry.register(self._engine_collector)
-        self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "Seconds from arrival to the first generated token.",
-                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram(names.INTER_TOKEN_LATENCY, "Seconds between consecutive generated tokens.",
-                             buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(names.E2E_REQUEST_LATENCY, "Seconds from arrival to the last token.",
-                             buckets=E2E_BUCKETS, registry=self.registry)
-        self.finished = Counter(names.REQUESTS_FINISHED, "Finished choices by finish_reason (stop, length, abort).",
-                                ["finish_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            names.TIME_TO_FIRST_TOKEN,
+            "Seconds from arrival to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            names.INTER_TOKEN_LATENCY,
+            "Seconds between consecutive generated tokens.",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            names.E2E_REQUEST_LATENCY,
+            "Seconds from arrival to the last token.",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            names.REQUESTS_FINISHED,
+            "Finished choices by finish_reason (stop, length, abort).",
+            ["finish_reason"],
+            registry=self.registry,
+        )
         for reason in ("stop", "length", "abort"):
             self.finished.labels(finish_reason=reason)
 

@@ -1,4 +1,5 @@
 """Probes and scrapes, open without an API key: /health (liveness), /ready (readiness), /metrics."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response

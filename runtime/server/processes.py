@@ -4,6 +4,7 @@
 The engine core and the other frontends are children that die with this process (so no orphan survives the pod's
 main process, SIGKILL included). SIGTERM drains every frontend, then the core is told to stop. If the core dies,
 every frontend fails /health; if another frontend dies, this one drains and exits 1: the pod restarts as a whole."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,13 @@ log = logging.getLogger("capstan.server")
 CORE_STOP_TIMEOUT = 10.0  # seconds the core gets to leave its loop after Shutdown before it is killed
 
 
-def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_server_count: int = 1,
-                           cpu_max_num_seqs: int | None = None, data_parallel_size: int = 1) -> int:
+def serve_with_engine_core(
+    config: EngineConfig,
+    options: ServeOptions,
+    api_server_count: int = 1,
+    cpu_max_num_seqs: int | None = None,
+    data_parallel_size: int = 1,
+) -> int:
     """Serves until SIGTERM (after the drain) or SIGINT; returns the exit code. cpu_max_num_seqs: the core's
     max_num_seqs when it finds itself on a CPU (only a core may start JAX's backend). data_parallel_size: engine
     cores, each a replica of the model on its own tensor_parallel_size GPUs, behind every frontend."""
@@ -47,21 +53,49 @@ def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_serv
         share_across_processes(f"{workdir}/metrics")
     input_addresses = [f"ipc://{workdir}/engine-core-{c}" for c in range(data_parallel_size)]
     output_addresses = [f"ipc://{workdir}/frontend-{i}" for i in range(api_server_count)]
-    devices = [_core_devices(c, config.tensor_parallel_size) if data_parallel_size > 1 else None
-               for c in range(data_parallel_size)]  # checked before any core starts
-    cores = [_spawn("capstan.runtime.engine.core_process", CoreSpec(
-        config, input_addresses[c], output_addresses, os.getpid(), options.log_level.upper(), cpu_max_num_seqs, c),
-        devices=devices[c]) for c in range(data_parallel_size)]
+    devices = [
+        _core_devices(c, config.tensor_parallel_size) if data_parallel_size > 1 else None
+        for c in range(data_parallel_size)
+    ]  # checked before any core starts
+    cores = [
+        _spawn(
+            "capstan.runtime.engine.core_process",
+            CoreSpec(
+                config,
+                input_addresses[c],
+                output_addresses,
+                os.getpid(),
+                options.log_level.upper(),
+                cpu_max_num_seqs,
+                c,
+            ),
+            devices=devices[c],
+        )
+        for c in range(data_parallel_size)
+    ]
     core_pids = [core.pid for core in cores]
     frontends: list[subprocess.Popen] = []
     stopping = False
     try:
         for i in range(1, api_server_count):
-            frontends.append(_spawn("capstan.runtime.server.frontend_process", FrontendSpec(
-                config, model_name, i, input_addresses, output_addresses[i], core_pids, os.getpid(), options),
-                cpu_only=True))
-        client = EngineCoreClient(config, tokenizer, model_name, frontend=0, input_addresses=input_addresses,
-                                  output_address=output_addresses[0], core_pids=core_pids)
+            frontends.append(
+                _spawn(
+                    "capstan.runtime.server.frontend_process",
+                    FrontendSpec(
+                        config, model_name, i, input_addresses, output_addresses[i], core_pids, os.getpid(), options
+                    ),
+                    cpu_only=True,
+                )
+            )
+        client = EngineCoreClient(
+            config,
+            tokenizer,
+            model_name,
+            frontend=0,
+            input_addresses=input_addresses,
+            output_address=output_addresses[0],
+            core_pids=core_pids,
+        )
 
         def watch_frontends(server) -> None:
             import asyncio
@@ -75,6 +109,7 @@ def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_serv
                     os.close(fd)
                     if not stopping:
                         server.fail(f"frontend process {process.pid} exited ({process.wait()})")
+
                 loop.add_reader(fd, exited)
 
         def drain_frontends() -> None:
@@ -82,8 +117,13 @@ def serve_with_engine_core(config: EngineConfig, options: ServeOptions, api_serv
                 if process.poll() is None:
                     process.send_signal(signal.SIGTERM)
 
-        code = serve(client, **serve_kwargs(options), reuse_port=api_server_count > 1,
-                     on_start=watch_frontends if frontends else None, on_drain=drain_frontends)
+        code = serve(
+            client,
+            **serve_kwargs(options),
+            reuse_port=api_server_count > 1,
+            on_start=watch_frontends if frontends else None,
+            on_drain=drain_frontends,
+        )
         stopping = True
         return code
     finally:
@@ -100,8 +140,10 @@ def _core_devices(core: int, tensor_parallel_size: int) -> str:
     ids = [d.strip() for d in visible.split(",")] if visible else None
     share = range(core * tensor_parallel_size, (core + 1) * tensor_parallel_size)
     if ids is not None and share.stop > len(ids):
-        raise ValueError(f"--data-parallel-size x --tensor-parallel-size needs {share.stop} GPUs; "
-                         f"CUDA_VISIBLE_DEVICES has {len(ids)}")
+        raise ValueError(
+            f"--data-parallel-size x --tensor-parallel-size needs {share.stop} GPUs; "
+            f"CUDA_VISIBLE_DEVICES has {len(ids)}"
+        )
     return ",".join(ids[i] if ids is not None else str(i) for i in share)
 
 

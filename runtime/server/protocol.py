@@ -5,6 +5,7 @@ with the limits of runtime/limits.py (pydantic refuses a value out of bounds, na
 and what depends on the served model or the server's flags is refused in `to_sampling_params` or by
 `SamplingParams.validate`, still before anything is built per choice or per token.
 """
+
 from __future__ import annotations
 
 import time
@@ -54,9 +55,16 @@ class _SamplingFields(StructuredFields):
     seed: Annotated[int, Field(ge=limits.INT64_MIN, le=limits.UINT64_MAX)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)],
-                               Annotated[float, finite(-limits.LOGIT_BIAS_RANGE, limits.LOGIT_BIAS_RANGE)]],
-                          Field(max_length=limits.MAX_LOGIT_BIAS)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(max_length=16)],
+                Annotated[float, finite(-limits.LOGIT_BIAS_RANGE, limits.LOGIT_BIAS_RANGE)],
+            ],
+            Field(max_length=limits.MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
     user: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -73,8 +81,13 @@ class _SamplingFields(StructuredFields):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None):
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
+    ):
         """defaults: what a field the request leaves out takes (the model's generation config and the server's
         override, generation_config.py), before SamplingParams' own."""
         bias = None
@@ -82,7 +95,9 @@ class _SamplingFields(StructuredFields):
             try:
                 bias = {int(token): value for token, value in self.logit_bias.items()}
             except ValueError as e:
-                raise InvalidRequestError("logit_bias: keys must be token ids (integers as strings)", "logit_bias") from e
+                raise InvalidRequestError(
+                    "logit_bias: keys must be token ids (integers as strings)", "logit_bias"
+                ) from e
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         # request > --override-generation-config > the model's generation config > SamplingParams' own defaults
         sampling = {name: value for name, value in (defaults or {}).items() if name in DEFAULTED_FIELDS}
@@ -112,8 +127,12 @@ TokenList = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=limits.MAX_PROMPTS)] | TokenList \
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=limits.MAX_PROMPTS)]
+        | TokenList
         | Annotated[list[TokenList], Field(min_length=1, max_length=limits.MAX_PROMPTS)]
+    )
     max_tokens: Annotated[int, Field(ge=0, le=limits.INT32_MAX)] | None = 16  # 0 only with echo (scoring)
     logprobs: Annotated[int, Field(ge=0, le=limits.MAX_LOGPROBS)] | None = None
     echo: bool = False
@@ -129,22 +148,28 @@ class CompletionRequest(_SamplingFields):
             return [list(prompt)]
         return list(prompt)
 
-    def to_sampling_params(self, max_logprobs: int = limits.MAX_LOGPROBS,
-                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_logprobs: int = limits.MAX_LOGPROBS, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
         self.check_stream_options()
         defaults = defaults or {}
-        max_tokens = self.max_tokens if "max_tokens" in self.model_fields_set else defaults.get("max_tokens",
-                                                                                              self.max_tokens)
+        max_tokens = (
+            self.max_tokens if "max_tokens" in self.model_fields_set else defaults.get("max_tokens", self.max_tokens)
+        )
         if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise InvalidRequestError(f"logprobs: must be at most {max_logprobs} (the server's max_logprobs), "
-                                      f"got {self.logprobs}", "logprobs")
+            raise InvalidRequestError(
+                f"logprobs: must be at most {max_logprobs} (the server's max_logprobs), got {self.logprobs}", "logprobs"
+            )
         if self.suffix:
             raise InvalidRequestError("suffix: not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of: only best_of equal to n is supported", "best_of")
         if max_tokens == 0 and not self.echo:
-            raise InvalidRequestError("max_tokens: must be at least 1; 0 is allowed only with echo (the prompt and its "
-                                      "logprobs, nothing generated)", "max_tokens")
+            raise InvalidRequestError(
+                "max_tokens: must be at least 1; 0 is allowed only with echo (the prompt and its "
+                "logprobs, nothing generated)",
+                "max_tokens",
+            )
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
@@ -232,12 +257,15 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[Name, FreeJSON], Field(max_length=limits.MAX_TEMPLATE_KWARGS)] | None = None
 
-    def to_sampling_params(self, max_logprobs: int = limits.MAX_LOGPROBS,
-                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_logprobs: int = limits.MAX_LOGPROBS, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
         self.check_stream_options()
         if self.top_logprobs is not None and self.top_logprobs > max_logprobs:
-            raise InvalidRequestError(f"top_logprobs: must be at most {max_logprobs} (the server's max_logprobs), "
-                                      f"got {self.top_logprobs}", "top_logprobs")
+            raise InvalidRequestError(
+                f"top_logprobs: must be at most {max_logprobs} (the server's max_logprobs), got {self.top_logprobs}",
+                "top_logprobs",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -248,14 +276,16 @@ class ChatCompletionRequest(_SamplingFields):
         forced, _ = forced_tool_output(self.tools, self.tool_choice, self.parallel_tool_calls)
         if forced is not None:
             if params.structured is not None:
-                raise InvalidRequestError(f"tool_choice: a required or named tool call cannot be combined with "
-                                          f"{params.structured.param}", "tool_choice")
+                raise InvalidRequestError(
+                    f"tool_choice: a required or named tool call cannot be combined with {params.structured.param}",
+                    "tool_choice",
+                )
             params.structured = forced
         return params
 
     @property
     def tool_mode(self) -> str:
-        """"named", "required", "auto" (parse the output for calls) or "none"."""
+        """ "named", "required", "auto" (parse the output for calls) or "none"."""
         if not self.tools or self.tool_choice == "none":
             return "none"
         if isinstance(self.tool_choice, NamedToolChoice):

@@ -1,6 +1,7 @@
 """The request fields that ask for structured outputs, OpenAI's and vLLM's, mapped onto one StructuredOutput:
 `response_format` (json_object, json_schema), vLLM's `structured_outputs` (json, regex, choice, grammar,
 json_object) and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -14,8 +15,10 @@ from .json_values import Name, Text, bounded_json
 
 GrammarText = Annotated[Text, Field(min_length=1, max_length=limits.MAX_GRAMMAR_CHARS)]
 Schema = Annotated[dict[str, Any] | Text, AfterValidator(bounded_json)]
-Choices = Annotated[list[Annotated[Text, Field(max_length=limits.MAX_STOP_STRING_CHARS)]],
-                    Field(min_length=1, max_length=limits.MAX_CHOICES)]
+Choices = Annotated[
+    list[Annotated[Text, Field(max_length=limits.MAX_STOP_STRING_CHARS)]],
+    Field(min_length=1, max_length=limits.MAX_CHOICES),
+]
 
 
 class _Fields(BaseModel):
@@ -60,24 +63,34 @@ class StructuredFields(_Fields):
             found.append(StructuredOutput("json_object", param="response_format"))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.json_schema is None:
-                raise InvalidRequestError("response_format.json_schema: a `schema` is required for type json_schema",
-                                          "response_format.json_schema")
+                raise InvalidRequestError(
+                    "response_format.json_schema: a `schema` is required for type json_schema",
+                    "response_format.json_schema",
+                )
             found.append(StructuredOutput("json", rf.json_schema.json_schema, "response_format.json_schema.schema"))
         so = self.structured_outputs
         if so is not None:
-            for kind, value, name in (("json", so.json_schema, "json"), ("regex", so.regex, "regex"),
-                                      ("choice", so.choice, "choice"), ("grammar", so.grammar, "grammar")):
+            for kind, value, name in (
+                ("json", so.json_schema, "json"),
+                ("regex", so.regex, "regex"),
+                ("choice", so.choice, "choice"),
+                ("grammar", so.grammar, "grammar"),
+            ):
                 if value is not None:
                     found.append(StructuredOutput(kind, value, f"structured_outputs.{name}"))
             if so.json_object:
                 found.append(StructuredOutput("json_object", param="structured_outputs.json_object"))
-        for kind, value, name in (("json", self.guided_json, "guided_json"), ("regex", self.guided_regex, "guided_regex"),
-                                  ("choice", self.guided_choice, "guided_choice"),
-                                  ("grammar", self.guided_grammar, "guided_grammar")):
+        for kind, value, name in (
+            ("json", self.guided_json, "guided_json"),
+            ("regex", self.guided_regex, "guided_regex"),
+            ("choice", self.guided_choice, "guided_choice"),
+            ("grammar", self.guided_grammar, "guided_grammar"),
+        ):
             if value is not None:
                 found.append(StructuredOutput(kind, value, name))
         if len(found) > 1:
             names = ", ".join(c.param for c in found)
-            raise InvalidRequestError(f"{found[1].param}: only one structured output per request, got {names}",
-                                      found[1].param)
+            raise InvalidRequestError(
+                f"{found[1].param}: only one structured output per request, got {names}", found[1].param
+            )
         return found[0] if found else None

@@ -5,6 +5,7 @@ uvicorn builds one `ssl.SSLContext` at start; loading a new chain into that same
 handshake present the new certificate, while open connections keep theirs. A half-written or mismatched pair is
 refused and the certificate in force stays, until the files are whole again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,10 @@ def _check_pair(keyfile: str, certfile: str) -> None:
         flag = "--ssl-keyfile" if error.filename == keyfile else "--ssl-certfile"
         raise ValueError(f"{flag} {error.filename}: no such file") from None
     except (ssl.SSLError, OSError) as error:
-        raise ValueError(f"--ssl-certfile {certfile} and --ssl-keyfile {keyfile}: not a PEM certificate chain and "
-                         f"its private key ({error})") from None
+        raise ValueError(
+            f"--ssl-certfile {certfile} and --ssl-keyfile {keyfile}: not a PEM certificate chain and "
+            f"its private key ({error})"
+        ) from None
 
 
 class ServingCertificate:
@@ -80,12 +83,17 @@ def serving_certificate(keyfile: str | None, certfile: str | None) -> ServingCer
     """From the two flags: both or neither."""
     if bool(keyfile) != bool(certfile):
         missing = "--ssl-certfile" if keyfile else "--ssl-keyfile"
-        raise ValueError(f"{missing} is required with {'--ssl-keyfile' if keyfile else '--ssl-certfile'}: TLS needs "
-                         "the certificate (chain) and its private key")
+        raise ValueError(
+            f"{missing} is required with {'--ssl-keyfile' if keyfile else '--ssl-certfile'}: TLS needs "
+            "the certificate (chain) and its private key"
+        )
     return ServingCertificate(keyfile, certfile) if keyfile else None
 
 
 def add_tls_flags(parser) -> None:
     parser.add_argument("--ssl-keyfile", default=None, help="PEM private key: serve HTTPS (with --ssl-certfile)")
-    parser.add_argument("--ssl-certfile", default=None,
-                        help="PEM certificate chain for --ssl-keyfile; both are read again when they change")
+    parser.add_argument(
+        "--ssl-certfile",
+        default=None,
+        help="PEM certificate chain for --ssl-keyfile; both are read again when they change",
+    )

@@ -2,6 +2,7 @@
 exactly as /v1/chat/completions renders them) to token ids, ids back to text, and the tokenizer's special tokens and
 chat template (what lm-eval's `remote` tokenizer reads, so clients score with the served tokenizer and download none).
 Request and response models live here."""
+
 from __future__ import annotations
 
 from typing import Annotated
@@ -53,7 +54,9 @@ class DetokenizeResponse(BaseModel):
 
 
 class TokenizerInfoResponse(BaseModel):
-    tokenizer_class: str = "PreTrainedTokenizerFast"  # transformers' name for a `tokenizers` backend, as vLLM reports it
+    tokenizer_class: str = (
+        "PreTrainedTokenizerFast"  # transformers' name for a `tokenizers` backend, as vLLM reports it
+    )
     bos_token: str | None
     eos_token: str | None
     pad_token: str | None
@@ -75,10 +78,15 @@ async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_conte
         if body.continue_final_message:
             raise InvalidRequestError("continue_final_message: not supported by this server", "continue_final_message")
         if body.add_special_tokens:
-            raise InvalidRequestError("add_special_tokens: with messages the chat template writes the special tokens; "
-                                      "send false or omit it", "add_special_tokens")
-        chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
-                                     chat_template_kwargs=body.chat_template_kwargs)
+            raise InvalidRequestError(
+                "add_special_tokens: with messages the chat template writes the special tokens; send false or omit it",
+                "add_special_tokens",
+            )
+        chat = ChatCompletionRequest(
+            messages=body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
         ids = render_prompt(chat, tokenizer, engine)  # the ids /v1/chat/completions would run
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=engine.config.max_model_len, tokens=ids, token_strs=strs)
@@ -94,12 +102,14 @@ async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(get_c
     return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
-
-
 @router.get("/tokenizer_info", response_model=TokenizerInfoResponse)
 async def tokenizer_info(ctx: ServerContext = Depends(get_context)) -> TokenizerInfoResponse:
     tokenizer = ctx.engine.tokenizer
-    return TokenizerInfoResponse(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
-                                 pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token,
-                                 chat_template=tokenizer.chat_template,
-                                 model_max_length=ctx.engine.config.max_model_len)
+    return TokenizerInfoResponse(
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token,
+        unk_token=tokenizer.unk_token,
+        chat_template=tokenizer.chat_template,
+        model_max_length=ctx.engine.config.max_model_len,
+    )

@@ -4,6 +4,7 @@ them (a call's id, type and name first, then deltas of function.arguments, then 
 Modes: `named` (the output is the named function's arguments), `required` (the output is a JSON array of
 {"name", "parameters"}), `auto` (the model family's parser finds calls in free text; the stream holds back
 only what may open a call), `none` (plain content)."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,9 @@ class ToolCallOutput:
             return None, [ParsedCall(self.named, text)]
         if self.mode == "required":
             try:
-                calls = [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+                calls = [
+                    ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)
+                ]
             except (json.JSONDecodeError, TypeError, KeyError):
                 return text, []  # cut short by max_tokens: what there is goes back as content
             return None, calls
@@ -64,7 +67,9 @@ class ToolCallStream:
                 self.named_opened = True
                 deltas.append(self._call_delta(0, ParsedCall(self.output.named, "")))
             if piece:
-                deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece))]))
+                deltas.append(
+                    DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece))])
+                )
             return deltas
         if mode == "required":
             return []  # an array of calls: sent whole once it is complete

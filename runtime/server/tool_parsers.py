@@ -2,6 +2,7 @@
 `--tool-call-parser`: `hermes` (Hermes, Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
 after optional text) and `llama3_json` (Llama 3.x: the whole answer is `{"name": ..., "parameters": {...}}`,
 optionally after `<|python_tag|>`, several separated by `;`). Text that is not a well-formed call stays content."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,7 @@ class HermesParser:
             calls.append(call)
         if not calls:
             return text, []
-        content = text[:text.index(self.opening)].strip()
+        content = text[: text.index(self.opening)].strip()
         return content or None, calls
 
     def may_call(self, text: str) -> bool:
@@ -57,7 +58,7 @@ class Llama3JSONParser:
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
         if body.startswith(self._tag):
-            body = body[len(self._tag):].strip()
+            body = body[len(self._tag) :].strip()
         if not body.startswith("{"):
             return text, []
         calls = []
@@ -79,8 +80,12 @@ class Llama3JSONParser:
 
     def may_call(self, text: str) -> bool:
         stripped = text.lstrip()
-        return not stripped or stripped.startswith("{") or self._tag.startswith(stripped[:len(self._tag)]) \
+        return (
+            not stripped
+            or stripped.startswith("{")
+            or self._tag.startswith(stripped[: len(self._tag)])
             or stripped.startswith(self._tag)
+        )
 
 
 PARSERS = {p.name: p for p in (HermesParser, Llama3JSONParser)}

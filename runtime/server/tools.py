@@ -1,6 +1,7 @@
 """Tool calling's request side: OpenAI's `tools` and `tool_choice`, what the chat template sees of them, and
 the structured output that `required` and a named function turn into (the model must call a tool, so its
 output is constrained to the tools' argument schemas)."""
+
 from __future__ import annotations
 
 import json
@@ -72,15 +73,18 @@ def template_tool_calls(calls: list[ToolCall]) -> list[dict]:
         try:
             arguments = json.loads(call.function.arguments)
         except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"tool_calls[{i}].function.arguments: not valid JSON",
-                                      f"tool_calls[{i}].function.arguments") from e
-        out.append({"id": call.id, "type": "function", "function": {"name": call.function.name,
-                                                                     "arguments": arguments}})
+            raise InvalidRequestError(
+                f"tool_calls[{i}].function.arguments: not valid JSON", f"tool_calls[{i}].function.arguments"
+            ) from e
+        out.append(
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+        )
     return out
 
 
-def forced_tool_output(tools: list[Tool] | None, choice: ToolChoice | None,
-                       parallel: bool) -> tuple[StructuredOutput | None, str | None]:
+def forced_tool_output(
+    tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool
+) -> tuple[StructuredOutput | None, str | None]:
     """For `required` and a named function: the structured output the model must follow, and the named
     function (whose output is its arguments). `auto` and `none` constrain nothing."""
     if choice is None or choice in ("auto", "none"):
@@ -91,12 +95,26 @@ def forced_tool_output(tools: list[Tool] | None, choice: ToolChoice | None,
         named = {t.function.name: t for t in tools}
         tool = named.get(choice.function.name)
         if tool is None:
-            raise InvalidRequestError(f"tool_choice.function.name: no tool named {choice.function.name!r} in `tools`",
-                                      "tool_choice.function.name")
+            raise InvalidRequestError(
+                f"tool_choice.function.name: no tool named {choice.function.name!r} in `tools`",
+                "tool_choice.function.name",
+            )
         return StructuredOutput("json", parameters_schema(tool), "tools"), tool.function.name
-    calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                          "parameters": parameters_schema(t)},
-                        "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
-    schema = {"type": "array", "items": calls, "minItems": 1,
-              "maxItems": limits.MAX_PARALLEL_TOOL_CALLS if parallel else 1}
+    calls = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": parameters_schema(t)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+    }
+    schema = {
+        "type": "array",
+        "items": calls,
+        "minItems": 1,
+        "maxItems": limits.MAX_PARALLEL_TOOL_CALLS if parallel else 1,
+    }
     return StructuredOutput("json", schema, "tools"), None

@@ -1,5 +1,6 @@
 """OpenTelemetry: one span per API request with GenAI semantic-convention attributes, exported over OTLP/HTTP
 when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) is set; without it no tracer exists and nothing runs."""
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,16 @@ def start_request_span(tracer, operation: str, model: str, params):
     return tracer.start_span(f"{operation} {model}", attributes=attributes)
 
 
-def end_request_span(span, *, response_id: str, model: str, input_tokens: int, output_tokens: int,
-                     finish_reasons: list[str], error: BaseException | None = None) -> None:
+def end_request_span(
+    span,
+    *,
+    response_id: str,
+    model: str,
+    input_tokens: int,
+    output_tokens: int,
+    finish_reasons: list[str],
+    error: BaseException | None = None,
+) -> None:
     if span is None:
         return
     if error is not None:  # refused (400, 429) or failed: the type only, as messages may quote the request
@@ -53,11 +62,13 @@ def end_request_span(span, *, response_id: str, model: str, input_tokens: int, o
 
         span.set_attribute("error.type", type(error).__name__)
         span.set_status(Status(StatusCode.ERROR))
-    span.set_attributes({
-        "gen_ai.response.id": response_id,
-        "gen_ai.response.model": model,
-        "gen_ai.usage.input_tokens": input_tokens,
-        "gen_ai.usage.output_tokens": output_tokens,
-        "gen_ai.response.finish_reasons": finish_reasons,
-    })
+    span.set_attributes(
+        {
+            "gen_ai.response.id": response_id,
+            "gen_ai.response.model": model,
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "gen_ai.response.finish_reasons": finish_reasons,
+        }
+    )
     span.end()

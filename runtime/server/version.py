@@ -1,4 +1,5 @@
 """GET /version: the running Capstan version, as vLLM answers it ({"version": ...}); open, like the probes."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter

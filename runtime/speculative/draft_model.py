@@ -8,6 +8,7 @@ proposals stay on the device for the verify step queued behind it (speculative.r
 proposal is sampled by the target's sampler with the target's rows and position keys (seed, position), so a
 draft identical to the target proposes exactly the tokens the target draws, and verification (speculative.py)
 stays lossless whatever the draft proposes: its quality only changes how many are accepted."""
+
 from __future__ import annotations
 
 import logging
@@ -34,19 +35,23 @@ from ..scheduling.sequence import Sequence
 log = logging.getLogger("capstan.engine")
 
 
-def load_draft(name: str, target: DecoderModel, dtype: str, parallel: TensorParallel,
-               given: DecoderModel | None = None) -> DecoderModel:
+def load_draft(
+    name: str, target: DecoderModel, dtype: str, parallel: TensorParallel, given: DecoderModel | None = None
+) -> DecoderModel:
     """The draft checkpoint `name` (or the model given), checked against the target and placed as it is.
     Proposals are token ids drawn with the target's sampler: the vocabularies must be the same."""
     try:
         draft = given if given is not None else load_model(resolve_checkpoint(name), dtype)
         if draft.cfg.vocab_size != target.cfg.vocab_size:
-            raise UnsupportedModelError(f"vocab_size {draft.cfg.vocab_size} differs from the target's "
-                                        f"{target.cfg.vocab_size}; a draft model needs the target's vocabulary")
+            raise UnsupportedModelError(
+                f"vocab_size {draft.cfg.vocab_size} differs from the target's "
+                f"{target.cfg.vocab_size}; a draft model needs the target's vocabulary"
+            )
         check_size(draft.cfg, parallel.size, len(jax.devices()))
     except ValueError as e:  # say which flag names the checkpoint at fault (the loader may have named it already)
-        raise UnsupportedModelError(f"--speculative-config: model {name}: "
-                                    f"{str(e).removeprefix(f'model {name}: ')}") from None
+        raise UnsupportedModelError(
+            f"--speculative-config: model {name}: {str(e).removeprefix(f'model {name}: ')}"
+        ) from None
     return parallel.place_model(draft)
 
 
@@ -63,8 +68,9 @@ def draft_branches(seqs: list[Sequence], backend: str) -> Branches | None:
     return GREEDY_SCAN if scan_branches([s.params for s in seqs], backend) is GREEDY_SCAN else SAMPLED_SCANS[False]
 
 
-def run_draft(model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array, num_steps: int,
-              branches: Branches | None = None) -> tuple[KVCache, jax.Array]:
+def run_draft(
+    model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array, num_steps: int, branches: Branches | None = None
+) -> tuple[KVCache, jax.Array]:
     """packed: each row's catch-up chunk, ending at its last token; steps [S]: the tokens row r proposes (0: it only
     catches up). Returns the proposals [num_steps, S]: step 0 samples after the chunk, step j feeds step j-1's."""
     x: StepInputs = packed.unpack()
@@ -81,8 +87,14 @@ def run_draft(model: DecoderModel, kv: KVCache, packed: Packed, steps: jax.Array
         pages = meta.block_tables[rows, jnp.minimum(positions // page, meta.block_tables.shape[1] - 1)]
         # past a row's proposals its pages may not be reserved: it writes nothing there
         slots = jnp.where(j < steps, pages * page + positions % page, INVALID_SLOT)
-        step_meta = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=rows,
-                                      block_tables=meta.block_tables, seq_lens=positions + 1, decode=True)
+        step_meta = AttentionMetadata(
+            positions=positions,
+            slot_mapping=slots,
+            token_seq=rows,
+            block_tables=meta.block_tables,
+            seq_lens=positions + 1,
+            decode=True,
+        )
         h, kv = model(tokens, step_meta, kv)
         sampling = eqx.tree_at(lambda s: s.position, draws, x.sampling.position + j)  # that position's key
         drawn = sample(model.logits(h).array, sampling, branches).tokens
@@ -105,8 +117,14 @@ class DraftModel:
     def warmup(self) -> None:
         for bucket in self.builder.buckets:
             for branches in draft_programs(jax.default_backend()):
-                self.kv, out = draft_fn(self.model, self.kv, self.builder.build([], bucket=bucket),
-                                        np.zeros(self.builder.S, np.int32), num_steps=self.k, branches=branches)
+                self.kv, out = draft_fn(
+                    self.model,
+                    self.kv,
+                    self.builder.build([], bucket=bucket),
+                    np.zeros(self.builder.S, np.int32),
+                    num_steps=self.k,
+                    branches=branches,
+                )
                 jax.block_until_ready(out)
 
     def propose(self, seqs: list[Sequence], rooms: list[int], reserve) -> tuple[jax.Array | None, list[int]]:
@@ -135,9 +153,15 @@ class DraftModel:
             log.exception("building the draft's step failed; decoding without proposals")
             return None, [0] * len(seqs)
         rows = np.zeros(self.builder.S, np.int32)
-        rows[:len(steps)] = steps
-        self.kv, proposals = draft_fn(self.model, self.kv, inputs, rows, num_steps=self.k,
-                                      branches=draft_branches([c.seq for c in chunks], jax.default_backend()))
+        rows[: len(steps)] = steps
+        self.kv, proposals = draft_fn(
+            self.model,
+            self.kv,
+            inputs,
+            rows,
+            num_steps=self.k,
+            branches=draft_branches([c.seq for c in chunks], jax.default_backend()),
+        )
         for c, n in zip(chunks, steps, strict=True):
             # the draft K/V of its proposals but the last are written too; verification keeps those it accepts
             c.seq.num_draft_computed = c.start + c.num_tokens + max(n - 1, 0)

@@ -10,6 +10,7 @@ there. The first mismatch is replaced by the target's own token, and the output 
 decoding without speculation (greedy and seeded alike): the target's distribution, exactly. For a proposal that
 is a single token (n-gram lookup proposes one token per position with certainty), this accepts it with the
 target's probability of it, as rejection sampling does."""
+
 from __future__ import annotations
 
 from array import array
@@ -41,7 +42,7 @@ def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> lis
         return []
     data, L = array("i", tokens).tobytes(), len(tokens)
     for n in range(min(longest, L - 1), shortest - 1, -1):
-        pattern, end = data[-4 * n:], 4 * (L - 1)  # every earlier n-gram but the last
+        pattern, end = data[-4 * n :], 4 * (L - 1)  # every earlier n-gram but the last
         while (i := data.rfind(pattern, 0, end)) >= 0:
             if i % 4 == 0:  # a whole-token match
                 start = i // 4 + n
@@ -55,8 +56,9 @@ def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> lis
 # plain greedy batch, a sampled one, and one that takes every processor (grammar masks, penalties and bans applied
 # to all rows are exact for rows without them, and logprobs), so no lax.cond waits on the device. CPUs keep one
 # traced program.
-VERIFY_GENERAL = Branches(plain_greedy=False, any_constrained=True, any_penalty=True, any_filter=True,
-                          all_greedy=False, want_logprobs=True)
+VERIFY_GENERAL = Branches(
+    plain_greedy=False, any_constrained=True, any_penalty=True, any_filter=True, all_greedy=False, want_logprobs=True
+)
 
 
 def verify_programs(backend: str) -> tuple[Branches | None, ...]:
@@ -67,8 +69,13 @@ def verify_branches(chunks: list[ScheduledChunk], backend: str) -> Branches | No
     """The verify program for a step of these chunks (verify_programs)."""
     if backend != "gpu":
         return None
-    if any(c.seq.constraint is not None or c.seq.params.uses_penalties or c.seq.num_output < c.seq.params.min_tokens
-           or c.seq.params.logprobs is not None for c in chunks):
+    if any(
+        c.seq.constraint is not None
+        or c.seq.params.uses_penalties
+        or c.seq.num_output < c.seq.params.min_tokens
+        or c.seq.params.logprobs is not None
+        for c in chunks
+    ):
         return VERIFY_GENERAL
     return scan_branches([c.seq.params for c in chunks], backend)
 
@@ -90,9 +97,16 @@ def point_bases(chunks: list[ScheduledChunk]) -> list[int]:
     return np.cumsum([0] + [len(c.draft) + 1 for c in chunks[:-1]]).tolist()
 
 
-def run_verify(model: DecoderModel, kv: KVCache, packed: Packed, proposals: jax.Array, draft_at: jax.Array,
-               draft_row: jax.Array, num_positions: int,
-               branches: Branches | None = None) -> tuple[KVCache, tuple[SampleResult, jax.Array]]:
+def run_verify(
+    model: DecoderModel,
+    kv: KVCache,
+    packed: Packed,
+    proposals: jax.Array,
+    draft_at: jax.Array,
+    draft_row: jax.Array,
+    num_positions: int,
+    branches: Branches | None = None,
+) -> tuple[KVCache, tuple[SampleResult, jax.Array]]:
     """One step whose rows sample after their last token and each proposed one (a row with d proposed tokens at
     most num_positions - 1 takes d + 1 points). A draft model's proposals [K, S] come as the device left them:
     row r's d tokens go to the step's tokens from index draft_at[r] (-1: its proposals are in the packed tokens
@@ -134,17 +148,29 @@ class Speculator:
         self.proposer: Callable[[list[int], int], list[int]] | None = None
         if draft_model is not None:
             d, c = draft_model.cfg, engine.config
-            self.draft = DraftModel(draft_model, BatchBuilder(**rows, queries_per_kv=d.queries_per_kv),
-                                    KVCache.allocate(d.num_layers, c.num_pages, c.page_size, d.num_kv_heads,
-                                                     d.head_dim, engine.dtype, sharding=engine.parallel.kv_sharding()),
-                                    self.k)
+            self.draft = DraftModel(
+                draft_model,
+                BatchBuilder(**rows, queries_per_kv=d.queries_per_kv),
+                KVCache.allocate(
+                    d.num_layers,
+                    c.num_pages,
+                    c.page_size,
+                    d.num_kv_heads,
+                    d.head_dim,
+                    engine.dtype,
+                    sharding=engine.parallel.kv_sharding(),
+                ),
+                self.k,
+            )
         else:
-            self.proposer = lambda tokens, k: propose_ngram(tokens, k, config.prompt_lookup_max,
-                                                            config.prompt_lookup_min)
+            self.proposer = lambda tokens, k: propose_ngram(
+                tokens, k, config.prompt_lookup_max, config.prompt_lookup_min
+            )
         self.proposals: jax.Array | None = None  # the draft's last proposals, on the device
         S = engine.builder.S  # verify_fn's proposal arguments for steps whose proposals are in the packed tokens
-        self.no_device_proposals = tuple(jax.device_put([np.zeros((self.k, S), np.int32), np.full(S, -1, np.int32),
-                                                         np.zeros(S, np.int32)]))
+        self.no_device_proposals = tuple(
+            jax.device_put([np.zeros((self.k, S), np.int32), np.full(S, -1, np.int32), np.zeros(S, np.int32)])
+        )
         self.columns: dict[int, int] = {}  # id(chunk) -> its proposals' column there
         self.draft_tokens = 0  # tokens proposed (EngineStats.spec_draft_tokens)
         self.accepted_tokens = 0  # of those, the ones the target verified (EngineStats.spec_accepted_tokens)
@@ -157,9 +183,14 @@ class Speculator:
         for bucket in engine.builder.buckets:
             for branches in verify_programs(jax.default_backend()):
                 with engine._precision():
-                    engine.kv, out = verify_fn(engine.model, engine.kv, engine.builder.build([], bucket=bucket),
-                                               *self.no_device_proposals, num_positions=self.k + 1,
-                                               branches=branches)
+                    engine.kv, out = verify_fn(
+                        engine.model,
+                        engine.kv,
+                        engine.builder.build([], bucket=bucket),
+                        *self.no_device_proposals,
+                        num_positions=self.k + 1,
+                        branches=branches,
+                    )
                 jax.block_until_ready(out)
         if self.draft is not None:
             with engine._precision():
@@ -203,8 +234,14 @@ class Speculator:
     def _room(self, c: ScheduledChunk, budget: int) -> int:
         """How many tokens c's sequence may have proposed this step (0: none, it decodes plainly)."""
         seq, p = c.seq, c.seq.params
-        if not (c.num_tokens == 1 and c.samples) or seq.constraint is not None or p.uses_penalties \
-                or seq.pending_forks or seq.num_output < p.min_tokens or seq.max_tokens == 0:
+        if (
+            not (c.num_tokens == 1 and c.samples)
+            or seq.constraint is not None
+            or p.uses_penalties
+            or seq.pending_forks
+            or seq.num_output < p.min_tokens
+            or seq.max_tokens == 0
+        ):
             return 0
         return min(self.k, budget, seq.max_tokens - seq.num_output - 1, self.engine.max_model_len - seq.num_tokens - 1)
 
@@ -229,12 +266,20 @@ class Speculator:
         else:
             proposals, draft_at, draft_row = self.no_device_proposals
         with engine._precision():
-            engine.kv, out = verify_fn(engine.model, engine.kv, inputs, proposals, draft_at, draft_row,
-                                       num_positions=self.k + 1, branches=verify_branches(chunks, jax.default_backend()))
+            engine.kv, out = verify_fn(
+                engine.model,
+                engine.kv,
+                inputs,
+                proposals,
+                draft_at,
+                draft_row,
+                num_positions=self.k + 1,
+                branches=verify_branches(chunks, jax.default_backend()),
+            )
         out, proposals = engine.fetch(out)
         for c in chunks:
             if id(c) in columns:
-                c.draft = proposals[:len(c.draft), columns[id(c)]].tolist()
+                c.draft = proposals[: len(c.draft), columns[id(c)]].tolist()
         tokens = out.tokens.tolist()  # [point]
         bases = point_bases(chunks)
         first = StepOutputs(sampled=jax.tree.map(lambda a: a[bases], out), prompt=None)

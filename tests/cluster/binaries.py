@@ -116,7 +116,11 @@ def _build_kubernetes(work: Path, out: Path, commands: list[str] = KUBE_COMMANDS
     work.mkdir(parents=True, exist_ok=True)
     mod_path = subprocess.run(
         ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"],
-        cwd=work, check=True, capture_output=True, text=True, env={**os.environ, **GO_ENV},
+        cwd=work,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **GO_ENV},
     ).stdout
     go_mod_file = re.search(r'"GoMod":\s*"([^"]+)"', mod_path).group(1)  # k8s.io/kubernetes's own go.mod
     staging = _staging_modules(Path(go_mod_file).read_text())
@@ -145,9 +149,7 @@ def _build_kubernetes(work: Path, out: Path, commands: list[str] = KUBE_COMMANDS
             f"{pkg}.buildDate=1970-01-01T00:00:00Z",
         ]
     (module / "tools.go").write_text(
-        "package tools\n\nimport (\n"
-        + "".join(f'\t_ "k8s.io/kubernetes/cmd/{c}/app"\n' for c in commands)
-        + ")\n"
+        "package tools\n\nimport (\n" + "".join(f'\t_ "k8s.io/kubernetes/cmd/{c}/app"\n' for c in commands) + ")\n"
     )
     # One `go build` for all three commands shares the compilation of their common packages.
     _build(module, out, [f"k8s.io/kubernetes/cmd/{c}" for c in commands], _ldflags(*stamps))
@@ -165,7 +167,8 @@ def _build_pause(work: Path, out: Path) -> None:
 
 def _build_etcd(work: Path, out: Path) -> None:
     module = _wrapper_module(
-        work, "etcd",
+        work,
+        "etcd",
         f"module capstan.dev/testcluster/etcd\n\ngo 1.26\n\nrequire go.etcd.io/etcd/server/v3 {ETCD_VERSION}\n",
     )
     (module / "tools.go").write_text('package tools\n\nimport _ "go.etcd.io/etcd/server/v3/etcdmain"\n')
@@ -177,8 +180,13 @@ def _build_kwok(work: Path, out: Path) -> None:
         work, "kwok", f"module capstan.dev/testcluster/kwok\n\ngo 1.26\n\nrequire sigs.k8s.io/kwok {KWOK_VERSION}\n"
     )
     (module / "tools.go").write_text('package tools\n\nimport _ "sigs.k8s.io/kwok/pkg/kwok/cmd"\n')
-    _build_single(module, out, "sigs.k8s.io/kwok/cmd/kwok", "kwok",
-                  _ldflags(f"sigs.k8s.io/kwok/pkg/consts.Version={KWOK_VERSION}"))
+    _build_single(
+        module,
+        out,
+        "sigs.k8s.io/kwok/cmd/kwok",
+        "kwok",
+        _ldflags(f"sigs.k8s.io/kwok/pkg/consts.Version={KWOK_VERSION}"),
+    )
 
 
 def _build_helm(work: Path, out: Path) -> None:
@@ -187,14 +195,21 @@ def _build_helm(work: Path, out: Path) -> None:
     )
     (module / "tools.go").write_text('package tools\n\nimport _ "helm.sh/helm/v3/pkg/action"\n')
     major, minor = KUBERNETES_VERSION.removeprefix("v").split(".")[:2]
-    _build_single(module, out, "helm.sh/helm/v3/cmd/helm", "helm",
-                  _ldflags(f"helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
-                           "helm.sh/helm/v3/internal/version.gitTreeState=clean",
-                           # Offline (lint, template) Helm assumes this Kubernetes, not its default v1.20.
-                           f"helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor={major}",
-                           f"helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}",
-                           f"helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor={major}",
-                           f"helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor={minor}"))
+    _build_single(
+        module,
+        out,
+        "helm.sh/helm/v3/cmd/helm",
+        "helm",
+        _ldflags(
+            f"helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+            "helm.sh/helm/v3/internal/version.gitTreeState=clean",
+            # Offline (lint, template) Helm assumes this Kubernetes, not its default v1.20.
+            f"helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor={major}",
+            f"helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}",
+            f"helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor={major}",
+            f"helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor={minor}",
+        ),
+    )
 
 
 def _build_single(module: Path, out: Path, package: str, name: str, ldflags: str) -> None:

@@ -59,8 +59,7 @@ def create_node_network() -> NodeNetwork:
         raise RuntimeError("no free capstan-node-N network namespace")
     try:
         node_side = f"{network.host_interface}n"
-        ip("link", "add", network.host_interface, "type", "veth", "peer", "name", node_side,
-           "netns", network.namespace)
+        ip("link", "add", network.host_interface, "type", "veth", "peer", "name", node_side, "netns", network.namespace)
         ip("addr", "add", f"{network.host_ip}/24", "dev", network.host_interface)
         ip("link", "set", network.host_interface, "up")
         network.run("ip", "link", "set", "lo", "up")

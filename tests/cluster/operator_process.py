@@ -32,9 +32,21 @@ class OperatorProcess:
         port = free_port()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "capstan.operator.main", f"--peering-name={RELEASE}", "--resync-seconds=1",
-             f"--liveness=http://127.0.0.1:{port}/healthz", "--default-image=capstan:e2e", *extra_args],
-            env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "capstan.operator.main",
+                f"--peering-name={RELEASE}",
+                "--resync-seconds=1",
+                f"--liveness=http://127.0.0.1:{port}/healthz",
+                "--default-image=capstan:e2e",
+                *extra_args,
+            ],
+            env=env,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
         def live():
             assert self.process.poll() is None, self.log.read_text()[-3000:]

@@ -22,8 +22,9 @@ class ClusterPki:
 
 
 def _write_key(path: Path, key) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     path.chmod(0o600)
 
 
@@ -49,8 +50,11 @@ def create_pki(folder: Path, extra_ips: list[str] = ()) -> ClusterPki:
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _certificate("capstan-test-ca", ca_key, None, ca_key, ca=True)
     serving_key = ec.generate_private_key(ec.SECP256R1())
-    sans = [x509.DNSName("localhost"), x509.DNSName("kubernetes.default.svc"),
-            *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in dict.fromkeys(["127.0.0.1", "10.96.0.1", *extra_ips]))]
+    sans = [
+        x509.DNSName("localhost"),
+        x509.DNSName("kubernetes.default.svc"),
+        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in dict.fromkeys(["127.0.0.1", "10.96.0.1", *extra_ips])),
+    ]
     serving = _certificate("kube-apiserver", serving_key, ca.subject, ca_key, ca=False, sans=sans)
     pki = ClusterPki(folder / "ca.crt", folder / "apiserver.crt", folder / "apiserver.key", folder / "sa.key")
     pki.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))

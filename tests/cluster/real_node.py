@@ -49,23 +49,36 @@ def pause_image(binaries: ClusterBinaries, folder: Path) -> Path:
     if archive.exists():
         return archive
     layout, bundle = folder / "pause-oci", folder / "pause-bundle"
-    for args in (["init", "--layout", str(layout)], ["new", "--image", f"{layout}:1"],
-                 ["unpack", "--image", f"{layout}:1", str(bundle)]):
+    for args in (
+        ["init", "--layout", str(layout)],
+        ["new", "--image", f"{layout}:1"],
+        ["unpack", "--image", f"{layout}:1", str(bundle)],
+    ):
         subprocess.run(["umoci", *args], check=True, timeout=60)
     shutil.copy(binaries["pause"], bundle / "rootfs" / "pause")
     subprocess.run(["umoci", "repack", "--image", f"{layout}:1", str(bundle)], check=True, timeout=60)
-    subprocess.run(["umoci", "config", "--image", f"{layout}:1", "--config.entrypoint=/pause",
-                    "--config.user=65535:65535"], check=True, timeout=60)
+    subprocess.run(
+        ["umoci", "config", "--image", f"{layout}:1", "--config.entrypoint=/pause", "--config.user=65535:65535"],
+        check=True,
+        timeout=60,
+    )
     partial = archive.with_suffix(".partial")
-    subprocess.run(["skopeo", "copy", "--quiet", f"oci:{layout}:1", f"oci-archive:{partial}:{PAUSE_IMAGE}"],
-                   check=True, timeout=60)
+    subprocess.run(
+        ["skopeo", "copy", "--quiet", f"oci:{layout}:1", f"oci-archive:{partial}:{PAUSE_IMAGE}"], check=True, timeout=60
+    )
     partial.replace(archive)
     return archive
 
 
 class RealNode:
-    def __init__(self, binaries: ClusterBinaries, cluster: ControlPlane, network: NodeNetwork, workdir: Path,
-                 name: str = "capstan-node"):
+    def __init__(
+        self,
+        binaries: ClusterBinaries,
+        cluster: ControlPlane,
+        network: NodeNetwork,
+        workdir: Path,
+        name: str = "capstan-node",
+    ):
         self.binaries, self.cluster, self.network, self.workdir, self.name = binaries, cluster, network, workdir, name
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.socket = workdir / "containerd" / "containerd.sock"
@@ -76,21 +89,32 @@ class RealNode:
     # -- processes --------------------------------------------------------------------------------------------
     def _start(self, name: str, args: list[str]) -> Path:
         log = self.workdir / f"{name}.log"
-        process = subprocess.Popen([*self.network.enter(), *args], stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True,
-                                   env={**os.environ, "PATH": SYSTEM_PATH})
+        process = subprocess.Popen(
+            [*self.network.enter(), *args],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PATH": SYSTEM_PATH},
+        )
         self.processes.append((name, process))
         return log
 
     def _check_alive(self) -> None:
         for name, process in self.processes:
             if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode}:\n"
-                                   + (self.workdir / f"{name}.log").read_text()[-3000:])
+                raise RuntimeError(
+                    f"{name} exited with {process.returncode}:\n" + (self.workdir / f"{name}.log").read_text()[-3000:]
+                )
 
     def ctr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(["ctr", f"--address={self.socket}", "--namespace=k8s.io", *args],
-                              capture_output=True, text=True, check=True, timeout=timeout)
+        return subprocess.run(
+            ["ctr", f"--address={self.socket}", "--namespace=k8s.io", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=timeout,
+        )
 
     # -- start ------------------------------------------------------------------------------------------------
     def start(self, images: list[Path]) -> RealNode:
@@ -100,41 +124,58 @@ class RealNode:
             self._import(archive)
         self._write_cni_config()
         self._start_kubelet()
-        wait_for("the real node Ready", self._ready, START_TIMEOUT, interval=1,
-                 process_log=self.workdir / "kubelet.log")
-        self._start("kube-proxy", [
-            str(self.binaries["kube-proxy"]), f"--kubeconfig={self.cluster.kubeconfig}",
-            f"--hostname-override={self.name}", f"--cluster-cidr={self.network.pod_cidr}", "--proxy-mode=iptables",
-            "--conntrack-max-per-core=0",  # the namespace's conntrack table is the host's: leave its size alone
-            "--metrics-bind-address=127.0.0.1:10249",
-        ])
-        wait_for("the kubernetes Service routed by kube-proxy", self._service_routed, START_TIMEOUT, interval=1,
-                 process_log=self.workdir / "kube-proxy.log")
+        wait_for(
+            "the real node Ready", self._ready, START_TIMEOUT, interval=1, process_log=self.workdir / "kubelet.log"
+        )
+        self._start(
+            "kube-proxy",
+            [
+                str(self.binaries["kube-proxy"]),
+                f"--kubeconfig={self.cluster.kubeconfig}",
+                f"--hostname-override={self.name}",
+                f"--cluster-cidr={self.network.pod_cidr}",
+                "--proxy-mode=iptables",
+                "--conntrack-max-per-core=0",  # the namespace's conntrack table is the host's: leave its size alone
+                "--metrics-bind-address=127.0.0.1:10249",
+            ],
+        )
+        wait_for(
+            "the kubernetes Service routed by kube-proxy",
+            self._service_routed,
+            START_TIMEOUT,
+            interval=1,
+            process_log=self.workdir / "kube-proxy.log",
+        )
         return self
 
     def _start_containerd(self) -> None:
         folder = self.workdir / "containerd"
         folder.mkdir(exist_ok=True)
         cri = 'plugins."io.containerd.grpc.v1.cri"'
-        (folder / "config.toml").write_text("\n".join([
-            "version = 2",
-            f'root = "{self.containerd_root}"',
-            f'state = "{folder / "state"}"',
-            "[grpc]",
-            f'  address = "{self.socket}"',
-            f"[{cri}]",
-            f'  sandbox_image = "{PAUSE_IMAGE}"',
-            "  restrict_oom_score_adj = true",  # no CAP_SYS_RESOURCE here: runc may not lower oom_score_adj
-            f"[{cri}.cni]",
-            f'  bin_dir = "{CNI_PLUGINS}"',
-            f'  conf_dir = "{self.workdir / "cni"}"',
-            f"[{cri}.containerd.runtimes.runc]",
-            '  runtime_type = "io.containerd.runc.v2"',
-            "",
-        ]))
+        (folder / "config.toml").write_text(
+            "\n".join(
+                [
+                    "version = 2",
+                    f'root = "{self.containerd_root}"',
+                    f'state = "{folder / "state"}"',
+                    "[grpc]",
+                    f'  address = "{self.socket}"',
+                    f"[{cri}]",
+                    f'  sandbox_image = "{PAUSE_IMAGE}"',
+                    "  restrict_oom_score_adj = true",  # no CAP_SYS_RESOURCE here: runc may not lower oom_score_adj
+                    f"[{cri}.cni]",
+                    f'  bin_dir = "{CNI_PLUGINS}"',
+                    f'  conf_dir = "{self.workdir / "cni"}"',
+                    f"[{cri}.containerd.runtimes.runc]",
+                    '  runtime_type = "io.containerd.runc.v2"',
+                    "",
+                ]
+            )
+        )
         log = self._start("containerd", ["containerd", f"--config={folder / 'config.toml'}"])
-        wait_for("containerd", lambda: self._check_alive() or self.ctr("version", timeout=5), START_TIMEOUT,
-                 process_log=log)
+        wait_for(
+            "containerd", lambda: self._check_alive() or self.ctr("version", timeout=5), START_TIMEOUT, process_log=log
+        )
 
     def _import(self, archive: Path) -> None:
         """Import the archive unless the store holds it already; other builds of its name go."""
@@ -152,40 +193,70 @@ class RealNode:
 
     def _write_cni_config(self) -> None:
         (self.workdir / "cni").mkdir(exist_ok=True)
-        config = {"cniVersion": "1.0.0", "name": "capstan", "plugins": [
-            {"type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": True, "hairpinMode": True,
-             "ipam": {"type": "host-local", "dataDir": str(self.workdir / "cni-ipam"),
-                      "ranges": [[{"subnet": self.network.pod_cidr}]], "routes": [{"dst": "0.0.0.0/0"}]}},
-            {"type": "portmap", "capabilities": {"portMappings": True}},
-        ]}
+        config = {
+            "cniVersion": "1.0.0",
+            "name": "capstan",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": "cni0",
+                    "isGateway": True,
+                    "ipMasq": True,
+                    "hairpinMode": True,
+                    "ipam": {
+                        "type": "host-local",
+                        "dataDir": str(self.workdir / "cni-ipam"),
+                        "ranges": [[{"subnet": self.network.pod_cidr}]],
+                        "routes": [{"dst": "0.0.0.0/0"}],
+                    },
+                },
+                {"type": "portmap", "capabilities": {"portMappings": True}},
+            ],
+        }
         (self.workdir / "cni" / "10-capstan.conflist").write_text(json.dumps(config, indent=1))
 
     def _start_kubelet(self) -> None:
         folder = self.workdir / "kubelet"
         folder.mkdir(exist_ok=True)
         config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
             "containerRuntimeEndpoint": f"unix://{self.socket}",
             # What this machine needs: cgroup v1 through cgroupfs, no QoS or allocatable cgroups, swap tolerated.
-            "cgroupDriver": "cgroupfs", "failCgroupV1": False, "failSwapOn": False, "cgroupsPerQOS": False,
+            "cgroupDriver": "cgroupfs",
+            "failCgroupV1": False,
+            "failSwapOn": False,
+            "cgroupsPerQOS": False,
             "enforceNodeAllocatable": [],
-            "address": self.network.node_ip, "readOnlyPort": 0,
+            "address": self.network.node_ip,
+            "readOnlyPort": 0,
             "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
             "authorization": {"mode": "AlwaysAllow"},  # `kubectl logs` from the API server, in a throwaway cluster
             "podLogsDir": str(self.workdir / "pod-logs"),
             # A shared machine's disk may be full-ish: never evict the test's pods or its imported images.
             "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "registerNode": True, "maxPods": 30, "syncFrequency": "10s", "fileCheckFrequency": "10s",
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "registerNode": True,
+            "maxPods": 30,
+            "syncFrequency": "10s",
+            "fileCheckFrequency": "10s",
             "resolvConf": "/etc/resolv.conf",
         }
         (folder / "config.yaml").write_text(yaml.safe_dump(config))
-        self._start("kubelet", [
-            str(self.binaries["kubelet"]), f"--config={folder / 'config.yaml'}",
-            f"--kubeconfig={self.cluster.kubeconfig}", f"--root-dir={folder / 'root'}",
-            f"--hostname-override={self.name}", f"--node-ip={self.network.node_ip}",
-            "--node-labels=capstan.dev/real-node=true", "--v=1",
-        ])
+        self._start(
+            "kubelet",
+            [
+                str(self.binaries["kubelet"]),
+                f"--config={folder / 'config.yaml'}",
+                f"--kubeconfig={self.cluster.kubeconfig}",
+                f"--root-dir={folder / 'root'}",
+                f"--hostname-override={self.name}",
+                f"--node-ip={self.network.node_ip}",
+                "--node-labels=capstan.dev/real-node=true",
+                "--v=1",
+            ],
+        )
 
     def _ready(self) -> bool:
         self._check_alive()
@@ -202,8 +273,9 @@ class RealNode:
     def stop(self) -> None:
         """Pods first (the kubelet tears down their sandboxes and networks), then every process, then mounts."""
         if self._running("kubelet"):
-            self.cluster.kubectl("delete", "pods", "--all", "--all-namespaces", "--grace-period=1", "--wait=false",
-                                 check=False)
+            self.cluster.kubectl(
+                "delete", "pods", "--all", "--all-namespaces", "--grace-period=1", "--wait=false", check=False
+            )
             try:
                 wait_for("the real node's containers to stop", self._no_tasks, 60, interval=1)
             except TimeoutError as error:
@@ -245,8 +317,11 @@ class RealNode:
             while time.monotonic() < deadline and not self._no_tasks():
                 time.sleep(0.5)
             for task in self.ctr("tasks", "list", "--quiet", timeout=10).stdout.split():
-                subprocess.run(["ctr", f"--address={self.socket}", "-n", "k8s.io", "tasks", "delete", task],
-                               capture_output=True, timeout=10)
+                subprocess.run(
+                    ["ctr", f"--address={self.socket}", "-n", "k8s.io", "tasks", "delete", task],
+                    capture_output=True,
+                    timeout=10,
+                )
         except (subprocess.SubprocessError, OSError) as error:
             print(f"[real node] could not stop every container: {error}", flush=True)
 

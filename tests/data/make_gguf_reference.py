@@ -9,6 +9,7 @@ float rounding separates the two implementations).
 
 Needs llama-cpp-python (built from source here; not a test dependency):
     CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python && python tests/data/make_gguf_reference.py"""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ TEXTS = [
     "Hello world!",
     "The quick brown fox jumps over the lazy dog. I'm sure we'll see they've DON'T can't.",
     "def fib(n: int) -> int:\n    if n < 2:\n        return n\n\treturn fib(n - 1) + fib(n - 2)  # recursion\n",
-    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }',
     "Numbers: 1234567890, 3.14159, -42, 1e-10, 2024-11-23",
     "Emoji: 😀 👍🏽 👨‍👩‍👧‍👦 🇯🇵 ❤️",
     "中文分词测试：今天天气很好。日本語のテキスト。한국어 문장입니다.",
@@ -38,8 +39,12 @@ TEXTS = [
 ]
 CHATS = [
     [{"role": "user", "content": "Hello"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ],
 ]
 PROMPTS = [
     "The capital of France is",
@@ -90,13 +95,21 @@ def tokenizer_and_logits(gguf_path: str):
     tokenizer = []
     for text in TEXTS:
         ids = vocab.tokenize(text.encode(), add_bos=True, special=True)
-        tokenizer.append({"text": text, "ids": ids,
-                          "decoded": vocab.detokenize(ids, special=True).decode("utf-8", "replace"),
-                          "decoded_skip_special": vocab.detokenize(ids, special=False).decode("utf-8", "replace")})
+        tokenizer.append(
+            {
+                "text": text,
+                "ids": ids,
+                "decoded": vocab.detokenize(ids, special=True).decode("utf-8", "replace"),
+                "decoded_skip_special": vocab.detokenize(ids, special=False).decode("utf-8", "replace"),
+            }
+        )
     meta = vocab.metadata
     tokens = [vocab._model.token_get_text(i) for i in range(vocab.n_vocab())]
-    formatter = Jinja2ChatFormatter(meta["tokenizer.chat_template"], eos_token=tokens[int(meta["tokenizer.ggml.eos_token_id"])],
-                                    bos_token=tokens[int(meta["tokenizer.ggml.bos_token_id"])])
+    formatter = Jinja2ChatFormatter(
+        meta["tokenizer.chat_template"],
+        eos_token=tokens[int(meta["tokenizer.ggml.eos_token_id"])],
+        bos_token=tokens[int(meta["tokenizer.ggml.bos_token_id"])],
+    )
     chats = [{"messages": m, "rendered": formatter(messages=m).prompt} for m in CHATS]
     for chat in chats:
         chat["ids"] = vocab.tokenize(chat["rendered"].encode(), add_bos=False, special=True)
@@ -114,8 +127,17 @@ def run_logits(gguf_path: str | Path, prompts: list[list[int]]) -> list[dict]:
     from llama_cpp import Llama, llama_cpp
 
     # float32 K/V so that llama.cpp's f16 cache adds no difference of its own
-    llm = Llama(str(gguf_path), n_ctx=512, n_batch=512, logits_all=True, n_threads=2, seed=0, verbose=False,
-                type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm = Llama(
+        str(gguf_path),
+        n_ctx=512,
+        n_batch=512,
+        logits_all=True,
+        n_threads=2,
+        seed=0,
+        verbose=False,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
+    )
     logits = []
     for ids in prompts:
         llm.reset()
@@ -124,9 +146,14 @@ def run_logits(gguf_path: str | Path, prompts: list[list[int]]) -> list[dict]:
         positions = []
         for i in range(len(ids)):
             top = np.argsort(-lp[i])[:TOP]
-            positions.append({"next": ids[i + 1] if i + 1 < len(ids) else None,
-                              "next_logprob": float(lp[i, ids[i + 1]]) if i + 1 < len(ids) else None,
-                              "top_ids": top.tolist(), "top_logprobs": [round(float(v), 5) for v in lp[i, top]]})
+            positions.append(
+                {
+                    "next": ids[i + 1] if i + 1 < len(ids) else None,
+                    "next_logprob": float(lp[i, ids[i + 1]]) if i + 1 < len(ids) else None,
+                    "top_ids": top.tolist(),
+                    "top_logprobs": [round(float(v), 5) for v in lp[i, top]],
+                }
+            )
         greedy, margins = [], []
         last = lp[-1]
         for _ in range(GREEDY_TOKENS):
@@ -153,7 +180,9 @@ def dequantized_copy(gguf_path: str, out: Path) -> Path:
         writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     for t in reader.tensors:
-        writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist()))))
+        writer.add_tensor(
+            t.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -165,15 +194,28 @@ def write(gguf_path: str, out: Path) -> None:
     import llama_cpp as lc
 
     tokenizer, chats, logits, logits_f32 = tokenizer_and_logits(gguf_path)
-    out.write_text(json.dumps({"gguf": Path(gguf_path).name, "llama_cpp_python": lc.__version__,
-                               "kv_cache": "f32", "tokenizer": tokenizer, "chats": chats, "logits": logits,
-                               "logits_f32": logits_f32, "other_tokenizers": other_tokenizers()},
-                              ensure_ascii=False, indent=0))
+    out.write_text(
+        json.dumps(
+            {
+                "gguf": Path(gguf_path).name,
+                "llama_cpp_python": lc.__version__,
+                "kv_cache": "f32",
+                "tokenizer": tokenizer,
+                "chats": chats,
+                "logits": logits,
+                "logits_f32": logits_f32,
+                "other_tokenizers": other_tokenizers(),
+            },
+            ensure_ascii=False,
+            indent=0,
+        )
+    )
     print(f"wrote {out} ({out.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":
     from capstan.runtime.config import installed_smollm2
 
-    write(sys.argv[1] if len(sys.argv) > 1 else str(installed_smollm2()),
-         Path(__file__).parent / "smollm2_reference.json")
+    write(
+        sys.argv[1] if len(sys.argv) > 1 else str(installed_smollm2()), Path(__file__).parent / "smollm2_reference.json"
+    )

@@ -1,6 +1,7 @@
 """Real processes for the gateway tests and benchmark: `capstan serve` replicas of the embedded tiny model and
 `capstan gateway` in front of them, each in its own process group, on free ports of 127.0.0.1. Every wait has
 a timeout; every process is killed on the way out."""
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,13 @@ class Process:
         self.port = port
         self.url = f"http://{host}:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="capstan-gateway-test-", suffix=".log", delete=False)  # noqa: SIM115 - open until stop(): the gateway writes it
-        self.process = subprocess.Popen([sys.executable, "-m", "capstan.runtime.cli", *args], stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "capstan.runtime.cli", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
 
     def output(self) -> str:
         with open(self.log.name, errors="replace") as f:
@@ -68,10 +73,28 @@ class Process:
         os.unlink(self.log.name)
 
 
-def start_replica(name: str = "tiny", port: int | None = None, extra: list[str] = (), host: str = "127.0.0.1") -> Process:
+def start_replica(
+    name: str = "tiny", port: int | None = None, extra: list[str] = (), host: str = "127.0.0.1"
+) -> Process:
     port = port or free_port()
-    return Process(["serve", str(DEFAULT_MODEL), "--host", host, "--port", str(port), "--served-model-name",
-                    name, "--drain-timeout", "1", *REPLICA_FLAGS, *extra], port, host)
+    return Process(
+        [
+            "serve",
+            str(DEFAULT_MODEL),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--served-model-name",
+            name,
+            "--drain-timeout",
+            "1",
+            *REPLICA_FLAGS,
+            *extra,
+        ],
+        port,
+        host,
+    )
 
 
 def start_gateway(replicas: list[str], *flags: str) -> Process:

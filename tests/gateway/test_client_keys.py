@@ -1,5 +1,6 @@
 """client_keys.py, budgets.py and usage_meter.py: key files (hashed, validated, reloaded), budget windows and shares,
 and the usage read from responses as they pass."""
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +23,7 @@ def write(path, text):
 
 def test_keys_are_kept_as_digests_and_authenticate_bearer_headers(tmp_path):
     ring = KeyRing([write(tmp_path / "a.yaml", f"clients: [{{name: a, key: {KEY_A}, models: [tiny]}}]\n")])
-    client, = ring.clients
+    (client,) = ring.clients
     assert client.digest == hashlib.sha256(KEY_A.encode()).digest() and KEY_A not in repr(client)
     assert ring.authenticate(f"Bearer {KEY_A}") is client
     for header in (None, "", KEY_A, f"Basic {KEY_A}", f"Bearer {KEY_B}", "Bearer "):
@@ -32,24 +33,30 @@ def test_keys_are_kept_as_digests_and_authenticate_bearer_headers(tmp_path):
 def test_a_folder_of_secret_files_and_sha256_keys(tmp_path):
     (tmp_path / "..data").mkdir()  # the kubelet's bookkeeping in a mounted Secret
     write(tmp_path / "a.yaml", f"clients: [{{name: a, key: {KEY_A}, models: ['*']}}]")
-    write(tmp_path / "b.yaml", f"clients: [{{name: b, keySha256: {hashlib.sha256(KEY_B.encode()).hexdigest()}, "
-                               "models: ['qwen3', 'qwen3-lora-*']}]")
+    write(
+        tmp_path / "b.yaml",
+        f"clients: [{{name: b, keySha256: {hashlib.sha256(KEY_B.encode()).hexdigest()}, "
+        "models: ['qwen3', 'qwen3-lora-*']}]",
+    )
     ring = KeyRing([str(tmp_path)])
     b = ring.authenticate(f"Bearer {KEY_B}")
     assert b.name == "b" and b.may_use("qwen3") and b.may_use("qwen3-lora-sql") and not b.may_use("llama")
     assert ring.authenticate(f"Bearer {KEY_A}").may_use("anything")
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    ("clients: [{key: sk-0123456789abcdef, models: [m]}]", "clients[0].name"),
-    ("clients: [{name: a, models: [m]}]", "exactly one of `key` or `keySha256`"),
-    ("clients: [{name: a, key: short, models: [m]}]", "clients[0].key: a string of 16"),
-    ("clients: [{name: a, keySha256: abc, models: [m]}]", "clients[0].keySha256: 64 hex digits"),
-    ("clients: [{name: a, key: sk-0123456789abcdef, models: []}]", "clients[0].models"),
-    ("clients: [{name: a, key: sk-0123456789abcdef, models: [m], requestsPerMinute: 0}]", "requestsPerMinute"),
-    ("clients: [{name: a, key: sk-0123456789abcdef, models: [m], rpm: 5}]", "unknown field(s) rpm"),
-    ("clients: {}", "a list `clients`"),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("clients: [{key: sk-0123456789abcdef, models: [m]}]", "clients[0].name"),
+        ("clients: [{name: a, models: [m]}]", "exactly one of `key` or `keySha256`"),
+        ("clients: [{name: a, key: short, models: [m]}]", "clients[0].key: a string of 16"),
+        ("clients: [{name: a, keySha256: abc, models: [m]}]", "clients[0].keySha256: 64 hex digits"),
+        ("clients: [{name: a, key: sk-0123456789abcdef, models: []}]", "clients[0].models"),
+        ("clients: [{name: a, key: sk-0123456789abcdef, models: [m], requestsPerMinute: 0}]", "requestsPerMinute"),
+        ("clients: [{name: a, key: sk-0123456789abcdef, models: [m], rpm: 5}]", "unknown field(s) rpm"),
+        ("clients: {}", "a list `clients`"),
+    ],
+)
 def test_bad_files_are_refused_naming_the_field(text, words):
     with pytest.raises(ValueError, match=None) as error:
         parse_clients(text, "keys.yaml")
@@ -89,8 +96,11 @@ def test_requests_budget_refuses_then_recovers_in_the_next_window():
         budgets.finish(c, 10)
     refusal = budgets.admit(c)
     assert refusal.reason == "requests" and refusal.retry_after == 60
-    assert budgets.headers(c) == {"x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "0",
-                                  "x-ratelimit-reset-requests": "60.000s"}
+    assert budgets.headers(c) == {
+        "x-ratelimit-limit-requests": "3",
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "60.000s",
+    }
     clock.now += 60
     assert budgets.admit(c) is None
 
@@ -119,13 +129,15 @@ def test_the_meter_reads_usage_and_drops_only_the_usage_chunk_it_asked_for():
     body, wanted = ask_for_usage({"model": "m", "stream": True})
     assert body["stream_options"] == {"include_usage": True} and not wanted
     assert ask_for_usage({"model": "m", "stream": True, "stream_options": {"include_usage": True}})[1]
-    events = [{"choices": [{"text": "a"}], "usage": None}, {"choices": [], "usage": {
-        "prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}]
+    events = [
+        {"choices": [{"text": "a"}], "usage": None},
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}},
+    ]
     stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
     for wants in (False, True):
         meter, out = UsageMeter(streaming=True, client_wants_usage=wants), b""
         for i in range(0, len(stream), 7):  # events split across reads
-            out += meter.feed(stream[i:i + 7])
+            out += meter.feed(stream[i : i + 7])
         out += meter.close()
         assert (meter.prompt_tokens, meter.completion_tokens) == (7, 3)
         assert (b'"prompt_tokens"' in out) == wants and out.endswith(b"data: [DONE]\n\n") and b'"text": "a"' in out

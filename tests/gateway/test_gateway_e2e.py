@@ -1,6 +1,7 @@
 """`capstan gateway` in front of real `capstan serve` replicas, used through the openai client: streaming, routing
 by model and by prefix, OpenAI errors for bad input, a retry when a replica dies before the first byte, and a
 request sent at zero replicas (or while the only replica restarts) that succeeds once one is ready."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -48,8 +49,11 @@ def client(gateway):
 
 
 def test_streams_chat_and_completions(client):
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and len(chunks) >= 3
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     whole = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0)
@@ -73,10 +77,14 @@ def test_routes_by_model_and_refuses_bad_input(client, gateway):
 def test_shared_prefix_keeps_its_replica(client, gateway, replicas):
     before = {r.url: metric(gateway.url, "capstan_gateway_routed_total", replica=r.url) for r in replicas}
     for i in range(6):
-        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
-            {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}"}])
-    routed = {r.url: metric(gateway.url, "capstan_gateway_routed_total", replica=r.url) - before[r.url]
-              for r in replicas}
+        client.chat.completions.create(
+            model="tiny",
+            max_tokens=2,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}"}],
+        )
+    routed = {
+        r.url: metric(gateway.url, "capstan_gateway_routed_total", replica=r.url) - before[r.url] for r in replicas
+    }
     assert sorted(routed.values()) == [0, 6], routed  # one at a time, under the bound: all to one replica
     home = max(routed, key=routed.get)
     hits = metric(home, "capstan_prefix_cache_hit_tokens_total")
@@ -87,8 +95,9 @@ def test_sigterm_drains_in_flight_streams_then_exits(replicas):
     g = start_gateway([f"tiny={r.url}" for r in replicas]).wait_ready(30)
     try:
         client = openai.OpenAI(base_url=f"{g.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        stream = client.completions.create(model="tiny", prompt="Drain me", max_tokens=900, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny", prompt="Drain me", max_tokens=900, stream=True, extra_body={"ignore_eos": True}
+        )
         chunks = [next(iter(stream))]
         g.process.send_signal(signal.SIGTERM)
         ready = httpx.get(f"{g.url}/ready", timeout=5)
@@ -108,12 +117,16 @@ def test_replica_dying_mid_stream_is_not_retried_and_before_the_first_byte_is(re
     g = start_gateway([f"tiny={a.url}", f"tiny={b.url}"], "--poll-interval", "60").wait_ready(30)
     try:
         policy, loads = PrefixAffinityPolicy(), [ReplicaLoad(a.url, 0), ReplicaLoad(b.url, 0)]
-        prompts = [p for p in (f"Story number {i}: " for i in range(40))
-                   if policy.choose(routing_key({"model": "tiny", "prompt": p}), loads).url == b.url][:3]
+        prompts = [
+            p
+            for p in (f"Story number {i}: " for i in range(40))
+            if policy.choose(routing_key({"model": "tiny", "prompt": p}), loads).url == b.url
+        ][:3]
         client = openai.OpenAI(base_url=f"{g.url}/v1", api_key="unused", max_retries=0, timeout=60)
         # A stream that has begun is the client's: when its replica dies, it ends with an error, never re-sent.
-        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=900, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny", prompt=prompts[0], max_tokens=900, stream=True, extra_body={"ignore_eos": True}
+        )
         assert next(iter(stream)).choices
         b.kill()
         with pytest.raises(openai.APIError, match="stopped mid-response"):
@@ -138,8 +151,10 @@ def test_request_at_zero_replicas_succeeds_once_one_is_ready():
     client = openai.OpenAI(base_url=f"{g.url}/v1", api_key="unused", max_retries=0, timeout=150)
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            sent = [pool.submit(client.completions.create, model="cold", prompt=f"Request {i}", max_tokens=3)
-                    for i in range(3)]
+            sent = [
+                pool.submit(client.completions.create, model="cold", prompt=f"Request {i}", max_tokens=3)
+                for i in range(3)
+            ]
             deadline = time.monotonic() + 20
             while metric(g.url, "capstan_gateway_requests_held") < 3:
                 assert time.monotonic() < deadline, "the requests were not held"
@@ -163,8 +178,11 @@ def test_request_at_zero_replicas_succeeds_once_one_is_ready():
 
 
 def test_hold_queue_is_bounded_in_size_and_time():
-    g = start_gateway([f"never=http://127.0.0.1:{free_port()}"], "--hold-timeout", "2", "--max-held", "1").wait_ready(30)
+    g = start_gateway([f"never=http://127.0.0.1:{free_port()}"], "--hold-timeout", "2", "--max-held", "1").wait_ready(
+        30
+    )
     try:
+
         def send():
             return httpx.post(f"{g.url}/v1/completions", json={"model": "never", "prompt": "hi"}, timeout=30)
 

@@ -2,6 +2,7 @@
 client: 401 without a known key, 403 for a model the key may not use, 429 with Retry-After and x-ratelimit-* when
 a budget is spent and success in the next window, exact per-client token metrics, a rotated key file taking effect
 without a restart, budgets shared by two gateway replicas, and the replica's key never shown to anyone."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -49,9 +50,13 @@ def replica():
 @pytest.fixture(scope="module")
 def keyfiles(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keys")
-    clients = clients_file(folder / "clients.yaml", KEYS, small={"requestsPerMinute": 20},  # 2 per window
-                           tokens={"tokensPerMinute": 100},  # 10 per window: one request spends them
-                           **{"other-model": {"models": ["not-tiny"]}})
+    clients = clients_file(
+        folder / "clients.yaml",
+        KEYS,
+        small={"requestsPerMinute": 20},  # 2 per window
+        tokens={"tokensPerMinute": 100},  # 10 per window: one request spends them
+        **{"other-model": {"models": ["not-tiny"]}},
+    )
     upstream = folder / "upstream.yaml"
     upstream.write_text(yaml.safe_dump({"tiny": REPLICA_KEY}))
     return Path(clients), upstream
@@ -60,8 +65,19 @@ def keyfiles(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gateway(replica, keyfiles):
     clients, upstream = keyfiles
-    g = start_gateway([f"tiny={replica.url}"], "--client-keys", str(clients), "--upstream-keys", str(upstream),
-                      "--budget-window", str(WINDOW), "--poll-interval", "0.25", "--log-level", "debug")
+    g = start_gateway(
+        [f"tiny={replica.url}"],
+        "--client-keys",
+        str(clients),
+        "--upstream-keys",
+        str(upstream),
+        "--budget-window",
+        str(WINDOW),
+        "--poll-interval",
+        "0.25",
+        "--log-level",
+        "debug",
+    )
     try:
         yield g.wait_ready(30)
     finally:
@@ -70,8 +86,9 @@ def gateway(replica, keyfiles):
 
 
 def client_for(gateway, name: str | None, key: str | None = None) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key or KEYS.get(name, "none"), max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(
+        base_url=f"{gateway.url}/v1", api_key=key or KEYS.get(name, "none"), max_retries=0, timeout=120
+    )
 
 
 def test_the_replica_checks_its_own_key(replica):
@@ -129,14 +146,23 @@ def test_usage_metrics_count_tokens_exactly(gateway):
     chunks = list(meter.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True))
     assert all(getattr(c, "usage", None) is None for c in chunks)  # the usage chunk the gateway asked for is not shown
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    reported = list(meter.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                                  max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    reported = list(
+        meter.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     usage = reported[-1].usage
     prompt_total = 2 * whole.usage.prompt_tokens + usage.prompt_tokens
     completion_total = 2 * whole.usage.completion_tokens + usage.completion_tokens
     assert metric(gateway.url, "capstan_gateway_client_tokens_total", client="meter", kind="prompt") == prompt_total
-    assert metric(gateway.url, "capstan_gateway_client_tokens_total", client="meter", kind="completion") == \
-        completion_total
+    assert (
+        metric(gateway.url, "capstan_gateway_client_tokens_total", client="meter", kind="completion")
+        == completion_total
+    )
     assert metric(gateway.url, "capstan_gateway_client_requests_total", client="meter", code="200") == 3
 
 
@@ -153,6 +179,7 @@ def test_a_rotated_key_file_takes_effect_without_a_restart(gateway, keyfiles):
                 return False
             except openai.AuthenticationError:
                 return True
+
         deadline = time.monotonic() + 15
         while not old_refused():
             assert time.monotonic() < deadline, "the rotated key file did not take effect within 15 s"
@@ -165,8 +192,16 @@ def test_a_rotated_key_file_takes_effect_without_a_restart(gateway, keyfiles):
 def test_two_gateway_replicas_share_a_budget_and_never_exceed_it(replica, keyfiles, tmp_path):
     key = "sk-shared-0123456789abcdef"
     clients = clients_file(tmp_path / "shared.yaml", {"shared": key}, shared={"requestsPerMinute": 40})  # 4/window
-    flags = ["--client-keys", clients, "--upstream-keys", str(keyfiles[1]), "--budget-window", str(WINDOW),
-             "--budget-shares", "2"]
+    flags = [
+        "--client-keys",
+        clients,
+        "--upstream-keys",
+        str(keyfiles[1]),
+        "--budget-window",
+        str(WINDOW),
+        "--budget-shares",
+        "2",
+    ]
     gateways = [start_gateway([f"tiny={replica.url}"], *flags) for _ in range(2)]
     try:
         for g in gateways:
@@ -196,11 +231,15 @@ def test_load_only_the_key_over_budget_is_refused(replica, keyfiles, tmp_path):
 
         def stream(name: str) -> str:
             try:
-                chunks = list(client_for(g, None, LOAD_KEYS[name]).completions.create(
-                    model="tiny", prompt=f"Stream for {name}", max_tokens=4, stream=True))
+                chunks = list(
+                    client_for(g, None, LOAD_KEYS[name]).completions.create(
+                        model="tiny", prompt=f"Stream for {name}", max_tokens=4, stream=True
+                    )
+                )
                 return "ok" if chunks[-1].choices[0].finish_reason else "incomplete"
             except openai.RateLimitError:
                 return "429"
+
         names = [name for name in LOAD_KEYS for _ in range(8)]
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
             outcomes = list(pool.map(stream, names))

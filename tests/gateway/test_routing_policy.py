@@ -1,5 +1,6 @@
 """The routing policy on synthetic load: affinity kept under even load, spill under skew, no replica above the
 bound, few keys moved when a replica joins."""
+
 from __future__ import annotations
 
 import collections
@@ -84,10 +85,12 @@ def test_round_robin_ignores_prefix():
 
 def test_routing_key_reads_prompt_and_chat_prefix():
     system = "You are a careful assistant. " * 10
-    a = routing_key({"model": "m", "messages": [{"role": "system", "content": system},
-                                                {"role": "user", "content": "first"}]})
-    b = routing_key({"model": "m", "messages": [{"role": "system", "content": system},
-                                                {"role": "user", "content": "second"}]})
+    a = routing_key(
+        {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": "first"}]}
+    )
+    b = routing_key(
+        {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": "second"}]}
+    )
     assert a == b  # the shared system prompt is the key
     assert routing_key({"model": "m", "prompt": system + "x"}) == routing_key({"model": "m", "prompt": system + "y"})
     assert routing_key({"model": "m", "prompt": "a"}) != routing_key({"model": "other", "prompt": "a"})

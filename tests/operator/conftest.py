@@ -41,8 +41,19 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="session")
 def chart(cluster):
     """`helm install` the chart, as a user would."""
-    cluster.helm("install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
-                 "--set", "resyncSeconds=2", "--wait", "--timeout", "90s")
+    cluster.helm(
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--create-namespace",
+        "--set",
+        "resyncSeconds=2",
+        "--wait",
+        "--timeout",
+        "90s",
+    )
     return RELEASE
 
 
@@ -50,8 +61,9 @@ def chart(cluster):
 def operator_kubeconfig(cluster, chart, tmp_path_factory) -> Path:
     token = cluster.kubectl("create", "token", RELEASE, "-n", OPERATOR_NAMESPACE, "--duration=6h").stdout.strip()
     user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
-    return write_kubeconfig(tmp_path_factory.mktemp("operator") / "kubeconfig", cluster.server, cluster.ca_cert,
-                            token, user)
+    return write_kubeconfig(
+        tmp_path_factory.mktemp("operator") / "kubeconfig", cluster.server, cluster.ca_cert, token, user
+    )
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +79,10 @@ def operator(operator_kubeconfig, tmp_path_factory):
 def namespace(cluster):
     name = f"e2e-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", name)
-    wait_for("the namespace's default service account",
-             lambda: cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0, 60)
+    wait_for(
+        "the namespace's default service account",
+        lambda: cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
+        60,
+    )
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

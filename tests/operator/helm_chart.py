@@ -1,4 +1,5 @@
 """The chart rendered by `helm template` (no cluster), for the tests of what it renders."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,6 +15,11 @@ needs_helm = pytest.mark.skipif(not HELM.exists(), reason="helm not built yet: p
 
 
 def template(*flags: str) -> list[dict]:
-    out = subprocess.run([str(HELM), "template", "capstan", str(CHART), "--namespace", "capstan-system", *flags],
-                         capture_output=True, text=True, check=True, timeout=120).stdout
+    out = subprocess.run(
+        [str(HELM), "template", "capstan", str(CHART), "--namespace", "capstan-system", *flags],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]

@@ -6,8 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-ALLOWED_VOLUMES = {"emptyDir", "persistentVolumeClaim", "configMap", "secret", "projected", "downwardAPI", "ephemeral",
-                   "csi"}
+ALLOWED_VOLUMES = {
+    "emptyDir",
+    "persistentVolumeClaim",
+    "configMap",
+    "secret",
+    "projected",
+    "downwardAPI",
+    "ephemeral",
+    "csi",
+}
 
 
 def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:

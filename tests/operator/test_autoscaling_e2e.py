@@ -28,10 +28,28 @@ class ServeProcess:
         self.port = free_port()
         self.log = log
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "capstan.runtime.cli", "serve", str(DEFAULT_MODEL), "--host", "127.0.0.1", "--port", str(self.port),
-             "--served-model-name", "tiny", "--max-num-seqs", "2", "--drain-timeout", "1"],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            [
+                sys.executable,
+                "-m",
+                "capstan.runtime.cli",
+                "serve",
+                str(DEFAULT_MODEL),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                "tiny",
+                "--max-num-seqs",
+                "2",
+                "--drain-timeout",
+                "1",
+            ],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
 
     @property
     def address(self) -> str:
@@ -51,15 +69,20 @@ class Load:
 
     def __init__(self, addresses: list[str]):
         self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._client, args=(a,), daemon=True)
-                        for a in addresses for _ in range(CLIENTS_PER_SERVER)]
+        self.threads = [
+            threading.Thread(target=self._client, args=(a,), daemon=True)
+            for a in addresses
+            for _ in range(CLIENTS_PER_SERVER)
+        ]
         self.completed = 0
 
     def _client(self, address: str) -> None:
         with httpx.Client(base_url=f"http://{address}", timeout=120) as client:
             while not self.stopping.is_set():
-                response = client.post("/v1/completions", json={
-                    "model": "tiny", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 1.0})
+                response = client.post(
+                    "/v1/completions",
+                    json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 1.0},
+                )
                 response.raise_for_status()
                 self.completed += 1
 
@@ -96,11 +119,22 @@ def operator_reading_servers(operator, servers):
 
 
 def test_replicas_follow_load(cluster, operator_reading_servers, servers, namespace):
-    manifest = {"apiVersion": "serving.capstan.dev/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": "tiny"},
-                "spec": {"model": {"uri": "hf://capstan/tiny"}, "minReplicas": 1, "maxReplicas": 4,
-                         "autoscaling": {"metric": "concurrentRequests", "target": 3,
-                                         "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 10}}}
+    manifest = {
+        "apiVersion": "serving.capstan.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "model": {"uri": "hf://capstan/tiny"},
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "autoscaling": {
+                "metric": "concurrentRequests",
+                "target": 3,
+                "scaleUpStabilizationSeconds": 0,
+                "scaleDownStabilizationSeconds": 10,
+            },
+        },
+    }
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
 
     def isvc():
@@ -112,15 +146,21 @@ def test_replicas_follow_load(cluster, operator_reading_servers, servers, namesp
             status = current.get("status", {})
             deployment = cluster.get_json("deployment", "tiny", "-n", namespace)
             desired = status.get("desiredReplicas")
-            return check(desired) and deployment["spec"]["replicas"] == desired \
-                and status.get("readyReplicas") == desired and current
+            return (
+                check(desired)
+                and deployment["spec"]["replicas"] == desired
+                and status.get("readyReplicas") == desired
+                and current
+            )
+
         return probe
 
     wait_for("one idle replica", replicas_are(lambda n: n == 1), timeout=90, interval=1)
 
     with Load([s.address for s in servers]) as load:
-        scaled_up = wait_for("scale up under load", replicas_are(lambda n: n is not None and n >= 3),
-                             timeout=120, interval=1)
+        scaled_up = wait_for(
+            "scale up under load", replicas_are(lambda n: n is not None and n >= 3), timeout=120, interval=1
+        )
         assert scaled_up["status"]["autoscaling"]["lastDecision"].startswith("scale up")
     assert load.completed > 0
 

@@ -1,5 +1,6 @@
 """The chart's gateway, rendered by `helm template` (no cluster): on by default with the RBAC its discovery and
 demand signal need, its URL handed to the operator for status.url; off leaves no trace."""
+
 from __future__ import annotations
 
 from helm_chart import needs_helm, template
@@ -44,8 +45,16 @@ def test_off():
 
 
 def test_client_keys_upstream_keys_and_tls_are_mounted_from_secrets():
-    docs = template("--set", "gateway.clientKeys.secrets={team-keys,batch-keys}", "--set", "gateway.replicaCount=2",
-                    "--set", "gateway.upstreamKeys.secretName=replica-keys", "--set", "gateway.tls.secretName=gw-tls")
+    docs = template(
+        "--set",
+        "gateway.clientKeys.secrets={team-keys,batch-keys}",
+        "--set",
+        "gateway.replicaCount=2",
+        "--set",
+        "gateway.upstreamKeys.secretName=replica-keys",
+        "--set",
+        "gateway.tls.secretName=gw-tls",
+    )
     pod = named(docs, "Deployment")[0]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     args = container["args"]
@@ -55,8 +64,12 @@ def test_client_keys_upstream_keys_and_tls_are_mounted_from_secrets():
     assert "--upstream-keys=/etc/capstan/upstream-keys/upstream.yaml" in args
     assert "--ssl-keyfile=/etc/capstan/tls/tls.key" in args and "--ssl-certfile=/etc/capstan/tls/tls.crt" in args
     secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    assert secrets == {"client-keys-team-keys": "team-keys", "client-keys-batch-keys": "batch-keys",
-                       "upstream-keys": "replica-keys", "tls": "gw-tls"}
+    assert secrets == {
+        "client-keys-team-keys": "team-keys",
+        "client-keys-batch-keys": "batch-keys",
+        "upstream-keys": "replica-keys",
+        "tls": "gw-tls",
+    }
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert all("subPath" not in m and m.get("readOnly") for name, m in mounts.items() if name != "tmp")  # rotations
     assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
@@ -69,6 +82,11 @@ def test_open_gateway_by_default_and_upstream_keys_alone_are_refused():
     import subprocess
 
     from helm_chart import CHART, HELM
-    result = subprocess.run([str(HELM), "template", "capstan", str(CHART), "--set",
-                             "gateway.upstreamKeys.secretName=replica-keys"], capture_output=True, text=True, timeout=120)
+
+    result = subprocess.run(
+        [str(HELM), "template", "capstan", str(CHART), "--set", "gateway.upstreamKeys.secretName=replica-keys"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0 and "gateway.upstreamKeys needs gateway.clientKeys.secrets" in result.stderr

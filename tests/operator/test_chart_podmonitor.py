@@ -1,5 +1,6 @@
 """The chart's optional PodMonitor, rendered by `helm template` (no cluster): off by default; when on, it selects
 exactly the serving pods operator/render.py renders, on the port they name, at /metrics."""
+
 from __future__ import annotations
 
 from helm_chart import needs_helm, template
@@ -22,8 +23,9 @@ def test_selects_the_rendered_serving_pods_on_their_metrics_port():
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["namespace"] == "capstan-system" and monitor["metadata"]["labels"]["release"] == "kps"
     spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "image": "capstan:t"})
-    pod = render.render_deployment({"metadata": {"name": "qwen", "namespace": "serving", "uid": "1"}}, spec,
-                                   replicas=1)["spec"]["template"]
+    pod = render.render_deployment(
+        {"metadata": {"name": "qwen", "namespace": "serving", "uid": "1"}}, spec, replicas=1
+    )["spec"]["template"]
     wanted = monitor["spec"]["selector"]["matchLabels"]
     assert wanted.items() <= pod["metadata"]["labels"].items()
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]

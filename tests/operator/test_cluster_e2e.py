@@ -21,8 +21,14 @@ def eventually(what, check, timeout=90.0):
 
 def isvc_manifest(name: str, **spec) -> str:
     spec.setdefault("model", {"uri": "hf://Qwen/Qwen3-0.6B"})
-    return yaml.safe_dump({"apiVersion": "serving.capstan.dev/v1alpha1", "kind": "InferenceService",
-                           "metadata": {"name": name}, "spec": spec})
+    return yaml.safe_dump(
+        {
+            "apiVersion": "serving.capstan.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
+    )
 
 
 def get(cluster, namespace, *what):
@@ -47,15 +53,18 @@ def test_examples_are_accepted_by_the_api_server(cluster, chart, namespace):
         cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(example))
 
 
-@pytest.mark.parametrize(("spec", "field", "words"), [
-    ({"replicas": -1}, "spec.replicas", "greater than or equal to 0"),
-    ({"minReplicas": 5, "maxReplicas": 2}, "spec.minReplicas", "less than or equal to spec.maxReplicas"),
-    ({"accelerator": {"type": "nvidia-rtx-9090"}}, "spec.accelerator.type", "Unsupported value"),
-    ({"model": {"uri": "http://example.com/llama"}}, "spec.model.uri", "should match"),
-    ({"accelerator": {"type": "tpu-v5e", "count": 4}}, "spec.accelerator.topology", "required for TPU"),
-    ({"autoscaling": {"target": 8}}, "spec.maxReplicas", "required when spec.autoscaling is set"),
-    ({"replica": 2}, "spec.replica", "unknown field"),
-])
+@pytest.mark.parametrize(
+    ("spec", "field", "words"),
+    [
+        ({"replicas": -1}, "spec.replicas", "greater than or equal to 0"),
+        ({"minReplicas": 5, "maxReplicas": 2}, "spec.minReplicas", "less than or equal to spec.maxReplicas"),
+        ({"accelerator": {"type": "nvidia-rtx-9090"}}, "spec.accelerator.type", "Unsupported value"),
+        ({"model": {"uri": "http://example.com/llama"}}, "spec.model.uri", "should match"),
+        ({"accelerator": {"type": "tpu-v5e", "count": 4}}, "spec.accelerator.topology", "required for TPU"),
+        ({"autoscaling": {"target": 8}}, "spec.maxReplicas", "required when spec.autoscaling is set"),
+        ({"replica": 2}, "spec.replica", "unknown field"),
+    ],
+)
 def test_api_server_refuses_nonsense_naming_the_field(cluster, chart, namespace, spec, field, words):
     result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc_manifest("bad", **spec), check=False)
     assert result.returncode != 0, f"accepted: {spec}"
@@ -87,8 +96,11 @@ def test_inference_service_lifecycle(cluster, operator, namespace):
     # Pods land on the GPU nodes and kwok makes them ready; the status says so.
     def ready_isvc():
         current = get(cluster, namespace, "inferenceservice", "qwen3")
-        return current if condition(current, "Ready").get("status") == "True" \
-            and current["status"].get("readyReplicas") == 2 else None
+        return (
+            current
+            if condition(current, "Ready").get("status") == "True" and current["status"].get("readyReplicas") == 2
+            else None
+        )
 
     isvc = eventually("InferenceService Ready", ready_isvc)
     assert isvc["status"]["url"] == f"http://qwen3.{namespace}.svc.cluster.local/v1"
@@ -98,13 +110,22 @@ def test_inference_service_lifecycle(cluster, operator, namespace):
     assert len(pods) == 2 and all(p["spec"]["nodeName"].startswith("gpu-l4-") for p in pods)
     table = cluster.kubectl("get", "csvc", "-n", namespace).stdout
     assert "hf://Qwen/Qwen3-0.6B" in table and isvc["status"]["url"] in table
-    events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector",
-                             "involvedObject.kind=InferenceService", "-o", "json").stdout
+    events = cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceService", "-o", "json"
+    ).stdout
     assert "Serving" in events and "Applied" in events
 
     # A spec change rolls the pods without losing capacity.
-    cluster.kubectl("patch", "csvc", "qwen3", "-n", namespace, "--type=merge",
-                    "-p", json.dumps({"spec": {"runtime": {"maxModelLen": 4096}}}))
+    cluster.kubectl(
+        "patch",
+        "csvc",
+        "qwen3",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"runtime": {"maxModelLen": 4096}}}),
+    )
     available_seen = []
 
     def rolled():
@@ -112,9 +133,12 @@ def test_inference_service_lifecycle(cluster, operator, namespace):
         dep = get(cluster, namespace, "deployment", "qwen3")
         available_seen.append(dep["status"].get("availableReplicas", 0))
         pod_args = [p["spec"]["containers"][0]["args"] for p in owned(cluster, namespace, "pods")]
-        return (current["status"]["observedGeneration"] == current["metadata"]["generation"] == 2
-                and condition(current, "Progressing").get("reason") == "Complete"
-                and len(pod_args) == 2 and all("4096" in args for args in pod_args))
+        return (
+            current["status"]["observedGeneration"] == current["metadata"]["generation"] == 2
+            and condition(current, "Progressing").get("reason") == "Complete"
+            and len(pod_args) == 2
+            and all("4096" in args for args in pod_args)
+        )
 
     eventually("the rollout of the new spec", rolled)
     assert min(available_seen) >= 2, available_seen
@@ -124,8 +148,10 @@ def test_inference_service_lifecycle(cluster, operator, namespace):
     cluster.kubectl("scale", "csvc/qwen3", "-n", namespace, "--replicas=3")  # the scale subresource
     operator.kill()
     operator.start()
-    eventually("3 ready replicas after the restart",
-               lambda: get(cluster, namespace, "inferenceservice", "qwen3")["status"].get("readyReplicas") == 3)
+    eventually(
+        "3 ready replicas after the restart",
+        lambda: get(cluster, namespace, "inferenceservice", "qwen3")["status"].get("readyReplicas") == 3,
+    )
     for kind in ("deployments", "services", "poddisruptionbudgets"):
         assert len(owned(cluster, namespace, kind)) == 1, kind
     assert len(owned(cluster, namespace, "pods")) == 3
@@ -139,8 +165,10 @@ def test_inference_service_lifecycle(cluster, operator, namespace):
     cluster.kubectl("delete", "csvc", "qwen3", "-n", namespace, "--wait=true", timeout=60)
 
     def all_gone():
-        return not any(owned(cluster, namespace, kind)
-                       for kind in ("deployments", "replicasets", "pods", "services", "poddisruptionbudgets"))
+        return not any(
+            owned(cluster, namespace, kind)
+            for kind in ("deployments", "replicasets", "pods", "services", "poddisruptionbudgets")
+        )
 
     eventually("garbage collection of everything the InferenceService owned", all_gone)
 
@@ -149,12 +177,14 @@ def _degraded(cluster, namespace, name):
     def check():
         current = get(cluster, namespace, "inferenceservice", name)
         return current if condition(current, "Degraded").get("status") == "True" else None
+
     return eventually(f"{name} Degraded", check)
 
 
 def test_missing_accelerator_is_reported_as_degraded(cluster, operator, namespace):
-    cluster.kubectl("apply", "-n", namespace, "-f", "-",
-                    input=isvc_manifest("big", accelerator={"type": "nvidia-h100", "count": 8}))
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=isvc_manifest("big", accelerator={"type": "nvidia-h100", "count": 8})
+    )
     isvc = _degraded(cluster, namespace, "big")
     degraded = condition(isvc, "Degraded")
     assert degraded["reason"] == "AcceleratorUnavailable"
@@ -164,10 +194,13 @@ def test_missing_accelerator_is_reported_as_degraded(cluster, operator, namespac
     assert "AcceleratorUnavailable" in warnings
 
 
-@pytest.mark.parametrize(("image", "reason"), [
-    ("registry.invalid/capstan:unpullable", "ImagePullFailed"),
-    ("registry.invalid/capstan:crashing", "CrashLoop"),
-])
+@pytest.mark.parametrize(
+    ("image", "reason"),
+    [
+        ("registry.invalid/capstan:unpullable", "ImagePullFailed"),
+        ("registry.invalid/capstan:crashing", "CrashLoop"),
+    ],
+)
 def test_pod_failures_are_reported_as_degraded(cluster, operator, namespace, image, reason):
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc_manifest("failing", image=image))
     degraded = condition(_degraded(cluster, namespace, "failing"), "Degraded")
@@ -182,14 +215,17 @@ def test_a_pod_template_the_api_server_refuses_is_reported(cluster, operator, na
     assert degraded["reason"] == "InvalidPodTemplate" and "restartPolicy" in degraded["message"]
 
 
-def test_a_second_operator_replica_stands_by_until_the_first_goes(cluster, operator, operator_kubeconfig,
-                                                                   namespace, tmp_path):
+def test_a_second_operator_replica_stands_by_until_the_first_goes(
+    cluster, operator, operator_kubeconfig, namespace, tmp_path
+):
     """kopf peering: replicas start paused; only the highest priority acts, the next takes over."""
     standby = OperatorProcess(operator_kubeconfig, tmp_path).start("--priority=1")  # below start-time priorities
     try:
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc_manifest("one", replicas=1))
-        eventually("the active operator serving", lambda: condition(
-            get(cluster, namespace, "inferenceservice", "one"), "Ready").get("status") == "True")
+        eventually(
+            "the active operator serving",
+            lambda: condition(get(cluster, namespace, "inferenceservice", "one"), "Ready").get("status") == "True",
+        )
         assert "Resuming operations" not in standby.log.read_text()
         assert "on_change" not in standby.log.read_text()  # no handler ran in the standby
 
@@ -197,19 +233,30 @@ def test_a_second_operator_replica_stands_by_until_the_first_goes(cluster, opera
         # Up to kopf's peer lifetime (60 s): an operator killed earlier in the session still counts until it expires.
         eventually("the standby taking over", lambda: "Resuming operations" in standby.log.read_text(), timeout=150)
         cluster.kubectl("patch", "csvc", "one", "-n", namespace, "--type=merge", "-p", '{"spec": {"replicas": 2}}')
-        eventually("the former standby acting on a change", lambda: get(
-            cluster, namespace, "inferenceservice", "one")["status"].get("readyReplicas") == 2)
+        eventually(
+            "the former standby acting on a change",
+            lambda: get(cluster, namespace, "inferenceservice", "one")["status"].get("readyReplicas") == 2,
+        )
     finally:
         standby.stop()
         operator.start()
 
 
 def test_chart_can_be_limited_to_namespaces(cluster):
-    rendered = cluster.helm("template", "capstan", str(Path(__file__).resolve().parents[2] / "charts" / "capstan"),
-                            "--namespace", "ops", "--set", "watchNamespaces={team-a,team-b}").stdout
+    rendered = cluster.helm(
+        "template",
+        "capstan",
+        str(Path(__file__).resolve().parents[2] / "charts" / "capstan"),
+        "--namespace",
+        "ops",
+        "--set",
+        "watchNamespaces={team-a,team-b}",
+    ).stdout
     documents = [d for d in yaml.safe_load_all(rendered) if d]
     kinds = {(d["kind"], d["metadata"].get("namespace")) for d in documents}
     assert {("Role", "team-a"), ("RoleBinding", "team-b"), ("KopfPeering", "team-a")} <= kinds
     assert not any(d["kind"] in ("ClusterRole", "ClusterRoleBinding") for d in documents)
     deployment = next(d for d in documents if d["kind"] == "Deployment")
-    assert {"--namespace=team-a", "--namespace=team-b"} <= set(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert {"--namespace=team-a", "--namespace=team-b"} <= set(
+        deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    )

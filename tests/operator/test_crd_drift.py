@@ -52,8 +52,15 @@ def test_schema_is_structural():
 
 
 def test_model_uri_pattern_admits_the_documented_schemes_only():
-    good = ["hf://Qwen/Qwen3-0.6B", "hf://meta-llama/Llama-3.1-8B@main", "hf://org/name@0123abc",
-            "pvc://models/llama/3.1", "pvc://models", "gs://bucket/path/to/model", "s3://my.bucket/llama"]
+    good = [
+        "hf://Qwen/Qwen3-0.6B",
+        "hf://meta-llama/Llama-3.1-8B@main",
+        "hf://org/name@0123abc",
+        "pvc://models/llama/3.1",
+        "pvc://models",
+        "gs://bucket/path/to/model",
+        "s3://my.bucket/llama",
+    ]
     bad = ["Qwen/Qwen3-0.6B", "hf://justname", "http://example.com/model", "pvc://Bad_Claim/x", "hf://org/na me"]
     for uri in good:
         api.ModelSpec(uri=uri)

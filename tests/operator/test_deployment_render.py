@@ -16,15 +16,43 @@ def container(deployment):
 
 
 def test_serve_command_is_rendered_from_the_spec():
-    s = spec(runtime={"maxModelLen": 4096, "maxNumSeqs": 32, "pageSize": 16, "dtype": "bfloat16",
-                      "tensorParallelSize": 2, "extraArgs": ["--seed", "7"]},
-             accelerator={"type": "nvidia-h100", "count": 2}, drainTimeoutSeconds=45)
+    s = spec(
+        runtime={
+            "maxModelLen": 4096,
+            "maxNumSeqs": 32,
+            "pageSize": 16,
+            "dtype": "bfloat16",
+            "tensorParallelSize": 2,
+            "extraArgs": ["--seed", "7"],
+        },
+        accelerator={"type": "nvidia-h100", "count": 2},
+        drainTimeoutSeconds=45,
+    )
     c = container(render.render_deployment(OWNER, s, replicas=2))
     assert c["command"] == ["capstan", "serve"]
-    assert c["args"] == ["hf://Qwen/Qwen3-0.6B@main", "--host", "0.0.0.0", "--port", "8000",
-                         "--served-model-name", "Qwen/Qwen3-0.6B", "--max-model-len", "4096", "--max-num-seqs", "32",
-                         "--page-size", "16", "--dtype", "bfloat16", "--tensor-parallel-size", "2",
-                         "--drain-timeout", "45", "--seed", "7"]
+    assert c["args"] == [
+        "hf://Qwen/Qwen3-0.6B@main",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "Qwen/Qwen3-0.6B",
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "32",
+        "--page-size",
+        "16",
+        "--dtype",
+        "bfloat16",
+        "--tensor-parallel-size",
+        "2",
+        "--drain-timeout",
+        "45",
+        "--seed",
+        "7",
+    ]
 
 
 def test_data_parallel_replicas_share_a_pod_of_gpus():
@@ -49,9 +77,12 @@ def test_probes_and_graceful_drain_contract():
 
 
 def test_gpu_accelerator_requests_devices_selects_nodes_and_tolerates_the_taint():
-    s = spec(accelerator={"type": "nvidia-h100", "count": 4}, nodeSelector={"pool": "serving"},
-             tolerations=[{"key": "dedicated", "operator": "Exists"}],
-             resources={"requests": {"cpu": "8", "memory": "64Gi"}})
+    s = spec(
+        accelerator={"type": "nvidia-h100", "count": 4},
+        nodeSelector={"pool": "serving"},
+        tolerations=[{"key": "dedicated", "operator": "Exists"}],
+        resources={"requests": {"cpu": "8", "memory": "64Gi"}},
+    )
     pod = render.render_deployment(OWNER, s, replicas=1)["spec"]["template"]["spec"]
     resources = pod["containers"][0]["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == 4 and resources["requests"]["nvidia.com/gpu"] == 4
@@ -64,8 +95,10 @@ def test_gpu_accelerator_requests_devices_selects_nodes_and_tolerates_the_taint(
 def test_tpu_accelerator_selects_type_and_topology():
     s = spec(accelerator={"type": "tpu-v5e", "count": 8, "topology": "2x4"})
     pod = render.render_deployment(OWNER, s, replicas=1)["spec"]["template"]["spec"]
-    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
-                                   "cloud.google.com/gke-tpu-topology": "2x4"}
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+        "cloud.google.com/gke-tpu-topology": "2x4",
+    }
     assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 8}
 
 
@@ -102,8 +135,9 @@ def test_existing_cache_claim_is_used_not_created():
 def test_pvc_and_object_store_models():
     pvc = render.render_deployment(OWNER, spec(model={"uri": "pvc://weights/llama-3"}), replicas=1)
     assert container(pvc)["args"][0] == "/mnt/models/llama-3"
-    assert {"name": "model-source", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} \
-        in pvc["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model-source", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pvc["spec"][
+        "template"
+    ]["spec"]["volumes"]
     gs = render.render_deployment(OWNER, spec(model={"uri": "gs://bucket/models/llama"}), replicas=1)
     init = gs["spec"]["template"]["spec"]["initContainers"][0]
     assert init["args"][-2:] == [":gcs:bucket/models/llama", "/var/cache/capstan/models/gs/bucket/models/llama"]
@@ -112,10 +146,18 @@ def test_pvc_and_object_store_models():
 
 
 def test_pod_template_overrides_merge():
-    s = spec(podTemplate={"metadata": {"labels": {"team": "a"}, "annotations": {"note": "x"}},
-                          "spec": {"priorityClassName": "high",
-                                   "containers": [{"name": "capstan", "imagePullPolicy": "Always"},
-                                                  {"name": "sidecar", "image": "busybox"}]}})
+    s = spec(
+        podTemplate={
+            "metadata": {"labels": {"team": "a"}, "annotations": {"note": "x"}},
+            "spec": {
+                "priorityClassName": "high",
+                "containers": [
+                    {"name": "capstan", "imagePullPolicy": "Always"},
+                    {"name": "sidecar", "image": "busybox"},
+                ],
+            },
+        }
+    )
     template = render.render_deployment(OWNER, s, replicas=1)["spec"]["template"]
     assert template["metadata"]["labels"]["team"] == "a"
     assert template["metadata"]["labels"][render.INSTANCE_LABEL] == "qwen"

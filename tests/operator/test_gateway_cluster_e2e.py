@@ -43,18 +43,33 @@ def host_address() -> str | None:
 def gateway_kubeconfig(cluster, chart, tmp_path) -> Path:
     account = f"{RELEASE}-gateway"
     token = cluster.kubectl("create", "token", account, "-n", OPERATOR_NAMESPACE, "--duration=1h").stdout.strip()
-    return write_kubeconfig(tmp_path / "kubeconfig", cluster.server, cluster.ca_cert, token,
-                            f"system:serviceaccount:{OPERATOR_NAMESPACE}:{account}")
+    return write_kubeconfig(
+        tmp_path / "kubeconfig",
+        cluster.server,
+        cluster.ca_cert,
+        token,
+        f"system:serviceaccount:{OPERATOR_NAMESPACE}:{account}",
+    )
 
 
-def test_request_at_zero_replicas_scales_up_and_is_answered(cluster, operator, namespace, gateway_kubeconfig,
-                                                            monkeypatch):
+def test_request_at_zero_replicas_scales_up_and_is_answered(
+    cluster, operator, namespace, gateway_kubeconfig, monkeypatch
+):
     address = host_address()
     if address is None:
         pytest.skip("no non-loopback IPv4 address to publish a real replica at")
-    manifest = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "metadata": {"name": "tiny"},
-                "spec": {"model": {"uri": "hf://capstan/tiny", "servedName": "tiny"}, "replicas": 0, "minReplicas": 0,
-                         "maxReplicas": 2, "autoscaling": {"target": 4, "scaleDownStabilizationSeconds": 600}}}
+    manifest = {
+        "apiVersion": f"{api.GROUP}/{api.VERSION}",
+        "kind": api.KIND,
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "model": {"uri": "hf://capstan/tiny", "servedName": "tiny"},
+            "replicas": 0,
+            "minReplicas": 0,
+            "maxReplicas": 2,
+            "autoscaling": {"target": 4, "scaleDownStabilizationSeconds": 600},
+        },
+    }
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
 
     def deployment_replicas():
@@ -63,7 +78,9 @@ def test_request_at_zero_replicas_scales_up_and_is_answered(cluster, operator, n
     wait_for("the service at zero replicas", lambda: deployment_replicas() == 0, timeout=60)
 
     monkeypatch.setenv("KUBECONFIG", str(gateway_kubeconfig))
-    replica = start_replica("tiny", host=address)  # starts compiling now; published below, once the operator has scaled up
+    replica = start_replica(
+        "tiny", host=address
+    )  # starts compiling now; published below, once the operator has scaled up
     gateway = start_gateway([], "--namespace", namespace, "--poll-interval", "0.5", "--hold-timeout", "150")
     result: dict = {}
     try:
@@ -71,24 +88,38 @@ def test_request_at_zero_replicas_scales_up_and_is_answered(cluster, operator, n
         assert [m["id"] for m in httpx.get(f"{gateway.url}/v1/models").json()["data"]] == ["tiny"]
 
         def send():
-            result["response"] = httpx.post(f"{gateway.url}/v1/completions", timeout=170,
-                                            json={"model": "tiny", "prompt": "Hello", "max_tokens": 3})
+            result["response"] = httpx.post(
+                f"{gateway.url}/v1/completions", timeout=170, json={"model": "tiny", "prompt": "Hello", "max_tokens": 3}
+            )
 
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
         wait_for("the request held", lambda: metric(gateway.url, "capstan_gateway_requests_held") == 1, timeout=20)
-        wait_for("the demand stamp", lambda: api.DEMAND_ANNOTATION in cluster.get_json(
-            "inferenceservice", "tiny", "-n", namespace)["metadata"].get("annotations", {}), timeout=20)
+        wait_for(
+            "the demand stamp",
+            lambda: (
+                api.DEMAND_ANNOTATION
+                in cluster.get_json("inferenceservice", "tiny", "-n", namespace)["metadata"].get("annotations", {})
+            ),
+            timeout=20,
+        )
         wait_for("scale from zero", lambda: deployment_replicas() == 1, timeout=30)
         events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "reason=Scaled").stdout
         assert "scale from zero" in events
 
         replica.wait_ready()
         endpoint_slice = {
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-            "metadata": {"name": "tiny-e2e", "labels": {"kubernetes.io/service-name": "tiny",
-                                                        "endpointslice.kubernetes.io/managed-by": "capstan-e2e",
-                                                        "serving.capstan.dev/inferenceservice": "tiny"}},
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "addressType": "IPv4",
+            "metadata": {
+                "name": "tiny-e2e",
+                "labels": {
+                    "kubernetes.io/service-name": "tiny",
+                    "endpointslice.kubernetes.io/managed-by": "capstan-e2e",
+                    "serving.capstan.dev/inferenceservice": "tiny",
+                },
+            },
             "ports": [{"name": "http", "port": replica.port, "protocol": "TCP"}],
             "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
         }

@@ -30,22 +30,29 @@ def test_a_tpu_slice_replica_is_a_statefulset_of_its_hosts():
     pod = template["spec"]
     container = pod["containers"][0]
     assert container["resources"]["limits"] == {"google.com/tpu": 4}
-    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
-                                   "cloud.google.com/gke-tpu-topology": "2x2x2"}
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+        "cloud.google.com/gke-tpu-topology": "2x2x2",
+    }
     assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "8"  # every chip
     assert {"name": "coordinator", "containerPort": 8476, "protocol": "TCP"} in container["ports"]
     env = env_of(template)
     assert env["JAX_COORDINATOR_ADDRESS"]["value"] == "llama-1-0.llama-hosts.serving.svc.cluster.local:8476"
     assert env["JAX_NUM_PROCESSES"]["value"] == "2"
-    assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert (
+        env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
     assert "HF_HOME" in env  # the single-host environment is kept
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"  # a refused shape reaches status
     affinity = pod["affinity"]
-    assert affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == \
-        "kubernetes.io/hostname"
-    assert affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == \
-        "cloud.google.com/gke-nodepool"
+    assert (
+        affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"]
+        == "kubernetes.io/hostname"
+    )
+    assert (
+        affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"]
+        == "cloud.google.com/gke-nodepool"
+    )
 
 
 def test_multi_gpu_hosts_get_gpu_counts_and_no_node_pool_affinity():
@@ -59,15 +66,21 @@ def test_multi_gpu_hosts_get_gpu_counts_and_no_node_pool_affinity():
 
 def test_user_affinity_replaces_the_rendered_one():
     s = spec(**TPU_SLICE, affinity={"nodeAffinity": {"x": 1}})
-    assert render_group.render_group_statefulset(OWNER, s, 0)["spec"]["template"]["spec"]["affinity"] == \
-        {"nodeAffinity": {"x": 1}}
+    assert render_group.render_group_statefulset(OWNER, s, 0)["spec"]["template"]["spec"]["affinity"] == {
+        "nodeAffinity": {"x": 1}
+    }
 
 
 def test_statefulset_path_renders_a_headless_service_and_a_leader_only_service():
     objects = render_group.render_all_groups(OWNER, spec(**TPU_SLICE), replicas=3, leader_worker_set=False)
     assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
-        ("Service", "llama"), ("PodDisruptionBudget", "llama"), ("Service", "llama-hosts"),
-        ("StatefulSet", "llama-0"), ("StatefulSet", "llama-1"), ("StatefulSet", "llama-2")]
+        ("Service", "llama"),
+        ("PodDisruptionBudget", "llama"),
+        ("Service", "llama-hosts"),
+        ("StatefulSet", "llama-0"),
+        ("StatefulSet", "llama-1"),
+        ("StatefulSet", "llama-2"),
+    ]
     service, hosts = objects[0], objects[2]
     assert service["spec"]["selector"] == {render.INSTANCE_LABEL: "llama", "apps.kubernetes.io/pod-index": "0"}
     assert hosts["spec"]["clusterIP"] == "None" and hosts["spec"]["publishNotReadyAddresses"] is True
@@ -82,17 +95,22 @@ def test_leader_worker_set_path():
     lws = objects[2]
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["metadata"]["name"] == "llama-hosts"
     assert lws["metadata"]["annotations"] == {
-        "leaderworkerset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+        "leaderworkerset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
+    }
     assert lws["spec"]["replicas"] == 3 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
     assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
     template = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]
     env_names = [e["name"] for e in template["spec"]["containers"][0]["env"]]
     assert env_names.index("CAPSTAN_GROUP_INDEX") < env_names.index("JAX_COORDINATOR_ADDRESS")  # $(VAR) order
     env = env_of(template)
-    assert env["JAX_COORDINATOR_ADDRESS"]["value"] == \
-        "llama-hosts-$(CAPSTAN_GROUP_INDEX).llama-hosts.serving.svc.cluster.local:8476"
-    assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"
+    assert (
+        env["JAX_COORDINATOR_ADDRESS"]["value"]
+        == "llama-hosts-$(CAPSTAN_GROUP_INDEX).llama-hosts.serving.svc.cluster.local:8476"
+    )
+    assert (
+        env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"
+    )
 
 
 def test_single_host_keeps_the_deployment():
@@ -116,6 +134,7 @@ def test_tensor_parallel_size_defaults():
 
 def test_crd_checks_tpu_shapes_with_cel_naming_the_fields():
     from capstan.operator.crd import inference_service_crd
+
     schema = inference_service_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     rules = {r.get("fieldPath"): r for r in schema["x-kubernetes-validations"]}
     assert "spec.parallelism.hosts x spec.accelerator.count" in rules[".accelerator.topology"]["messageExpression"]
@@ -126,15 +145,26 @@ def test_crd_checks_tpu_shapes_with_cel_naming_the_fields():
 
 
 def _sts(replica, generation=2, observed=2, revision="new"):
-    return {"metadata": {"name": f"llama-{replica}", "generation": generation,
-                         "labels": {render_group.REPLICA_LABEL: str(replica)}},
-            "spec": {"replicas": 2}, "status": {"observedGeneration": observed, "updateRevision": revision}}
+    return {
+        "metadata": {
+            "name": f"llama-{replica}",
+            "generation": generation,
+            "labels": {render_group.REPLICA_LABEL: str(replica)},
+        },
+        "spec": {"replicas": 2},
+        "status": {"observedGeneration": observed, "updateRevision": revision},
+    }
 
 
 def _pod(replica, index, revision="new", ready=True, terminating=False):
-    meta = {"name": f"llama-{replica}-{index}", "labels": {
-        render_group.REPLICA_LABEL: str(replica), render_group.POD_INDEX_LABEL: str(index),
-        host_groups.REVISION_LABEL: revision}}
+    meta = {
+        "name": f"llama-{replica}-{index}",
+        "labels": {
+            render_group.REPLICA_LABEL: str(replica),
+            render_group.POD_INDEX_LABEL: str(index),
+            host_groups.REVISION_LABEL: revision,
+        },
+    }
     if terminating:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {"metadata": meta, "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}

@@ -19,9 +19,17 @@ def serve_arguments(**spec):
 def test_rendered_command_line_is_accepted_and_means_the_spec():
     parsed = serve_arguments(
         model={"uri": "hf://Qwen/Qwen3-0.6B@main", "servedName": "qwen"},
-        runtime={"maxModelLen": 4096, "maxNumSeqs": 32, "pageSize": 16, "dtype": "bfloat16",
-                 "tensorParallelSize": 2, "extraArgs": ["--max-waiting", "64"]},
-        accelerator={"type": "nvidia-l4", "count": 2}, drainTimeoutSeconds=45)
+        runtime={
+            "maxModelLen": 4096,
+            "maxNumSeqs": 32,
+            "pageSize": 16,
+            "dtype": "bfloat16",
+            "tensorParallelSize": 2,
+            "extraArgs": ["--max-waiting", "64"],
+        },
+        accelerator={"type": "nvidia-l4", "count": 2},
+        drainTimeoutSeconds=45,
+    )
     assert parsed.model == "hf://Qwen/Qwen3-0.6B@main"
     assert (parsed.host, parsed.port) == ("0.0.0.0", render.SERVER_PORT)
     assert parsed.served_model_name == ["qwen"]

@@ -7,26 +7,50 @@ SPEC = api.InferenceServiceSpec.model_validate({"model": {"uri": "hf://org/m"}, 
 
 
 def deployment(replicas=2, ready=2, updated=2, available=2, generation=3, observed=3, conditions=()):
-    return {"metadata": {"generation": generation},
-            "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
-                       "availableReplicas": available, "observedGeneration": observed, "conditions": list(conditions)}}
+    return {
+        "metadata": {"generation": generation},
+        "status": {
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            "availableReplicas": available,
+            "observedGeneration": observed,
+            "conditions": list(conditions),
+        },
+    }
 
 
 def pod(name="m-1", waiting=None, scheduled=None, last_exit=None):
     status = {"conditions": [], "containerStatuses": []}
     if waiting:
-        status["containerStatuses"].append({"name": "capstan", "image": "capstan:x", "restartCount": 5,
-                                            "state": {"waiting": {"reason": waiting, "message": "details"}},
-                                            "lastState": {"terminated": {"exitCode": last_exit}} if last_exit else {}})
+        status["containerStatuses"].append(
+            {
+                "name": "capstan",
+                "image": "capstan:x",
+                "restartCount": 5,
+                "state": {"waiting": {"reason": waiting, "message": "details"}},
+                "lastState": {"terminated": {"exitCode": last_exit}} if last_exit else {},
+            }
+        )
     if scheduled:
-        status["conditions"].append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                     "message": scheduled})
+        status["conditions"].append(
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": scheduled}
+        )
     return {"metadata": {"name": name}, "status": status}
 
 
 def status_of(dep, pods=(), previous=(), desired=2):
-    return compute_status(name="m", namespace="ns", generation=4, spec=SPEC, desired=desired, deployment=dep,
-                          pods=list(pods), previous_conditions=list(previous), now="2030-01-01T00:00:00Z")
+    return compute_status(
+        name="m",
+        namespace="ns",
+        generation=4,
+        spec=SPEC,
+        desired=desired,
+        deployment=dep,
+        pods=list(pods),
+        previous_conditions=list(previous),
+        now="2030-01-01T00:00:00Z",
+    )
 
 
 def conditions(status):
@@ -35,8 +59,11 @@ def conditions(status):
 
 def test_healthy_rollout_complete():
     s = status_of(deployment())
-    assert conditions(s) == {"Ready": ("True", "Serving"), "Progressing": ("False", "Complete"),
-                             "Degraded": ("False", "AsExpected")}
+    assert conditions(s) == {
+        "Ready": ("True", "Serving"),
+        "Progressing": ("False", "Complete"),
+        "Degraded": ("False", "AsExpected"),
+    }
     assert s["observedGeneration"] == 4 and s["url"] == "http://m.ns.svc.cluster.local/v1"
     assert s["readyReplicas"] == 2 and s["desiredReplicas"] == 2
     assert all(c["observedGeneration"] == 4 for c in s["conditions"])
@@ -79,24 +106,39 @@ def test_transition_time_kept_when_status_unchanged():
 def test_crash_loop_quotes_the_runtimes_last_words():
     crashed = pod(waiting="CrashLoopBackOff", last_exit=2)
     crashed["status"]["containerStatuses"][0]["lastState"]["terminated"]["message"] = (
-        "error: --tensor-parallel-size 3 does not divide num_attention_heads 32\n")
+        "error: --tensor-parallel-size 3 does not divide num_attention_heads 32\n"
+    )
     problem = diagnose([crashed], SPEC)
     assert problem.reason == "CrashLoop"
-    assert problem.message.endswith("(last exit code 2, 5 restarts): error: --tensor-parallel-size 3 does not "
-                                    "divide num_attention_heads 32")
+    assert problem.message.endswith(
+        "(last exit code 2, 5 restarts): error: --tensor-parallel-size 3 does not divide num_attention_heads 32"
+    )
 
 
 def test_url_through_the_gateway_when_one_routes():
-    s = compute_status(name="m", namespace="ns", generation=4, spec=SPEC, desired=2, deployment=deployment(),
-                       pods=[], previous_conditions=[], now="2030-01-01T00:00:00Z",
-                       url="http://capstan-gateway.capstan-system.svc.cluster.local/v1")
+    s = compute_status(
+        name="m",
+        namespace="ns",
+        generation=4,
+        spec=SPEC,
+        desired=2,
+        deployment=deployment(),
+        pods=[],
+        previous_conditions=[],
+        now="2030-01-01T00:00:00Z",
+        url="http://capstan-gateway.capstan-system.svc.cluster.local/v1",
+    )
     assert s["url"] == "http://capstan-gateway.capstan-system.svc.cluster.local/v1"
     assert "capstan-gateway" in next(c for c in s["conditions"] if c["type"] == "Ready")["message"]
 
 
 def test_pods_the_api_server_refused_are_degraded_with_its_words():
-    refused = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
-               "message": 'pods "m-1" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true'}
+    refused = {
+        "type": "ReplicaFailure",
+        "status": "True",
+        "reason": "FailedCreate",
+        "message": 'pods "m-1" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true',
+    }
     s = status_of(deployment(replicas=0, ready=0, updated=0, available=0, conditions=[refused]))
     assert conditions(s)["Degraded"] == ("True", "PodsRejected")
     degraded = next(c for c in s["conditions"] if c["type"] == "Degraded")

@@ -53,8 +53,13 @@ def real_node(image, tmp_path_factory):
     binaries = ensure_binaries()
     network = create_node_network()
     workdir = tmp_path_factory.mktemp("realnode")
-    cluster = ControlPlane(binaries, workdir / "control-plane", address=network.host_ip,
-                           service_cidr=network.service_cidr, fake_nodes=False)
+    cluster = ControlPlane(
+        binaries,
+        workdir / "control-plane",
+        address=network.host_ip,
+        service_cidr=network.service_cidr,
+        fake_nodes=False,
+    )
     node = RealNode(binaries, cluster, network, workdir / "node")
     try:
         cluster.start()
@@ -85,9 +90,23 @@ def compile_cache(tmp_path_factory) -> Path:
 def chart(real_cluster, image):
     """`helm install` the chart with the image this tree built: the operator runs as a real pod."""
     repository, tag = image[1].rsplit(":", 1)
-    real_cluster.helm("install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
-                      "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-                      "--set", "resyncSeconds=2", "--wait", "--timeout", "180s", timeout=200)
+    real_cluster.helm(
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--create-namespace",
+        "--set",
+        f"image.repository={repository}",
+        "--set",
+        f"image.tag={tag}",
+        "--set",
+        "resyncSeconds=2",
+        "--wait",
+        "--timeout",
+        "180s",
+        timeout=200,
+    )
     yield RELEASE
-    real_cluster.helm("uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait", "--timeout", "60s",
-                      timeout=90)
+    real_cluster.helm("uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait", "--timeout", "60s", timeout=90)

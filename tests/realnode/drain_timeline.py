@@ -33,9 +33,12 @@ class PodRemoval:
 
         def at(moment):
             return "never" if moment is None or self.deleted is None else f"+{moment - self.deleted:.1f}s"
-        return (f"{self.name}: deleted, endpoint not ready {at(self.endpoint_not_ready)}, "
-                f"kube-proxy rule gone {at(self.proxy_rule_removed)}, SIGTERM {at(self.sigterm)}, "
-                f"drained {at(self.drained)}, pod gone {at(self.gone)}")
+
+        return (
+            f"{self.name}: deleted, endpoint not ready {at(self.endpoint_not_ready)}, "
+            f"kube-proxy rule gone {at(self.proxy_rule_removed)}, SIGTERM {at(self.sigterm)}, "
+            f"drained {at(self.drained)}, pod gone {at(self.gone)}"
+        )
 
 
 def _log_time(line: str) -> float:
@@ -78,8 +81,13 @@ class DrainTimeline:
         now = time.time()
         pods = {p["metadata"]["name"]: p for p in self.cluster.get_json("pods", "-n", self.namespace)["items"]}
         slices = self.cluster.get_json("endpointslices", "-n", self.namespace)["items"]
-        ready_ips = {address for s in slices for e in s.get("endpoints") or []
-                     if (e.get("conditions") or {}).get("ready") for address in e["addresses"]}
+        ready_ips = {
+            address
+            for s in slices
+            for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready")
+            for address in e["addresses"]
+        }
         rules = self.node.network.run("iptables-save", "-t", "nat", check=False).stdout
         for removal in self.pods.values():
             pod = pods.get(removal.name)
@@ -96,9 +104,21 @@ class DrainTimeline:
 
     def _follow_log(self, removal: PodRemoval) -> None:
         follower = subprocess.Popen(
-            [kubectl_path(), f"--kubeconfig={self.cluster.kubeconfig}", "logs", "-f",
-             "--timestamps", "--since=1s", "-n", self.namespace, removal.name],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [
+                kubectl_path(),
+                f"--kubeconfig={self.cluster.kubeconfig}",
+                "logs",
+                "-f",
+                "--timestamps",
+                "--since=1s",
+                "-n",
+                self.namespace,
+                removal.name,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         self._followers.append(follower)
         for line in follower.stdout:
             removal.log.append(line.rstrip())

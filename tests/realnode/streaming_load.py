@@ -45,8 +45,13 @@ class StreamingLoad:
         while not self.stopping.is_set():
             started, finish_reason, error = time.monotonic(), None, None
             try:
-                stream = client.completions.create(model="tiny", prompt=f"Client {index} asks", stream=True,
-                                                   max_tokens=self.max_tokens, temperature=0.8)
+                stream = client.completions.create(
+                    model="tiny",
+                    prompt=f"Client {index} asks",
+                    stream=True,
+                    max_tokens=self.max_tokens,
+                    temperature=0.8,
+                )
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].finish_reason:
                         finish_reason = chunk.choices[0].finish_reason

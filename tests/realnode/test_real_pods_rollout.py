@@ -25,8 +25,11 @@ def served(real_cluster, chart, compile_cache):
     """Two ready replicas of the tiny model behind their Service, in a namespace of their own."""
     namespace = f"rollout-{uuid.uuid4().hex[:6]}"
     real_cluster.kubectl("create", "namespace", namespace)
-    wait_for("the namespace's default service account", lambda: real_cluster.kubectl(
-        "get", "sa", "default", "-n", namespace, check=False).returncode == 0, 60)
+    wait_for(
+        "the namespace's default service account",
+        lambda: real_cluster.kubectl("get", "sa", "default", "-n", namespace, check=False).returncode == 0,
+        60,
+    )
     real_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=tiny(compile_cache))
     wait_serving(real_cluster, namespace, "tiny", replicas=2)
     cluster_ip = real_cluster.get_json("service", "tiny", "-n", namespace)["spec"]["clusterIP"]
@@ -35,12 +38,18 @@ def served(real_cluster, chart, compile_cache):
 
 
 def tiny(compile_cache, *extra_args: str) -> str:
-    return tiny_inference_service("tiny", compile_cache, replicas=2, drainTimeoutSeconds=DRAIN_TIMEOUT,
-                                  extra_args=("--max-num-seqs", "64", *extra_args))
+    return tiny_inference_service(
+        "tiny",
+        compile_cache,
+        replicas=2,
+        drainTimeoutSeconds=DRAIN_TIMEOUT,
+        extra_args=("--max-num-seqs", "64", *extra_args),
+    )
 
 
-def _under_load(real_node, namespace: str, base_url: str, change, settled,
-                removed: int) -> tuple[StreamingLoad, DrainTimeline]:
+def _under_load(
+    real_node, namespace: str, base_url: str, change, settled, removed: int
+) -> tuple[StreamingLoad, DrainTimeline]:
     cluster = real_node.cluster
     old_pods = pods_of(cluster, namespace, "tiny")
     with StreamingLoad(base_url, clients=CLIENTS) as load:
@@ -48,8 +57,12 @@ def _under_load(real_node, namespace: str, base_url: str, change, settled,
         with DrainTimeline(cluster, real_node, namespace, old_pods) as timeline:
             change()
             wait_for("the change to settle", settled, 600, interval=1)
-            wait_for(f"{removed} old pods gone", lambda: sum(1 for r in timeline.pods.values() if r.gone) >= removed,
-                     DRAIN_TIMEOUT + 60, interval=1)
+            wait_for(
+                f"{removed} old pods gone",
+                lambda: sum(1 for r in timeline.pods.values() if r.gone) >= removed,
+                DRAIN_TIMEOUT + 60,
+                interval=1,
+            )
         after = time.monotonic()
         wait_for("requests served after the change", lambda: load.completed_since(after) >= CLIENTS, 120)
     for removal in timeline.pods.values():
@@ -81,9 +94,11 @@ def test_a_rolling_update_under_load_fails_no_request(real_node, served):
     def rolled():
         isvc = cluster.get_json("inferenceservice", "tiny", "-n", namespace)
         deployment = cluster.get_json("deployment", "tiny", "-n", namespace)["status"]
-        return (isvc["metadata"]["generation"] > generation
-                and deployment.get("updatedReplicas") == deployment.get("readyReplicas") == 2
-                and deployment.get("replicas") == 2)
+        return (
+            isvc["metadata"]["generation"] > generation
+            and deployment.get("updatedReplicas") == deployment.get("readyReplicas") == 2
+            and deployment.get("replicas") == 2
+        )
 
     load, timeline = _under_load(real_node, namespace, base_url, change, rolled, removed=2)
     _assert_graceful(load, timeline, removed=2)

@@ -1,5 +1,6 @@
 """Fixtures: one engine on the tiny golden Qwen3 checkpoint for the whole session, served in-process on
 127.0.0.1 twice: open, and with API keys."""
+
 from __future__ import annotations
 
 import pytest

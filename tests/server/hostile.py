@@ -1,5 +1,6 @@
 """Hostile request bodies for the fuzz tests: hypothesis strategies over OpenAI's request fields, and the
 checks every answer must pass (no 5xx, OpenAI's error shape, a bounded time)."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,54 @@ import httpx
 from hypothesis import strategies as st
 
 # Numbers at and beyond every boundary a field could have: dtype limits, 0, -1, NaN, infinities.
-EXTREME_INTS = [0, 1, -1, 2, 20, 21, 255, 256, 2 ** 15, 2 ** 31 - 1, 2 ** 31, -(2 ** 31), 2 ** 32, 2 ** 53 + 1,
-                2 ** 63 - 1, 2 ** 63, -(2 ** 63), -(2 ** 63) - 1, 2 ** 64, 2 ** 64 - 1, 10 ** 30, -(10 ** 30)]
-ODD_TEXT = ["", "\x00", "a\x00b", "\ud800", "x\udfffy", "\ud83d\ude00", "é" * 3, "\u202e\u200b\ufeff", "𝕏" * 50,
-            "日本語のテキスト", " " * 2000, "\n\t\r" * 100, "<|im_end|>", "<|endoftext|>", "\\u0000", "%s%n{0}"]
+EXTREME_INTS = [
+    0,
+    1,
+    -1,
+    2,
+    20,
+    21,
+    255,
+    256,
+    2**15,
+    2**31 - 1,
+    2**31,
+    -(2**31),
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    -(2**63),
+    -(2**63) - 1,
+    2**64,
+    2**64 - 1,
+    10**30,
+    -(10**30),
+]
+ODD_TEXT = [
+    "",
+    "\x00",
+    "a\x00b",
+    "\ud800",
+    "x\udfffy",
+    "\ud83d\ude00",
+    "é" * 3,
+    "\u202e\u200b\ufeff",
+    "𝕏" * 50,
+    "日本語のテキスト",
+    " " * 2000,
+    "\n\t\r" * 100,
+    "<|im_end|>",
+    "<|endoftext|>",
+    "\\u0000",
+    "%s%n{0}",
+]
 
-ints = st.one_of(st.sampled_from(EXTREME_INTS), st.integers(min_value=-(2 ** 70), max_value=2 ** 70))
-floats = st.one_of(st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, 1e308, -1e308, 5e-324]),
-                   st.floats(allow_nan=True, allow_infinity=True))
+ints = st.one_of(st.sampled_from(EXTREME_INTS), st.integers(min_value=-(2**70), max_value=2**70))
+floats = st.one_of(
+    st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, 1e308, -1e308, 5e-324]),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
 odd_text = st.one_of(st.sampled_from(ODD_TEXT), st.text(st.characters(codec=None), max_size=64))
 scalars = st.one_of(st.none(), st.booleans(), ints, floats, odd_text)
 
@@ -35,21 +76,53 @@ hostile_values = st.one_of(
     st.sampled_from([deep(40), deep(900), {"a": deep(100)}, [[]] * 5000, [""] * 300, ["x"] * 17]),
 )
 
-SAMPLING_FIELDS = ["model", "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-                   "logit_bias", "user", "stream", "stream_options", "top_k", "min_p", "repetition_penalty",
-                   "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "max_tokens"]
+SAMPLING_FIELDS = [
+    "model",
+    "n",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "stream",
+    "stream_options",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "max_tokens",
+]
 COMPLETION_FIELDS = SAMPLING_FIELDS + ["prompt", "logprobs", "echo", "suffix", "best_of"]
-CHAT_FIELDS = SAMPLING_FIELDS + ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                 "response_format", "add_generation_prompt", "chat_template_kwargs"]
+CHAT_FIELDS = SAMPLING_FIELDS + [
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "response_format",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+]
 
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                 "content": st.one_of(odd_text, hostile_values)})
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+        "content": st.one_of(odd_text, hostile_values),
+    }
+)
 
 
 def bodies(base: dict, fields: list[str]):
     """A valid body with one to four fields replaced by hostile values (so the hostility reaches deep code)."""
-    overrides = st.dictionaries(st.sampled_from(fields + ["nonsense", "\ud800"]), hostile_values,
-                                min_size=1, max_size=4)
+    overrides = st.dictionaries(
+        st.sampled_from(fields + ["nonsense", "\ud800"]), hostile_values, min_size=1, max_size=4
+    )
     return overrides.map(lambda o: {**base, **o})
 
 
@@ -61,13 +134,20 @@ chat_bodies = st.one_of(
 
 # Bodies that are not JSON objects at all, with the content types clients get wrong.
 RAW_BODIES = [
-    (b"", "application/json"), (b"\xff\xfe\x00", "application/json"), (b'{"prompt": "\xc3\x28"}', "application/json"),
-    (b'{"prompt": "a\x00b", "max_tokens": 2}', "application/json"), (b"[" * 100_000, "application/json"),
-    (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, "application/json"), (b'{"prompt": "x", "n": 1' + b"0" * 5000 + b"}",
-                                                                    "application/json"),
-    (b"null", "application/json"), (b"[]", "application/json"), (b'"prompt"', "application/json"),
-    (b"prompt=hi", "application/x-www-form-urlencoded"), (b'{"prompt": "hi"}', "text/plain"),
-    (b'{"prompt": "hi", "max_tokens": 2}', "application/json; charset=latin-1"), (b"\x00" * 1000, ""),
+    (b"", "application/json"),
+    (b"\xff\xfe\x00", "application/json"),
+    (b'{"prompt": "\xc3\x28"}', "application/json"),
+    (b'{"prompt": "a\x00b", "max_tokens": 2}', "application/json"),
+    (b"[" * 100_000, "application/json"),
+    (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, "application/json"),
+    (b'{"prompt": "x", "n": 1' + b"0" * 5000 + b"}", "application/json"),
+    (b"null", "application/json"),
+    (b"[]", "application/json"),
+    (b'"prompt"', "application/json"),
+    (b"prompt=hi", "application/x-www-form-urlencoded"),
+    (b'{"prompt": "hi"}', "text/plain"),
+    (b'{"prompt": "hi", "max_tokens": 2}', "application/json; charset=latin-1"),
+    (b"\x00" * 1000, ""),
     (b'{"prompt": NaN, "temperature": Infinity}', "application/json"),
 ]
 

@@ -1,5 +1,6 @@
 """Real servers for the server tests: uvicorn on a thread of the test process, and `capstan serve` as a
 subprocess (for signals). Every wait has a timeout; every process is killed on the way out."""
+
 from __future__ import annotations
 
 import os
@@ -52,7 +53,7 @@ def child_processes(pid: int) -> dict[int, str]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
         except OSError:  # it exited while we looked
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
         if int(fields[1]) == pid and fields[0] != "Z":
             children[int(entry.name)] = cmdline
     return children
@@ -64,7 +65,7 @@ def alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
 
 
 class ThreadServer:
@@ -73,8 +74,9 @@ class ThreadServer:
     def __init__(self, app):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -90,16 +92,33 @@ class ThreadServer:
 class ServeProcess:
     """`capstan serve` as a user runs it, in its own process group so it can be signalled and cleaned up."""
 
-    def __init__(self, *flags: str, env: dict | None = None, model: Path | None = CHECKPOINT,
-                 engine_flags: dict = ENGINE_FLAGS):
+    def __init__(
+        self, *flags: str, env: dict | None = None, model: Path | None = CHECKPOINT, engine_flags: dict = ENGINE_FLAGS
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         model_arg = [str(model)] if model is not None else []  # None: the default model, as `capstan serve` alone
-        command = [sys.executable, "-m", "capstan.runtime.cli", "serve", *model_arg, "--host", "127.0.0.1",
-                   "--port", str(self.port), *[f"--{k.replace('_', '-')}={v}" for k, v in engine_flags.items()],
-                   *flags]
-        self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, start_new_session=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        command = [
+            sys.executable,
+            "-m",
+            "capstan.runtime.cli",
+            "serve",
+            *model_arg,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *[f"--{k.replace('_', '-')}={v}" for k, v in engine_flags.items()],
+            *flags,
+        ]
+        self.process = subprocess.Popen(
+            command,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -1,6 +1,7 @@
 """A new user's first run: `capstan serve` with no model and no flags serves SmolLM2-135M-Instruct with its card's
 sampling (temperature 0.2, top_p 0.9), and at temperature 0 the capital of France is Paris. Through the openai
 client, as the README's snippet does. Questions at the API's defaults: benchmarks/default_model_questions.py."""
+
 from __future__ import annotations
 
 import pytest

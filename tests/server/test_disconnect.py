@@ -1,4 +1,5 @@
 """A client that goes away mid-request aborts it: its KV pages return to the pool (read from /metrics)."""
+
 from __future__ import annotations
 
 import time

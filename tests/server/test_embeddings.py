@@ -1,6 +1,7 @@
 """/v1/embeddings through the openai client against the real server, checked against transformers: the golden
 logits are the final hidden states times lm_head, so least squares through lm_head recovers those states (exactly:
 lm_head has full column rank), and pooling them is the reference embedding."""
+
 from __future__ import annotations
 
 import base64
@@ -26,7 +27,7 @@ def transformers_hidden_states(i: int) -> tuple[list[int], np.ndarray]:
     weights = load_file(str(CHECKPOINT / "model.safetensors"))
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).astype(np.float64)
     prompt = json.loads((CHECKPOINT / "reference.json").read_text())["prompts"][i]
-    logits = np.load(CHECKPOINT / "reference.npz")[f"logits_{i}"][:len(prompt)].astype(np.float64)
+    logits = np.load(CHECKPOINT / "reference.npz")[f"logits_{i}"][: len(prompt)].astype(np.float64)
     hidden, *_ = np.linalg.lstsq(head, logits.T, rcond=None)
     return prompt, hidden.T
 
@@ -50,8 +51,14 @@ def test_last_token_pooling_matches_transformers(client):
 def test_mean_pooling_matches_transformers():
     from capstan import LLM
 
-    llm = LLM(str(CHECKPOINT), max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, warmup=False,
-              embedding_pooling="mean")
+    llm = LLM(
+        str(CHECKPOINT),
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        warmup=False,
+        embedding_pooling="mean",
+    )
     prompts, hidden = zip(*(transformers_hidden_states(i) for i in (2, 3)), strict=True)
     outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
     for out, h in zip(outs, hidden, strict=True):
@@ -61,8 +68,9 @@ def test_mean_pooling_matches_transformers():
 
 def test_base64_decodes_to_the_floats(client, server):
     floats = client.embeddings.create(model=MODEL, input="The sea is calm", encoding_format="float").data[0].embedding
-    raw = httpx.post(f"{server}/v1/embeddings", json={"input": "The sea is calm", "encoding_format": "base64"},
-                     timeout=60).json()
+    raw = httpx.post(
+        f"{server}/v1/embeddings", json={"input": "The sea is calm", "encoding_format": "base64"}, timeout=60
+    ).json()
     decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     assert decoded.tolist() == floats
     # the SDK asks for base64 by default and decodes it itself
@@ -79,15 +87,18 @@ def test_input_forms_agree(client, engine):
     assert not np.allclose(batch[1].embedding, by_ids, atol=1e-3)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": "x", "dimensions": 8}, "dimensions"),
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [[1, 2], [10 ** 6]]}, "input[1]"),
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": ["x"] * 2049}, "input"),
-    ({"input": [1] * 600}, "input"),  # longer than the served context (512)
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[1, 2], [10**6]]}, "input[1]"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": ["x"] * 2049}, "input"),
+        ({"input": [1] * 600}, "input"),  # longer than the served context (512)
+    ],
+)
 def test_bad_embedding_requests_name_the_field(server, body, param):
     r = httpx.post(f"{server}/v1/embeddings", json=body, timeout=30)
     assert r.status_code == 400, r.text
@@ -104,8 +115,10 @@ def test_embeddings_and_generation_share_the_engine(client):
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        gens = [pool.submit(client.completions.create, model=MODEL, prompt="Once upon", max_tokens=20, temperature=0)
-                for _ in range(2)]
+        gens = [
+            pool.submit(client.completions.create, model=MODEL, prompt="Once upon", max_tokens=20, temperature=0)
+            for _ in range(2)
+        ]
         embs = [pool.submit(client.embeddings.create, model=MODEL, input=["a b c"] * 5) for _ in range(2)]
         assert all(g.result().usage.completion_tokens == 20 for g in gens)
         assert all(len(e.result().data) == 5 for e in embs)

@@ -2,6 +2,7 @@
 from both frontends; `--data-parallel-size 2` runs two engine cores behind one endpoint; an engine core killed with SIGKILL fails /health within 5 s and ends every open stream with an
 error event; the main process killed outright takes its children with it. (SIGTERM with 64 streams in flight, and
 no process left behind: test_storm_and_drain.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,12 +41,20 @@ def test_two_frontends_serve_the_openai_client_from_one_engine_core():
             with httpx.Client() as http:
                 client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", http_client=http)
                 if i % 2:
-                    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                            max_tokens=4, temperature=0, stream=True)
+                    stream = client.chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=4,
+                        temperature=0,
+                        stream=True,
+                    )
                     texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
                 else:
-                    texts.append(client.completions.create(model=MODEL, prompt="hello", max_tokens=4,
-                                                           temperature=0).choices[0].text)
+                    texts.append(
+                        client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
+                        .choices[0]
+                        .text
+                    )
         assert all(texts), texts
         assert len({t for i, t in enumerate(texts) if i % 2 == 0}) == 1  # greedy: the same text from either
         deadline = time.monotonic() + 10

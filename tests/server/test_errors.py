@@ -1,4 +1,5 @@
 """Bad input and missing keys over raw HTTP: OpenAI's error body and status code, never a 500 or a trace."""
+
 from __future__ import annotations
 
 import httpx
@@ -21,36 +22,44 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return error
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
-    ({"prompt": {"text": "x"}}, "prompt"),
-    ({"max_tokens": 3}, "prompt"),
-    ({"prompt": "x", "temperature": 5}, "temperature"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "logit_bias": {"not-a-token": 1}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
-    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+        ({"prompt": {"text": "x"}}, "prompt"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "x", "temperature": 5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"prompt": "x", "logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    ],
+)
 def test_completion_bad_values_are_400_naming_the_field(server, body, param):
     assert error_of(post(server, "/v1/completions", body), 400)["param"] == param
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": "hi"}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ],
+)
 def test_chat_bad_values_are_400_naming_the_field(server, body, param):
     assert error_of(post(server, "/v1/chat/completions", body), 400)["param"] == param
 
@@ -66,7 +75,9 @@ def test_prompt_longer_than_the_context_names_the_limit(server):
 
 
 def test_unknown_model_is_404(server):
-    error = error_of(post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404)
+    error = error_of(
+        post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404
+    )
     assert error["code"] == "model_not_found" and error["param"] == "model"
 
 
@@ -78,6 +89,7 @@ def test_chunked_body_over_the_limit_is_413(server):
     def chunks():
         for _ in range(100):
             yield b"x" * 1024
+
     r = httpx.post(f"{server}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     error_of(r, 413)
 
@@ -93,14 +105,17 @@ def test_api_keys_guard_v1_but_not_probes(keyed_server):
     error_of(post(keyed_server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
     error_of(httpx.get(f"{keyed_server}/v1/models", headers={"Authorization": "Basic key-one"}), 401)
     for key in API_KEYS:
-        assert post(keyed_server, "/v1/completions", body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert (
+            post(keyed_server, "/v1/completions", body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        )
     for probe in ("/health", "/ready", "/metrics"):
         assert httpx.get(f"{keyed_server}{probe}").status_code == 200
 
 
 def test_the_key_is_checked_before_the_body_is_read(keyed_server):
-    r = httpx.post(f"{keyed_server}/v1/chat/completions", content=b"{not json",
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{keyed_server}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert error_of(r, 401)["code"] == "invalid_api_key"
 
 

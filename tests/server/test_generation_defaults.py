@@ -1,6 +1,7 @@
 """The model's sampling defaults through the real `capstan serve` and the openai client: a checkpoint whose
 generation_config.json sets top_k 1 answers requests without sampling fields exactly as temperature 0 does;
 --override-generation-config beats the file; a request's own field beats both; the start log says which apply."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ def served(tmp_path_factory):
         if f.name != "generation_config.json":
             (folder / f.name).symlink_to(f)
     (folder / "generation_config.json").write_text(json.dumps(MODEL_FILE))
-    with ServeProcess("--served-model-name", NAME, f"--override-generation-config={json.dumps(OVERRIDE)}",
-                      model=folder) as server:
+    with ServeProcess(
+        "--served-model-name", NAME, f"--override-generation-config={json.dumps(OVERRIDE)}", model=folder
+    ) as server:
         yield server
 
 
@@ -44,8 +46,12 @@ def test_no_sampling_fields_give_the_models_greedy_tokens_for_the_overrides_leng
         default = completion(client, prompt)
         greedy = completion(client, prompt, temperature=0, max_tokens=7)
         assert default.text == greedy.text and default.finish_reason == "length"
-        assert client.completions.create(model=NAME, prompt=prompt, max_tokens=50, temperature=0, extra_body={
-            "ignore_eos": True}).usage.completion_tokens == 50
+        assert (
+            client.completions.create(
+                model=NAME, prompt=prompt, max_tokens=50, temperature=0, extra_body={"ignore_eos": True}
+            ).usage.completion_tokens
+            == 50
+        )
 
 
 def test_a_request_field_beats_the_override_and_the_model(client):
@@ -60,12 +66,15 @@ def test_a_request_field_beats_the_override_and_the_model(client):
 
 
 def test_chat_without_max_tokens_takes_the_default_length(client):
-    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hello"}],
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hello"}], extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
 
 
 def test_the_start_log_says_which_defaults_apply(served):
     log = "".join(served.output)
-    assert ("default sampling parameters from the model's generation config (auto) and "
-            "--override-generation-config: max_tokens=7, top_k=1") in log, log[-3000:]
+    assert (
+        "default sampling parameters from the model's generation config (auto) and "
+        "--override-generation-config: max_tokens=7, top_k=1"
+    ) in log, log[-3000:]

@@ -2,6 +2,7 @@
 bodies of extreme numbers, odd text, huge lists and deep nesting, raw bytes that are not JSON. Every answer is
 under 500 and in OpenAI's error shape, none takes over 30 s, and afterwards the server is alive and ready, every
 KV page is free and its memory is below a stated ceiling."""
+
 from __future__ import annotations
 
 import time
@@ -18,11 +19,17 @@ from test_disconnect import gauges, wait_pool_free
 pytestmark = pytest.mark.slow
 REQUEST_TIMEOUT = 30.0  # seconds: no request may take longer, whatever it asks
 RSS_CEILING_BYTES = 2 << 30  # the process after the whole fuzz run (docs/server.md works out the bound)
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 # A short context keeps every valid generation short, so the budget goes to hostile input, not decoding.
-SERVER_FLAGS = ("--max-model-len=96", "--max-num-seqs=8", "--max-num-batched-tokens=64", "--decode-steps=4",
-                "--max-waiting=64")
+SERVER_FLAGS = (
+    "--max-model-len=96",
+    "--max-num-seqs=8",
+    "--max-num-batched-tokens=64",
+    "--decode-steps=4",
+    "--max-waiting=64",
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,40 +64,55 @@ def send(url: str, path: str, content: bytes, content_type: str = "application/j
 
 # ---- the examples from the issue, and the limits they must name -----------------------------------------------
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2147483648}, "n"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 9}, "n"),  # above --max-num-seqs
-    ("/v1/completions", {"prompt": ["hi"] * 20, "max_tokens": 2, "n": 8}, "n"),  # 160 choices > --max-waiting
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 2147483648}, "logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                              "top_logprobs": 1000000}, "top_logprobs"),
-    ("/v1/completions", {"prompt": "hi", "top_k": 9223372036854775808}, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, "model"),
-    ("/v1/completions", {"prompt": "\ud800 hi"}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, "messages[0].content"),
-    ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 64}, "seed"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2 ** 31}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "min_tokens": 2 ** 63}, "min_tokens"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
-    ("/v1/completions", {"prompt": "hi", "stop": "x" * 1025}, "stop"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * 33}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2 ** 40]}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": float("nan")}}, "logit_bias"),
-    ("/v1/completions", {"prompt": ["hi"] * 257}, "prompt"),
-    ("/v1/completions", {"prompt": [2 ** 63]}, "prompt"),
-    ("/v1/completions", {"prompt": "many words " * 300_000}, "prompt"),  # refused before it is tokenized
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "words " * 500_000}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2049}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]},
-     "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "chat_template_kwargs": {"x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}},
-     "chat_template_kwargs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "u" * 257}, "user"),
-])
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2147483648}, "n"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 9}, "n"),  # above --max-num-seqs
+        ("/v1/completions", {"prompt": ["hi"] * 20, "max_tokens": 2, "n": 8}, "n"),  # 160 choices > --max-waiting
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 2147483648}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1000000},
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"prompt": "hi", "top_k": 9223372036854775808}, "top_k"),
+        ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, "model"),
+        ("/v1/completions", {"prompt": "\ud800 hi"}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, "messages[0].content"),
+        ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2**31}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": 2**63}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": "x" * 1025}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * 33}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**40]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": float("nan")}}, "logit_bias"),
+        ("/v1/completions", {"prompt": ["hi"] * 257}, "prompt"),
+        ("/v1/completions", {"prompt": [2**63]}, "prompt"),
+        ("/v1/completions", {"prompt": "many words " * 300_000}, "prompt"),  # refused before it is tokenized
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "words " * 500_000}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2049}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]},
+            },
+            "chat_template_kwargs",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "u" * 257}, "user"),
+    ],
+)
 def test_out_of_bounds_is_400_naming_the_field_and_limit(fuzz_server, path, body, param):
     r = send(fuzz_server.url, path, encode(body))
     assert r.status_code == 400, r.text
@@ -115,6 +137,7 @@ def test_nul_bytes_and_odd_unicode_in_a_prompt_generate(fuzz_server):
 
 # ---- generated: hypothesis bodies, then schemathesis from the server's own schema -----------------------------
 
+
 @FUZZ
 @seed(20261123)
 @given(body=completion_bodies)
@@ -137,8 +160,7 @@ def test_openapi_schema_fuzz(fuzz_server, path, mode):
     schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
     operation = schema.find_operation_by_path("POST", path)
 
-    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(mode))
     def fuzz(case):
         started = time.monotonic()

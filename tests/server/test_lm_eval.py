@@ -2,6 +2,7 @@
 local-completions scores multiple choice by loglikelihood (echo + logprobs, the served tokenizer through
 /tokenizer_info and /tokenize), local-chat-completions answers by generate_until. The tasks and their data live in
 tests/data/lm_eval, so nothing is downloaded."""
+
 from __future__ import annotations
 
 import time
@@ -38,10 +39,14 @@ def evaluate(lm_eval, model: str, task: str, base_url: str, **kwargs) -> dict:
     from lm_eval.tasks import TaskManager
 
     started = time.monotonic()
-    out = lm_eval.simple_evaluate(model=model, model_args={"model": MODEL, "base_url": base_url, "max_retries": 1,
-                                                           "num_concurrent": 2},
-                                  tasks=[task], task_manager=TaskManager(include_path=str(TASKS)), log_samples=True,
-                                  **kwargs)
+    out = lm_eval.simple_evaluate(
+        model=model,
+        model_args={"model": MODEL, "base_url": base_url, "max_retries": 1, "num_concurrent": 2},
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(TASKS)),
+        log_samples=True,
+        **kwargs,
+    )
     elapsed = time.monotonic() - started
     scores = {k: round(float(v), 4) for k, v in out["results"][task].items() if "," in k and "stderr" not in k}
     print(f"{task} via {model}: {scores} in {elapsed:.0f} s")
@@ -51,8 +56,7 @@ def evaluate(lm_eval, model: str, task: str, base_url: str, **kwargs) -> dict:
 
 def test_local_completions_scores_multiple_choice_above_chance(smollm2, lm_eval):
     # lm-eval's default tokenizer backend ("auto") finds /tokenizer_info and tokenizes through the server: no download.
-    out = evaluate(lm_eval, "local-completions", "capstan_basic_facts", f"{smollm2.url}/v1/completions",
-                   batch_size=16)
+    out = evaluate(lm_eval, "local-completions", "capstan_basic_facts", f"{smollm2.url}/v1/completions", batch_size=16)
     assert out["config"]["model_args"]["model"] == MODEL
     samples = out["samples"]["capstan_basic_facts"]
     assert len(samples) == 30
@@ -65,8 +69,13 @@ def test_local_completions_scores_multiple_choice_above_chance(smollm2, lm_eval)
 
 
 def test_local_chat_completions_answers_until_a_newline(smollm2, lm_eval):
-    out = evaluate(lm_eval, "local-chat-completions", "capstan_basic_answers",
-                   f"{smollm2.url}/v1/chat/completions", apply_chat_template=True)
+    out = evaluate(
+        lm_eval,
+        "local-chat-completions",
+        "capstan_basic_answers",
+        f"{smollm2.url}/v1/chat/completions",
+        apply_chat_template=True,
+    )
     samples = out["samples"]["capstan_basic_answers"]
     assert len(samples) == 6
     for sample in samples:  # English sentences, cut at the task's stop string

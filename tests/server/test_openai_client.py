@@ -1,4 +1,5 @@
 """The official openai client (sync, async, streaming) against the real server, as an application uses it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,16 @@ def test_completion(client):
 
 def test_completion_stream_matches_the_whole_response(client):
     whole = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
@@ -72,9 +81,15 @@ def test_stop_string_ends_with_stop(client):
 
 def test_sampling_extras_are_accepted(client):
     r = client.completions.create(
-        model=MODEL, prompt="Hello", max_tokens=4, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"7": 5},
-        user="team-a", extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
-                                   "min_tokens": 2})
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=4,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"7": 5},
+        user="team-a",
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2},
+    )
     assert r.usage.completion_tokens == 4
 
 
@@ -95,8 +110,7 @@ def test_chat_stream(client):
 
 def test_chat_content_parts_and_logprobs(client):
     messages = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=3,
-                                       n=2)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=3, n=2)
     assert len(r.choices) == 2
     content = r.choices[0].logprobs.content
     assert content and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
@@ -116,7 +130,8 @@ def test_async_client_concurrent_streams(server):
 
         async def one(i: int) -> str:
             stream = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}"}], max_tokens=8, stream=True)
+                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}"}], max_tokens=8, stream=True
+            )
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
         texts = await asyncio.gather(*(one(i) for i in range(6)))
@@ -129,8 +144,14 @@ def test_async_client_concurrent_streams(server):
 def test_metrics_count_finished_requests(client, server):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     text = httpx.get(f"{server}/metrics").text
-    for name in ("capstan_requests_running", "capstan_kv_cache_usage_ratio", "capstan_prefix_cache_hit_rate",
-                 "capstan_time_to_first_token_seconds_bucket", "capstan_inter_token_latency_seconds_bucket",
-                 "capstan_e2e_request_latency_seconds_count", "capstan_generation_tokens_total",
-                 'capstan_requests_finished_total{finish_reason="length"}'):
+    for name in (
+        "capstan_requests_running",
+        "capstan_kv_cache_usage_ratio",
+        "capstan_prefix_cache_hit_rate",
+        "capstan_time_to_first_token_seconds_bucket",
+        "capstan_inter_token_latency_seconds_bucket",
+        "capstan_e2e_request_latency_seconds_count",
+        "capstan_generation_tokens_total",
+        'capstan_requests_finished_total{finish_reason="length"}',
+    ):
         assert name in text, name

@@ -1,5 +1,6 @@
 """`capstan serve` as a process: keys from a file and the environment, 429 when the queue is full, spans over
 OTLP, prompts kept out of the log, and SIGTERM draining in-flight streams before a clean exit (run last)."""
+
 from __future__ import annotations
 
 import http.server
@@ -55,11 +56,20 @@ def otlp():
 def proc(otlp, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("secret") / "api-keys"
     key_file.write_text("file-key\n")
-    env = {"CAPSTAN_API_KEY": "env-key", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp.server_port}",
-           "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    env = {
+        "CAPSTAN_API_KEY": "env-key",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp.server_port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
     # one sequence at a time, one decode step per dispatch: a 300-token stream lasts long enough to queue behind
-    with ServeProcess("--max-num-seqs=1", "--max-waiting=1", "--drain-timeout=120",
-                      "--decode-steps=1", f"--api-key-file={key_file}", env=env) as p:
+    with ServeProcess(
+        "--max-num-seqs=1",
+        "--max-waiting=1",
+        "--drain-timeout=120",
+        "--decode-steps=1",
+        f"--api-key-file={key_file}",
+        env=env,
+    ) as p:
         yield p
 
 
@@ -118,8 +128,12 @@ def test_spans_are_exported_over_otlp(proc, otlp):
         return {a.key: a.value for a in span.attributes}
 
     def ours():
-        return [s for s in otlp.spans if attributes(s).get("gen_ai.request.max_tokens", None) is not None
-                and attributes(s)["gen_ai.request.max_tokens"].int_value == 7]
+        return [
+            s
+            for s in otlp.spans
+            if attributes(s).get("gen_ai.request.max_tokens", None) is not None
+            and attributes(s)["gen_ai.request.max_tokens"].int_value == 7
+        ]
 
     wait_for(ours, what="the request's span")
     span = ours()[0]

@@ -1,6 +1,7 @@
 """`capstan serve --ssl-keyfile/--ssl-certfile` with two frontends: the openai client trusting the test CA gets
 answers from either, one trusting another CA is refused, and a renewed certificate is served without a restart.
 (The certificate's reloading itself: tests/gateway/test_gateway_tls.py.)"""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """`capstan serve` under a disconnect storm, then SIGTERM with 64 streams in flight; and a drain timeout
 shorter than the work, whose unfinished streams must end with an error event, not a silent cut."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,13 @@ from servers import MODEL, ServeProcess, alive, child_processes
 from test_disconnect import gauges, wait_pool_free
 
 pytestmark = pytest.mark.slow
-STORM_FLAGS = ("--max-model-len=512", "--max-num-seqs=32", "--max-num-batched-tokens=128", "--decode-steps=4",
-               "--drain-timeout=120")
+STORM_FLAGS = (
+    "--max-model-len=512",
+    "--max-num-seqs=32",
+    "--max-num-batched-tokens=128",
+    "--decode-steps=4",
+    "--drain-timeout=120",
+)
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, read_events: int | None = None) -> dict:
@@ -47,8 +53,13 @@ async def storm(url: str, total: int = 300, concurrency: int = 64) -> tuple[list
 
     async def one(i: int) -> dict | None:
         nonlocal disconnected
-        body = {"model": MODEL, "prompt": f"request {i}: " + "words " * rng.randint(1, 40),
-                "max_tokens": rng.randint(8, 48), "ignore_eos": True, "temperature": rng.choice([0, 0.8])}
+        body = {
+            "model": MODEL,
+            "prompt": f"request {i}: " + "words " * rng.randint(1, 40),
+            "max_tokens": rng.randint(8, 48),
+            "ignore_eos": True,
+            "temperature": rng.choice([0, 0.8]),
+        }
         leaves = rng.random() < 1 / 3
         async with gate:
             if not leaves:
@@ -96,8 +107,11 @@ def test_sigterm_with_64_streams_finishes_them_all_then_exits_0(storm_server):
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=80)) as client:
             tasks = [asyncio.ensure_future(stream_completion(client, storm_server.url, body)) for _ in range(64)]
             deadline = time.monotonic() + 60
-            while gauges(storm_server.url)["capstan_requests_running"] + \
-                    gauges(storm_server.url)["capstan_requests_waiting"] < 64:
+            while (
+                gauges(storm_server.url)["capstan_requests_running"]
+                + gauges(storm_server.url)["capstan_requests_waiting"]
+                < 64
+            ):
                 assert time.monotonic() < deadline, "64 requests never got in flight"
                 await asyncio.sleep(0.05)
             signalled = time.monotonic()
@@ -122,8 +136,10 @@ def test_drain_timeout_ends_unfinished_streams_with_an_error_event():
     timeout = 1.5
     # one decode step per dispatch, two sequences at a time, 2,000 tokens each: the work outlasts the drain timeout
     # (1,000 tokens against 3 s did not, on an idle 2-core machine: the running streams finished in time)
-    with ServeProcess("--max-num-seqs=2", "--decode-steps=1", f"--drain-timeout={timeout}",
-                      "--max-model-len=2048") as proc:
+    with ServeProcess(
+        "--max-num-seqs=2", "--decode-steps=1", f"--drain-timeout={timeout}", "--max-model-len=2048"
+    ) as proc:
+
         async def scenario():
             body = {"model": MODEL, "prompt": "a very long answer", "max_tokens": 2000, "ignore_eos": True}
             async with httpx.AsyncClient(timeout=120) as client:

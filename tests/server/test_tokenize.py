@@ -1,4 +1,5 @@
 """/tokenize, /detokenize, /tokenizer_info and /version in vLLM's shapes, through httpx against the real server."""
+
 from __future__ import annotations
 
 import json
@@ -32,15 +33,18 @@ def test_tokenize_messages_counts_what_chat_runs(server):
     assert without["count"] < tokens["count"]
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
-    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
-    ("/tokenize", {"messages": []}, "messages"),
-    ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
-    ("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
-    ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+    ],
+)
 def test_bad_requests_name_the_field(server, path, body, param):
     content = json.dumps(body).encode()  # ASCII escapes, so "\ud800" reaches the server as a lone surrogate
     r = httpx.post(f"{server}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
@@ -50,8 +54,12 @@ def test_bad_requests_name_the_field(server, path, body, param):
 
 def test_detokenize_bounds_its_tokens(keyed_server):
     # the open test server caps bodies at 64 KiB; the keyed one has the default 4 MiB
-    r = httpx.post(f"{keyed_server}/detokenize", json={"tokens": [1] * 131073}, timeout=30,
-                   headers={"Authorization": "Bearer key-one"})
+    r = httpx.post(
+        f"{keyed_server}/detokenize",
+        json={"tokens": [1] * 131073},
+        timeout=30,
+        headers={"Authorization": "Bearer key-one"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
