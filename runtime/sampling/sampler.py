@@ -3,6 +3,7 @@
 Order as in vLLM: logit_bias and min_tokens bans, penalties, temperature, top-k / top-p / min-p, sample.
 Logprobs are of the model's raw distribution. A row's random key depends only on its seed and the position
 it samples, so a seeded request draws the same tokens alone or in any batch."""
+
 from __future__ import annotations
 
 import functools
@@ -54,6 +55,7 @@ class Branches(NamedTuple):
     compiled for them has no lax.cond, whose predicate XLA:GPU copies back to the host: the host would wait there
     for the device to catch up, and could not queue the next program meanwhile (the decode pipeline for grammars
     needs it to)."""
+
     plain_greedy: bool | None
     any_constrained: bool | None
     any_penalty: bool | None
@@ -72,9 +74,14 @@ def sample(logits: jax.Array, b: SamplingBatch, branches: Branches | None = None
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)  # one reduction: log-probabilities are only materialised when asked
     # a plain greedy batch (the common serving case) skips every processor: one argmax over the raw logits
-    tokens = _branch(branches and branches.plain_greedy, b.plain_greedy,
-                     lambda x, b: jnp.argmax(x, axis=-1).astype(jnp.int32),
-                     lambda x, b: _processed_sample(x, b, branches), logits, b)
+    tokens = _branch(
+        branches and branches.plain_greedy,
+        b.plain_greedy,
+        lambda x, b: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda x, b: _processed_sample(x, b, branches),
+        logits,
+        b,
+    )
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
 
     def with_logprobs(logits):
@@ -84,11 +91,15 @@ def sample(logits: jax.Array, b: SamplingBatch, branches: Branches | None = None
         return rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
 
     def without(logits):
-        return (jnp.ones((S,), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+        return (
+            jnp.ones((S,), jnp.int32),
+            jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((S, MAX_LOGPROBS), jnp.float32),
+        )
 
-    rank, top_ids, top_lp = _branch(branches and branches.want_logprobs, b.want_logprobs, with_logprobs, without,
-                                    logits)
+    rank, top_ids, top_lp = _branch(
+        branches and branches.want_logprobs, b.want_logprobs, with_logprobs, without, logits
+    )
     return SampleResult(tokens, chosen, rank, top_ids, top_lp)
 
 
@@ -102,28 +113,41 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | 
     def biased(x, t):  # logit_bias (scaled as x is) and min_tokens bans, then the grammar's mask
         x = x.at[rows, b.bias_ids].add(b.bias_values / t, mode="drop")
         x = x.at[rows, b.banned_ids].set(-jnp.inf, mode="drop")
-        return _branch(branches and branches.any_constrained, b.any_constrained, _apply_grammar,
-                       lambda x, allowed: x, x, b.allowed)
+        return _branch(
+            branches and branches.any_constrained, b.any_constrained, _apply_grammar, lambda x, allowed: x, x, b.allowed
+        )
 
     # penalties read the unscaled logits (vLLM's order: bias, bans, penalties, temperature); without them the
     # temperature comes first, so the scaled copy is the buffer the bias is added into (the scatters would
     # otherwise copy the logits, which the log-probabilities still read: 82 us for 256 x 128k on an H100)
-    x = _branch(branches and branches.any_penalty, b.any_penalty,
-                lambda x: _apply_penalties(biased(x, 1.0), b) / t, lambda x: biased(x / t, t), logits)
+    x = _branch(
+        branches and branches.any_penalty,
+        b.any_penalty,
+        lambda x: _apply_penalties(biased(x, 1.0), b) / t,
+        lambda x: biased(x / t, t),
+        logits,
+    )
     noise = RowNoise(row_keys(b), V)
     name = filters_name(jax.default_backend())
-    filtered = (lambda x: DRAWS[name](x, b, greedy, noise)) if name in DRAWS else \
-        (lambda x: _draw(FILTERS[name](x, b), greedy, noise))
-    sampled = lambda x: _branch(branches and branches.any_filter, b.any_filter, filtered,  # noqa: E731
-                                lambda x: _draw(x, greedy, noise), x)
-    return _branch(branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), sampled,
-                   x).astype(jnp.int32)
+    filtered = (
+        (lambda x: DRAWS[name](x, b, greedy, noise))
+        if name in DRAWS
+        else (lambda x: _draw(FILTERS[name](x, b), greedy, noise))
+    )
+
+    def sampled(x):
+        return _branch(branches and branches.any_filter, b.any_filter, filtered, lambda x: _draw(x, greedy, noise), x)
+
+    return _branch(
+        branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), sampled, x
+    ).astype(jnp.int32)
 
 
 def row_keys(b: SamplingBatch) -> jax.Array:
     """[S, 2] u32: each row's key data with the position it samples folded in."""
     return jax.vmap(lambda k, p: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), p)))(
-        b.key_data, b.position)
+        b.key_data, b.position
+    )
 
 
 class RowNoise:
@@ -143,8 +167,14 @@ def gumbel_at(keys: jax.Array, ids: jax.Array) -> jax.Array:
     partitionable threefry), so seeded outputs are those of the full-row draw."""
     shape = jnp.broadcast_shapes(keys[:, :1].shape, ids.shape)
     ids = jnp.broadcast_to(ids.astype(jnp.uint32), shape)
-    return gumbel_of_bits(*threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], shape),
-                                               jnp.broadcast_to(keys[:, 1:], shape), jnp.zeros(shape, jnp.uint32), ids))
+    return gumbel_of_bits(
+        *threefry2x32_p.bind(
+            jnp.broadcast_to(keys[:, :1], shape),
+            jnp.broadcast_to(keys[:, 1:], shape),
+            jnp.zeros(shape, jnp.uint32),
+            ids,
+        )
+    )
 
 
 def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -176,8 +206,11 @@ def filters_by_search(x: jax.Array, b: SamplingBatch, pivots: int = 1) -> jax.Ar
     k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
     # top-k: the largest value t with at least k values >= t
     counts_reach_k = lambda t: jnp.sum(keys[:, :, None] >= t[:, None, :], axis=1) >= k[:, None]  # noqa: E731
-    kth = jax.lax.cond(jnp.any(k < V), lambda: _search(keys, counts_reach_k, pivots),
-                       lambda: jnp.full((S,), jnp.iinfo(jnp.int32).min, jnp.int32))
+    kth = jax.lax.cond(
+        jnp.any(k < V),
+        lambda: _search(keys, counts_reach_k, pivots),
+        lambda: jnp.full((S,), jnp.iinfo(jnp.int32).min, jnp.int32),
+    )
     x = jnp.where(keys >= kth[:, None], x, -jnp.inf)
     probs = jax.nn.softmax(x, axis=-1)  # top-p renormalises after top-k
 
@@ -186,6 +219,7 @@ def filters_by_search(x: jax.Array, b: SamplingBatch, pivots: int = 1) -> jax.Ar
         def mass_reaches_p(t):
             above = jnp.sum(jnp.where(keys[:, :, None] > t[:, None, :], probs[:, :, None], 0.0), axis=1)
             return above >= b.top_p[:, None]
+
         return _search(keys, mass_reaches_p, pivots, smallest_false=True)
 
     pth = jax.lax.cond(jnp.any(b.top_p < 1.0), top_p_threshold, lambda: kth)
@@ -199,8 +233,6 @@ def filters_by_search(x: jax.Array, b: SamplingBatch, pivots: int = 1) -> jax.Ar
 
 def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
     return filters_by_search(x, b, pivots=1)
-
-
 
 
 def best_by_top_k(x: jax.Array, threshold: jax.Array, noise) -> tuple[jax.Array, jax.Array]:
@@ -219,13 +251,19 @@ def best_by_blocks(x: jax.Array, threshold: jax.Array, noise) -> tuple[jax.Array
     _, which = jax.lax.top_k(jnp.max(y.reshape(S, nb, BLOCK), axis=-1), DRAWN)
     ids = (which[:, :, None] * BLOCK + jnp.arange(BLOCK)).reshape(S, DRAWN * BLOCK)
     xc = jnp.where(ids < V, jnp.take_along_axis(x, jnp.minimum(ids, V - 1), axis=-1), -jnp.inf)
-    drawn, j = jax.lax.top_k(jnp.where(xc >= threshold[:, None], xc + noise(jnp.minimum(ids, V - 1)), -jnp.inf),
-                             DRAWN)
+    drawn, j = jax.lax.top_k(jnp.where(xc >= threshold[:, None], xc + noise(jnp.minimum(ids, V - 1)), -jnp.inf), DRAWN)
     return drawn, jnp.take_along_axis(ids, j, axis=-1)
 
 
-def draw_by_candidates(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise, fallback=None,
-                       best=best_by_top_k, in_one_pass: bool = False) -> jax.Array:
+def draw_by_candidates(
+    x: jax.Array,
+    b: SamplingBatch,
+    greedy: jax.Array,
+    noise,
+    fallback=None,
+    best=best_by_top_k,
+    in_one_pass: bool = False,
+) -> jax.Array:
     """Top-k, top-p and min-p, then the Gumbel-max draw, without sorting the vocabulary; the same tokens as
     `fallback`'s kept set with the same noise. Each row's candidates are the values of its BLOCKS blocks with the
     largest maxima: every value above t0 (the smallest of those maxima) is among them, so once sorted they give
@@ -285,8 +323,17 @@ def draw_by_kernels(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise: Ro
     if nb <= BLOCKS:  # a small vocabulary: sorting it is the cheap way
         return _draw((fallback or filters_by_sort)(x, b), greedy, noise)
     blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
-    tokens, decided = draw(x, jnp.max(blocks, axis=-1), b.top_k, b.top_p, b.min_p, greedy, noise.keys,
-                           exact=fallback is None, interpret=jax.default_backend() != "gpu")
+    tokens, decided = draw(
+        x,
+        jnp.max(blocks, axis=-1),
+        b.top_k,
+        b.top_p,
+        b.min_p,
+        greedy,
+        noise.keys,
+        exact=fallback is None,
+        interpret=jax.default_backend() != "gpu",
+    )
     if fallback is None:  # the kernels decided every row (the undecided by the definition, in a kernel)
         return tokens
     return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
@@ -361,12 +408,17 @@ def _search(keys: jax.Array, holds, pivots: int, smallest_false: bool = False) -
     return hi if smallest_false else lo
 
 
-FILTERS = {"sort": filters_by_sort, "bisection": filters_by_bisection,
-           **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)}}
-DRAWS = {"candidates": draw_by_candidates,  # methods that filter as they draw
-         "candidates-fused": functools.partial(draw_by_candidates, best=best_by_blocks),
-         "candidates-kernel": functools.partial(draw_by_candidates, best=best_by_blocks, in_one_pass=True),
-         "kernels": draw_by_kernels}
+FILTERS = {
+    "sort": filters_by_sort,
+    "bisection": filters_by_bisection,
+    **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)},
+}
+DRAWS = {
+    "candidates": draw_by_candidates,  # methods that filter as they draw
+    "candidates-fused": functools.partial(draw_by_candidates, best=best_by_blocks),
+    "candidates-kernel": functools.partial(draw_by_candidates, best=best_by_blocks, in_one_pass=True),
+    "kernels": draw_by_kernels,
+}
 
 
 def filters_name(backend: str) -> str:
