@@ -128,3 +128,20 @@ def test_the_operator_never_reaches_jax():
             todo.extend(graph[m])
     offenders = {m: sorted(external[m] & set(JAX)) for m in sorted(reached) if external[m] & set(JAX)}
     assert not offenders, f"the operator imports JAX through: {offenders}"
+
+
+# The rooms that run on the device, and those above them that drive it (docs/architecture.md).
+DEVICE_ROOMS = ("kernels", "attention", "models", "kv", "sampling")
+DRIVING_ROOMS = ("scheduling", "speculative", "engine", "server", "gateway", "cli")
+
+
+def test_the_device_rooms_never_import_the_rooms_that_drive_them():
+    graph, _ = import_graph()
+
+    def room(module: str) -> str:
+        return module.split(".")[2] if module.startswith("capstan.runtime.") else ""
+
+    upward = sorted(
+        f"{a} -> {b}" for a, bs in graph.items() if room(a) in DEVICE_ROOMS for b in bs if room(b) in DRIVING_ROOMS
+    )
+    assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
