@@ -55,10 +55,13 @@ for part in $parts; do
     # issue 16 on two GPUs of one host (nvidia-h200-x2): Llama-3-8B shape, TP=1 vs TP=2, batch and one stream
     # issue 33: multi-turn conversations (prompts to 3.7k tokens), working set ~4x the device KV pool, with and without
     # the host-memory tier in one run; then single prefixes recomputed against copied back (the break-even length)
+    # recompute, host tier and a pool that evicts nothing (the answers' reference); the 8B shape with half the
+    # conversations and turns in flight (the same 4x working set / pool) to stay within a few minutes
     multiturn) for shape in ${MULTITURN_SHAPES:-llama-3.2-1b llama-3-8b}; do echo "--- $shape"
-        python3 benchmarks/multiturn.py --shape $shape --conversations 64 --turns 5 --first-len 2048 --user-len 256 \
-          --output-len 128 --concurrency 16 --max-num-seqs 32 --max-num-batched-tokens 2048 --smallest-bucket 256 \
-          --break-even 128 512 2048 --json "$OUT/multiturn-$shape.json" 2>&1 | grep --line-buffered -v Warning; done ;;
+        case $shape in llama-3-8b) size="--conversations 32 --concurrency 8" ;; *) size="--conversations 64 --concurrency 16" ;; esac
+        python3 benchmarks/multiturn.py --shape $shape $size --turns 5 --first-len 2048 --user-len 256 \
+          --output-len 128 --max-num-seqs 32 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+          --break-even 128 512 2048 ${MULTITURN_ARGS:-} --json "$OUT/multiturn-$shape.json" 2>&1 | grep --line-buffered -v Warning; done ;;
     tp) for n in 1 2; do echo "--- tensor parallel $n"
         python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n --requests 256 --prompt-len 256 \
           --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \

@@ -8,8 +8,15 @@ turns: without the tier returning turns are prefilled again, with it their pages
 Random weights of a named shape (no download); the same model serves both engines.
 
 python benchmarks/multiturn.py --shape tiny --conversations 8 --turns 4 --first-len 256 --user-len 64 --output-len 16
-prints TTFT p50/p99 of first and returning turns, output and total tokens/s, the tier's hits and bytes; --json too.
---break-even 64 256 1024: single requests of those prefix lengths, recomputed against copied back (TTFT each)."""
+prints TTFT p50/p99 of first and returning turns, output and total tokens/s, the tier's hits and bytes and where a
+load's time goes (the copy threads' phases, the engine thread's share, start -> landed -> written); --json too.
+--break-even 64 256 1024: single requests of those prefix lengths, recomputed against copied back (TTFT each).
+
+Answers: a third engine, "cached", has a device pool that holds every conversation (nothing evicted), so its returning
+turns read the very K/V their earlier turns computed, as the tier's do: the tier's greedy answers must equal its
+answers token for token (a restored page with wrong bytes would not). Recompute's may differ from both where a
+near-tie flips: K/V recomputed in one prefill round differently from K/V computed by earlier prefill chunks and
+decode steps (in bf16 most; vLLM's prefix cache has the same property)."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +35,9 @@ from shapes import shape_config  # noqa: E402
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
+from capstan.runtime.attention import PAGES_INTERLEAVED, layout_of  # noqa: E402
 from capstan.runtime.kv.cache import KVCache  # noqa: E402
+from capstan.runtime.kv.host_offload import gather_pages  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 
 
@@ -46,6 +55,9 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
     rng = np.random.default_rng(a.seed)
     words = lambda n: rng.integers(100, vocab, size=n).tolist()  # noqa: E731
     history = [words(a.first_len) for _ in range(a.conversations)]
+    # drawn up front: turns end in an order that timing decides, and conversation c's turn t must get the same message
+    # in every run (drawn as turns ended, two runs' histories differed, and so did their answers)
+    user = [[words(a.user_len) for _ in range(a.turns)] for _ in range(a.conversations)]
     turn = [0] * a.conversations
     queue = collections.deque(range(a.conversations))
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
@@ -70,12 +82,13 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
             if out.finished:
                 del inflight[out.request_id]
                 output_tokens += len(answers[out.request_id])
-                history[c] = history[c] + answers[out.request_id] + words(a.user_len)
+                history[c] = history[c] + answers[out.request_id] + user[c][turn[c]]
                 turn[c] += 1
                 if turn[c] < a.turns:
                     queue.append(c)
     wall = time.perf_counter() - start
-    s = engine.stats()
+    s, offload = engine.stats(), engine.scheduler.offload
+    timing = offload.timing_summary() if offload is not None else {}
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else float("nan")  # noqa: E731
     return dict(ttft_first_p50_ms=pct(ttft["first"], 50), ttft_first_p99_ms=pct(ttft["first"], 99),
                 ttft_returning_p50_ms=pct(ttft["returning"], 50), ttft_returning_p99_ms=pct(ttft["returning"], 99),
@@ -84,7 +97,7 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
                 device_hit_tokens=s.prefix_cache_hit_tokens, host_hit_tokens=s.kv_offload_hit_tokens,
                 host_queried_tokens=s.kv_offload_queried_tokens, bytes_to_host=s.kv_offload_bytes_to_host,
                 bytes_to_device=s.kv_offload_bytes_to_device, failed_loads=s.kv_offload_failed_loads,
-                saved_seconds_estimate=s.kv_offload_saved_seconds,
+                saved_seconds_estimate=s.kv_offload_saved_seconds, timing=timing,
                 answers=[answers[k] for k in sorted(answers)])
 
 
@@ -94,6 +107,50 @@ def first_token_seconds(engine: LLMEngine, prompt: list[int], rid: str) -> float
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start
+
+
+def settle(engine: LLMEngine, timeout_s: float = 30.0) -> None:
+    """Lets the fillers' copies to the host land first, so that the timed request's load is all that moves."""
+    deadline = time.monotonic() + timeout_s
+    while engine.scheduler.offload.busy and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.001)
+
+
+def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
+    """How many answers equal the reference's, and how far the others go before their first different token."""
+    same, prefix = 0, []
+    for a, r in zip(answers, reference, strict=True):
+        if a == r:
+            same += 1
+        else:
+            prefix.append(next((i for i, (x, y) in enumerate(zip(a, r)) if x != y), min(len(a), len(r))))
+    return dict(identical=same, of=len(reference), first_difference_p50=float(np.median(prefix)) if prefix else None)
+
+
+def tier_sample(tier, most: int = 1024) -> dict:
+    """Copies of the tier's most recently used pages by hash (break-even's fillers evict them later)."""
+    recent = list(tier._slot_of.items())[-most:]
+    return {h: tier.pages[slot].copy() for h, slot in recent}
+
+
+def compare_pages(sample: dict, reference: LLMEngine) -> dict:
+    """Tier pages against the pages of the same hash on an engine that evicted nothing: bit-identical ones, and the
+    largest difference relative to the page's largest value (rounding: about one ulp of the dtype; a page restored
+    with another page's bytes: order 1)."""
+    items = [(h, page) for h, page in sample.items() if h in reference.pool._page_of]
+    axis = 0 if layout_of(reference.kv.v[0]) == PAGES_INTERLEAVED else 1
+    same, worst = 0, 0.0
+    for start in range(0, len(items), 64):
+        part = items[start:start + 64]
+        pages = np.zeros(64, np.int32)  # one compiled shape
+        pages[:len(part)] = [reference.pool._page_of[h] for h, _ in part]
+        ref = np.asarray(gather_pages(reference.kv, pages, page_axis=axis)).astype(np.float32)
+        for r, (_, m) in zip(ref, part, strict=False):
+            m = m.astype(np.float32)
+            same += bool(np.array_equal(r, m))
+            worst = max(worst, float(np.abs(r - m).max() / max(float(np.abs(r).max()), 1e-30)))
+    return dict(pages=len(items), bit_identical=same, max_relative_difference=worst)
 
 
 def break_even(engine: LLMEngine, lengths: list[int], vocab: int, seed: int) -> list[dict]:
@@ -107,6 +164,7 @@ def break_even(engine: LLMEngine, lengths: list[int], vocab: int, seed: int) -> 
         for k in range(-(-2 * pool_tokens // max(1, engine.max_model_len - 1))):  # flush the device pool
             filler = rng.integers(100, vocab, size=min(pool_tokens, engine.max_model_len - 1)).tolist()
             first_token_seconds(engine, filler, f"fill-{n}-{k}")
+        settle(engine)
         hits = engine.stats().kv_offload_hit_tokens
         warm = first_token_seconds(engine, prompt, f"warm-{n}")
         rows.append(dict(prefix_tokens=n, recompute_ms=cold * 1000, host_tier_ms=warm * 1000,
@@ -132,12 +190,14 @@ def main() -> None:
     ap.add_argument("--smallest-bucket", type=int, default=16)
     ap.add_argument("--break-even", type=int, nargs="*", default=[], help="prefix lengths to time alone")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run a device pool that evicts nothing, the tier's answers' reference")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.dtype = a.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
     final_len = a.first_len + (a.turns - 1) * (a.user_len + a.output_len) + a.output_len
-    a.max_model_len = max(final_len, *a.break_even) + a.page_size
+    a.max_model_len = max(final_len, *a.break_even, 0) + a.page_size
     working_set = a.conversations * -(-final_len // a.page_size)  # pages
     page_bytes = KVCache.bytes_per_page(cfg.num_layers, a.page_size, cfg.num_kv_heads, cfg.head_dim, a.dtype)
     need = a.concurrency * -(-a.max_model_len // a.page_size)  # the turns in flight must fit at once
@@ -148,15 +208,31 @@ def main() -> None:
           f"({working_set / num_pages:.1f}x), host tier {tier_gib:.3f} GiB")
     model = random_model(cfg, a.dtype)
     results = {}
-    for name, gib in (("recompute", 0.0), ("host_tier", tier_gib)):
-        engine = engine_for(model, a, num_pages, gib)
+    runs = [("recompute", num_pages, 0.0), ("host_tier", num_pages, tier_gib)]
+    if a.reference:
+        runs.append(("cached", working_set + need, 0.0))
+    sample = {}
+    for name, pages, gib in runs:
+        engine = engine_for(model, a, pages, gib)
         results[name] = conversations(engine, a, cfg.vocab_size)
-        if name == "host_tier" and a.break_even:
-            results["break_even"] = break_even(engine, a.break_even, cfg.vocab_size, a.seed)
+        if name == "host_tier":
+            settle(engine)
+            sample = tier_sample(engine.scheduler.offload.tier)
+            if a.break_even:
+                results["break_even"] = break_even(engine, a.break_even, cfg.vocab_size, a.seed)
+        if name == "cached":
+            results["tier_pages_vs_cached"] = compare_pages(sample, engine)
+            print("tier pages against cached", json.dumps(results["tier_pages_vs_cached"]))
         del engine
-    same = results["recompute"].pop("answers") == results["host_tier"].pop("answers")
-    for name in ("recompute", "host_tier"):
+    answers = {name: results[name].pop("answers") for name, _, _ in runs}
+    same = answers["recompute"] == answers["host_tier"]
+    for name, _, _ in runs:
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results[name].items()}))
+    if a.reference:  # the tier against K/V computed the same way; recompute against both
+        results["answers"] = {"host_tier_vs_cached": agreement(answers["host_tier"], answers["cached"]),
+                              "recompute_vs_cached": agreement(answers["recompute"], answers["cached"]),
+                              "host_tier_vs_recompute": agreement(answers["host_tier"], answers["recompute"])}
+        print("greedy answers", json.dumps(results["answers"]))
     r, h = results["recompute"], results["host_tier"]
     print(f"returning turns' TTFT p50 {r['ttft_returning_p50_ms']:.1f} -> {h['ttft_returning_p50_ms']:.1f} ms "
           f"({r['ttft_returning_p50_ms'] / h['ttft_returning_p50_ms']:.2f}x lower), p99 {r['ttft_returning_p99_ms']:.1f}"

@@ -43,6 +43,7 @@ from .page_pool import PageHash
 log = logging.getLogger("capstan.kv")
 MAX_PAGES_PER_COPY = 64  # pages per gather or scatter dispatch (larger copies are split)
 LOAD_DEADLINE_S = 5.0  # a host-to-device copy not landed by then is dropped: its pages are recomputed
+STAGING_BUFFERS = 4  # kept per copy shape for loads (host memory: 4 x 64 pages at most for the largest)
 MAX_COPIES_TO_HOST = 32  # gathers waiting for the copy thread (device memory): past this, evicted pages are not kept
 GIB = 1 << 30
 
@@ -116,6 +117,7 @@ class HostOffload:
         self._to_host: list[_ToHost] = []
         self._to_device: dict[Hashable, _ToDevice] = {}
         self._draining: list[_ToDevice] = []  # dropped loads whose copy thread still reads their pinned slots
+        self._staging: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # (copy thread's) reused buffers
         # one thread each way: a load never queues behind evicted pages' writes
         self._host_writer = ThreadPoolExecutor(1, thread_name_prefix="capstan-kv-to-host")
         self._device_loader = ThreadPoolExecutor(1, thread_name_prefix="capstan-kv-to-device")
@@ -137,8 +139,9 @@ class HostOffload:
 
     @property
     def busy(self) -> bool:
-        """Copies wait to be started or finished (the engine polls while this is true)."""
-        return bool(self._evicted or self._to_host or self._to_device or self._draining)
+        """Copies wait to be finished (the engine polls while this is true); evicted pages not gathered yet are not
+        counted: the next read of the cache, which comes before any write, queues them."""
+        return bool(self._to_host or self._to_device or self._draining)
 
     @property
     def landed(self) -> bool:
@@ -219,20 +222,26 @@ class HostOffload:
 
     def _stage(self, slots: list[int], buckets: list[int]) -> tuple[list[jax.Array], float]:
         """(copy thread) The slots' pages on the device, one array per part, and when they had landed there."""
-        staged, at = [], 0
+        staged, buffers, at = [], [], 0
         for bucket in buckets:
             t = time.perf_counter()
             part = slots[at:at + MAX_PAGES_PER_COPY]
             at += len(part)
-            # rows past the part are padding, dropped by the scatter: left as they are
-            data = self.tier.read(part, out=np.empty((bucket, *self.tier.pages.shape[1:]), self.tier.pages.dtype))
+            free = self._staging[bucket]  # reused: a fresh buffer's first touch costs more than the copy into it
+            data = free.pop() if free else np.empty((bucket, *self.tier.pages.shape[1:]), self.tier.pages.dtype)
+            self.tier.read(part, out=data)  # rows past the part are padding, dropped by the scatter: left as they are
+            buffers.append(data)
             t2 = time.perf_counter()
-            staged.append(jax.device_put(data, self._staged_sharding))
+            # a copy, never an alias of the buffer (CPU backends alias numpy arrays otherwise): it is reused
+            staged.append(jax.device_put(data, self._staged_sharding, may_alias=False))
             self.timings["copy_thread_stage"] += t2 - t
             self.timings["copy_thread_device_put"] += time.perf_counter() - t2
         t = time.perf_counter()
         jax.block_until_ready(staged)
         self.timings["copy_thread_transfer_wait"] += time.perf_counter() - t
+        for data in buffers:  # the transfers are done with them
+            if len(self._staging[len(data)]) < STAGING_BUFFERS:
+                self._staging[len(data)].append(data)
         return staged, time.monotonic()
 
     def cancel(self, key: Hashable) -> None:

@@ -28,6 +28,7 @@ class HostTier:
         assert capacity_pages >= 1, "a tier of no pages is no tier (EngineConfig refuses it)"
         self.capacity = capacity_pages
         self.pages = np.empty((capacity_pages, *page_shape), dtype)  # untouched slots cost no resident memory
+        self._bytes = _raw(self.pages)  # copies go through bytes: numpy releases the GIL for those, whatever the dtype
         self._free: collections.deque[int] = collections.deque(range(capacity_pages))
         self._slot_of: collections.OrderedDict[PageHash, int] = collections.OrderedDict()  # committed; LRU first
         self._reserved: dict[int, PageHash] = {}  # slot -> hash of a copy in flight
@@ -76,8 +77,9 @@ class HostTier:
 
     def write(self, slots: Sequence[int], data: np.ndarray) -> None:
         """data[i] becomes the bytes of reserved slot slots[i] (a copy thread's half of a commit)."""
+        raw = _raw(np.ascontiguousarray(data))
         for i, slot in enumerate(slots):  # row by row: contiguous copies, no index array's temporary
-            self.pages[slot] = data[i]
+            self._bytes[slot] = raw[i]
 
     def commit(self, slots: Sequence[int], data: np.ndarray | None = None) -> None:
         """The copies have arrived (written here, or data[i] for slots[i]); the pages become findable."""
@@ -123,5 +125,10 @@ class HostTier:
         """These slots' pages, copied (into out's first rows when given); pin them first if a reserve may run
         meanwhile."""
         out = np.empty((len(slots), *self.pages.shape[1:]), self.pages.dtype) if out is None else out
-        np.take(self.pages, np.asarray(slots, np.int64), axis=0, out=out[:len(slots)], mode="clip")  # (raise: buffered)
+        np.take(self._bytes, np.asarray(slots, np.int64), axis=0, out=_raw(out)[:len(slots)], mode="clip")  # raise: buffered
         return out
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """a's bytes, one row per page (a C-contiguous array of any dtype: bfloat16 and FP8 included)."""
+    return a.reshape(a.shape[0], -1).view(np.uint8)
