@@ -32,10 +32,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
 
+from capstan.runtime.attention import PAGES_INTERLEAVED, layout_of  # noqa: E402
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
-from capstan.runtime.attention import PAGES_INTERLEAVED, layout_of  # noqa: E402
 from capstan.runtime.kv.cache import KVCache  # noqa: E402
 from capstan.runtime.kv.host_offload import gather_pages  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
@@ -124,7 +124,7 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
         if a == r:
             same += 1
         else:
-            prefix.append(next((i for i, (x, y) in enumerate(zip(a, r)) if x != y), min(len(a), len(r))))
+            prefix.append(next((i for i, (x, y) in enumerate(zip(a, r, strict=False)) if x != y), min(len(a), len(r))))
     return dict(identical=same, of=len(reference), first_difference_p50=float(np.median(prefix)) if prefix else None)
 
 
