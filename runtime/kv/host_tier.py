@@ -12,6 +12,7 @@ The key is the page hash alone: it chains every token before the page, so the sa
 every tier and on the gateway (which hashes prompts itself). An adapter (multi-LoRA) must join the chain as the
 first page's parent, in page_pool.page_hash, so that two adapters' pages never share a key on either tier. A slot
 holds the cache's stored bytes, whatever its dtype (an FP8 cache's pages stay FP8 here). Pure host code: no JAX."""
+
 from __future__ import annotations
 
 import collections
@@ -125,7 +126,9 @@ class HostTier:
         """These slots' pages, copied (into out's first rows when given); pin them first if a reserve may run
         meanwhile."""
         out = np.empty((len(slots), *self.pages.shape[1:]), self.pages.dtype) if out is None else out
-        np.take(self._bytes, np.asarray(slots, np.int64), axis=0, out=_raw(out)[:len(slots)], mode="clip")  # raise: buffered
+        np.take(
+            self._bytes, np.asarray(slots, np.int64), axis=0, out=_raw(out)[: len(slots)], mode="clip"
+        )  # raise: buffered
         return out
 
 

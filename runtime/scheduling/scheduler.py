@@ -10,6 +10,7 @@ its device hit in pages that the tier holds gets device pages for them and waits
 copied back; the next poll after they land admits it at the front of the queue with them computed (or, if the copy
 failed or was late, with them to recompute). A preempted sequence comes back as a fresh one: its pages, evicted
 meanwhile, are copied back the same way."""
+
 from __future__ import annotations
 
 import collections
@@ -159,7 +160,7 @@ class Scheduler:
         slots: list[int] = []
         parent = seq.page_hashes[-1] if seq.page_hashes else None
         for k in range(len(seq.pages), (seq.num_tokens - 1) // page):
-            parent = page_hash(parent, seq.token_ids[k * page:(k + 1) * page])
+            parent = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
             found = self.offload.match([parent])
             if not found:
                 break
@@ -199,10 +200,16 @@ class Scheduler:
         o = self.offload
         if o is None:
             return {}
-        return dict(kv_offload_pages_used=o.tier.num_used, kv_offload_pages_total=o.tier.capacity,
-                    kv_offload_queried_tokens=self.host_queried_tokens, kv_offload_hit_tokens=self.host_hit_tokens,
-                    kv_offload_bytes_to_host=o.bytes_to_host, kv_offload_bytes_to_device=o.bytes_to_device,
-                    kv_offload_failed_loads=o.failed_loads, kv_offload_saved_seconds=self.host_saved_seconds)
+        return dict(
+            kv_offload_pages_used=o.tier.num_used,
+            kv_offload_pages_total=o.tier.capacity,
+            kv_offload_queried_tokens=self.host_queried_tokens,
+            kv_offload_hit_tokens=self.host_hit_tokens,
+            kv_offload_bytes_to_host=o.bytes_to_host,
+            kv_offload_bytes_to_device=o.bytes_to_device,
+            kv_offload_failed_loads=o.failed_loads,
+            kv_offload_saved_seconds=self.host_saved_seconds,
+        )
 
     def _time_prefill(self) -> None:
         """The step loop's seconds per prefill token, from the time between schedules after mostly-prefill steps
@@ -212,8 +219,9 @@ class Scheduler:
             then, tokens = self._last_step
             if tokens >= self.max_num_batched_tokens // 2 and now - then < 5.0:  # longer: the loop was idle
                 cost = (now - then) / tokens
-                self.prefill_seconds_per_token = cost if not self.prefill_seconds_per_token else \
-                    0.9 * self.prefill_seconds_per_token + 0.1 * cost
+                self.prefill_seconds_per_token = (
+                    cost if not self.prefill_seconds_per_token else 0.9 * self.prefill_seconds_per_token + 0.1 * cost
+                )
         self._last_step = (now, 0)
 
     def _count_prefill(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
@@ -252,6 +260,6 @@ class Scheduler:
         page = self.pool.page_size
         for k in range(len(seq.page_hashes), seq.num_computed // page):
             parent = seq.page_hashes[-1] if seq.page_hashes else None
-            h = page_hash(parent, seq.token_ids[k * page:(k + 1) * page])
+            h = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
             seq.page_hashes.append(h)
             self.pool.register(seq.pages[k], h)
