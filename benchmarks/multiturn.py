@@ -94,6 +94,7 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
                 ttft_returning_p50_ms=pct(ttft["returning"], 50), ttft_returning_p99_ms=pct(ttft["returning"], 99),
                 output_tokens_per_s=output_tokens / wall, total_tokens_per_s=(prompt_tokens + output_tokens) / wall,
                 seconds=wall, prompt_tokens=prompt_tokens, preemptions=s.preemptions,
+                computed_prompt_tokens=prompt_tokens - s.prefix_cache_hit_tokens - s.kv_offload_hit_tokens,
                 device_hit_tokens=s.prefix_cache_hit_tokens, host_hit_tokens=s.kv_offload_hit_tokens,
                 host_queried_tokens=s.kv_offload_queried_tokens, bytes_to_host=s.kv_offload_bytes_to_host,
                 bytes_to_device=s.kv_offload_bytes_to_device, failed_loads=s.kv_offload_failed_loads,

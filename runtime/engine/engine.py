@@ -36,6 +36,7 @@ from .step import StepOutputs, step_fn
 
 log = logging.getLogger("capstan.engine")
 CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
+LOAD_WAIT_S = 0.002  # an idle step's wait for a copy back from the host tier (the caller's loop goes on after it)
 
 
 class LLMEngine:
@@ -270,6 +271,8 @@ class LLMEngine:
             self.fail(seq.request_id, error)
         chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
+            if self.scheduler.loading:  # only copies back are left: wait (GIL released) until one lands, not spin
+                self.scheduler.offload.wait_landed(LOAD_WAIT_S)
             return []
         if self.speculator is not None and self.speculator.active():  # proposals take tokens the chunks leave
             budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)

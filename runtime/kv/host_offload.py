@@ -26,8 +26,9 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,7 @@ class _ToDevice:
 
 
 class HostOffload:
-    def __init__(self, kv: KVCache, size_gib: float, context: Callable[[], ContextManager] = contextlib.nullcontext):
+    def __init__(self, kv: KVCache, size_gib: float, context: Callable[[], AbstractContextManager] = contextlib.nullcontext):
         """context: what the engine's own calls run in (precision, mesh): the copies' programs are compiled and
         called in it too, whichever caller (inside a step's context or not) reads the cache."""
         if jax.process_count() > 1:  # copies finish when they finish: hosts stepping in lockstep would diverge
@@ -147,6 +148,10 @@ class HostOffload:
     def landed(self) -> bool:
         """Some load's pages are on the device, waiting for a poll to write them (a decode run ends for it)."""
         return any(load.future.done() for load in self._to_device.values())
+
+    def wait_landed(self, timeout_s: float) -> None:
+        """Blocks (the GIL released, so the copy threads run) until a load lands or timeout_s passes."""
+        futures.wait([load.future for load in self._to_device.values()], timeout_s, futures.FIRST_COMPLETED)
 
     # ---- device -> host ------------------------------------------------------------------------------------
     def on_evict(self, page: int, h: PageHash) -> None:
