@@ -17,6 +17,7 @@ turns read the very K/V their earlier turns computed, as the tier's do: the tier
 answers token for token (a restored page with wrong bytes would not). Recompute's may differ from both where a
 near-tie flips: K/V recomputed in one prefill round differently from K/V computed by earlier prefill chunks and
 decode steps (in bf16 most; vLLM's prefix cache has the same property)."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,10 +43,20 @@ from capstan.runtime.models.loader import random_model  # noqa: E402
 
 
 def engine_for(model, a, num_pages: int, tier_gib: float) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), dtype=a.dtype, max_model_len=a.max_model_len,
-                                    max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                    smallest_token_bucket=a.smallest_bucket, page_size=a.page_size,
-                                    num_pages=num_pages, kv_offloading_size=tier_gib), model=model)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(DEFAULT_MODEL),
+            dtype=a.dtype,
+            max_model_len=a.max_model_len,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            smallest_token_bucket=a.smallest_bucket,
+            page_size=a.page_size,
+            num_pages=num_pages,
+            kv_offloading_size=tier_gib,
+        ),
+        model=model,
+    )
     engine.warmup()
     return engine
 
@@ -90,16 +101,27 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
     s, offload = engine.stats(), engine.scheduler.offload
     timing = offload.timing_summary() if offload is not None else {}
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else float("nan")  # noqa: E731
-    return dict(ttft_first_p50_ms=pct(ttft["first"], 50), ttft_first_p99_ms=pct(ttft["first"], 99),
-                ttft_returning_p50_ms=pct(ttft["returning"], 50), ttft_returning_p99_ms=pct(ttft["returning"], 99),
-                output_tokens_per_s=output_tokens / wall, total_tokens_per_s=(prompt_tokens + output_tokens) / wall,
-                seconds=wall, prompt_tokens=prompt_tokens, preemptions=s.preemptions,
-                computed_prompt_tokens=prompt_tokens - s.prefix_cache_hit_tokens - s.kv_offload_hit_tokens,
-                device_hit_tokens=s.prefix_cache_hit_tokens, host_hit_tokens=s.kv_offload_hit_tokens,
-                host_queried_tokens=s.kv_offload_queried_tokens, bytes_to_host=s.kv_offload_bytes_to_host,
-                bytes_to_device=s.kv_offload_bytes_to_device, failed_loads=s.kv_offload_failed_loads,
-                saved_seconds_estimate=s.kv_offload_saved_seconds, timing=timing,
-                answers=[answers[k] for k in sorted(answers)])
+    return dict(
+        ttft_first_p50_ms=pct(ttft["first"], 50),
+        ttft_first_p99_ms=pct(ttft["first"], 99),
+        ttft_returning_p50_ms=pct(ttft["returning"], 50),
+        ttft_returning_p99_ms=pct(ttft["returning"], 99),
+        output_tokens_per_s=output_tokens / wall,
+        total_tokens_per_s=(prompt_tokens + output_tokens) / wall,
+        seconds=wall,
+        prompt_tokens=prompt_tokens,
+        preemptions=s.preemptions,
+        computed_prompt_tokens=prompt_tokens - s.prefix_cache_hit_tokens - s.kv_offload_hit_tokens,
+        device_hit_tokens=s.prefix_cache_hit_tokens,
+        host_hit_tokens=s.kv_offload_hit_tokens,
+        host_queried_tokens=s.kv_offload_queried_tokens,
+        bytes_to_host=s.kv_offload_bytes_to_host,
+        bytes_to_device=s.kv_offload_bytes_to_device,
+        failed_loads=s.kv_offload_failed_loads,
+        saved_seconds_estimate=s.kv_offload_saved_seconds,
+        timing=timing,
+        answers=[answers[k] for k in sorted(answers)],
+    )
 
 
 def first_token_seconds(engine: LLMEngine, prompt: list[int], rid: str) -> float:
@@ -143,9 +165,9 @@ def compare_pages(sample: dict, reference: LLMEngine) -> dict:
     axis = 0 if layout_of(reference.kv.v[0]) == PAGES_INTERLEAVED else 1
     same, worst = 0, 0.0
     for start in range(0, len(items), 64):
-        part = items[start:start + 64]
+        part = items[start : start + 64]
         pages = np.zeros(64, np.int32)  # one compiled shape
-        pages[:len(part)] = [reference.pool._page_of[h] for h, _ in part]
+        pages[: len(part)] = [reference.pool._page_of[h] for h, _ in part]
         ref = np.asarray(gather_pages(reference.kv, pages, page_axis=axis)).astype(np.float32)
         for r, (_, m) in zip(ref, part, strict=False):
             m = m.astype(np.float32)
@@ -168,8 +190,14 @@ def break_even(engine: LLMEngine, lengths: list[int], vocab: int, seed: int) -> 
         settle(engine)
         hits = engine.stats().kv_offload_hit_tokens
         warm = first_token_seconds(engine, prompt, f"warm-{n}")
-        rows.append(dict(prefix_tokens=n, recompute_ms=cold * 1000, host_tier_ms=warm * 1000,
-                         restored_tokens=engine.stats().kv_offload_hit_tokens - hits))
+        rows.append(
+            dict(
+                prefix_tokens=n,
+                recompute_ms=cold * 1000,
+                host_tier_ms=warm * 1000,
+                restored_tokens=engine.stats().kv_offload_hit_tokens - hits,
+            )
+        )
     return rows
 
 
@@ -183,7 +211,9 @@ def main() -> None:
     ap.add_argument("--user-len", type=int, default=64, help="tokens of each later user message")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4, help="turns in flight at once")
-    ap.add_argument("--pool-ratio", type=float, default=4.0, help="final working set / device KV pool (3-5 in issue 33)")
+    ap.add_argument(
+        "--pool-ratio", type=float, default=4.0, help="final working set / device KV pool (3-5 in issue 33)"
+    )
     ap.add_argument("--tier-ratio", type=float, default=1.5, help="host tier / final working set")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=4)
@@ -191,8 +221,12 @@ def main() -> None:
     ap.add_argument("--smallest-bucket", type=int, default=16)
     ap.add_argument("--break-even", type=int, nargs="*", default=[], help="prefix lengths to time alone")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run a device pool that evicts nothing, the tier's answers' reference")
+    ap.add_argument(
+        "--reference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run a device pool that evicts nothing, the tier's answers' reference",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.dtype = a.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -204,9 +238,11 @@ def main() -> None:
     need = a.concurrency * -(-a.max_model_len // a.page_size)  # the turns in flight must fit at once
     num_pages = max(int(working_set / a.pool_ratio), need, *[-(-n // a.page_size) + 1 for n in a.break_even])
     tier_gib = a.tier_ratio * working_set * page_bytes / (1 << 30)
-    print(f"{a.shape} {a.dtype} on {jax.devices()[0].device_kind}: {a.conversations} conversations x {a.turns} turns, "
-          f"final prompt {final_len} tokens; working set {working_set} pages, device pool {num_pages} pages "
-          f"({working_set / num_pages:.1f}x), host tier {tier_gib:.3f} GiB")
+    print(
+        f"{a.shape} {a.dtype} on {jax.devices()[0].device_kind}: {a.conversations} conversations x {a.turns} turns, "
+        f"final prompt {final_len} tokens; working set {working_set} pages, device pool {num_pages} pages "
+        f"({working_set / num_pages:.1f}x), host tier {tier_gib:.3f} GiB"
+    )
     model = random_model(cfg, a.dtype)
     results = {}
     runs = [("recompute", num_pages, 0.0), ("host_tier", num_pages, tier_gib)]
@@ -230,15 +266,19 @@ def main() -> None:
     for name, _, _ in runs:
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results[name].items()}))
     if a.reference:  # the tier against K/V computed the same way; recompute against both
-        results["answers"] = {"host_tier_vs_cached": agreement(answers["host_tier"], answers["cached"]),
-                              "recompute_vs_cached": agreement(answers["recompute"], answers["cached"]),
-                              "host_tier_vs_recompute": agreement(answers["host_tier"], answers["recompute"])}
+        results["answers"] = {
+            "host_tier_vs_cached": agreement(answers["host_tier"], answers["cached"]),
+            "recompute_vs_cached": agreement(answers["recompute"], answers["cached"]),
+            "host_tier_vs_recompute": agreement(answers["host_tier"], answers["recompute"]),
+        }
         print("greedy answers", json.dumps(results["answers"]))
     r, h = results["recompute"], results["host_tier"]
-    print(f"returning turns' TTFT p50 {r['ttft_returning_p50_ms']:.1f} -> {h['ttft_returning_p50_ms']:.1f} ms "
-          f"({r['ttft_returning_p50_ms'] / h['ttft_returning_p50_ms']:.2f}x lower), p99 {r['ttft_returning_p99_ms']:.1f}"
-          f" -> {h['ttft_returning_p99_ms']:.1f} ms; total tokens/s {r['total_tokens_per_s']:.0f} -> "
-          f"{h['total_tokens_per_s']:.0f}; greedy answers identical: {same}")
+    print(
+        f"returning turns' TTFT p50 {r['ttft_returning_p50_ms']:.1f} -> {h['ttft_returning_p50_ms']:.1f} ms "
+        f"({r['ttft_returning_p50_ms'] / h['ttft_returning_p50_ms']:.2f}x lower), p99 {r['ttft_returning_p99_ms']:.1f}"
+        f" -> {h['ttft_returning_p99_ms']:.1f} ms; total tokens/s {r['total_tokens_per_s']:.0f} -> "
+        f"{h['total_tokens_per_s']:.0f}; greedy answers identical: {same}"
+    )
     for row in results.get("break_even", []):
         print("break-even", json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
     if a.json:

@@ -17,6 +17,7 @@ Copies move at most MAX_PAGES_PER_COPY pages a dispatch, padded to a power of tw
 all compiled at warm-up). Tensor parallelism: the gathered pages keep the cache's split by KV head, so each
 device copies its own heads' bytes, and a staged copy is placed with the same split. `timings` splits a load's
 time into its phases (the benchmark prints them)."""
+
 from __future__ import annotations
 
 import collections
@@ -65,9 +66,12 @@ def gather_pages(kv: KVCache, pages: jax.Array, page_axis: int) -> jax.Array:
 
 def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: int) -> KVCache:
     """gather_pages' inverse; pages past the pool (padding) are dropped."""
-    written = iter([a.at[(slice(None),) * page_axis + (pages,)].set(jnp.moveaxis(data[:, i], 0, page_axis),
-                                                                     mode="drop")
-                    for i, a in enumerate(_arrays(kv))])
+    written = iter(
+        [
+            a.at[(slice(None),) * page_axis + (pages,)].set(jnp.moveaxis(data[:, i], 0, page_axis), mode="drop")
+            for i, a in enumerate(_arrays(kv))
+        ]
+    )
     k = tuple(next(written) for _ in kv.k)
     v = tuple(next(written) if a.size else a for a in kv.v)
     return KVCache(k, v, kv.page_size)
@@ -96,22 +100,29 @@ class _ToDevice:
 
 
 class HostOffload:
-    def __init__(self, kv: KVCache, size_gib: float, context: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+    def __init__(
+        self, kv: KVCache, size_gib: float, context: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    ):
         """context: what the engine's own calls run in (precision, mesh): the copies' programs are compiled and
         called in it too, whichever caller (inside a step's context or not) reads the cache."""
         if jax.process_count() > 1:  # copies finish when they finish: hosts stepping in lockstep would diverge
-            raise ValueError("kv_offloading_size: a host-memory tier is not supported on several hosts "
-                             "(jax.distributed) yet; leave it at 0 there")
+            raise ValueError(
+                "kv_offloading_size: a host-memory tier is not supported on several hosts "
+                "(jax.distributed) yet; leave it at 0 there"
+            )
         self._context = context
         self.page_axis = _page_axis(kv)
         self.num_pages = kv.k[0].shape[self.page_axis]
-        page = jax.eval_shape(functools.partial(gather_pages, page_axis=self.page_axis), kv,
-                              jax.ShapeDtypeStruct((1,), jnp.int32))
+        page = jax.eval_shape(
+            functools.partial(gather_pages, page_axis=self.page_axis), kv, jax.ShapeDtypeStruct((1,), jnp.int32)
+        )
         page_shape, page_bytes = page.shape[1:], page.size * page.dtype.itemsize
         capacity = HostTier.capacity_for(int(size_gib * GIB), page_bytes)
         if capacity < 1:
-            raise ValueError(f"kv_offloading_size: {size_gib} GiB holds no K/V page ({page_bytes} bytes each); "
-                             f"give at least {page_bytes / GIB:.6f} GiB")
+            raise ValueError(
+                f"kv_offloading_size: {size_gib} GiB holds no K/V page ({page_bytes} bytes each); "
+                f"give at least {page_bytes / GIB:.6f} GiB"
+            )
         self.tier = HostTier(page_shape, page.dtype, capacity)
         self._staged_sharding = self._gathered_sharding(kv)  # staged copies split as gathered pages are
         self._evicted: list[tuple[int, PageHash]] = []  # named by the pool, not yet gathered
@@ -126,7 +137,7 @@ class HostOffload:
         self.pages_to_host = self.pages_to_device = 0
         self.failed_loads = self.skipped_to_host = 0
         self.load_seconds = 0.0  # from each load's start until its pages were written
-        self.timings = collections.Counter()  # seconds by phase (see `timing_summary`)
+        self.timings: collections.Counter[str] = collections.Counter()  # seconds by phase (see `timing_summary`)
         self.load_phases: collections.deque = collections.deque(maxlen=4096)  # (landed, written) s after start
 
     def _gathered_sharding(self, kv: KVCache):
@@ -166,16 +177,19 @@ class HostOffload:
         evicted, self._evicted = self._evicted, []
         evicted = [(p, h) for p, h in evicted if not self.tier.holds(h)]
         for start in range(0, len(evicted), MAX_PAGES_PER_COPY):
-            part = evicted[start:start + MAX_PAGES_PER_COPY]
+            part = evicted[start : start + MAX_PAGES_PER_COPY]
             if len(self._to_host) >= MAX_COPIES_TO_HOST:  # the copy thread is behind: these pages are recomputed
                 self.skipped_to_host += len(part)
                 continue
-            kept = [(p, slot) for (p, _), slot in zip(part, self.tier.reserve([h for _, h in part]), strict=True)
-                    if slot is not None]
+            kept = [
+                (p, slot)
+                for (p, _), slot in zip(part, self.tier.reserve([h for _, h in part]), strict=True)
+                if slot is not None
+            ]
             if not kept:
                 continue
             pages = np.zeros(_bucket(len(kept)), np.int32)
-            pages[:len(kept)] = [p for p, _ in kept]
+            pages[: len(kept)] = [p for p, _ in kept]
             with self._context():
                 data = gather_pages(kv, pages, page_axis=self.page_axis)
             data.copy_to_host_async()
@@ -219,7 +233,7 @@ class HostOffload:
         for start in range(0, len(pages), MAX_PAGES_PER_COPY):
             n = min(MAX_PAGES_PER_COPY, len(pages) - start)
             padded = np.full(_bucket(n), self.num_pages, np.int32)  # past the pool: the scatter drops them
-            padded[:n] = pages[start:start + n]
+            padded[:n] = pages[start : start + n]
             parts.append(padded)
         self.tier.pin(slots)
         future = self._device_loader.submit(self._stage, slots, [len(p) for p in parts])
@@ -230,7 +244,7 @@ class HostOffload:
         staged, buffers, at = [], [], 0
         for bucket in buckets:
             t = time.perf_counter()
-            part = slots[at:at + MAX_PAGES_PER_COPY]
+            part = slots[at : at + MAX_PAGES_PER_COPY]
             at += len(part)
             free = self._staging[bucket]  # reused: a fresh buffer's first touch costs more than the copy into it
             data = free.pop() if free else np.empty((bucket, *self.tier.pages.shape[1:]), self.tier.pages.dtype)
@@ -324,8 +338,9 @@ class HostOffload:
         while n <= MAX_PAGES_PER_COPY:
             pages = np.full(n, self.num_pages, np.int32)
             gather_pages(kv, np.zeros(n, np.int32), page_axis=self.page_axis).copy_to_host_async()
-            staged = jax.device_put(np.zeros((n, *self.tier.pages.shape[1:]), self.tier.pages.dtype),
-                                    self._staged_sharding)
+            staged = jax.device_put(
+                np.zeros((n, *self.tier.pages.shape[1:]), self.tier.pages.dtype), self._staged_sharding
+            )
             kv = scatter_pages(kv, pages, staged, page_axis=self.page_axis)
             n *= 2
         return kv
