@@ -18,7 +18,9 @@ from capstan.runtime.kv.page_pool import page_hash
 from capstan.runtime.server.metrics import ServerMetrics
 
 MODEL = str(GOLDEN / "llama-s11")
-SMALL_POOL = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=4, num_pages=48)
+# decode_steps 1: the tier is refused with multi-step decoding until its divergence there is found (config.py)
+SMALL_POOL = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=4, num_pages=48,
+                  decode_steps=1)
 PAGE_BYTES = 2 * 3 * 2 * 16 * 4 * 4  # K and V, 3 layers, 2 KV heads of 16, 4 tokens, float32
 TIER_GIB = 64 * PAGE_BYTES / (1 << 30)  # more than the pool's 48 pages, less than the conversations' ~100
 
@@ -160,5 +162,7 @@ def test_a_bad_size_is_refused_naming_the_flag(size, message, capsys):
 def test_a_tier_too_small_for_one_page_is_refused():
     with pytest.raises(ValueError, match="kv_offloading_size: 1e-09 GiB holds no K/V page"):
         LLM(MODEL, kv_offloading_size=1e-9, warmup=False, **SMALL_POOL)
+    with pytest.raises(ValueError, match="needs --decode-steps 1"):
+        LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **{**SMALL_POOL, "decode_steps": 16})
     with pytest.raises(ValueError, match="needs prefix caching"):
         LLM(MODEL, kv_offloading_size=TIER_GIB, enable_prefix_caching=False, warmup=False, **SMALL_POOL)
