@@ -19,8 +19,9 @@ from capstan.runtime.server.metrics import ServerMetrics
 
 MODEL = str(GOLDEN / "llama-s11")
 # decode_steps 1: the tier is refused with multi-step decoding until its divergence there is found (config.py)
-SMALL_POOL = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=4, num_pages=48,
-                  decode_steps=1)
+SMALL_POOL = dict(
+    max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=4, num_pages=48, decode_steps=1
+)
 PAGE_BYTES = 2 * 3 * 2 * 16 * 4 * 4  # K and V, 3 layers, 2 KV heads of 16, 4 tokens, float32
 TIER_GIB = 64 * PAGE_BYTES / (1 << 30)  # more than the pool's 48 pages, less than the conversations' ~100
 
