@@ -138,7 +138,6 @@ class LLMEngine:
             num_pages=c.num_pages,
             max_num_seqs=c.max_num_seqs,
             max_logprobs=c.max_logprobs,
-            max_waiting=c.max_waiting,
             eos_token_ids=sorted(self.eos_token_ids),
             hidden_size=cfg.hidden_size,
         )

@@ -22,7 +22,6 @@ class ModelLimits:
     num_pages: int
     max_num_seqs: int
     max_logprobs: int
-    max_waiting: int
     eos_token_ids: list[int]
     hidden_size: int  # an embedding's dimensions
 
