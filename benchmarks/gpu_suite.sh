@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp serve multiturn]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tptrace serve multiturn]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -66,6 +66,15 @@ for part in $parts; do
         python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n --requests 256 --prompt-len 256 \
           --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 | grep --line-buffered -E "output_tokens|single_stream|compile|Error"; done ;;
+    # issue 31: one decode-phase engine step traced at each TP size (256 rows and one stream), per GPU; the
+    # collectives XLA put in the TP=2 steps' optimized HLO
+    tptrace) for n in ${TP_SIZES:-1 2}; do for rows in 256 1; do echo "--- tensor parallel $n, $rows rows"; rm -rf /tmp/tpt
+        hlo=$([ $n = 2 ] && [ $rows = 256 ] && echo "--xla_dump_to=/tmp/tphlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$")
+        XLA_FLAGS="${XLA_FLAGS:-} $hlo" python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n \
+          --requests $rows --prompt-len 256 --output-len 128 --max-num-seqs $rows --max-num-batched-tokens 2048 \
+          --smallest-bucket 256 --trace /tmp/tpt 2>&1 | grep --line-buffered -E "output_tokens_per_s|Error"
+        python3 benchmarks/trace_summary.py /tmp/tpt --top ${TOP:-25}; done; done
+      [ -d /tmp/tphlo ] && python3 benchmarks/hlo_collectives.py /tmp/tphlo --top 4 ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep --line-buffered -v Warning ;;
     kernelsweep) python3 benchmarks/attention_kernels.py --sweep 2>&1 | grep --line-buffered -v Warning ;;
     grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep --line-buffered -v Warning ;;

@@ -32,6 +32,7 @@ def main() -> None:
     count: collections.Counter[str] = collections.Counter()
     span = [float("inf"), 0.0]
     kernels = []
+    per_device: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, float("inf"), 0.0])  # busy, start, end
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -39,6 +40,10 @@ def main() -> None:
         if "GPU" not in where.upper() and "STREAM" not in where.upper():
             continue
         kernels.append((e["ts"], e["dur"], e["name"]))
+        device = pids.get(e.get("pid"), "")
+        per_device[device][0] += e["dur"]
+        per_device[device][1] = min(per_device[device][1], e["ts"])
+        per_device[device][2] = max(per_device[device][2], e["ts"] + e["dur"])
         total[e["name"]] += e["dur"]
         count[e["name"]] += 1
         span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e["dur"])]
@@ -49,6 +54,9 @@ def main() -> None:
     print(
         f"{path}: {sum(count.values())} GPU events, busy {busy / 1000:.3f} ms, span {(span[1] - span[0]) / 1000:.3f} ms"
     )
+    if len(per_device) > 1:  # tensor parallel: each GPU's own busy time against its own span
+        for device, (busy_us, start, end) in sorted(per_device.items()):
+            print(f"  {device[:60]}: busy {busy_us / 1000:.3f} ms, span {(end - start) / 1000:.3f} ms")
     for name, us in total.most_common(a.top):
         print(f"{us / 1000:9.3f} ms {count[name]:6d}x  {name[:110]}")
     if a.sequence:
