@@ -68,11 +68,11 @@ for part in $parts; do
           --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 | grep --line-buffered -E "output_tokens|single_stream|compile|Error"; done ;;
     # issue 31: one decode-phase engine step traced at each TP size (256 rows and one stream), per GPU; the
     # collectives XLA put in the TP=2 steps' optimized HLO
-    tptrace) for n in ${TP_SIZES:-1 2}; do for rows in 256 1; do echo "--- tensor parallel $n, $rows rows"; rm -rf /tmp/tpt
-        hlo=$([ $n = 2 ] && [ $rows = 256 ] && echo "--xla_dump_to=/tmp/tphlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$")
-        XLA_FLAGS="${XLA_FLAGS:-} $hlo" python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n \
+    tptrace) for n in ${TP_SIZES:-1 2}; do for rows in ${TP_ROWS:-256 1}; do echo "--- tensor parallel $n, $rows rows"; rm -rf /tmp/tpt
+        hlo=$([ $n = 2 ] && [ $rows = 256 ] && [ -z "${NO_HLO:-}" ] && echo "--xla_dump_to=/tmp/tphlo --xla_dump_hlo_as_text")
+        env ${hlo:+XLA_FLAGS="$hlo"} python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n \
           --requests $rows --prompt-len 256 --output-len 128 --max-num-seqs $rows --max-num-batched-tokens 2048 \
-          --smallest-bucket 256 --trace /tmp/tpt 2>&1 | grep --line-buffered -E "output_tokens_per_s|Error"
+          --smallest-bucket 256 --trace /tmp/tpt 2>&1 | grep --line-buffered -E "output_tokens_per_s|Error|error"
         python3 benchmarks/trace_summary.py /tmp/tpt --top ${TOP:-25}; done; done
       [ -d /tmp/tphlo ] && python3 benchmarks/hlo_collectives.py /tmp/tphlo --top 4 ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep --line-buffered -v Warning ;;
