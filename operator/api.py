@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from capstan.operator.accelerators import ACCELERATORS
+from capstan.operator.model_source import served_model_name
 
 GROUP = "serving.capstan.dev"
 VERSION = "v1alpha1"
@@ -31,6 +32,7 @@ MODEL_URI_PATTERN = (
     r"|gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/[^\s]*)?"
     r"|s3://[a-z0-9][a-z0-9.-]*[a-z0-9](/[^\s]*)?)$"
 )
+MAX_ADAPTERS = 128
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
@@ -61,6 +63,48 @@ class ModelSpec(_Resource):
         None, max_length=256, description="model name clients send (default: the URI's name)"
     )
     tokenizer: str | None = Field(None, max_length=1024, description="tokenizer to use instead of the checkpoint's")
+
+
+ADAPTER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"  # no '/': never an hf:// model id
+
+
+class AdapterSpec(_Resource):
+    """A LoRA adapter of the base model, served under its own name beside it."""
+
+    name: str = Field(
+        pattern=ADAPTER_NAME_PATTERN,
+        max_length=63,
+        description="the `model` clients send to use it: lowercase letters, digits, '-', '_' and '.'",
+    )
+    source: str = Field(
+        pattern=MODEL_URI_PATTERN,
+        max_length=1024,
+        description="a PEFT adapter folder: hf://org/name[@revision], pvc://claim/path, gs://bucket/path or "
+        "s3://bucket/path",
+    )
+
+
+class LoraSpec(_Resource):
+    """Multi-LoRA serving settings (`capstan serve --enable-lora`); unset fields take the runtime's defaults."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.maxLoras) || !has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras",
+                    "spec.lora.maxCpuLoras must be at least spec.lora.maxLoras (adapters on the device are also"
+                    " kept in host memory)",
+                    ".maxCpuLoras",
+                ),
+            ]
+        }
+    )
+
+    max_loras: int | None = Field(None, ge=1, le=256, description="adapters on the device at once (--max-loras)")
+    max_lora_rank: int | None = Field(None, ge=1, le=512, description="largest adapter rank r (--max-lora-rank)")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, le=4096, description="adapters kept in host memory, swapped onto the device in LRU order"
+    )
 
 
 class RuntimeSpec(_Resource):
@@ -257,6 +301,12 @@ class InferenceServiceSpec(_Resource):
                     ".parallelism.data",
                 ),
                 _cel(
+                    "!has(self.adapters) || !has(self.model.servedName)"
+                    " || self.adapters.all(a, a.name != self.model.servedName)",
+                    "spec.adapters[].name must differ from spec.model.servedName: clients pick the adapter by it",
+                    ".adapters",
+                ),
+                _cel(
                     f"!has(self.accelerator) || !has(self.accelerator.topology) || {_SLICE_CHIPS} == {_REPLICA_CHIPS}",
                     "spec.accelerator.topology must have spec.parallelism.hosts x spec.accelerator.count chips",
                     ".accelerator.topology",
@@ -272,6 +322,14 @@ class InferenceServiceSpec(_Resource):
     )
 
     model: ModelSpec
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters served beside the model, each under its own name; the running servers load"
+        " added ones and unload removed ones without a restart",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    lora: LoraSpec | None = Field(None, description="LoRA settings; set (even empty) to keep LoRA on with no adapters")
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec)
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
@@ -292,6 +350,18 @@ class InferenceServiceSpec(_Resource):
     affinity: dict[str, Any] | None = None
     security: SecuritySpec = Field(default_factory=SecuritySpec)
     pod_template: PodTemplateOverrides | None = None
+
+    @model_validator(mode="after")
+    def _adapters_do_not_shadow_the_model(self) -> InferenceServiceSpec:
+        # The CEL rule checks an explicit servedName; this also catches the name derived from model.uri.
+        served = self.model.served_name or served_model_name(self.model.uri)
+        if any(adapter.name == served for adapter in self.adapters):
+            raise ValueError(f"spec.adapters: an adapter is named {served!r}, the model's served name")
+        return self
+
+    def lora_enabled(self) -> bool:
+        """`--enable-lora` is rendered: adapters are listed, or spec.lora keeps LoRA on without any."""
+        return bool(self.adapters) or self.lora is not None
 
     def bounds(self) -> tuple[int, int]:
         """The replica range the autoscaler moves within."""
@@ -329,6 +399,16 @@ class AutoscalingStatus(_Resource):
     recommendations: list[ScaleRecommendation] = Field(default_factory=list)
 
 
+class AdapterStatus(_Resource):
+    name: str
+    loaded_replicas: int = 0  # ready replicas whose /v1/models lists it
+
+
+class ReplicaAdapters(_Resource):
+    pod: str
+    adapters: list[str] = Field(default_factory=list)  # what its /v1/models lists, sorted
+
+
 class InferenceServiceStatus(_Resource):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})  # kopf's bookkeeping
 
@@ -341,6 +421,8 @@ class InferenceServiceStatus(_Resource):
     selector: str | None = None
     url: str | None = None
     autoscaling: AutoscalingStatus | None = None
+    adapters: list[AdapterStatus] | None = None
+    replica_adapters: list[ReplicaAdapters] | None = None
 
 
 class InferenceService(_Resource):

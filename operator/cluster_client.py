@@ -22,6 +22,7 @@ PATHS = {
     "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "Service": ("/api/v1", "services"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "ConfigMap": ("/api/v1", "configmaps"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),
     api.KIND: (f"/apis/{api.GROUP}/{api.VERSION}", api.PLURAL),

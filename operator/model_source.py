@@ -47,12 +47,26 @@ def model_source(uri: str) -> ModelSource:
             mounts=[{"name": "model-source", "mountPath": SOURCE_MOUNT, "readOnly": True}],
         )
     assert scheme in ("gs", "s3"), f"the CRD's pattern admits no scheme {scheme!r}"
-    local = f"{CACHE_MOUNT}/models/{scheme}/{location}/{path}".rstrip("/")
+    remote, local = object_store_copy(uri, "models")
+    download = downloader_container("model-download", ["copy", "--fast-list", "--transfers=16", remote, local])
+    return ModelSource(local, init_containers=[download])
+
+
+def object_store_copy(uri: str, folder: str) -> tuple[str, str]:
+    """gs:// or s3:// -> (rclone's remote, the folder under the cache volume it is copied to)."""
+    scheme, location, path = parse_uri(uri)
+    local = f"{CACHE_MOUNT}/{folder}/{scheme}/{location}/{path}".rstrip("/")
     remote = f":{'gcs' if scheme == 'gs' else 's3'}:{location}/{path}".rstrip("/")
-    download = {
-        "name": "model-download",
-        "image": DOWNLOADER_IMAGE,
-        "args": ["copy", "--fast-list", "--transfers=16", remote, local],
+    return remote, local
+
+
+def downloader_container(name: str, args: list[str], command: list[str] | None = None) -> dict[str, Any]:
+    """An rclone init container writing into the cache volume, restricted like every container we render."""
+    container: dict[str, Any] = {"name": name, "image": DOWNLOADER_IMAGE}
+    if command:
+        container["command"] = command
+    return container | {
+        "args": args,
         # Credentials come from the pod's identity (workload identity, IRSA) or env the user adds.
         "env": [
             {"name": "RCLONE_GCS_ENV_AUTH", "value": "true"},
@@ -63,4 +77,3 @@ def model_source(uri: str) -> ModelSource:
         "securityContext": pod_security.container_security_context(),
         "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}, pod_security.scratch_mount()],
     }
-    return ModelSource(local, init_containers=[download])

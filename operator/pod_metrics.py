@@ -51,10 +51,20 @@ class PodAddresses:
         self.test_addresses = test_addresses or []
 
     def resolve(self, pods: list[dict[str, Any]]) -> list[str]:
+        return list(self.by_pod(pods).values())
+
+    def by_pod(self, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """Pod name -> address, in name order; pods with no IP yet are left out."""
         ordered = sorted(pods, key=lambda p: p["metadata"]["name"])
         if self.test_addresses:  # pod i (by name) -> test address i, round robin
-            return [self.test_addresses[i % len(self.test_addresses)] for i in range(len(ordered))]
-        return [f"{p['status']['podIP']}:{SERVER_PORT}" for p in ordered if p.get("status", {}).get("podIP")]
+            return {
+                p["metadata"]["name"]: self.test_addresses[i % len(self.test_addresses)] for i, p in enumerate(ordered)
+            }
+        return {
+            p["metadata"]["name"]: f"{p['status']['podIP']}:{SERVER_PORT}"
+            for p in ordered
+            if p.get("status", {}).get("podIP")
+        }
 
 
 def fetch_loads(addresses: list[str]) -> list[PodLoad]:

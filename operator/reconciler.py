@@ -15,9 +15,10 @@ from typing import Any
 import pydantic
 from kubernetes.client.exceptions import ApiException
 
-from capstan.operator import api, autoscaler, host_groups, render, render_group
+from capstan.operator import adapters, api, autoscaler, host_groups, render, render_group
 from capstan.operator.cluster_client import ClusterClient
 from capstan.operator.pod_metrics import PodAddresses, fetch_loads
+from capstan.operator.pod_models import fetch_pod_adapters
 from capstan.operator.status import compute_status
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Reconciler:
             kinds = ", ".join(dict.fromkeys(obj["kind"] for obj in applied))
             self.emit(body, "Normal", "Applied", f"generation {generation}: applied {kinds} ({replicas} replicas)")
         self._prune_model_cache_claim(body, spec)
+        self._prune_adapters_configmap(body, spec)
         self._prune_workloads(body, applied, leader_worker_set)
         workload = self._observe_workload(body, applied, pods)
         new_status = compute_status(
@@ -111,6 +113,7 @@ class Reconciler:
             previous_conditions=status.get("conditions", []),
             now=_now(),
             url=self.config.gateway_url,
+            reported_adapters=self._reported_adapters(pods) if spec.lora_enabled() else None,
         )
         if autoscaling_status is not None:
             new_status["autoscaling"] = autoscaling_status
@@ -149,6 +152,11 @@ class Reconciler:
             recommendations=decision.recommendations,
         )
         return decision.replicas, result.model_dump(by_alias=True, exclude_none=True)
+
+    def _reported_adapters(self, pods: list[dict[str, Any]]) -> dict[str, list[str] | None]:
+        """Each ready serving pod (leaders only: workers take no requests) -> the adapters it lists."""
+        serving = [p for p in pods if _is_ready(p) and render_group.is_leader(p)]
+        return fetch_pod_adapters(self.config.pod_addresses.by_pod(serving))
 
     def _observe_workload(
         self, body: dict[str, Any], applied: list[dict[str, Any]], pods: list[dict[str, Any]]
@@ -199,6 +207,16 @@ class Reconciler:
             self.emit(
                 body, "Normal", "Deleted", f"model cache claim {claim['metadata']['name']} is no longer requested"
             )
+
+    def _prune_adapters_configmap(self, body: dict[str, Any], spec: api.InferenceServiceSpec) -> None:
+        """Delete the adapters' ConfigMap once the spec turns LoRA off (the pods no longer mount it)."""
+        if spec.lora_enabled():
+            return
+        meta = body["metadata"]
+        configmap = self.client.get("ConfigMap", meta["namespace"], adapters.configmap_name(meta["name"]))
+        owners = (configmap or {}).get("metadata", {}).get("ownerReferences", [])
+        if any(o.get("uid") == meta["uid"] for o in owners):
+            self.client.delete("ConfigMap", meta["namespace"], configmap["metadata"]["name"])
 
     def _report_transitions(
         self, body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]

@@ -9,7 +9,7 @@ import copy
 import math
 from typing import Any
 
-from capstan.operator import api, pod_security
+from capstan.operator import adapters, api, pod_security
 from capstan.operator.accelerators import ACCELERATORS, TPU_TOPOLOGY_LABEL, is_tpu
 from capstan.operator.model_source import CACHE_MOUNT, model_source, served_model_name
 
@@ -94,7 +94,7 @@ def serve_args(spec: api.InferenceServiceSpec, model_argument: str) -> list[str]
     for flag, value in flags.items():
         if value is not None:
             args += [flag, str(value)]
-    return args + list(runtime.extra_args)
+    return args + adapters.serve_flags(spec) + list(runtime.extra_args)
 
 
 def _env(spec: api.InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -143,6 +143,9 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def render_pod_template(name: str, spec: api.InferenceServiceSpec) -> dict[str, Any]:
     source = model_source(spec.model.uri)
+    lora = adapters.adapter_sources(spec)
+    lora_config = [adapters.config_volume(name)] if spec.lora_enabled() else []
+    lora_mount = [adapters.config_mount()] if spec.lora_enabled() else []
     claim = model_cache_claim_name(name, spec)
     cache_volume = {"name": "model-cache"} | (
         {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
@@ -165,6 +168,8 @@ def render_pod_template(name: str, spec: api.InferenceServiceSpec) -> dict[str, 
             {"name": "model-cache", "mountPath": CACHE_MOUNT},
             pod_security.scratch_mount(),
             *source.mounts,
+            *lora_mount,
+            *lora.mounts,
         ],
     }
     if spec.image_pull_policy:
@@ -172,13 +177,13 @@ def render_pod_template(name: str, spec: api.InferenceServiceSpec) -> dict[str, 
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "securityContext": pod_security.pod_security_context(),
-        "volumes": [cache_volume, pod_security.scratch_volume(), *source.volumes],
+        "volumes": [cache_volume, pod_security.scratch_volume(), *source.volumes, *lora_config, *lora.volumes],
         "terminationGracePeriodSeconds": PRESTOP_SECONDS + spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
         "enableServiceLinks": False,
         **_scheduling(spec),
     }
-    if source.init_containers:
-        pod_spec["initContainers"] = source.init_containers
+    if source.init_containers or lora.init_containers:
+        pod_spec["initContainers"] = source.init_containers + lora.init_containers
     template = {"metadata": {"labels": labels(name)}, "spec": pod_spec}
     return apply_pod_overrides(template, spec.pod_template)
 
@@ -273,11 +278,28 @@ def render_model_cache_claim(owner: dict[str, Any], spec: api.InferenceServiceSp
     }
 
 
+def render_adapters_configmap(owner: dict[str, Any], spec: api.InferenceServiceSpec) -> dict[str, Any] | None:
+    """The --lora-modules-file every serving pod mounts; none without LoRA."""
+    if not spec.lora_enabled():
+        return None
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(name, namespace, owner, adapters.configmap_name(name)),
+        "data": {adapters.MODULES_KEY: adapters.modules_json(spec)},
+    }
+
+
+def render_volume_sources(owner: dict[str, Any], spec: api.InferenceServiceSpec) -> list[dict[str, Any]]:
+    """What the pods' volumes name, applied before the pods: the cache claim and the adapters' ConfigMap."""
+    return [obj for obj in (render_model_cache_claim(owner, spec), render_adapters_configmap(owner, spec)) if obj]
+
+
 def render_all(owner: dict[str, Any], spec: api.InferenceServiceSpec, replicas: int) -> list[dict[str, Any]]:
     """Every object the InferenceService owns, in the order they should be applied."""
-    claim = render_model_cache_claim(owner, spec)
     return [
-        *([claim] if claim else []),
+        *render_volume_sources(owner, spec),
         render_service(owner),
         render_pod_disruption_budget(owner),
         render_deployment(owner, spec, replicas),

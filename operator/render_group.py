@@ -181,11 +181,10 @@ def render_all_groups(
     owner: dict[str, Any], spec: api.InferenceServiceSpec, replicas: int, leader_worker_set: bool
 ) -> list[dict[str, Any]]:
     """Every object a multi-host InferenceService owns, in the order they should be applied."""
-    claim = render.render_model_cache_claim(owner, spec)
     name = owner["metadata"]["name"]
     service = render.render_service(owner, pod_selector=leader_selector(name, leader_worker_set))
     if leader_worker_set:
         groups = [render_leader_worker_set(owner, spec, replicas)]
     else:
         groups = [render_hosts_service(owner)] + [render_group_statefulset(owner, spec, r) for r in range(replicas)]
-    return [*([claim] if claim else []), service, render.render_pod_disruption_budget(owner), *groups]
+    return [*render.render_volume_sources(owner, spec), service, render.render_pod_disruption_budget(owner), *groups]

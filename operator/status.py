@@ -12,6 +12,7 @@ from typing import Any
 
 from capstan.operator import api
 from capstan.operator.accelerators import ACCELERATORS
+from capstan.operator.adapter_status import adapter_report
 from capstan.operator.render import selector_string, service_url
 
 IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
@@ -89,9 +90,15 @@ def _unschedulable(pod: str, message: str, spec: api.InferenceServiceSpec) -> Pr
 
 
 def _condition(
-    type_: str, ok: bool, reason: str, message: str, generation: int, previous: dict[str, dict[str, Any]], now: str
+    type_: str,
+    ok: bool | None,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: dict[str, dict[str, Any]],
+    now: str,
 ) -> dict[str, Any]:
-    status = "True" if ok else "False"
+    status = "Unknown" if ok is None else "True" if ok else "False"
     before = previous.get(type_)
     changed = before is None or before.get("status") != status
     return {
@@ -116,8 +123,10 @@ def compute_status(
     previous_conditions: list[dict[str, Any]],
     now: str,
     url: str | None = None,
+    reported_adapters: dict[str, list[str] | None] | None = None,
 ) -> dict[str, Any]:
-    """The status subresource body (camelCase), without the autoscaling part. `url`: the gateway's, when one routes."""
+    """The status subresource body (camelCase), without the autoscaling part. `url`: the gateway's, when one routes.
+    `reported_adapters`: with LoRA on, each ready serving pod -> the adapters its /v1/models lists (None: no answer)."""
     observed = (deployment or {}).get("status", {})
     replicas, ready = observed.get("replicas", 0), observed.get("readyReplicas", 0)
     updated, available = observed.get("updatedReplicas", 0), observed.get("availableReplicas", 0)
@@ -167,7 +176,15 @@ def compute_status(
             now,
         ),
     ]
+    adapter_fields: dict[str, Any] = {"adapters": None, "replicaAdapters": None}  # merge patch: None removes
+    if spec.lora_enabled():
+        report = adapter_report(spec, reported_adapters or {})
+        adapter_fields = report.fields
+        conditions.append(
+            _condition("AdaptersLoaded", report.loaded, report.reason, report.message, generation, previous, now)
+        )
     return {
+        **adapter_fields,
         "observedGeneration": generation,
         "conditions": conditions,
         "replicas": replicas,

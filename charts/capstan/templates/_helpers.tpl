@@ -54,6 +54,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: [persistentvolumeclaims]
   verbs: [get, create, patch, delete]  # the model cache claim it creates, and removes when no longer asked for
 - apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch, delete]  # the adapters' list the pods mount (spec.adapters), removed with LoRA off
+- apiGroups: [""]
   resources: [pods]
   verbs: [list, delete]  # status and autoscaling read the pods; a multi-host group is replaced as a whole
 - apiGroups: [""]
