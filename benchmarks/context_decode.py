@@ -39,6 +39,7 @@ def one_stream(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[float
         if first is None and produced:
             first, first_cpu = time.perf_counter(), time.process_time()
     end, end_cpu = time.perf_counter(), time.process_time()
+    assert first is not None, "the request produced no token"
     return first - start, 1000 * (end - first) / (tokens - 1), 1000 * (end_cpu - first_cpu) / (tokens - 1)
 
 

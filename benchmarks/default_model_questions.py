@@ -35,7 +35,7 @@ def main() -> None:
                 r = client.chat.completions.create(model=a.model, messages=[{"role": "user", "content": question}])
                 outcome = (
                     f"{r.usage.completion_tokens:5d} tokens {r.choices[0].finish_reason}: "
-                    f"{r.choices[0].message.content[:100]!r}"
+                    f"{(r.choices[0].message.content or '')[:100]!r}"
                 )
             except Exception as e:  # a timeout is the finding, not a crash
                 outcome = f"no answer ({type(e).__name__})"

@@ -64,11 +64,11 @@ async def measure(url: str, model: str, args: argparse.Namespace) -> dict:
     return {"single_stream_tok_s": single, f"{args.streams}_streams_tok_s": concurrent}
 
 
-def wait_until(url: str, path: str, process: subprocess.Popen) -> None:
+def wait_until(url: str, path: str, process: subprocess.Popen, command: list[str]) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:4]!r} exited with {process.returncode}")
+            raise RuntimeError(f"{command[:4]!r} exited with {process.returncode}")
         try:
             if httpx.get(url + path, timeout=2).status_code == 200:
                 return
@@ -90,7 +90,7 @@ def run_server(
         env={**os.environ, **(env or {})},
     )
     try:
-        wait_until(url, ready_path, process)
+        wait_until(url, ready_path, process, command)
         return asyncio.run(measure(url, model, args))
     finally:
         os.killpg(process.pid, signal.SIGKILL)

@@ -65,7 +65,10 @@ def engine_for(model, a, num_pages: int, tier_gib: float) -> LLMEngine:
 def conversations(engine: LLMEngine, a, vocab: int) -> dict:
     """Runs every conversation's turns; returns TTFTs by first/returning turn, throughput and the tier's stats."""
     rng = np.random.default_rng(a.seed)
-    words = lambda n: rng.integers(100, vocab, size=n).tolist()  # noqa: E731
+
+    def words(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(100, vocab, size=n)]
+
     history = [words(a.first_len) for _ in range(a.conversations)]
     # drawn up front: turns end in an order that timing decides, and conversation c's turn t must get the same message
     # in every run (drawn as turns ended, two runs' histories differed, and so did their answers)

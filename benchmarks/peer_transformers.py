@@ -20,12 +20,13 @@ import statistics
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
@@ -110,7 +111,7 @@ def batch_phase(model, args) -> dict:
     if args.cb_attn:  # e.g. "paged|sdpa" or "paged|flash_attention_2"; else generate_batch picks (flash if available)
         model.set_attn_implementation(args.cb_attn)
     keep = not args.fresh_manager
-    out = {
+    out: dict[str, Any] = {
         "config": "ContinuousBatchingConfig()"
         if args.cb_default
         else "ContinuousBatchingConfig(use_cuda_graph=True, default_compile_level=1)",

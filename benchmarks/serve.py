@@ -206,8 +206,9 @@ class Client:
         if not stream:
             return await self.request_whole(prompt, max_tokens)
         path, body = self.body(prompt, max_tokens)
-        result, chunks_with_text, last = Result(start=time.monotonic()), 0, None
+        result, chunks_with_text = Result(start=time.monotonic()), 0
         start = time.perf_counter()
+        last = start  # the previous text chunk's time; the first chunk's gap is its TTFT, not an ITL
         try:
             async with self.http.stream("POST", path, json=body) as r:
                 result.status = r.status_code
@@ -267,14 +268,14 @@ class Client:
 
 
 def percentiles(values: list[float | None]) -> dict[str, float | None]:
-    values = sorted(v for v in values if v is not None)
-    if not values:
+    present = sorted(v for v in values if v is not None)
+    if not present:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
 
     def at(q: float) -> float:
-        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+        return present[min(len(present) - 1, max(0, math.ceil(q * len(present)) - 1))]
 
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": sum(values) / len(values)}
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": sum(present) / len(present)}
 
 
 def prompts_for(w: Workload, tokens_per_word: float, budget: int, seed: int) -> list[str]:

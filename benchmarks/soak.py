@@ -34,7 +34,7 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else float("nan"))
 
 

@@ -42,7 +42,7 @@ from capstan.runtime.speculative_config import SpeculativeConfig  # noqa: E402
 METHODS = ("ngram", "oracle", "draft-target", "draft-small")
 
 
-def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None) -> tuple[float, dict[str, list[int]]]:
+def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None) -> tuple[float, list[list[int]]]:
     ids = [f"s{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, p, params)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 
 from capstan.operator.accelerators import ACCELERATORS
 from capstan.operator.model_source import served_model_name
@@ -43,8 +44,11 @@ else:
     AcceleratorType = Literal[tuple(ACCELERATORS)]
 
 
-def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    return {"rule": rule, "message": message} | ({"fieldPath": field_path} if field_path else {})
+def _cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
+    validation: JsonDict = {"rule": rule, "message": message}
+    if field_path:
+        validation["fieldPath"] = field_path
+    return validation
 
 
 class _Resource(BaseModel):
@@ -118,7 +122,7 @@ class RuntimeSpec(_Resource):
     extra_args: list[str] = Field(default_factory=list, max_length=64, description="appended to `capstan serve`")
 
 
-def _tpu_host_chips_rule() -> dict[str, str]:
+def _tpu_host_chips_rule() -> JsonDict:
     """accelerator.count of a TPU type must be the chips of one of its hosts (from accelerators.py)."""
     chips = {name: list(a.host_chips) for name, a in ACCELERATORS.items() if a.host_chips}
     table = "{" + ", ".join(f"'{name}': {values}" for name, values in chips.items()) + "}"

@@ -201,7 +201,9 @@ class Reconciler:
             return
         meta = body["metadata"]
         claim = self.client.get("PersistentVolumeClaim", meta["namespace"], f"{meta['name']}-model-cache")
-        owners = (claim or {}).get("metadata", {}).get("ownerReferences", [])
+        if claim is None:
+            return
+        owners = claim.get("metadata", {}).get("ownerReferences", [])
         if any(o.get("uid") == meta["uid"] for o in owners):
             self.client.delete("PersistentVolumeClaim", meta["namespace"], claim["metadata"]["name"])
             self.emit(

@@ -98,7 +98,7 @@ def serve_args(spec: api.InferenceServiceSpec, model_argument: str) -> list[str]
 
 
 def _env(spec: api.InferenceServiceSpec) -> list[dict[str, Any]]:
-    env = [
+    env: list[dict[str, Any]] = [
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
         {"name": "JAX_COMPILATION_CACHE_DIR", "value": f"{CACHE_MOUNT}/xla"},  # warm restarts skip compiling
     ]

@@ -98,8 +98,9 @@ def _gguf_defaults(path: Path) -> dict[str, float | int]:
     except (GGUFMetadataError, OSError) as e:
         raise ValueError(str(e)) from None
     fields = {GGUF_SAMPLING_KEYS[k]: v for k, v in found.items()}
-    if isinstance(fields.get("top_k"), float):  # int or float: the key's type is the converter's choice
-        fields["top_k"] = int(fields["top_k"])
+    top_k = fields.get("top_k")
+    if isinstance(top_k, float):  # int or float: the key's type is the converter's choice
+        fields["top_k"] = int(top_k)
     if not fields and path.name == SMOLLM2_FILE:
         return dict(SMOLLM2_RECOMMENDED)
     return check_fields(fields, f"{path} (general.sampling.*)")

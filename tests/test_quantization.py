@@ -276,7 +276,7 @@ if __name__ == "__main__":  # the child of the split test: one device, then four
 
     prompts = reference("qwen2-s12")["prompts"][:3]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
-    results: dict[str, object] = {}
+    results: dict[str, dict[str, dict]] = {}
     for method in ("fp8",):
         for tp in (1, 4):
             llm = LLM(
@@ -291,9 +291,10 @@ if __name__ == "__main__":  # the child of the split test: one device, then four
                 quantization=method,
             )
             outs = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            assert all(o.logprobs is not None for o in outs)  # logprobs=0: the chosen token's
             results.setdefault(method, {})[str(tp)] = {
                 "tokens": [o.token_ids for o in outs],
-                "logprobs": [[o.logprobs[k][t].logprob for k, t in enumerate(o.token_ids)] for o in outs],
+                "logprobs": [[(o.logprobs or [])[k][t].logprob for k, t in enumerate(o.token_ids)] for o in outs],
             }
     print(json.dumps(results))
 

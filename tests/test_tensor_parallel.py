@@ -139,13 +139,15 @@ def _generate(case: str, tp: int) -> dict:
     )
     outs = llm.generate(prompts + [prompts[0]], [greedy] * len(prompts) + [seeded])
     greedy_outs = [o.outputs[0] for o in outs[:-1]]
+    prompt_logprobs = outs[-1].prompt_logprobs
+    assert prompt_logprobs is not None and all(o.logprobs is not None for o in greedy_outs)
     return {
         "devices": len({d for a in llm.engine.kv.k for d in a.sharding.device_set}),
         "kv_sharding": str(getattr(llm.engine.kv.k[0].sharding, "spec", None)),
         "tokens": [o.token_ids for o in greedy_outs],
-        "logprobs": [[o.logprobs[k][t].logprob for k, t in enumerate(o.token_ids)] for o in greedy_outs],
+        "logprobs": [[(o.logprobs or [])[k][t].logprob for k, t in enumerate(o.token_ids)] for o in greedy_outs],
         "sampled": outs[-1].outputs[0].token_ids,
-        "prompt_logprobs": [next(iter(p.values())).logprob for p in outs[-1].prompt_logprobs[1:]],
+        "prompt_logprobs": [next(iter((p or {}).values())).logprob for p in prompt_logprobs[1:]],
     }
 
 

@@ -140,7 +140,7 @@ class Embedder:
         """(input, first position, tokens) per row: running inputs go on, then waiting ones take pages."""
         builder, pool = self.engine.builder, self.engine.pool
         budget = builder.buckets[-1]
-        chunks: list[tuple[EmbeddingRequest, int, int]] = []
+        chunks: list[tuple[EmbeddingInput, int, int]] = []
         for x in self.running:
             if budget == 0 or len(chunks) == builder.S:
                 return chunks
@@ -223,5 +223,6 @@ class Embedder:
         return finished
 
     def _pooled(self, x: EmbeddingInput) -> list[float]:
+        assert x.total is not None and x.last is not None, "pooled only once all its tokens ran"
         v = x.last if self.pooling == "last" else x.total / len(x.token_ids)
         return (v / max(float(np.linalg.norm(v)), 1e-12)).astype(np.float32).tolist()  # unit length, as vLLM's

@@ -50,8 +50,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt to completion, batched; results in the order of the prompts."""
         prompts = [_engine_prompt(p, i) for i, p in enumerate(_as_list(prompts))]
-        params = sampling_params or self.get_default_sampling_params()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
@@ -87,8 +86,7 @@ class LLM:
             }
             for c in conversations
         ]
-        params = sampling_params or self.get_default_sampling_params()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts))
         stops = self.tokenizer.end_of_turn_ids()
         params = [
             p
@@ -125,6 +123,11 @@ class LLM:
             raise RuntimeError(
                 f"prompt {ids.index(rid)} failed in the engine: {type(error).__name__}: {error}"
             ) from error
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    """One SamplingParams for all n prompts, or one each."""
+    return [params] * n if isinstance(params, SamplingParams) else list(params)
 
 
 def _as_list(prompts) -> list:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 log = logging.getLogger("capstan.gateway")
 
@@ -70,12 +70,16 @@ class EndpointSliceDiscovery:
     def _list_services(self) -> list[dict]:
         from capstan.operator import api
 
+        # The client annotates the decoded JSON as object; a list call returns the list as a dict.
         if not self.namespaces:
-            return self._custom.list_cluster_custom_object(api.GROUP, api.VERSION, api.PLURAL)["items"]
+            listed = self._custom.list_cluster_custom_object(api.GROUP, api.VERSION, api.PLURAL)
+            return cast(dict[str, Any], listed)["items"]
         return [
             item
             for ns in self.namespaces
-            for item in self._custom.list_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL)["items"]
+            for item in cast(
+                dict[str, Any], self._custom.list_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL)
+            )["items"]
         ]
 
     def _list_slices(self) -> list:

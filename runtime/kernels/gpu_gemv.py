@@ -120,6 +120,7 @@ def gemv(
     block_n = _block_n(n, block_n or bn)
     block_m = 1 << (rows - 1).bit_length() if reduce else _block_m(rows)
     block_k = block_k or _block_k(k, block_m)
+    assert block_k is not None, f"no block of {BLOCK_K} divides k={k} (applies() refuses such shapes)"
     assert not block or block_k % block == 0, (block_k, block)
     steps = k // block_k
     m_blocks = -(-rows // block_m)

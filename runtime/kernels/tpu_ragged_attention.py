@@ -76,6 +76,7 @@ def kernel_arguments(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax
         q_lens = jnp.ones(S, jnp.int32)
     else:
         blocks = meta.query_blocks
+        assert blocks is not None, "a step that is not all decodes carries its query blocks (batch.py)"
         q_lens = jnp.zeros(S, jnp.int32).at[blocks[:, 2]].add(blocks[:, 1])
     kv_lens = jnp.where(q_lens > 0, meta.seq_lens, 0).astype(jnp.int32)
     cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])

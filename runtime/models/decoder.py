@@ -4,6 +4,9 @@ The families differ only in their block (llama.py, gemma3.py); this is the part 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, ClassVar, Protocol
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -14,15 +17,36 @@ from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..parallel.mesh import replicated
 from .config import SLIDING_ATTENTION, ModelConfig
-from .layers import ModelAxes, embed, lm_logits, rms_norm
+from .layers import Attention, ModelAxes, embed, lm_logits, rms_norm
 from .rope import inverse_frequencies, rotary_tables
+
+
+class DecoderBlock(Protocol):
+    """A family's block (llama.py, gemma3.py): x and this layer's caches in; x and the caches written, out."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # an eqx.Module: a dataclass
+    attn: Attention  # tensor_parallel.py splits its projections
+
+    def __call__(
+        self,
+        x: NamedArray,
+        cos: jax.Array,
+        sin: jax.Array,
+        window: int | None,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        meta: AttentionMetadata,
+        cfg: ModelConfig,
+        ax: ModelAxes,
+        page_size: int,
+    ) -> tuple[NamedArray, jax.Array, jax.Array]: ...
 
 
 class DecoderModel(eqx.Module):
     cfg: ModelConfig = eqx.field(static=True)
     ax: ModelAxes = eqx.field(static=True)
     embedding: NamedArray  # [Vocab, Embed]
-    layers: tuple[eqx.Module, ...]  # the family's blocks, one per layer
+    layers: tuple[DecoderBlock, ...]  # the family's blocks (eqx.Modules), one per layer
     final_norm: NamedArray  # [Embed]
     lm_head: NamedArray  # [Vocab, Embed]; the embedding itself when tied
     inv_freq: dict[str, jax.Array]  # by layer type: [head_dim // 2] float32

@@ -65,7 +65,11 @@ def write_tokenizer(out: Path) -> dict[str, int]:
     )
     tok.train_from_iterator(corpus(), trainer)
     tok.add_special_tokens(SPECIALS)
-    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    ids: dict[str, int] = {}
+    for special in SPECIALS:
+        token_id = tok.token_to_id(special)
+        assert token_id is not None, f"{special} was just added to the vocabulary"
+        ids[special] = token_id
     tok.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", ids["<|begin_of_text|>"])]
     )

@@ -167,8 +167,7 @@ def replicate_kv_heads(model: DecoderModel, size: int) -> DecoderModel:
             else hax.named(fused(a.qkv_bias.array), (ax.KVHeads, ax.QKV, ax.HeadSize)),
         )
 
-    # every family's block has .attn; DecoderModel types its layers as eqx.Module
-    layers = tuple(dataclasses.replace(b, attn=attention(b.attn)) for b in model.layers)  # type: ignore[call-arg, attr-defined]
+    layers = tuple(dataclasses.replace(b, attn=attention(b.attn)) for b in model.layers)
     return dataclasses.replace(model, cfg=new_cfg, ax=ax, layers=layers)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import equinox as eqx
@@ -408,12 +409,14 @@ def _search(keys: jax.Array, holds, pivots: int, smallest_false: bool = False) -
     return hi if smallest_false else lo
 
 
-FILTERS = {
+# x, b -> x with what the filters drop at -inf
+FILTERS: dict[str, Callable[[jax.Array, SamplingBatch], jax.Array]] = {
     "sort": filters_by_sort,
     "bisection": filters_by_bisection,
     **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)},
 }
-DRAWS = {
+# x, b, greedy, noise -> each row's token
+DRAWS: dict[str, Callable[[jax.Array, SamplingBatch, jax.Array, RowNoise], jax.Array]] = {
     "candidates": draw_by_candidates,  # methods that filter as they draw
     "candidates-fused": functools.partial(draw_by_candidates, best=best_by_blocks),
     "candidates-kernel": functools.partial(draw_by_candidates, best=best_by_blocks, in_one_pass=True),

@@ -173,9 +173,12 @@ class RealNode:
             )
         )
         log = self._start("containerd", ["containerd", f"--config={folder / 'config.toml'}"])
-        wait_for(
-            "containerd", lambda: self._check_alive() or self.ctr("version", timeout=5), START_TIMEOUT, process_log=log
-        )
+
+        def answers() -> subprocess.CompletedProcess:
+            self._check_alive()  # a containerd that exited fails at once, with its log
+            return self.ctr("version", timeout=5)
+
+        wait_for("containerd", answers, START_TIMEOUT, process_log=log)
 
     def _import(self, archive: Path) -> None:
         """Import the archive unless the store holds it already; other builds of its name go."""

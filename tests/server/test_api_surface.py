@@ -65,7 +65,7 @@ def test_chat_logprobs_with_top_logprobs(client):
 
 def collect(chunks, text_of) -> tuple[dict[int, str], dict[int, str]]:
     texts: collections.defaultdict[int, str] = collections.defaultdict(str)
-    reasons: dict[int, str | None] = {}
+    reasons: dict[int, str] = {}
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] += text_of(choice) or ""
