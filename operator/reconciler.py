@@ -216,7 +216,9 @@ class Reconciler:
             return
         meta = body["metadata"]
         configmap = self.client.get("ConfigMap", meta["namespace"], adapters.configmap_name(meta["name"]))
-        owners = (configmap or {}).get("metadata", {}).get("ownerReferences", [])
+        if configmap is None:
+            return
+        owners = configmap.get("metadata", {}).get("ownerReferences", [])
         if any(o.get("uid") == meta["uid"] for o in owners):
             self.client.delete("ConfigMap", meta["namespace"], configmap["metadata"]["name"])
 
