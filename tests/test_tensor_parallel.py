@@ -18,12 +18,14 @@ TESTS = Path(__file__).parent
 MAX_TOKENS = 10
 
 
-def run_split(devices: int, cases: dict[str, int], gpu_kernels: bool = False, tpu_layout: bool = False) -> dict:
+def run_split(
+    devices: int, cases: dict[str, int], gpu_kernels: bool = False, tpu_layout: bool = False, compiles: bool = False
+) -> dict:
     """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs;
     gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU; tpu_layout: split only, with the
     KV cache laid out as the TPU kernel reads it."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    flags = ["gpu-kernels"] * gpu_kernels + ["tpu-layout"] * tpu_layout
+    flags = ["gpu-kernels"] * gpu_kernels + ["tpu-layout"] * tpu_layout + ["compiles"] * compiles
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(cases)] + flags,
         env=env,
@@ -85,6 +87,15 @@ def test_tpu_kv_layout_is_split_by_kv_head():
     split = run_split(2, {"llama-s11": 2}, tpu_layout=True)["llama-s11"]["2"]
     assert split["kv_sharding"] == "P(None, None, 'model')" and split["devices"] == 2
     assert_golden("llama-s11", split)
+
+
+def test_a_warmed_split_engine_compiles_nothing_while_it_serves():
+    """Warm-up compiles every program a run uses: the multi-step run's first dispatch and the ones queued after it
+    once shared no program under a mesh (an unplaced zeros array against the last dispatch's replicated tokens), and
+    the first run compiled the second in its middle (8B shape, TP=2 on two H100s: 8 s of a 10 s decode phase)."""
+    got = run_split(2, {"llama-s11": 2}, compiles=True)["llama-s11"]
+    assert got["dispatches"] >= 3, got  # a run's first dispatch and at least two queued behind it
+    assert got["after_run"] == got["after_warmup"], got
 
 
 def test_sizes_the_model_cannot_split_are_refused_naming_the_flag():
@@ -151,6 +162,34 @@ def _generate(case: str, tp: int) -> dict:
     }
 
 
+def _compiles(case: str, tp: int) -> dict:
+    """The jitted steps' compiled programs after warm-up and after a greedy run long enough to queue dispatches."""
+    import capstan.runtime.engine.multi_step as multi_step
+    from capstan.runtime.engine.llm import LLM
+    from capstan.runtime.engine.sampling_params import SamplingParams
+    from capstan.runtime.engine.step import step_fn
+
+    llm = LLM(
+        str(GOLDEN / case),
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        page_size=4,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        decode_steps=4,
+        enable_prefix_caching=False,
+    )
+    programs = lambda: multi_step.decode_steps_fn._cache_size() + step_fn._cache_size()  # noqa: E731
+    after_warmup, calls = programs(), []
+    real = multi_step.decode_steps_fn
+    multi_step.decode_steps_fn = lambda *a, **k: calls.append(1) or real(*a, **k)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm.generate(reference(case)["prompts"][:2], greedy)
+    multi_step.decode_steps_fn = real
+    return {"after_warmup": after_warmup, "after_run": programs(), "dispatches": len(calls)}
+
+
 if __name__ == "__main__":  # the child: one device, then split, for each case (split only through the GPU kernels)
     if "gpu-kernels" in sys.argv:
         from capstan.runtime import attention
@@ -160,6 +199,9 @@ if __name__ == "__main__":  # the child: one device, then split, for each case (
         from capstan.runtime import attention
 
         attention.TPU_LAYOUT_ON_CPU = True
+    if "compiles" in sys.argv:
+        print(json.dumps({case: _compiles(case, tp) for case, tp in json.loads(sys.argv[1]).items()}))
+        sys.exit(0)
     split_only = "gpu-kernels" in sys.argv or "tpu-layout" in sys.argv
     sizes = lambda tp: (tp,) if split_only else (1, tp)  # noqa: E731
     results = {case: {str(n): _generate(case, n) for n in sizes(tp)} for case, tp in json.loads(sys.argv[1]).items()}
