@@ -33,6 +33,7 @@ def main() -> None:
             started = time.monotonic()
             try:
                 r = client.chat.completions.create(model=a.model, messages=[{"role": "user", "content": question}])
+                assert r.usage is not None, "capstan reports every answer's usage"
                 outcome = (
                     f"{r.usage.completion_tokens:5d} tokens {r.choices[0].finish_reason}: "
                     f"{(r.choices[0].message.content or '')[:100]!r}"

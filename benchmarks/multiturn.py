@@ -139,7 +139,9 @@ def first_token_seconds(engine: LLMEngine, prompt: list[int], rid: str) -> float
 def settle(engine: LLMEngine, timeout_s: float = 30.0) -> None:
     """Lets the fillers' copies to the host land first, so that the timed request's load is all that moves."""
     deadline = time.monotonic() + timeout_s
-    while engine.scheduler.offload.busy and time.monotonic() < deadline:
+    offload = engine.scheduler.offload
+    assert offload is not None, "an engine with a host tier"
+    while offload.busy and time.monotonic() < deadline:
         engine.step()
         time.sleep(0.001)
 
@@ -258,6 +260,7 @@ def main() -> None:
         results[name] = conversations(engine, a, cfg.vocab_size)
         if name == "host_tier":
             settle(engine)
+            assert engine.scheduler.offload is not None  # the host_tier run's engine has one
             sample = tier_sample(engine.scheduler.offload.tier)
             if a.break_even:
                 results["break_even"] = break_even(engine, a.break_even, cfg.vocab_size, a.seed)

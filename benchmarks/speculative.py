@@ -151,7 +151,9 @@ def main(argv=None) -> None:
             return f[len(tokens) : len(tokens) + k] if f is not None and f[: len(tokens)] == tokens else []
 
         if "oracle" in engines:
-            engines["oracle"].speculator.proposer = oracle
+            speculator = engines["oracle"].speculator
+            assert speculator is not None  # every method's engine speculates
+            speculator.proposer = oracle
         print(
             f"batch {batch:>3}: {'plain':>12} {1000 * plain_s / a.tokens:8.3f} ms/token "
             f"({batch * a.tokens / plain_s:8.0f} tok/s)",
@@ -161,14 +163,16 @@ def main(argv=None) -> None:
             print(f"    {kind}: {line}")
         for name in a.methods:
             e = engines[name]
+            spec = e.speculator
+            assert spec is not None  # every method's engine speculates
             run(e, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
-            e.speculator.draft_tokens = e.speculator.accepted_tokens = 0
+            spec.draft_tokens = spec.accepted_tokens = 0
             timeline = Timeline(e) if a.timeline else None
             seconds, out = run(e, prompts, params, timeline)
             # identical in float32 (tests/test_speculative.py); in bfloat16 a verify chunk's logits round unlike a
             # decode step's, so near-ties may flip: the share of outputs identical to plain decoding's is reported
             same = sum(o == p for o, p in zip(out, plain_out, strict=True)) / len(out)
-            rate = e.speculator.accepted_tokens / e.speculator.draft_tokens if e.speculator.draft_tokens else 0.0
+            rate = spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0
             print(
                 f"batch {batch:>3}: {name:>12} {1000 * seconds / a.tokens:8.3f} ms/token "
                 f"({batch * a.tokens / seconds:8.0f} tok/s, acceptance {rate:.2f}, identical outputs {same:.2f})",

@@ -106,7 +106,7 @@ def _condition(
         "status": status,
         "reason": reason,
         "message": message,
-        "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
+        "lastTransitionTime": now if before is None or changed else before.get("lastTransitionTime", now),
         "observedGeneration": generation,
     }
 

@@ -81,7 +81,10 @@ class SpeculativeConfig:
 
     def check_draft_exists(self) -> None:
         """A local draft checkpoint must be there (hf:// ones are fetched when the engine loads them)."""
-        if self.method != "draft_model" or self.model.startswith("hf://"):
+        if self.method != "draft_model":
+            return
+        assert self.model is not None, "validate() refuses draft_model without a model"
+        if self.model.startswith("hf://"):
             return
         path = Path(self.model)
         if not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):

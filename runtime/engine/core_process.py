@@ -22,12 +22,12 @@ from .core_messages import (
     Add,
     CoreSpec,
     Dead,
+    Embed,
     Failure,
     Loaded,
     Outputs,
     Ready,
     Shutdown,
-    ToCore,
     decode_to_core,
     encode,
 )
@@ -54,7 +54,6 @@ class EngineCore:
             self.outboxes.append(outbox)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
-        self.engine: LLMEngine | None = None
         self.config = spec.config
         self.core = spec.core
         if spec.cpu_max_num_seqs is not None and jax.default_backend() == "cpu":  # decided here: only the core
@@ -64,13 +63,13 @@ class EngineCore:
     def run(self) -> int:
         """Loads, warms up, serves until a Shutdown; a fault tells every frontend before the process exits."""
         try:
-            self.engine = engine = LLMEngine(self.config)
+            engine = LLMEngine(self.config)
             self._broadcast(Loaded(engine.limits(), self.config, engine.model_name, self.core))
             if self.config.warmup:
                 engine.warmup()
             self._broadcast(Ready(engine.compile_seconds, self.core))
             log.info("engine core ready: serving %d frontend(s)", len(self.outboxes))
-            while self._serve_once():
+            while self._serve_once(engine):
                 pass
             return 0
         except BaseException as e:  # a device or engine fault: /health turns 503 in every frontend
@@ -82,9 +81,8 @@ class EngineCore:
                 socket.close(linger=1000)  # the last words (Dead, the final outputs) still go out
             self.zmq.term()
 
-    def _serve_once(self) -> bool:
+    def _serve_once(self, engine: LLMEngine) -> bool:
         """Takes what arrived, steps once if there is work; False after a Shutdown."""
-        engine = self.engine
         embedder = engine.embedder
         busy = engine.has_unfinished() or embedder.has_work()
         outputs: list[RequestOutput] = []
@@ -98,7 +96,7 @@ class EngineCore:
                 break
             if isinstance(message, Shutdown):
                 return False
-            self._take(message, outputs, failures)
+            self._take(engine, message, outputs, failures)
         if not took and not busy:
             return True
         if engine.has_unfinished():
@@ -111,11 +109,12 @@ class EngineCore:
             )
             for rid, e in engine.take_failed()
         ]
-        self._answer(outputs, embeddings, failures)
+        self._answer(engine, outputs, embeddings, failures)
         return True
 
-    def _take(self, message: ToCore, outputs: list[RequestOutput], failures: list[Failure]) -> None:
-        engine = self.engine
+    def _take(
+        self, engine: LLMEngine, message: Add | Embed | Abort, outputs: list[RequestOutput], failures: list[Failure]
+    ) -> None:
         if isinstance(message, Abort) and message.index is not None:  # its other choices go on
             engine.abort_choice(message.request_id, message.index)
             return
@@ -154,10 +153,16 @@ class EngineCore:
                     )
                 )
 
-    def _answer(self, outputs: list[RequestOutput], embeddings, failures: list[Failure]) -> None:
+    def _answer(
+        self,
+        engine: LLMEngine,
+        outputs: list[RequestOutput],
+        embeddings: list[tuple[str, list[EmbeddingRequestOutput]]],
+        failures: list[Failure],
+    ) -> None:
         """Each frontend gets its own requests' news, and every frontend the stats (its gauges and 429s)."""
         by_frontend: dict[int, Outputs] = {}
-        stats = self.engine.stats()
+        stats = engine.stats()
 
         def message(request_id: str, finished: bool) -> Outputs | None:
             frontend = self.owner.pop(request_id, None) if finished else self.owner.get(request_id)

@@ -271,6 +271,7 @@ class LLMEngine:
         chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
             if self.scheduler.loading:  # only copies back are left: wait (GIL released) until one lands, not spin
+                assert self.scheduler.offload is not None, "sequences load only from a host tier"
                 self.scheduler.offload.wait_landed(LOAD_WAIT_S)
             return []
         if self.speculator is not None and self.speculator.active():  # proposals take tokens the chunks leave
@@ -413,13 +414,11 @@ class LLMEngine:
             return self._finish(seq, "stop", stop_reason=token)
         if token in self.eos_token_ids and not p.ignore_eos:
             return self._finish(seq, "stop")
-        if seq.text is None:
-            stopped = False
-        else:
+        if seq.text is not None:
             text, stopped = seq.text.add(token)
             seq.new_text += text
-        if stopped:
-            return self._finish(seq, "stop", stop_reason=seq.text.stop)
+            if stopped:
+                return self._finish(seq, "stop", stop_reason=seq.text.stop)
         if grammar_done:
             return self._finish(seq, "stop")
         if seq.num_output >= seq.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -367,6 +367,7 @@ class MultiStepDecoder:
                 return None  # no pages for it: the next step schedules afresh (it may preempt)
             active[r] = steps
         nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, active, d.branches)
+        assert d.out is not None, "d is settled before the next dispatch is queued"
         kv, previous, tables = e.kv, d.out.tokens, self._block_tables(d.chunks)
 
         def call():

@@ -27,7 +27,8 @@ class RequestText:
         for c in out.outputs:
             if self.done[c.index]:  # ended here by a stop string: the core's later tokens are not part of it
                 continue
-            if self.choices[c.index] is not None and self._add_text(c):
+            text = self.choices[c.index]
+            if text is not None and self._add_text(c, text):
                 stopped.append(c.index)
             self.done[c.index] = c.finish_reason is not None
             kept.append(c)
@@ -35,9 +36,9 @@ class RequestText:
         out.finished = all(self.done)
         return stopped
 
-    def _add_text(self, c: CompletionOutput) -> bool:
+    def _add_text(self, c: CompletionOutput, text: ChoiceText) -> bool:
         """The choice's new text from its new tokens; True when a stop string ended it."""
-        text, pieces = self.choices[c.index], []
+        pieces: list[str] = []
         ending = c.finish_reason is not None
         for k, token in enumerate(c.token_ids):
             if ending and k == len(c.token_ids) - 1 and not self._has_text(token, c):

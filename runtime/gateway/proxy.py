@@ -74,14 +74,15 @@ class Gateway:
 
     async def forward(self, request: Request, path: str) -> Response:
         arrival = time.perf_counter()
-        client = self.access.authenticate(request.headers.get("authorization")) if self.access else None
+        access = self.access
+        client = access.authenticate(request.headers.get("authorization")) if access else None
         raw = await request.body()
         body = _parse_body(raw)
         model = body["model"]
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
-        if client is None:
+        if access is None or client is None:  # no client keys: open (authenticate returns a key or refuses)
             return await self._route(request, path, model, body, raw, headers, arrival, None, None)
-        admission = self.access.admit(client, model)  # 403 before 404: a key learns nothing of others' models
+        admission = access.admit(client, model)  # 403 before 404: a key learns nothing of others' models
         upstream_body, client_wants_usage = ask_for_usage(body)
         if upstream_body is not body:
             raw = json.dumps(upstream_body).encode()
@@ -92,14 +93,14 @@ class Gateway:
         try:
             response = await self._route(request, path, model, body, raw, headers, arrival, admission, meter)
         except APIError as error:
-            self.access.finish(admission, error.status, 0, 0)
+            access.finish(admission, error.status, 0, 0)
             raise
         except BaseException:
-            self.access.finish(admission, 499, 0, 0)
+            access.finish(admission, 499, 0, 0)
             raise
         if not isinstance(response, StreamingResponse):  # answered here, nothing relayed: no tokens
-            self.access.finish(admission, response.status_code, 0, 0)
-        response.headers.update(self.access.budgets.headers(client))
+            access.finish(admission, response.status_code, 0, 0)
+        response.headers.update(access.budgets.headers(client))
         return response
 
     async def _route(
@@ -216,6 +217,7 @@ class Gateway:
             replica.in_flight -= 1
             await upstream.aclose()
             if admission is not None:
+                assert self.access is not None and meter is not None, "an admitted request is metered"
                 self.access.finish(admission, upstream.status_code, meter.prompt_tokens, meter.completion_tokens)
 
     async def list_models(self) -> dict:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from typing import Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,11 @@ class _ToDevice:
     started: float
 
 
-class HostOffload:
+# What a load is known by: the scheduler's Sequence (this room names no type of the rooms above it)
+LoadKey = TypeVar("LoadKey", bound=Hashable)
+
+
+class HostOffload(Generic[LoadKey]):
     def __init__(
         self, kv: KVCache, size_gib: float, context: Callable[[], AbstractContextManager] = contextlib.nullcontext
     ):
@@ -127,7 +132,7 @@ class HostOffload:
         self._staged_sharding = self._gathered_sharding(kv)  # staged copies split as gathered pages are
         self._evicted: list[tuple[int, PageHash]] = []  # named by the pool, not yet gathered
         self._to_host: list[_ToHost] = []
-        self._to_device: dict[Hashable, _ToDevice] = {}
+        self._to_device: dict[LoadKey, _ToDevice] = {}
         self._draining: list[_ToDevice] = []  # dropped loads whose copy thread still reads their pinned slots
         self._staging: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # (copy thread's) reused buffers
         # one thread each way: a load never queues behind evicted pages' writes
@@ -227,7 +232,7 @@ class HostOffload:
         """The tier's slots of the longest run of hashes it holds (marked most recently used)."""
         return self.tier.match(hashes)
 
-    def start_load(self, key: Hashable, pages: Sequence[int], slots: Sequence[int]) -> None:
+    def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> None:
         """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written."""
         parts, slots = [], list(slots)
         for start in range(0, len(pages), MAX_PAGES_PER_COPY):
@@ -263,7 +268,7 @@ class HostOffload:
                 self._staging[len(data)].append(data)
         return staged, time.monotonic()
 
-    def cancel(self, key: Hashable) -> None:
+    def cancel(self, key: LoadKey) -> None:
         """The waiting sequence is gone (aborted): its pages are never written."""
         load = self._to_device.pop(key, None)
         if load is not None:
@@ -275,14 +280,15 @@ class HostOffload:
             self.tier.unpin(load.slots)
             self._draining.remove(load)
 
-    def poll(self, read_kv: Callable[[], KVCache]) -> tuple[KVCache | None, list[tuple[Hashable, bool]]]:
+    def poll(self, read_kv: Callable[[], KVCache]) -> tuple[KVCache | None, list[tuple[LoadKey, bool]]]:
         """Finishes the copies that are ready: the cache with the loaded pages written (None when no load landed:
         the cache was not read, so a queued decode dispatch was not waited for), and (key, loaded) for each load that
         ended (False: failed or late, so its pages are to be recomputed)."""
         t = time.perf_counter()
         self._finish_to_host()
         self._drain()
-        kv, ended = None, []
+        kv: KVCache | None = None
+        ended: list[tuple[LoadKey, bool]] = []
         for key, load in list(self._to_device.items()):
             late = time.monotonic() - load.started > LOAD_DEADLINE_S  # dropped, whatever its state
             if not late and not load.future.done():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeGuard
 
 import haliax as hax
 import jax
@@ -20,8 +21,17 @@ from .quantization import (
     quantize_rows,
 )
 
-# A tensor source: (Hugging Face name, expected shape) -> array of that shape.
+# A tensor source: (Hugging Face name, expected shape) -> array of that shape. Only linear weights (*_proj.weight)
+# may come quantized (GGUF Q8_0, a quantized checkpoint, random q8_0 weights).
 TensorSource = Callable[[str, tuple[int, ...]], jax.Array | QuantizedTensor]
+
+
+def _all_quantized(parts: list[jax.Array | QuantizedTensor]) -> TypeGuard[list[QuantizedTensor]]:
+    return all(isinstance(p, QuantizedTensor) for p in parts)
+
+
+def _all_dense(parts: list[jax.Array | QuantizedTensor]) -> TypeGuard[list[jax.Array]]:
+    return not any(isinstance(p, QuantizedTensor) for p in parts)
 
 
 def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str | None = None) -> DecoderModel:
@@ -31,9 +41,15 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
     E, D, KVH, G, I = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv, cfg.intermediate_size
     gemma = cfg.family == "gemma3"
 
+    def dense(name: str, shape: tuple[int, ...]) -> jax.Array:
+        """A tensor that is never quantized (norms, biases, embeddings), in the model's dtype."""
+        t = source(name, shape)
+        assert not isinstance(t, QuantizedTensor), f"{name}: only linear weights come quantized"
+        return t.astype(dtype)
+
     def block(i: int):
         def w(suffix: str, shape: tuple[int, ...], axes: tuple[hax.Axis, ...], reshape=None):
-            t = source(f"model.layers.{i}.{suffix}", shape).astype(dtype)
+            t = dense(f"model.layers.{i}.{suffix}", shape)
             return hax.named(t.reshape(reshape) if reshape else t, axes)
 
         def linears(suffixes, shapes, reshapes, axes, contracted: int, join):
@@ -46,6 +62,7 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
             elif len(blocks) == 1 and quantization is None and reshapes[0][-1] % max(blocks) == 0:
                 # GGUF Q8_0 kept: every part in blocks of the same size, none straddling the weight's last axis
                 block = blocks.pop()
+                assert _all_quantized(parts)  # one block size, not 0: every part is in blocks
                 values = join([p.values.reshape(r) for p, r in zip(parts, reshapes, strict=True)])
                 scale = join([p.scale.reshape(*r[:-1], r[-1] // block) for p, r in zip(parts, reshapes, strict=True)])
                 per_block = hax.Axis(f"{axes[-1].name}_blocks", reshapes[0][-1] // block)
@@ -54,17 +71,18 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
                 parts = [dequantize_rows(p) if isinstance(p, QuantizedTensor) and p.block else p for p in parts]
             method = quantization or next((p.method for p in parts if isinstance(p, QuantizedTensor)), None)
             if method is None:
+                assert _all_dense(parts)  # no method asked for, none in the checkpoint
                 return hax.named(join([p.astype(dtype).reshape(r) for p, r in zip(parts, reshapes, strict=True)]), axes)
-            parts = [p if isinstance(p, QuantizedTensor) else quantize_rows(p, method) for p in parts]
-            assert len({p.method for p in parts}) == 1, suffixes
-            values = join([p.values.reshape(r) for p, r in zip(parts, reshapes, strict=True)])
-            scale = join([p.scale.reshape(r[:-contracted]) for p, r in zip(parts, reshapes, strict=True)])
+            quantized = [p if isinstance(p, QuantizedTensor) else quantize_rows(p, method) for p in parts]
+            assert len({p.method for p in quantized}) == 1, suffixes
+            values = join([p.values.reshape(r) for p, r in zip(quantized, reshapes, strict=True)])
+            scale = join([p.scale.reshape(r[:-contracted]) for p, r in zip(quantized, reshapes, strict=True)])
             return QuantizedWeight(hax.named(values, axes), hax.named(scale, axes[:-contracted]))
 
         def qkv_bias():
             """q, k and v biases stacked per kv head along ax.QKV, as the fused weight is."""
             parts = [
-                source(f"model.layers.{i}.self_attn.{p}_proj.bias", (n,)).astype(dtype).reshape(KVH, n // KVH // D, D)
+                dense(f"model.layers.{i}.self_attn.{p}_proj.bias", (n,)).reshape(KVH, n // KVH // D, D)
                 for p, n in (("q", KVH * G * D), ("k", KVH * D), ("v", KVH * D))
             ]
             return hax.named(jnp.concatenate(parts, axis=1), (ax.KVHeads, ax.QKV, ax.HeadSize))
@@ -109,12 +127,12 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
     layers = tuple(block(i) for i in range(cfg.num_layers))
 
     vocab_shape = (cfg.vocab_size, E)
-    embedding = hax.named(source("model.embed_tokens.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
+    embedding = hax.named(dense("model.embed_tokens.weight", vocab_shape), (ax.Vocab, ax.Embed))
     if cfg.tie_word_embeddings:
         lm_head = embedding
     else:
-        lm_head = hax.named(source("lm_head.weight", vocab_shape).astype(dtype), (ax.Vocab, ax.Embed))
-    final_norm = hax.named(source("model.norm.weight", (E,)).astype(dtype), (ax.Embed,))
+        lm_head = hax.named(dense("lm_head.weight", vocab_shape), (ax.Vocab, ax.Embed))
+    final_norm = hax.named(dense("model.norm.weight", (E,)), (ax.Embed,))
     return DecoderModel(
         cfg=cfg,
         ax=ax,

@@ -153,6 +153,7 @@ def _in_gemv_kernel(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
         return None
     xs = x.rearrange((*batch, *names)).array.reshape(rows, k)
     if block:  # the scale's axes are the weight's, its last counting blocks (QuantizedWeight._unblocked)
+        assert scale is not None, "a weight in blocks has their scales"
         s = scale.array.reshape(n, k // block)
     else:
         s = None if scale is None else scale.rearrange(out_axes).array.reshape(n)

@@ -50,7 +50,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.failed: list[tuple[Sequence, BaseException]] = []  # admissions that raised: their requests fail
-        self.offload: HostOffload | None = None  # the prefix cache's host-memory tier (attach_host_tier)
+        self.offload: HostOffload[Sequence] | None = None  # the prefix cache's host-memory tier (attach_host_tier)
         # waiting for these pages to come back from host memory, since when
         self.loading: dict[Sequence, tuple[list[PageHash], float]] = {}
         self.restored: dict[Sequence, int] = {}  # back in the queue after a load: tokens the host tier supplied
@@ -60,7 +60,7 @@ class Scheduler:
         self.prefill_seconds_per_token = 0.0  # moving average over steps that were mostly prefill
         self._last_step: tuple[float, int] | None = None  # (when the last schedule ran, its prefill tokens)
 
-    def attach_host_tier(self, offload: HostOffload) -> None:
+    def attach_host_tier(self, offload: HostOffload[Sequence]) -> None:
         self.offload = offload
         self.pool.on_evict = offload.on_evict
 
@@ -155,6 +155,7 @@ class Scheduler:
     def _load_from_host(self, seq: Sequence) -> bool:
         """Starts copying back the full pages after seq's device hit that the host tier holds (one token is always
         left to compute); True: seq waits in `loading` for them."""
+        assert self.offload is not None, "called only with a host tier"
         page = self.pool.page_size
         hashes: list[PageHash] = []
         slots: list[int] = []
@@ -179,6 +180,7 @@ class Scheduler:
         """Finishes the copies between the tiers that are ready (the engine calls this before each step): returns
         the cache with restored pages written (None: no load landed, the cache was not read), and puts their
         sequences at the front of the queue."""
+        assert self.offload is not None, "called only with a host tier"
         kv, ended = self.offload.poll(read_kv)
         for seq, loaded in reversed(ended):
             hashes, started = self.loading.pop(seq)
@@ -244,6 +246,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.loading:  # its copy is dropped before it writes: the pages go back unwritten
             del self.loading[seq]
+            assert self.offload is not None, "sequences load only from a host tier"
             self.offload.cancel(seq)
         self._free(seq)
         seq.status = Status.FINISHED

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from fastapi import Request
@@ -14,15 +15,17 @@ from .error_body import APIError, error_response
 ENV_VAR = "CAPSTAN_API_KEY"
 
 
-def load_api_keys(keys: list[str] | None = None, key_file: str | None = None, env: dict | None = None) -> list[str]:
-    env = os.environ if env is None else env
+def load_api_keys(
+    keys: list[str] | None = None, key_file: str | None = None, env: Mapping[str, str] | None = None
+) -> list[str]:
+    environ = os.environ if env is None else env
     found = list(keys or [])
     if key_file:
         path = Path(key_file)
         if not path.is_file():
             raise ValueError(f"--api-key-file {key_file}: no such file")
         found += path.read_text(encoding="utf-8").splitlines()
-    found += env.get(ENV_VAR, "").split(",")
+    found += environ.get(ENV_VAR, "").split(",")
     unique = dict.fromkeys(k.strip() for k in found)  # keeps the order, drops repeats
     return [k for k in unique if k]
 

@@ -21,6 +21,7 @@ from .protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     DeltaMessage,
+    NamedToolChoice,
     TokenLogprob,
     TopLogprob,
 )
@@ -57,7 +58,8 @@ async def create_chat_completion(
         params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(tokenizer.end_of_turn_ids()))
     prompt = render_prompt(body, tokenizer, ctx.engine)
     ctx.check_ready()
-    named = body.tool_choice.function.name if body.tool_mode == "named" else None
+    choice = body.tool_choice
+    named = choice.function.name if body.tool_mode == "named" and isinstance(choice, NamedToolChoice) else None
     tools = ToolCallOutput(body.tool_mode, ctx.tool_parser, named)
     gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [prompt], params)
     return await respond(

@@ -160,6 +160,7 @@ def _spawn(module: str, spec: msgspec.Struct, cpu_only: bool = False, devices: s
     if devices is not None:  # a data-parallel engine core sees only its own GPUs
         env["CUDA_VISIBLE_DEVICES"] = devices
     process = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env)
+    assert process.stdin is not None  # stdin=PIPE
     process.stdin.write(msgspec.json.encode(spec))
     process.stdin.close()
     return process

@@ -68,6 +68,7 @@ class ServingCertificate:
         except (OSError, ValueError) as error:
             log.error("TLS certificate unchanged: %s", error)
             return False
+        assert self.context is not None, "attach() comes before the first reload"
         self.context.load_cert_chain(self.certfile, self.keyfile)
         self._fingerprint = fingerprint
         log.info("TLS certificate reloaded from %s", self.certfile)

@@ -122,7 +122,9 @@ def _build_kubernetes(work: Path, out: Path, commands: list[str] = KUBE_COMMANDS
         text=True,
         env={**os.environ, **GO_ENV},
     ).stdout
-    go_mod_file = re.search(r'"GoMod":\s*"([^"]+)"', mod_path).group(1)  # k8s.io/kubernetes's own go.mod
+    found = re.search(r'"GoMod":\s*"([^"]+)"', mod_path)
+    assert found is not None, f"go mod download -json named no GoMod: {mod_path[:500]}"
+    go_mod_file = found.group(1)  # k8s.io/kubernetes's own go.mod
     staging = _staging_modules(Path(go_mod_file).read_text())
     published = "v0." + KUBERNETES_VERSION.removeprefix("v1.")
     lines = [

@@ -172,7 +172,9 @@ def dequantized_copy(gguf_path: str, out: Path) -> Path:
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
-    writer = gguf.GGUFWriter(str(out), reader.get_field("general.architecture").contents())
+    architecture = reader.get_field("general.architecture")
+    assert architecture is not None, f"{gguf_path}: no general.architecture"
+    writer = gguf.GGUFWriter(str(out), architecture.contents())
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
             continue

@@ -120,6 +120,7 @@ class DrainTimeline:
             text=True,
         )
         self._followers.append(follower)
+        assert follower.stdout is not None  # stdout=PIPE
         for line in follower.stdout:
             removal.log.append(line.rstrip())
             if "SIGTERM: draining" in line:

@@ -124,6 +124,7 @@ class ServeProcess:
         self._reader.start()
 
     def _read(self) -> None:
+        assert self.process.stdout is not None  # stdout=PIPE
         for line in self.process.stdout:
             self.output.append(line)
 
