@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from ..config import EngineConfig
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from ..parallel.tensor_parallel import TensorParallel
 from ..sampling.sampler import SampleResult
 from ..scheduling.batch import BatchBuilder
 from ..scheduling.scheduler import ScheduledChunk, Scheduler
@@ -20,6 +21,7 @@ class EngineState(Protocol):
     config: EngineConfig
     model: DecoderModel
     builder: BatchBuilder
+    parallel: TensorParallel
     scheduler: Scheduler
     requests: dict[str, list[Sequence]]
     max_model_len: int
