@@ -128,7 +128,7 @@ def decode_fuses(
     k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *, head_dim: int, window: int | None, softcap
 ) -> bool:
     """Whether a step's norms, rope, K/V write and attention run as gpu_fused_decode's one kernel: a decode step
-    on a GPU (or the kernels interpreted on CPU) on one device, caches HEADS_FIRST, shapes the kernel tiles, no
+    on a GPU (or the kernels interpreted on CPU), caches HEADS_FIRST, shapes the kernel tiles, no
     window or soft-capping; float32 too (its dots are IEEE)."""
     backend = jax.default_backend()
     if backend == "cpu" and KERNELS_INTERPRETED_ON_CPU:
@@ -137,7 +137,6 @@ def decode_fuses(
         FUSED_DECODE
         and meta.decode
         and backend == "gpu"
-        and model_parallel_size() == 1
         and layout_of(v_cache) == HEADS_FIRST
         and window is None
         and not softcap
@@ -163,23 +162,36 @@ def fused_decode(
     one_plus: bool,
 ):
     """qkv [T, KVH, G + 2, D] straight from the QKV matmul; returns (out [T, KVH, G, D], k_cache, v_cache):
-    gpu_fused_decode's kernel, where decode_fuses says so."""
+    gpu_fused_decode's kernel, where decode_fuses says so. Under tensor parallelism each device runs it on its own
+    KV heads (shard_map), as write_and_attend does: the norms and rope are per head, the pages are the device's."""
     from ..kernels.gpu_fused_decode_attention import fused_decode_attention
 
-    return fused_decode_attention(
-        qkv,
-        cos,
-        sin,
-        k_cache,
-        v_cache,
-        meta,
-        scale=scale,
-        q_norm=q_norm,
-        k_norm=k_norm,
-        eps=eps,
-        one_plus=one_plus,
-        interpret=jax.default_backend() != "gpu",
-    )
+    def local(qkv, cos, sin, k_cache, v_cache, meta, q_norm, k_norm):
+        return fused_decode_attention(
+            qkv,
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            meta,
+            scale=scale,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            eps=eps,
+            one_plus=one_plus,
+            interpret=jax.default_backend() != "gpu",
+        )
+
+    if model_parallel_size() == 1:
+        return local(qkv, cos, sin, k_cache, v_cache, meta, q_norm, k_norm)
+    heads, pages = P(None, MODEL_AXIS), P(MODEL_AXIS)
+    # check_vma off: the Pallas kernel has no replication rules; the specs say what each output is
+    return jax.shard_map(
+        local,
+        in_specs=(heads, P(), P(), pages, pages, P(), P(), P()),
+        out_specs=(heads, pages, pages),
+        check_vma=False,
+    )(qkv, cos, sin, k_cache, v_cache, meta, q_norm, k_norm)
 
 
 def write_and_attend(
