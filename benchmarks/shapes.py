@@ -34,6 +34,14 @@ _LLAMA_3_8B = dict(
     tie_word_embeddings=False,
     rope_scaling=None,
 )
+_LLAMA_3_70B = dict(
+    _LLAMA_3_8B,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+)
 _QWEN3_06B = dict(
     architectures=["Qwen3ForCausalLM"],
     vocab_size=151936,
@@ -60,7 +68,13 @@ _TINY = dict(
     head_dim=32,
 )
 
-SHAPES = {"tiny": _TINY, "qwen3-0.6b": _QWEN3_06B, "llama-3.2-1b": _LLAMA_32_1B, "llama-3-8b": _LLAMA_3_8B}
+SHAPES = {
+    "tiny": _TINY,
+    "qwen3-0.6b": _QWEN3_06B,
+    "llama-3.2-1b": _LLAMA_32_1B,
+    "llama-3-8b": _LLAMA_3_8B,
+    "llama-3-70b": _LLAMA_3_70B,
+}
 
 
 def shape_config(name: str) -> ModelConfig:

@@ -22,6 +22,7 @@ from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
+from capstan.runtime.parallel.tensor_parallel import TensorParallel  # noqa: E402
 from capstan.runtime.sampling.grammar import StructuredOutput  # noqa: E402
 
 UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}  # cannot end early
@@ -202,7 +203,9 @@ def main(argv=None) -> dict:
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
     t0 = time.perf_counter()
-    model = random_model(cfg, dtype, quantization=a.quantization)
+    # under tensor parallelism made in parts on the mesh the engine uses (a 70B shape fits no one device)
+    split = TensorParallel.create(a.tensor_parallel_size, cfg).checkpoint_sharding
+    model = random_model(cfg, dtype, quantization=a.quantization, split=split)
     jax.block_until_ready(model)
     load_s = time.perf_counter() - t0
     mixed = a.workload == "mixed"

@@ -19,13 +19,23 @@ MAX_TOKENS = 10
 
 
 def run_split(
-    devices: int, cases: dict[str, int], gpu_kernels: bool = False, tpu_layout: bool = False, compiles: bool = False
+    devices: int,
+    cases: dict[str, int],
+    gpu_kernels: bool = False,
+    tpu_layout: bool = False,
+    compiles: bool = False,
+    made_split: bool = False,
 ) -> dict:
     """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs;
     gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU; tpu_layout: split only, with the
     KV cache laid out as the TPU kernel reads it."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    flags = ["gpu-kernels"] * gpu_kernels + ["tpu-layout"] * tpu_layout + ["compiles"] * compiles
+    flags = (
+        ["gpu-kernels"] * gpu_kernels
+        + ["tpu-layout"] * tpu_layout
+        + ["compiles"] * compiles
+        + ["made-split"] * made_split
+    )
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(cases)] + flags,
         env=env,
@@ -96,6 +106,14 @@ def test_a_warmed_split_engine_compiles_nothing_while_it_serves():
     got = run_split(2, {"llama-s11": 2}, compiles=True)["llama-s11"]
     assert got["dispatches"] >= 3, got  # a run's first dispatch and at least two queued behind it
     assert got["after_run"] == got["after_warmup"], got
+
+
+def test_random_weights_are_made_in_parts():
+    """A benchmark's random model under tensor parallelism is made split as place_model splits it (the 70B shape
+    fits no one GPU), with the values of the model made whole."""
+    got = run_split(2, {"llama-s11": 2}, made_split=True)["llama-s11"]
+    assert got["split"] == got["matrices"] > 0, got  # every projection and vocabulary table
+    assert got["equal"], got
 
 
 def test_sizes_the_model_cannot_split_are_refused_naming_the_flag():
@@ -198,6 +216,27 @@ def _compiles(case: str, tp: int) -> dict:
     return {"after_warmup": after_warmup, "after_run": programs(), "dispatches": len(calls)}
 
 
+def _made_split(case: str, tp: int) -> dict:
+    import jax
+
+    from capstan.runtime.models.config import ModelConfig
+    from capstan.runtime.models.loader import random_model
+    from capstan.runtime.parallel.tensor_parallel import TensorParallel
+
+    cfg = ModelConfig.from_pretrained(GOLDEN / case)
+    whole = jax.tree.leaves(random_model(cfg, "float32"))
+    parts = jax.tree.leaves(random_model(cfg, "float32", split=TensorParallel.create(tp, cfg).checkpoint_sharding))
+    matrices = [p for p in parts if p.ndim >= 2]  # the projections and vocabulary tables; norms and rope are vectors
+    return {
+        "matrices": len(matrices),
+        "split": sum("model" in str(getattr(p.sharding, "spec", "")) for p in matrices),
+        # the same draws (jit may fuse the scaling differently: within float32 rounding)
+        "equal": all(
+            np.allclose(np.asarray(w), np.asarray(p), rtol=1e-6, atol=1e-8) for w, p in zip(whole, parts, strict=True)
+        ),
+    }
+
+
 if __name__ == "__main__":  # the child: one device, then split, for each case (split only through the GPU kernels)
     if "gpu-kernels" in sys.argv:
         from capstan.runtime import attention
@@ -207,9 +246,10 @@ if __name__ == "__main__":  # the child: one device, then split, for each case (
         from capstan.runtime import attention
 
         attention.TPU_LAYOUT_ON_CPU = True
-    if "compiles" in sys.argv:
-        print(json.dumps({case: _compiles(case, tp) for case, tp in json.loads(sys.argv[1]).items()}))
-        sys.exit(0)
+    for mode, probe in (("compiles", _compiles), ("made-split", _made_split)):
+        if mode in sys.argv:
+            print(json.dumps({case: probe(case, tp) for case, tp in json.loads(sys.argv[1]).items()}))
+            sys.exit(0)
     split_only = "gpu-kernels" in sys.argv or "tpu-layout" in sys.argv
     sizes = lambda tp: (tp,) if split_only else (1, tp)  # noqa: E731
     results = {case: {str(n): _generate(case, n) for n in sizes(tp)} for case, tp in json.loads(sys.argv[1]).items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,19 +77,27 @@ def load_model(path: str | Path, dtype: str = "float32", quantization: str | Non
 
 
 def random_model(
-    cfg: ModelConfig, dtype: str = "bfloat16", seed: int = 0, quantization: str | None = None
+    cfg: ModelConfig,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    quantization: str | None = None,
+    split: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
 ) -> DecoderModel:
     """Random weights of the right shapes, made on the device (benchmarks need no download). quantization may also
-    be "q8_0": the linear weights in GGUF Q8_0's blocks, as a Q8_0 file is served."""
+    be "q8_0": the linear weights in GGUF Q8_0's blocks, as a Q8_0 file is served. split(name, shape): where each
+    tensor is made (TensorParallel.checkpoint_sharding: a model larger than one device's memory, made in parts)."""
     q8_0 = quantization == "q8_0"
     check_method(None if q8_0 else quantization)
     base = jax.random.PRNGKey(seed)
 
     def source(name: str, shape: tuple[int, ...]) -> jax.Array | QuantizedTensor:
+        where = split(name, shape) if split is not None else None
         if name.endswith("norm.weight"):
-            return jnp.ones(shape, jnp.float32) if "gemma" not in cfg.family else jnp.zeros(shape, jnp.float32)
+            w = jnp.ones(shape, jnp.float32) if "gemma" not in cfg.family else jnp.zeros(shape, jnp.float32)
+            return w if where is None else jax.device_put(w, where)
         key = jax.random.fold_in(base, zlib.crc32(name.encode()))
-        w = 0.02 * jax.random.normal(key, shape, parse_dtype(dtype))
+        draw = lambda key: 0.02 * jax.random.normal(key, shape, parse_dtype(dtype))  # noqa: E731
+        w = draw(key) if where is None else jax.jit(draw, out_shardings=where)(key)
         return quantize_blocks(w) if q8_0 and name.endswith("_proj.weight") else w
 
     return build_model(cfg, source, parse_dtype(dtype), None if q8_0 else quantization)

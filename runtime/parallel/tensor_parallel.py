@@ -110,6 +110,18 @@ class TensorParallel:
 
         return jax.tree.map(place, model, is_leaf=lambda x: isinstance(x, NamedArray))
 
+    def checkpoint_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding | None:
+        """Where a checkpoint tensor (Hugging Face name and [out, in] layout) is made so that no device ever holds
+        the whole model (a 70B model is 140 GB in bf16): split along the axis that place_model splits, replicated
+        where that axis does not divide; place_model then moves at most a layer's worth between devices."""
+        if self.mesh is None:
+            return None
+        axis = checkpoint_split_axis(name)
+        spec = [None] * len(shape)
+        if axis is not None and shape[axis] % self.size == 0:
+            spec[axis] = MODEL_AXIS
+        return NamedSharding(self.mesh, P(*spec))
+
     def kv_sharding(self) -> NamedSharding | None:
         """KV cache arrays [kv_heads, pages, page_size, head_dim]: split by KV head."""
         return None if self.mesh is None else NamedSharding(self.mesh, P(MODEL_AXIS))
@@ -122,6 +134,16 @@ class TensorParallel:
         if jax.process_count() > 1:  # each host holds the whole value; device_put takes its own devices' parts
             x = np.asarray(x)
         return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+
+def checkpoint_split_axis(name: str) -> int | None:
+    """The axis of a Hugging Face tensor that SPLIT_AXES come from: the output rows of the q/k/v, gate and up
+    projections (KV heads, MLP columns) and of the vocabulary tables; the input columns of o_proj and down_proj."""
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 1
+    if name.endswith(("_proj.weight", "_proj.bias", "embed_tokens.weight", "lm_head.weight")):
+        return 0
+    return None  # norms: replicated
 
 
 def replicate_kv_heads(model: DecoderModel, size: int) -> DecoderModel:
