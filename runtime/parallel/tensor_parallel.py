@@ -117,7 +117,7 @@ class TensorParallel:
         if self.mesh is None:
             return None
         axis = checkpoint_split_axis(name)
-        spec = [None] * len(shape)
+        spec: list[str | None] = [None] * len(shape)
         if axis is not None and shape[axis] % self.size == 0:
             spec[axis] = MODEL_AXIS
         return NamedSharding(self.mesh, P(*spec))
