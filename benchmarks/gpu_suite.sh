@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tptrace serve multiturn]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve multiturn]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -62,10 +62,19 @@ for part in $parts; do
         python3 benchmarks/multiturn.py --shape $shape $size --turns 5 --first-len 2048 --user-len 256 \
           --output-len 128 --max-num-seqs 32 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --break-even 128 512 2048 ${MULTITURN_ARGS:-} --json "$OUT/multiturn-$shape.json" 2>&1 | grep --line-buffered -v Warning; done ;;
-    tp) for n in 1 2; do echo "--- tensor parallel $n"
+    # TP_ARGS="--workload mixed" (sampled) or "--workload mixed --all-greedy": issue 31's held-out workloads
+    tp) for n in ${TP_SIZES:-1 2}; do echo "--- tensor parallel $n ${TP_ARGS:-}"
         python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n --requests 256 --prompt-len 256 \
-          --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
-          --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 | grep --line-buffered -E "output_tokens|single_stream|compile|Error"; done ;;
+          --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 ${TP_ARGS:-} \
+          --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 \
+          | grep --line-buffered -E "output_tokens|single_stream|compile|phase_s|Error"; done ;;
+    # issue 31: the Llama-3-70B shape (random bf16 weights made in parts on the mesh) at TP=4; one token bucket
+    # (2048) keeps its 80 unrolled layers' compile short
+    tp70b) python3 benchmarks/throughput.py --shape llama-3-70b --tensor-parallel-size ${TP70_SIZE:-4} --requests 256 \
+          --prompt-len 256 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 2048 \
+          --single-stream-tokens 64 --json "$OUT/tp4-llama-3-70b.json" 2>&1 \
+          | grep --line-buffered -E "output_tokens|single_stream|compile|phase_s|weights_init|Error"
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader ;;
     # issue 31: one decode-phase engine step traced at each TP size (256 rows and one stream), per GPU; the
     # collectives XLA put in the TP=2 steps' optimized HLO
     tptrace) for n in ${TP_SIZES:-1 2}; do for rows in ${TP_ROWS:-256 1}; do echo "--- tensor parallel $n, $rows rows"; rm -rf /tmp/tpt
