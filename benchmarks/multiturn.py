@@ -26,6 +26,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -250,7 +251,7 @@ def main() -> None:
         f"({working_set / num_pages:.1f}x), host tier {tier_gib:.3f} GiB"
     )
     model = random_model(cfg, a.dtype)
-    results = {}
+    results: dict[str, Any] = {}
     runs = [("recompute", num_pages, 0.0), ("host_tier", num_pages, tier_gib)]
     if a.reference:
         runs.append(("cached", working_set + need, 0.0))

@@ -58,17 +58,23 @@ sys.argv = [
     "--constrained-fraction",
     "0.5",
 ]
-M.fill_masks = timed("fill_masks", M.fill_masks)
-M.decode_forward_fn = timed("dispatch_forward", M.decode_forward_fn)
-M.decode_sample_fn = timed("dispatch_sample", M.decode_sample_fn)
-G.TokenConstraint.accept = timed("accept", G.TokenConstraint.accept)
-_put = jax.device_put
-M.jax.device_put = timed("device_put", _put)
-M.np.full = timed("np_full", np.full)
-M.MultiStepDecoder._pipeline = timed("pipeline_total", M.MultiStepDecoder._pipeline)
-E.LLMEngine._build = timed("build", E.LLMEngine._build)
-E.LLMEngine._collect_all = timed("collect", E.LLMEngine._collect_all)
-E.LLMEngine._append_token = timed("append_token", E.LLMEngine._append_token)
+
+
+def wrap(owner, name: str, label: str) -> None:
+    """Times owner.name (a function or method) under label from now on."""
+    setattr(owner, name, timed(label, getattr(owner, name)))
+
+
+wrap(M, "fill_masks", "fill_masks")
+wrap(M, "decode_forward_fn", "dispatch_forward")
+wrap(M, "decode_sample_fn", "dispatch_sample")
+wrap(G.TokenConstraint, "accept", "accept")
+wrap(M.jax, "device_put", "device_put")
+wrap(M.np, "full", "np_full")
+wrap(M.MultiStepDecoder, "_pipeline", "pipeline_total")
+wrap(E.LLMEngine, "_build", "build")
+wrap(E.LLMEngine, "_collect_all", "collect")
+wrap(E.LLMEngine, "_append_token", "append_token")
 throughput.main()
 for k in sorted(T, key=T.get, reverse=True):
     last = np.asarray(L[k][-200:]) * 1e6

@@ -35,6 +35,7 @@ def random_bf16(rng: np.random.Generator, shape: tuple[int, ...], kind: str):
     import ml_dtypes
 
     n = int(np.prod(shape))
+    bits: np.ndarray
     if kind == "norm":
         bits = np.full(n, ONE, dtype=np.uint16)
     else:

@@ -74,7 +74,8 @@ class Timeline:
         ):
             setattr(owner, name, self._timed(getattr(owner, name), part, kind))
         if engine.speculator is not None and engine.speculator.draft is not None:  # its dispatch
-            engine.speculator.draft.propose = self._timed(engine.speculator.draft.propose, "draft", None)
+            draft = engine.speculator.draft
+            draft.propose = self._timed(draft.propose, "draft", None)  # type: ignore[method-assign]  # timed in place
 
     def _timed(self, fn, part, kind):
         def wrapper(*args, **kwargs):
@@ -233,14 +234,17 @@ def main(argv=None) -> dict:
     engine = engine_for(a.max_num_seqs, a.max_num_batched_tokens)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(a.requests)]
-    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    fixed = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    params: SamplingParams | list[SamplingParams] = fixed
     if mixed:
+        if a.constrained_fraction:
+            raise SystemExit("--constrained-fraction applies to the fixed workload")
         prompts, params = mixed_workload(rng, cfg.vocab_size, a)
     if a.constrained_fraction:
         # an array of strings that never has to end: every constrained request runs to output_len like the rest
-        constrained = dataclasses.replace(params, structured=StructuredOutput("json", UNBOUNDED_SCHEMA))
+        constrained = dataclasses.replace(fixed, structured=StructuredOutput("json", UNBOUNDED_SCHEMA))
         cut = int(round(a.constrained_fraction * a.requests))
-        params = [constrained] * cut + [params] * (a.requests - cut)
+        params = [constrained] * cut + [fixed] * (a.requests - cut)
     run(engine, prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
     figures = {
         "shape": a.shape,

@@ -121,6 +121,7 @@ def _scheduling(spec: api.InferenceServiceSpec) -> dict[str, Any]:
     accelerator = ACCELERATORS[spec.accelerator.type]
     node_selector = dict(accelerator.node_labels)
     if is_tpu(spec.accelerator.type):
+        assert spec.accelerator.topology is not None, "the CRD requires a TPU's topology"
         node_selector[TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
     node_selector.update(spec.node_selector)
     tolerations = (

@@ -145,6 +145,7 @@ class Tokenizer:
             backend.post_processor = bos_eos_processor(backend, bos, eos)
         template_file = path / "chat_template.jinja"
         # Like transformers 5, a chat_template.jinja file wins over tokenizer_config.json.
+        template: str | None
         if template_file.is_file():
             template = template_file.read_text(encoding="utf-8")
         else:

@@ -209,7 +209,7 @@ def _compiles(case: str, tp: int) -> dict:
         calls.append(1)
         return real(*a, **k)
 
-    multi_step.decode_steps_fn = counted
+    multi_step.decode_steps_fn = counted  # type: ignore[assignment]  # counts the dispatches, then restored
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm.generate(reference(case)["prompts"][:2], greedy)
     multi_step.decode_steps_fn = real

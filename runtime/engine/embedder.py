@@ -66,6 +66,7 @@ class Embedder:
         self.running: list[EmbeddingInput] = []
         self.requests: dict[str, list[EmbeddingInput]] = {}
         self._compiled: set[int] = set()
+        self.refusal: str | None = None  # why every embedding request is refused (several hosts), if it is
 
     @property
     def dimensions(self) -> int:
@@ -80,6 +81,8 @@ class Embedder:
         return [EmbeddingInput(request.request_id, i, ids) for i, ids in enumerate(request.inputs)]
 
     def add(self, inputs: list[EmbeddingInput]) -> None:
+        if self.refusal is not None:
+            raise InvalidRequestError(self.refusal, "input")
         request_id = inputs[0].request_id
         if request_id in self.requests or request_id in self.engine.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")

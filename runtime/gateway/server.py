@@ -15,7 +15,7 @@ from .access import Access, UpstreamKeys
 from .budgets import DEFAULT_WINDOW_SECONDS, Budgets
 from .client_keys import KeyRing
 from .demand import DemandSignal
-from .discovery import EndpointSliceDiscovery, StaticDiscovery, parse_replica
+from .discovery import Discovery, EndpointSliceDiscovery, StaticDiscovery, parse_replica
 from .hold_queue import DEFAULT_HOLD_TIMEOUT_SECONDS, DEFAULT_MAX_HELD, HoldQueue
 from .proxy import Gateway, build_gateway_app
 from .replica_pool import ReplicaPool
@@ -117,6 +117,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         raise ValueError(
             "--prefix-chars and --max-attempts must be at least 1, --max-held at least 0, --poll-interval above 0"
         )
+    discovery: Discovery
     if args.replica:
         discovery = StaticDiscovery([parse_replica(r) for r in args.replica])
     else:

@@ -20,7 +20,8 @@ CHUNK = 2048  # values a program takes at a time
 CHUNKS_PER_PROGRAM = 4  # a row's programs: one alone was latency-bound (0.16 ms for 85 rows of 128,256 on an H100)
 TUNING = (8, 3)  # num_warps, num_stages: a first choice
 if os.environ.get("CAPSTAN_MASS_ABOVE_TUNING"):  # "num_warps,num_stages,chunks_per_program": a sweep's knob
-    *TUNING, CHUNKS_PER_PROGRAM = map(int, os.environ["CAPSTAN_MASS_ABOVE_TUNING"].split(","))
+    _warps, _stages, CHUNKS_PER_PROGRAM = map(int, os.environ["CAPSTAN_MASS_ABOVE_TUNING"].split(","))
+    TUNING = (_warps, _stages)
 
 
 def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_program: int):

@@ -37,7 +37,8 @@ CHOOSE_TUNING = (16, 1)  # 8,192 candidates with their noise in registers
 DRAWN_TUNING = (4, 1)
 EXACT_TUNING = (8, 1)
 if os.environ.get("CAPSTAN_DRAWN_TUNING"):  # "num_warps,num_stages,part": a sweep's knob
-    *DRAWN_TUNING, PART = map(int, os.environ["CAPSTAN_DRAWN_TUNING"].split(","))
+    _warps, _stages, PART = map(int, os.environ["CAPSTAN_DRAWN_TUNING"].split(","))
+    DRAWN_TUNING = (_warps, _stages)
 OPEN, UNDECIDED = -1, -2  # choose's token for rows `drawn` takes, and rows only the fallback decides
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 NO_ID = jnp.iinfo(jnp.int32).max

@@ -142,7 +142,7 @@ class HostOffload(Generic[LoadKey]):
         self.pages_to_host = self.pages_to_device = 0
         self.failed_loads = self.skipped_to_host = 0
         self.load_seconds = 0.0  # from each load's start until its pages were written
-        self.timings: collections.Counter[str] = collections.Counter()  # seconds by phase (see `timing_summary`)
+        self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds by phase
         self.load_phases: collections.deque = collections.deque(maxlen=4096)  # (landed, written) s after start
 
     def _gathered_sharding(self, kv: KVCache):

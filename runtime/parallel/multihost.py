@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
-from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from ..engine.sampling_params import SamplingParams
 from .follower_health import serve_probes
 
 log = logging.getLogger("capstan.multihost")
@@ -84,7 +84,8 @@ class LockstepEngine(LLMEngine):
         self._changes: list[Added | Aborted] = []
         self._after_last_step = self._fingerprint()  # what every host's state must be before the next changes
         self._last_step_time = time.monotonic()
-        self.embedder.add = _refuse_embeddings  # its steps are the leader's alone: they would hang the group
+        # the embedder's steps are the leader's alone: they would hang the group
+        self.embedder.refusal = "input: embeddings are not served across several hosts yet (JAX_NUM_PROCESSES > 1)"
 
     def has_unfinished(self) -> bool:
         """The leader's loops (AsyncLLM's, LLM.generate) step while this is true: also when idle for HEARTBEAT_S."""
@@ -155,12 +156,6 @@ class LockstepEngine(LLMEngine):
         if data is not None:
             buf[:size] = data
         return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:size]
-
-
-def _refuse_embeddings(inputs) -> None:
-    raise InvalidRequestError(
-        "input: embeddings are not served across several hosts yet (JAX_NUM_PROCESSES > 1)", "input"
-    )
 
 
 def run_follower(config: EngineConfig, host: str = "0.0.0.0", port: int | None = None) -> int:

@@ -45,6 +45,6 @@ def pack(tree) -> Packed:
         parts.append(a.ravel())
         sizes[a.dtype] = sizes.get(a.dtype, 0) + a.size
     order = list(dtypes)
-    places = tuple((None, o, s) if d is None else (order.index(d), o, s) for d, o, s in places)
+    layout = tuple((None, o, s) if d is None else (order.index(d), o, s) for d, o, s in places)
     buffers = jax.device_put([np.concatenate(dtypes[d]) for d in order])
-    return Packed(buffers=tuple(buffers), on_device=tuple(on_device), layout=(treedef, places))
+    return Packed(buffers=tuple(buffers), on_device=tuple(on_device), layout=(treedef, layout))

@@ -83,7 +83,7 @@ class Generation:
         if errors:
             self.close(errors[0])
             raise errors[0]
-        self._firsts = firsts
+        self._firsts = [f for f in firsts if not isinstance(f, BaseException)]  # all of them: none failed
         log.info(
             "request %s: %s, %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s",
             self.id,

@@ -237,7 +237,7 @@ class ChatMessage(_Request):
             content = "".join(part.text or "" for part in content)
         # Chat templates know system/user/assistant; OpenAI's "developer" is the newer name for "system".
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.tool_calls:
             message["tool_calls"] = template_tool_calls(self.tool_calls)
         if self.tool_call_id is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def _certificate(subject: str, key, issuer_name, issuer_key, *, ca: bool, sans=(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def create_pki(folder: Path, extra_ips: list[str] = ()) -> ClusterPki:
+def create_pki(folder: Path, extra_ips: Sequence[str] = ()) -> ClusterPki:
     folder.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _certificate("capstan-test-ca", ca_key, None, ca_key, ca=True)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import httpx
 
@@ -74,7 +75,7 @@ class Process:
 
 
 def start_replica(
-    name: str = "tiny", port: int | None = None, extra: list[str] = (), host: str = "127.0.0.1"
+    name: str = "tiny", port: int | None = None, extra: Sequence[str] = (), host: str = "127.0.0.1"
 ) -> Process:
     port = port or free_port()
     return Process(
