@@ -1,4 +1,4 @@
-"""Capstan: `from capstan import LLM, SamplingParams` (the offline API, in vLLM's shape).
+"""Capstan: `from capstan import LLM, SamplingParams, LoRARequest` (the offline API, in vLLM's shape).
 
 The names load on first use, so `import capstan.operator` never imports JAX."""
 
@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutput": "capstan.runtime.engine.outputs",
     "CompletionOutput": "capstan.runtime.engine.outputs",
     "EmbeddingRequestOutput": "capstan.runtime.engine.outputs",
+    "LoRARequest": "capstan.runtime.lora.request",
 }
 __all__ = ["__version__", *_EXPORTS]
 

@@ -112,6 +112,29 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4} (a smaller '
         'checkpoint with the target\'s vocabulary proposes; "model" alone implies it)',
     )
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on the model (docs/lora.md)")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help='adapters loaded at start: NAME=PATH or JSON {"name": ..., "path": ...}; PATH is a PEFT folder '
+        "(adapter_config.json, adapter_model.safetensors) or hf://org/name[@revision]; clients send NAME as `model`",
+    )
+    parser.add_argument(
+        "--max-loras", type=int, default=d.max_loras, help="adapters on the device at once (rows of all mix in a step)"
+    )
+    parser.add_argument(
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank (r) served"
+    )
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in host memory, least recently used out (default: --max-loras); more are read again "
+        "from their files when needed",
+    )
     parser.add_argument(
         "--no-warmup",
         dest="warmup",
@@ -140,6 +163,19 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.parse(text)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """vLLM's forms: name=path, or a JSON object with name and path."""
+    if text.startswith("{"):
+        entry = _json_object(text)
+        if not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
+            raise argparse.ArgumentTypeError(f'expected {{"name": ..., "path": ...}}, got {text!r}')
+        return entry["name"], entry["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _json_object(text: str) -> dict:
@@ -184,7 +220,14 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
         quantization=args.quantization,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
+        enable_lora=args.enable_lora,
+        lora_modules=dict(args.lora_modules) if args.lora_modules else None,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
+    if args.lora_modules and len(dict(args.lora_modules)) < len(args.lora_modules):
+        raise ValueError("--lora-modules: a name is given twice")
     args.model = config.model  # None became the default model (config.default_model)
     config.validate()
     return config
@@ -234,6 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.tls import add_tls_flags
 
     add_tls_flags(serve)
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; needs --enable-lora)",
+    )
+    serve.add_argument(
+        "--lora-modules-file",
+        default=None,
+        metavar="PATH",
+        help='a JSON list [{"name": ..., "path": ...}] of adapters, loaded at start and followed while serving: '
+        "adapters added to it are loaded, those removed unloaded (a mounted ConfigMap; needs --enable-lora)",
+    )
     serve.add_argument(
         "--data-parallel-size",
         type=int,
@@ -285,6 +340,9 @@ def _serve(args: argparse.Namespace) -> int:
     api_keys = load_api_keys(args.api_key, args.api_key_file)
     serving_certificate(args.ssl_keyfile, args.ssl_certfile)  # a missing or broken pair: a message, before loading
     config = _engine_config(args, start_backend=several_hosts)
+    for flag in ("allow_runtime_lora_updating", "lora_modules_file"):
+        if getattr(args, flag) and not config.enable_lora:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --enable-lora")
     names = args.served_model_name or ([served] if (served := default_served_name(args.model)) else None)
     log.info("loading %s", args.model)
     if several_hosts:
@@ -309,6 +367,8 @@ def _serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_modules_file=args.lora_modules_file,
     )
     return serve_with_engine_core(
         config,

@@ -78,6 +78,11 @@ class EngineConfig:
     kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix-cache pages (vLLM's flag); 0: no such tier
     generation_config: str = "auto"  # vLLM's: "auto" (the model's sampling defaults), "vllm" (none), or a folder
     override_generation_config: dict | None = None  # e.g. {"temperature": 0.5}: beats the model's, loses to a request's
+    enable_lora: bool = False  # serve LoRA adapters (docs/lora.md): the step carries their device slots
+    lora_modules: dict[str, str] | None = None  # adapters loaded at start: name -> PEFT folder or hf://org/name[@rev]
+    max_loras: int = 1  # adapters on the device at once (slots); one step mixes rows of all of them and the base
+    max_lora_rank: int = 16  # the largest adapter rank served (every slot is this wide)
+    max_cpu_loras: int | None = None  # adapters kept in host memory (least recently used out); None: max_loras
 
     def __post_init__(self) -> None:
         if self.model is None:  # every entry point (LLM(), serve, generate) resolves "no model" here, once
@@ -136,3 +141,17 @@ class EngineConfig:
                 f"got {self.generation_config!r}"
             )
         parse_sampling_keys(self.override_generation_config or {}, "override_generation_config", strict=True)
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        from .lora.request import check_limits, check_name
+
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+            return
+        check_limits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        for name in self.lora_modules or {}:
+            check_name(name, "lora_modules")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet; serve on one device")

@@ -5,11 +5,13 @@ step, hand each request's deltas to its asyncio queue. The server's event loop n
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 
 from ..config import EngineConfig
+from ..lora.request import LoRARequest
 from .engine import LLMEngine
 from .engine_stats import EngineStats
 from .errors import EngineDeadError, QueueFullError, RequestCancelledError, RequestFailedError
@@ -32,6 +34,8 @@ class AsyncLLM(FrontendEngine):
         self._dead = threading.Event()  # set before the failing loop tells its streams, so none is missed
         self._stop = threading.Event()
         self._stats = self.engine.stats()
+        self._loras = self.engine.list_loras()  # refreshed by the engine thread when adapters change
+        self._lora_ids = iter(range(len(self._loras) + 1, 1 << 62))
         self._thread = threading.Thread(target=self._run, name="capstan-engine", daemon=True)
         self._thread.start()
 
@@ -63,8 +67,8 @@ class AsyncLLM(FrontendEngine):
     def embedding_dimensions(self) -> int:
         return self.engine.embedder.dimensions
 
-    def _submit_generate(self, request_id: str, prompt: str | list[int], params: SamplingParams):
-        seqs = self.engine.prepare(request_id, prompt, params)
+    def _submit_generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, lora_name=None):
+        seqs = self.engine.prepare(request_id, prompt, params, lora_name)
         free_slots = max(0, self.config.max_num_seqs - self._stats.running)
         if self._stats.waiting + self._commands.qsize() - free_slots >= self.config.max_waiting:
             raise QueueFullError(f"{self.config.max_waiting} requests are already waiting")
@@ -78,6 +82,38 @@ class AsyncLLM(FrontendEngine):
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self._loras
+
+    async def load_lora(self, name: str, path: str) -> None:
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        weights = await asyncio.to_thread(self.engine._lora_manager().read, lora)  # files read off the engine thread
+        await self._on_engine_thread(lambda: self.engine.add_lora(lora, weights))
+
+    async def unload_lora(self, name: str) -> bool:
+        return await self._on_engine_thread(lambda: self.engine.remove_lora(name))
+
+    async def _on_engine_thread(self, call):
+        """call() run by the engine thread between steps (adapters are engine state); its result or error here."""
+        self._check_alive()
+        loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            try:
+                result, error = call(), None
+            except Exception as e:  # noqa: BLE001 - the caller's to report
+                result, error = None, e
+            self._loras = self.engine.list_loras()
+
+            def settle() -> None:
+                if not done.done():
+                    done.set_exception(error) if error is not None else done.set_result(result)
+
+            loop.call_soon_threadsafe(settle)
+
+        self._commands.put(("call", run))
+        return await done
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -124,7 +160,9 @@ class AsyncLLM(FrontendEngine):
             kind, arg = command
             request_id = arg[0].request_id if kind in ("add", "embed") else arg
             try:
-                if kind == "add":
+                if kind == "call":
+                    arg()
+                elif kind == "add":
                     if request_id in self._streams:  # its consumer may already have gone
                         self.engine.enqueue(arg)
                 elif kind == "embed":

@@ -10,15 +10,31 @@ import asyncio
 import dataclasses
 import logging
 import os
+import uuid
 
 import zmq
 import zmq.asyncio
 
 from ..config import EngineConfig
+from ..lora.request import LoRAError, LoRARequest
 from ..tokenizer import Tokenizer
-from .core_messages import Abort, Add, Dead, Embed, Loaded, Outputs, Ready, decode_from_core, encode
+from .core_messages import (
+    Abort,
+    Add,
+    Dead,
+    Embed,
+    Loaded,
+    LoadLoRA,
+    LoRADone,
+    LoRAs,
+    Outputs,
+    Ready,
+    UnloadLoRA,
+    decode_from_core,
+    encode,
+)
 from .engine_stats import EngineStats
-from .errors import EngineNotReadyError, QueueFullError, RequestFailedError
+from .errors import EngineDeadError, EngineNotReadyError, ModelNotFoundError, QueueFullError, RequestFailedError
 from .frontend_engine import FrontendEngine
 from .input_processor import InputProcessor
 from .request_text import RequestText
@@ -79,6 +95,8 @@ class EngineCoreClient(FrontendEngine):
         self._core_of: dict[str, int] = {}  # each open request's core (generation and embeddings)
         self._reader: asyncio.Task | None = None
         self._pidfds: list[int] = []
+        self._loras: list[dict[str, LoRARequest] | None] = [None] * cores  # each core's adapters, by name
+        self._lora_calls: dict[str, tuple[asyncio.Future, list[LoRADone]]] = {}  # call id -> (result, answers)
 
     # ---- lifetime: on the server's event loop ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,9 +169,12 @@ class EngineCoreClient(FrontendEngine):
     def check_prompt_chars(self, chars: int, param: str) -> None:
         self._loaded().check_prompt_chars(chars, param)
 
-    def _submit_generate(self, request_id: str, prompt: str | list[int], params: SamplingParams):
+    def _submit_generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, lora_name=None):
         inputs = self._loaded()
+        if lora_name is not None and not any(lora.lora_name == lora_name for lora in self.list_loras()):
+            raise ModelNotFoundError(lora_name)
         request = inputs.process(request_id, prompt, params)
+        request.lora_name = lora_name
         request.text_in_engine = False  # detokenization and stop strings happen here, off the core's loop
         data = encode(Add(self.frontend, request))
         text = RequestText(self.tokenizer, request, self._eos_token_ids)
@@ -185,6 +206,48 @@ class EngineCoreClient(FrontendEngine):
         if core is not None and self.is_alive():
             self._outboxes[core].send(encode(Abort(request_id, index)))
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------------------------
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters every core has (each core says its own after every change)."""
+        known = [names for names in self._loras if names is not None]
+        if not known:
+            return []
+        return [lora for name, lora in known[0].items() if all(name in names for names in known[1:])]
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._lora_call(lambda call_id: LoadLoRA(self.frontend, call_id, name, path))
+
+    async def unload_lora(self, name: str) -> bool:
+        answers = await self._lora_call(lambda call_id: UnloadLoRA(self.frontend, call_id, name))
+        return any(a.found for a in answers)
+
+    async def _lora_call(self, message) -> list[LoRADone]:
+        """The message to every core (each is a replica: each loads the adapter); their answers once all came."""
+        self._check_alive()
+        self._loaded()
+        call_id = uuid.uuid4().hex
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._lora_calls[call_id] = (done, [])
+        data = encode(message(call_id))
+        for outbox in self._outboxes:
+            outbox.send(data)
+        try:
+            answers = await done
+        finally:
+            self._lora_calls.pop(call_id, None)
+        failed = next((a for a in answers if a.error is not None), None)
+        if failed is not None:
+            raise LoRAError(failed.error, failed.field)
+        return answers
+
+    def _take_lora_done(self, message: LoRADone) -> None:
+        call = self._lora_calls.get(message.call_id)
+        if call is not None:
+            done, answers = call
+            answers.append(message)
+            if len(answers) == len(self._outboxes) and not done.done():
+                done.set_result(answers)
+
     def _loaded(self) -> InputProcessor:
         if self.inputs is None:
             raise EngineNotReadyError("the model is still loading; retry when /ready answers 200")
@@ -206,6 +269,10 @@ class EngineCoreClient(FrontendEngine):
                 self.config = message.config  # as resolved there (num_pages, max_model_len, max_num_seqs)
                 self.inputs = InputProcessor(self.tokenizer, message.limits)
                 self._eos_token_ids = frozenset(message.limits.eos_token_ids)
+            elif isinstance(message, LoRAs):
+                self._loras[message.core] = {lora.lora_name: lora for lora in message.loras}
+            elif isinstance(message, LoRADone):
+                self._take_lora_done(message)
             elif isinstance(message, Ready):
                 self._ready[message.core] = True
             elif isinstance(message, Dead):
@@ -238,6 +305,8 @@ class EngineCoreClient(FrontendEngine):
             error = (
                 InvalidRequestError(f.message, f.param)
                 if f.kind == "invalid"
+                else ModelNotFoundError(f.param or "")
+                if f.kind == "not_found"
                 else QueueFullError(f.message)
                 if f.kind == "queue_full"
                 else RequestFailedError(f.message)
@@ -251,6 +320,9 @@ class EngineCoreClient(FrontendEngine):
         log.error("%s: /health answers 503 so that the pod is restarted", reason)
         self._close_pidfds()
         self._fail_all(reason)
+        for done, _ in self._lora_calls.values():
+            if not done.done():
+                done.set_exception(EngineDeadError(reason))
 
 
 def add_stats(stats: list[EngineStats]) -> EngineStats:

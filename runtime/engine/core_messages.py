@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from ..config import EngineConfig
+from ..lora.request import LoRARequest
 from .engine_stats import EngineStats
 from .input_processor import EmbeddingRequest, EngineRequest, ModelLimits
 from .outputs import EmbeddingRequestOutput, RequestOutput
@@ -41,11 +42,26 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
     index: int | None = None  # one choice only (a stop string ended it); None: the whole request
 
 
+class LoadLoRA(msgspec.Struct, tag="load_lora", array_like=True):
+    """Load a LoRA adapter under name (replacing none: the frontend checked the name is free); answered by LoRADone."""
+
+    frontend: int
+    call_id: str
+    name: str
+    path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag="unload_lora", array_like=True):
+    frontend: int
+    call_id: str
+    name: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-ToCore = Add | Embed | Abort | Shutdown
+ToCore = Add | Embed | Abort | LoadLoRA | UnloadLoRA | Shutdown
 
 
 # ---- engine core -> frontend --------------------------------------------------------------------------------------
@@ -55,6 +71,23 @@ class Loaded(msgspec.Struct, tag="loaded", array_like=True):
     limits: ModelLimits
     config: EngineConfig  # as the core resolved it (max_model_len, num_pages, max_num_seqs)
     model_name: str
+    core: int = 0
+
+
+class LoRAs(msgspec.Struct, tag="loras", array_like=True):
+    """The core's LoRA adapters, to every frontend when they change (and at load): what requests may name."""
+
+    loras: list[LoRARequest]
+    core: int = 0
+
+
+class LoRADone(msgspec.Struct, tag="lora_done", array_like=True):
+    """The answer to a LoadLoRA or UnloadLoRA: error None is success (unload: found says whether it was there)."""
+
+    call_id: str
+    error: str | None = None
+    field: str | None = None
+    found: bool = True
     core: int = 0
 
 
@@ -88,7 +121,7 @@ class Dead(msgspec.Struct, tag="dead", array_like=True):
     core: int = 0
 
 
-FromCore = Loaded | Ready | Outputs | Dead
+FromCore = Loaded | LoRAs | LoRADone | Ready | Outputs | Dead
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_core = msgspec.msgpack.Decoder(ToCore).decode

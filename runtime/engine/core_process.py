@@ -9,14 +9,17 @@ with its parent."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import msgspec
 import zmq
 
+from ..lora.request import LoRAError, LoRARequest
 from .core_messages import (
     Abort,
     Add,
@@ -25,20 +28,25 @@ from .core_messages import (
     Embed,
     Failure,
     Loaded,
+    LoadLoRA,
+    LoRADone,
+    LoRAs,
     Outputs,
     Ready,
     Shutdown,
+    UnloadLoRA,
     decode_to_core,
     encode,
 )
 from .engine import LLMEngine
-from .errors import QueueFullError
+from .errors import ModelNotFoundError, QueueFullError
 from .outputs import EmbeddingRequestOutput, RequestOutput
 from .parent_death import die_with_parent
 from .sampling_params import InvalidRequestError
 
 log = logging.getLogger("capstan.engine")
 IDLE_POLL_MS = 500  # how long an idle core waits for a message before looking again
+LORA_POLL_MS = 10  # likewise while a LoRA adapter's files are being read
 
 
 class EngineCore:
@@ -59,12 +67,18 @@ class EngineCore:
         if spec.cpu_max_num_seqs is not None and jax.default_backend() == "cpu":  # decided here: only the core
             self.config.max_num_seqs = spec.cpu_max_num_seqs  # may start JAX's backend
         self.owner: dict[str, int] = {}  # request id -> the frontend that answers it
+        # LoRA adapters being read off the loop (a download, a disk read), in arrival order: (message, its read)
+        self.lora_reads: list[tuple[LoadLoRA, LoRARequest, Future]] = []
+        self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="capstan-lora-load")
+        self._lora_ids = itertools.count(1)
 
     def run(self) -> int:
         """Loads, warms up, serves until a Shutdown; a fault tells every frontend before the process exits."""
         try:
             engine = LLMEngine(self.config)
+            self._lora_ids = itertools.count(len(engine.list_loras()) + 1)
             self._broadcast(Loaded(engine.limits(), self.config, engine.model_name, self.core))
+            self._broadcast(LoRAs(engine.list_loras(), self.core))
             if self.config.warmup:
                 engine.warmup()
             self._broadcast(Ready(engine.compile_seconds, self.core))
@@ -88,7 +102,7 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         embeddings: list[tuple[str, list[EmbeddingRequestOutput]]] = []
         failures: list[Failure] = []
-        took = self.poller.poll(0 if busy else IDLE_POLL_MS)
+        took = self.poller.poll(0 if busy else LORA_POLL_MS if self.lora_reads else IDLE_POLL_MS)
         while took:
             try:
                 message = decode_to_core(self.inbox.recv(zmq.NOBLOCK))
@@ -97,6 +111,8 @@ class EngineCore:
             if isinstance(message, Shutdown):
                 return False
             self._take(engine, message, outputs, failures)
+        if self.lora_reads:
+            self._finish_lora_reads(engine)
         if not took and not busy:
             return True
         if engine.has_unfinished():
@@ -113,8 +129,14 @@ class EngineCore:
         return True
 
     def _take(
-        self, engine: LLMEngine, message: Add | Embed | Abort, outputs: list[RequestOutput], failures: list[Failure]
+        self,
+        engine: LLMEngine,
+        message: Add | Embed | Abort | LoadLoRA | UnloadLoRA,
+        outputs: list[RequestOutput],
+        failures: list[Failure],
     ) -> None:
+        if isinstance(message, (LoadLoRA, UnloadLoRA)):
+            return self._take_lora(engine, message)
         if isinstance(message, Abort) and message.index is not None:  # its other choices go on
             engine.abort_choice(message.request_id, message.index)
             return
@@ -140,6 +162,8 @@ class EngineCore:
             failures.append(Failure(request_id, "queue_full", str(e)))
         except InvalidRequestError as e:
             failures.append(Failure(request_id, "invalid", str(e), e.param))
+        except ModelNotFoundError as e:  # its LoRA adapter was unloaded after its frontend looked
+            failures.append(Failure(request_id, "not_found", str(e), e.name))
         except Exception as e:  # noqa: BLE001 - this request's own fault: it fails alone, the loop goes on
             log.exception("request %s could not be queued", request_id)
             if isinstance(message, Add) and request_id in engine.requests:
@@ -152,6 +176,41 @@ class EngineCore:
                         f"this request failed in the engine ({type(e).__name__}); the server goes on serving",
                     )
                 )
+
+    def _take_lora(self, engine: LLMEngine, message: LoadLoRA | UnloadLoRA) -> None:
+        """An unload at once; a load's files are read off the loop (_finish_lora_reads registers it)."""
+        outbox = self.outboxes[message.frontend]
+        try:
+            if isinstance(message, UnloadLoRA):
+                found = engine.remove_lora(message.name)
+                if found:  # before the answer: its frontend knows the new list when its caller hears back
+                    self._broadcast(LoRAs(engine.list_loras(), self.core))
+                outbox.send(encode(LoRADone(message.call_id, found=found, core=self.core)))
+                return
+            lora = LoRARequest(message.name, next(self._lora_ids), message.path)
+            self.lora_reads.append((message, lora, self._lora_reader.submit(engine._lora_manager().read, lora)))
+        except (LoRAError, InvalidRequestError) as e:
+            field = e.field if isinstance(e, LoRAError) else e.param
+            outbox.send(encode(LoRADone(message.call_id, str(e), field, core=self.core)))
+
+    def _finish_lora_reads(self, engine: LLMEngine) -> None:
+        """Registers the adapters whose files are read, in the order they were asked for, and answers."""
+        changed, answers = False, []
+        while self.lora_reads and self.lora_reads[0][2].done():
+            message, lora, read = self.lora_reads.pop(0)
+            try:
+                engine.add_lora(lora, read.result())
+                done, changed = LoRADone(message.call_id, core=self.core), True
+            except LoRAError as e:
+                done = LoRADone(message.call_id, str(e), e.field, core=self.core)
+            except Exception as e:  # noqa: BLE001 - this adapter's own fault: the loop goes on
+                log.exception("LoRA adapter %s could not be loaded", message.name)
+                done = LoRADone(message.call_id, f"{type(e).__name__}: {e}", "lora_path", core=self.core)
+            answers.append((message.frontend, done))
+        if changed:  # before the answers: each frontend knows the new list when its caller hears back
+            self._broadcast(LoRAs(engine.list_loras(), self.core))
+        for frontend, done in answers:
+            self.outboxes[frontend].send(encode(done))
 
     def _answer(
         self,

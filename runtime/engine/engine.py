@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import logging
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
 from ..kv.host_offload import HostOffload
 from ..kv.page_pool import PagePool
+from ..lora.manager import LoRAManager, SlotWeights
+from ..lora.request import LoRARequest
 from ..models.decoder import DecoderModel
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
+from ..models.lora import LoRAStack, write_slot_fn
 from ..parallel.tensor_parallel import TensorParallel
 from ..sampling.grammar import GrammarTokenizer
 from ..sampling.sampler import SampleResult
@@ -27,6 +33,7 @@ from ..tokenizer import Tokenizer
 from .choice_text import ChoiceText
 from .embedder import Embedder
 from .engine_stats import EngineStats
+from .errors import ModelNotFoundError
 from .input_processor import EngineRequest, InputProcessor, ModelLimits
 from .logprobs import add_prompt_logprobs, position_logprobs
 from .multi_step import MultiStepDecoder
@@ -104,11 +111,57 @@ class LLMEngine:
             self.speculator = Speculator(self, spec, draft, rows)
         self.embedder = Embedder(self, config.embedding_pooling)  # /v1/embeddings: borrows pages from this pool
         self.multi_step = MultiStepDecoder(self)  # several decode steps a dispatch (config.decode_steps)
+        self.loras: LoRAManager | None = None  # --enable-lora: the adapters, their host copies and device slots
+        self._lora_ids = itertools.count(1)  # ids for adapters named by the configuration (lora_modules)
+        if config.enable_lora:
+            self._enable_lora()
         self.requests: dict[str, list[Sequence]] = {}
         self.failed: list[tuple[str, BaseException]] = []  # requests failed alone since the owner last took them
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.compile_seconds = 0.0
+
+    def _enable_lora(self) -> None:
+        """Device slots for --max-loras adapters in the model, and the adapters of lora_modules loaded."""
+        c, cfg = self.config, self.model.cfg
+        if jax.process_count() > 1:
+            raise ValueError("enable_lora is not supported across several hosts yet")
+        stack = LoRAStack.allocate(cfg, c.max_loras, c.max_lora_rank, self.dtype)
+        self.model = dataclasses.replace(self.model, lora=stack)
+        self.loras = LoRAManager(
+            cfg,
+            max_loras=c.max_loras,
+            max_lora_rank=c.max_lora_rank,
+            max_cpu_loras=c.max_cpu_loras or c.max_loras,
+            dtype=self.dtype,
+            write_slot=self._write_lora_slot,
+        )
+        self.scheduler.lora = self.loras
+        for name, path in (c.lora_modules or {}).items():
+            self.add_lora(LoRARequest(name, next(self._lora_ids), path))
+
+    def _write_lora_slot(self, slot: int, weights: SlotWeights) -> None:
+        with self._precision():
+            stack = write_slot_fn(self.model.lora, np.int32(slot), weights)
+        self.model = dataclasses.replace(self.model, lora=stack)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest, weights: SlotWeights | None = None) -> None:
+        """Registers an adapter by its name (read now unless weights, from LoRAManager.read, are given); LoRAError
+        names what is wrong with it."""
+        self._lora_manager().add(lora, weights)
+
+    def remove_lora(self, name: str) -> bool:
+        """New requests can no longer name it; those admitted already finish with it."""
+        return self._lora_manager().remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.loras is None else self.loras.list()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters need enable_lora (--enable-lora)", "lora_request")
+        return self.loras
 
     def _pages_that_fit(self, draft_model: DecoderModel | None) -> int:
         cfg, c = self.model.cfg, self.config
@@ -126,8 +179,19 @@ class LLMEngine:
         return int(max(2, min(useful, budget // per_page)))
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        self.enqueue(self.prepare(request_id, prompt, params))
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """lora_request: the adapter to run with (vLLM's), registered on first sight."""
+        lora_name = None
+        if lora_request is not None:
+            self._lora_manager().find(lora_request)
+            lora_name = lora_request.lora_name
+        self.enqueue(self.prepare(request_id, prompt, params, lora_name))
 
     def limits(self) -> ModelLimits:
         c, cfg = self.config, self.model.cfg
@@ -149,13 +213,22 @@ class LLMEngine:
     def check_prompt_chars(self, chars: int, param: str) -> None:
         self.inputs.check_prompt_chars(chars, param)
 
-    def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
+    def prepare(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> list[Sequence]:
         """Validates and tokenizes a request without touching engine state (safe from any thread)."""
-        return self.make_sequences(self.inputs.process(request_id, prompt, params))
+        request = self.inputs.process(request_id, prompt, params)
+        request.lora_name = lora_name
+        return self.make_sequences(request)
 
     def make_sequences(self, request: EngineRequest) -> list[Sequence]:
         """The request's n choices, ready to enqueue (the engine core's half of admission)."""
         ids, params, now = request.prompt_ids, request.params, time.monotonic()
+        adapter = None
+        if request.lora_name is not None:
+            adapter = self.loras.get(request.lora_name) if self.loras is not None else None
+            if adapter is None:  # unloaded since the frontend looked, or never loaded
+                raise ModelNotFoundError(request.lora_name)
 
         def text() -> ChoiceText | None:
             return ChoiceText(self.tokenizer, ids, params) if params.detokenize and request.text_in_engine else None
@@ -172,6 +245,7 @@ class LLMEngine:
                 max_tokens=request.max_tokens,
                 prompt_text=request.prompt_text,
                 constraint=self.grammar.matcher(params.structured) if params.structured else None,
+                lora=adapter,
             )
             for i in range(params.n)
         ]
@@ -273,6 +347,8 @@ class LLMEngine:
             if self.scheduler.loading:  # only copies back are left: wait (GIL released) until one lands, not spin
                 assert self.scheduler.offload is not None, "sequences load only from a host tier"
                 self.scheduler.offload.wait_landed(LOAD_WAIT_S)
+            elif self.scheduler.blocked_on_adapters():  # only adapters' files being read: likewise
+                self.loras.wait_read(LOAD_WAIT_S)
             return []
         if self.speculator is not None and self.speculator.active():  # proposals take tokens the chunks leave
             budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)

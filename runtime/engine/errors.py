@@ -21,3 +21,11 @@ class RequestCancelledError(RuntimeError):
 
 class EngineNotReadyError(RuntimeError):
     """The engine core has not loaded the model yet: nothing can be checked against it (HTTP 503, retry)."""
+
+
+class ModelNotFoundError(ValueError):
+    """The request names a model or LoRA adapter this engine does not serve (HTTP 404)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"The model `{name}` does not exist.")
+        self.name = name

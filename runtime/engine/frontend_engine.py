@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from ..lora.request import LoRARequest
 from .errors import EngineDeadError
 from .outputs import EmbeddingRequestOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
@@ -29,7 +30,9 @@ class FrontendEngine:
     def is_alive(self) -> bool:
         raise NotImplementedError
 
-    def _submit_generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Callable[[], None]:
+    def _submit_generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None
+    ) -> Callable[[], None]:
         """Validates and tokenizes (raising InvalidRequestError or QueueFullError); returns what queues it."""
         raise NotImplementedError
 
@@ -39,13 +42,26 @@ class FrontendEngine:
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def list_loras(self) -> list[LoRARequest]:
+        """The LoRA adapters requests may name now (none without --enable-lora)."""
+        return []
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Loads an adapter under name (LoRAError naming the field when it cannot be served)."""
+        raise NotImplementedError
+
+    async def unload_lora(self, name: str) -> bool:
+        """False: no adapter of that name."""
+        raise NotImplementedError
+
     # ---- requests -------------------------------------------------------------------------------------------------
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, lora_name: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Validates (raising InvalidRequestError or QueueFullError), then yields delta RequestOutputs."""
+        """Validates (raising InvalidRequestError or QueueFullError), then yields delta RequestOutputs; lora_name:
+        a loaded LoRA adapter to run with (ModelNotFoundError when there is none of that name)."""
         self._check_alive()
-        submit = self._submit_generate(request_id, prompt, params)
+        submit = self._submit_generate(request_id, prompt, params, lora_name)
         stream = self._open_stream(request_id)
         submit()
         finished = False

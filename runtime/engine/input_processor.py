@@ -40,6 +40,7 @@ class EngineRequest:
     seed: int  # the request's seed, or one drawn for it
     prompt_text: str | None = None
     text_in_engine: bool = True  # False: the engine sends token ids only; its frontend detokenizes, stop strings too
+    lora_name: str | None = None  # the LoRA adapter it runs with (registered in the engine); None: the base model
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..config import EngineConfig
 from ..generation_config import sampling_defaults
+from ..lora.request import LoRARequest
 from .engine import LLMEngine
 from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -47,17 +48,22 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion, batched; results in the order of the prompts."""
+        """Runs every prompt to completion, batched; results in the order of the prompts. lora_request: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model); needs LLM(..., enable_lora=True)."""
         prompts = [_engine_prompt(p, i) for i, p in enumerate(_as_list(prompts))]
         params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for p in params:  # validate all before queueing any
             self.engine.validate(p)
-        for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            self.engine.add_request(rid, prompt, copy.copy(p))
+        for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+            self.engine.add_request(rid, prompt, copy.copy(p), lora_request=lora)
         results: dict[str, Any] = {rid: None for rid in ids}
         with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
@@ -74,6 +80,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered with the
         checkpoint's chat template; each stops at the template's end-of-turn token, as the server's chat does."""
@@ -94,7 +101,7 @@ class LLM:
             else dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids or []) | set(stops)))
             for p in params
         ]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One unit-length embedding per prompt (the pooling of EngineConfig.embedding_pooling), in prompt order."""

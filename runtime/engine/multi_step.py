@@ -58,7 +58,7 @@ def _forward(
         seq_lens=jnp.where(writes, meta.seq_lens + j, 0),
         decode=True,
     )
-    hidden, kv = model(tokens, step_meta, kv)
+    hidden, kv = model(tokens, step_meta, kv, x.lora_rows)
     return model.logits(hidden).array, kv
 
 

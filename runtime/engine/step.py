@@ -23,6 +23,7 @@ class StepInputs(eqx.Module):
     meta: AttentionMetadata
     sample_index: jax.Array  # [S] i32: index into tokens of each row's last token
     draft_lens: jax.Array  # [S] i32: tokens proposed by speculation at the end of each row's chunk (speculative.py)
+    lora_rows: jax.Array  # [S] i32: each row's LoRA adapter slot, -1 for none (models/lora.py)
     sampling: SamplingBatch
     prompt_targets: jax.Array  # [T] i32: the token after each prompt token (for prompt logprobs)
     want_prompt_logprobs: jax.Array  # [] bool
@@ -42,7 +43,7 @@ class StepOutputs(eqx.Module):
 
 def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:
     x: StepInputs = packed.unpack()
-    hidden, kv = model(x.tokens, x.meta, kv)
+    hidden, kv = model(x.tokens, x.meta, kv, x.lora_rows)
     last = hidden["token", x.sample_index]  # [S, Embed] (the axis keeps its name)
     logits = model.logits(last).array
     sampled = sample(logits, x.sampling)

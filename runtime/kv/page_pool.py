@@ -19,7 +19,8 @@ PageHash = bytes
 
 def page_hash(parent: PageHash | None, tokens: Sequence[int]) -> PageHash:
     # A cryptographic hash, so one tenant cannot craft a prompt that collides with another's cached pages.
-    # Multi-LoRA: an adapter's id must join as the first page's parent, so that no tier shares pages across adapters.
+    # With LoRA, a sequence's first page has its adapter's hash as parent (Sequence.hash_root), so no tier shares
+    # pages across adapters.
     data = (parent or b"") + np.asarray(tokens, dtype=np.int64).tobytes()
     return hashlib.blake2b(data, digest_size=16).digest()
 
@@ -84,13 +85,13 @@ class PagePool:
                 else:
                     self._free.append(page)
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[list[int], list[PageHash]]:
-        """The longest run of cached full pages that prefixes `tokens`, referenced for the caller.
-
-        At least one token is always left uncached, since the step must compute it to sample."""
+    def lookup(self, tokens: Sequence[int], root: PageHash | None = None) -> tuple[list[int], list[PageHash]]:
+        """The longest run of cached full pages that prefixes `tokens` (the first page's hash parented by root: a
+        LoRA adapter's), referenced for the caller. At least one token is always left uncached, since the step must
+        compute it to sample."""
         if not self.enable_prefix_caching:
             return [], []
-        pages, hashes, parent = [], [], None
+        pages, hashes, parent = [], [], root
         for start in range(0, len(tokens) - 1 - (len(tokens) - 1) % self.page_size, self.page_size):
             h = page_hash(parent, tokens[start : start + self.page_size])
             page = self._page_of.get(h)

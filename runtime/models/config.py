@@ -69,6 +69,21 @@ class ModelConfig:
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear projection of a block, by its Hugging Face module name (what
+        LoRA adapters target)."""
+        E, I, D = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * D, self.num_kv_heads * D
+        return {
+            "q_proj": (E, q),
+            "k_proj": (E, kv),
+            "v_proj": (E, kv),
+            "o_proj": (q, E),
+            "gate_proj": (E, I),
+            "up_proj": (E, I),
+            "down_proj": (I, E),
+        }
+
     @staticmethod
     def from_pretrained(path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"

@@ -18,6 +18,7 @@ from ..kv.cache import KVCache
 from ..parallel.mesh import replicated
 from .config import SLIDING_ATTENTION, ModelConfig
 from .layers import Attention, ModelAxes, embed, lm_logits, rms_norm
+from .lora import LayerAdapters, LoRAStack
 from .rope import inverse_frequencies, rotary_tables
 
 
@@ -39,6 +40,7 @@ class DecoderBlock(Protocol):
         cfg: ModelConfig,
         ax: ModelAxes,
         page_size: int,
+        lora: LayerAdapters | None = None,
     ) -> tuple[NamedArray, jax.Array, jax.Array]: ...
 
 
@@ -50,11 +52,16 @@ class DecoderModel(eqx.Module):
     final_norm: NamedArray  # [Embed]
     lm_head: NamedArray  # [Vocab, Embed]; the embedding itself when tied
     inv_freq: dict[str, jax.Array]  # by layer type: [head_dim // 2] float32
+    lora: LoRAStack | None = None  # LoRA adapters in device slots (--enable-lora); None: none can be served
 
-    def __call__(self, tokens: jax.Array, meta: AttentionMetadata, kv: KVCache) -> tuple[NamedArray, KVCache]:
-        """Runs T tokens through every layer, writing their K/V; returns hidden states [token, Embed]."""
+    def __call__(
+        self, tokens: jax.Array, meta: AttentionMetadata, kv: KVCache, lora_rows: jax.Array | None = None
+    ) -> tuple[NamedArray, KVCache]:
+        """Runs T tokens through every layer, writing their K/V; returns hidden states [token, Embed]. lora_rows
+        [S]: each sequence row's adapter slot (-1: none); its tokens get that adapter's deltas."""
         cfg, ax = self.cfg, self.ax
         x = embed(tokens, self.embedding, ax)
+        rows = None if self.lora is None or lora_rows is None else self.lora.rows(lora_rows[meta.token_seq], x.dtype)
         if cfg.family == "gemma3":
             x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
         rope = {kind: rotary_tables(f, meta.positions) for kind, f in self.inv_freq.items()}
@@ -65,8 +72,9 @@ class DecoderModel(eqx.Module):
             kind = cfg.layer_types[i]
             window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
             cos, sin = rope[kind]
+            adapters = None if rows is None else LayerAdapters(self.lora.layers[i], rows)
             x, k_layers[i], v_layers[i] = block(
-                x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax, kv.page_size
+                x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax, kv.page_size, adapters
             )
         x = rms_norm(x, self.final_norm, ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
         return x, KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)

@@ -19,12 +19,14 @@ class Gemma3Block(eqx.Module):
     mlp: GatedMLP
     post_mlp_norm: NamedArray
 
-    def __call__(self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int):
+    def __call__(
+        self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int, lora=None
+    ):
         eps = cfg.rms_norm_eps
         h = rms_norm(x, self.input_norm, ax.Embed, eps, one_plus=True)
-        h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size)
+        h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size, lora)
         x = x + rms_norm(h, self.post_attn_norm, ax.Embed, eps, one_plus=True)
-        h = self.mlp(rms_norm(x, self.pre_mlp_norm, ax.Embed, eps, one_plus=True), cfg, ax)
+        h = self.mlp(rms_norm(x, self.pre_mlp_norm, ax.Embed, eps, one_plus=True), cfg, ax, lora)
         return x + rms_norm(h, self.post_mlp_norm, ax.Embed, eps, one_plus=True), k_cache, v_cache
 
 

@@ -17,6 +17,7 @@ from .. import compat  # noqa: F401  (haliax needs jax.core.is_constant_dim on J
 from ..attention import AttentionMetadata, decode_fuses, fused_decode, write_and_attend
 from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .config import ModelConfig
+from .lora import LayerAdapters
 from .quantization import QuantizedWeight, linear
 from .rope import apply_rotary
 
@@ -77,9 +78,13 @@ class Attention(eqx.Module):
         cfg: ModelConfig,
         ax: ModelAxes,
         page_size: int,
+        lora: LayerAdapters | None = None,
     ):
-        """k_cache, v_cache: this layer's [KVHeads, pages, page_size, HeadSize]; returns (y, k_cache, v_cache)."""
+        """k_cache, v_cache: this layer's [KVHeads, pages, page_size, HeadSize]; lora: the step's adapters (None:
+        the base model); returns (y, k_cache, v_cache)."""
         qkv = linear(x, self.qkv_proj, axis=ax.Embed)
+        if lora is not None:
+            qkv = lora.qkv(x, qkv, Token.name, ax)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         gemma = cfg.family == "gemma3"
@@ -123,6 +128,8 @@ class Attention(eqx.Module):
             )
         out = hax.named(out, (qkv.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
         y = linear(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
+        if lora is not None:
+            y = lora.out(out, y, Token.name, ax)
         return y, k_cache, v_cache
 
 
@@ -130,11 +137,15 @@ class GatedMLP(eqx.Module):
     gate_up_proj: NamedArray | QuantizedWeight  # [GateUp, Mlp, Embed]: both projections in one matmul
     down_proj: NamedArray | QuantizedWeight  # [Embed, Mlp]
 
-    def __call__(self, x: NamedArray, cfg: ModelConfig, ax: ModelAxes) -> NamedArray:
+    def __call__(self, x: NamedArray, cfg: ModelConfig, ax: ModelAxes, lora: LayerAdapters | None = None) -> NamedArray:
         gate_up = linear(x, self.gate_up_proj, axis=ax.Embed)
+        if lora is not None:
+            gate_up = lora.gate_up(x, gate_up, Token.name, ax)
         gate, up = gate_up[ax.GateUp.name, 0], gate_up[ax.GateUp.name, 1]
         act = hax.nn.gelu(gate, approximate=True) if cfg.activation == "gelu_pytorch_tanh" else hax.nn.silu(gate)
-        return linear(act * up, self.down_proj, axis=ax.Mlp)
+        h = act * up
+        y = linear(h, self.down_proj, axis=ax.Mlp)
+        return y if lora is None else lora.down(h, y, Token.name, ax)
 
 
 def embed(tokens: jax.Array, embedding: NamedArray, ax: ModelAxes) -> NamedArray:

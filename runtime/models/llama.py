@@ -15,12 +15,14 @@ class LlamaBlock(eqx.Module):
     post_attn_norm: NamedArray  # [Embed]
     mlp: GatedMLP
 
-    def __call__(self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int):
+    def __call__(
+        self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int, lora=None
+    ):
         h = rms_norm(x, self.input_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
-        h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size)
+        h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size, lora)
         x = x + h
         h = rms_norm(x, self.post_attn_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
-        return x + self.mlp(h, cfg, ax), k_cache, v_cache
+        return x + self.mlp(h, cfg, ax, lora), k_cache, v_cache
 
 
 # Hugging Face tensor names (after "model.layers.{i}.") for each block field.

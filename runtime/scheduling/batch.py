@@ -76,6 +76,7 @@ class BatchBuilder:
         seq_lens = np.zeros(S, np.int32)
         sample_index = np.zeros(S, np.int32)
         draft_lens = np.zeros(S, np.int32)
+        lora_rows = np.full(S, -1, np.int32)
         f = {name: np.zeros(S, np.float32) for name in ("temperature", "top_p", "min_p", "presence", "frequency")}
         f["top_p"][:] = 1.0
         repetition = np.ones(S, np.float32)
@@ -96,6 +97,7 @@ class BatchBuilder:
             pos = np.arange(start, start + n)
             tokens[t : t + n] = seq.token_ids[start : start + c.num_tokens] + c.draft
             draft_lens[r] = len(c.draft)
+            lora_rows[r] = seq.lora_slot
             positions[t : t + n] = pos
             pages = np.asarray(seq.pages, np.int32)
             slots[t : t + n] = pages[pos // page] * page + pos % page
@@ -174,6 +176,7 @@ class BatchBuilder:
             meta=meta,
             sample_index=sample_index,
             draft_lens=draft_lens,
+            lora_rows=lora_rows,
             sampling=sampling,
             prompt_targets=targets,
             want_prompt_logprobs=np.bool_(want_prompt),

@@ -19,6 +19,7 @@ import time
 
 from ..kv.host_offload import HostOffload
 from ..kv.page_pool import PageHash, PagePool, page_hash
+from ..lora.manager import LoRAManager
 from .sequence import Sequence, Status
 
 
@@ -59,6 +60,7 @@ class Scheduler:
         self.host_saved_seconds = 0.0  # estimated: restored tokens at the measured prefill cost, less the waits
         self.prefill_seconds_per_token = 0.0  # moving average over steps that were mostly prefill
         self._last_step: tuple[float, int] | None = None  # (when the last schedule ran, its prefill tokens)
+        self.lora: LoRAManager | None = None  # LoRA adapters' device slots: a sequence is admitted once it has one
 
     def attach_host_tier(self, offload: HostOffload[Sequence]) -> None:
         self.offload = offload
@@ -74,6 +76,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
+    def blocked_on_adapters(self) -> bool:
+        """Nothing runs and only LoRA adapters' files being read hold the waiting back (the engine waits a moment)."""
+        return not self.running and self.lora is not None and self.lora.reading
+
     def schedule(self) -> list[ScheduledChunk]:
         if self.offload is not None:
             self._time_prefill()
@@ -88,13 +94,26 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
             i += 1
+        deferred: list[Sequence] = []  # waiting for their LoRA adapter's slot: the sequences behind them go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and seq.lora_slot < 0:
+                try:
+                    slot = self.lora.acquire(seq.lora)
+                except Exception as e:  # noqa: BLE001 - its adapter cannot be read any more: it fails alone
+                    self.waiting.popleft()
+                    self._free(seq)
+                    self.failed.append((seq, e))
+                    continue
+                if slot is None:
+                    deferred.append(self.waiting.popleft())
+                    continue
+                seq.lora_slot = slot
             fresh = seq.num_computed == 0 and not seq.pages
             restored = self.restored.get(seq)  # its pages were just copied back: admitted as a fresh one is
             try:
                 if fresh and seq.params.prompt_logprobs is None:  # cached prompt tokens would have no logprobs
-                    seq.pages, seq.page_hashes = self.pool.lookup(seq.token_ids)
+                    seq.pages, seq.page_hashes = self.pool.lookup(seq.token_ids, seq.hash_root)
                     seq.num_computed = len(seq.pages) * self.pool.page_size
                     if self.offload is not None and self._load_from_host(seq):
                         self.waiting.popleft()
@@ -127,6 +146,7 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return self._count_prefill(chunks) if self.offload is not None else chunks
 
     def take_failed(self) -> list[tuple[Sequence, BaseException]]:
@@ -159,7 +179,7 @@ class Scheduler:
         page = self.pool.page_size
         hashes: list[PageHash] = []
         slots: list[int] = []
-        parent = seq.page_hashes[-1] if seq.page_hashes else None
+        parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
         for k in range(len(seq.pages), (seq.num_tokens - 1) // page):
             parent = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
             found = self.offload.match([parent])
@@ -253,6 +273,9 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
+        if seq.lora_slot >= 0:  # its adapter's slot may go to another adapter once no sequence holds it
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = -1
         self.restored.pop(seq, None)
         seq.pages, seq.page_hashes, seq.num_computed, seq.num_draft_computed = [], [], 0, 0
 
@@ -262,7 +285,7 @@ class Scheduler:
             return
         page = self.pool.page_size
         for k in range(len(seq.page_hashes), seq.num_computed // page):
-            parent = seq.page_hashes[-1] if seq.page_hashes else None
+            parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
             h = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
             seq.page_hashes.append(h)
             self.pool.register(seq.pages[k], h)

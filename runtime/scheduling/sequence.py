@@ -9,6 +9,7 @@ from ..engine.choice_text import ChoiceText
 from ..engine.outputs import PositionLogprobs
 from ..engine.sampling_params import SamplingParams
 from ..kv.page_pool import PageHash
+from ..lora.request import Adapter
 from ..sampling.grammar import TokenConstraint
 
 
@@ -30,6 +31,8 @@ class Sequence:
     max_tokens: int  # resolved against the context length
     prompt_text: str | None = None
     constraint: TokenConstraint | None = None  # structured outputs: the grammar's state after its tokens
+    lora: Adapter | None = None  # its LoRA adapter (None: the base model)
+    lora_slot: int = -1  # the device slot its adapter is in while it holds one (lora/manager.py); -1: none
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt then output
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[PageHash] = dataclasses.field(default_factory=list)  # of the full pages, in order
@@ -53,6 +56,11 @@ class Sequence:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+
+    @property
+    def hash_root(self) -> PageHash | None:
+        """The parent of its first page's hash: its adapter's, so no prefix is shared across adapters."""
+        return None if self.lora is None else self.lora.hash_root
 
     @property
     def num_tokens(self) -> int:

@@ -14,12 +14,13 @@ from fastapi import FastAPI
 from ..engine.errors import RequestCancelledError
 from ..generation_config import describe as describe_defaults
 from ..generation_config import sampling_defaults
-from . import chat, completions, embeddings, model_list, probes, tokenize, version
+from . import chat, completions, embeddings, lora_adapters, model_list, probes, tokenize, version
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from .context import ServerContext
 from .drain import Drain, DrainingServer, DrainMiddleware
 from .errors import install_error_handlers
+from .lora_sync import LoRAModulesFile
 from .metrics import ServerMetrics
 from .tls import serving_certificate
 from .tool_parsers import parser_for
@@ -29,14 +30,26 @@ log = logging.getLogger("capstan.server")
 
 
 def build_app(
-    ctx: ServerContext, api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ctx: ServerContext,
+    api_keys: list[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allow_runtime_lora_updating: bool = False,
+    lora_modules_file: str | None = None,
 ) -> FastAPI:
+    """allow_runtime_lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter; lora_modules_file:
+    follow that file's adapters (one frontend of several does)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await ctx.engine.start()  # an engine core's client connects on this loop
-        watch = asyncio.create_task(_log_warmup(ctx.engine))
+        tasks = [asyncio.create_task(_log_warmup(ctx.engine))]
+        if lora_modules_file is not None:
+            tasks.append(
+                asyncio.create_task(LoRAModulesFile(ctx.engine, lora_modules_file, ctx.served_model_names).run())
+            )
         yield
-        watch.cancel()
+        for task in tasks:
+            task.cancel()
         await ctx.engine.stop()
 
     app = FastAPI(title="Capstan", description="OpenAI-compatible LLM server", version="0.1.0", lifespan=lifespan)
@@ -50,6 +63,7 @@ def build_app(
         model_list.router,
         probes.router,
         version.router,
+        *([lora_adapters.router] if allow_runtime_lora_updating else []),
     ):
         app.include_router(router)
     app.add_middleware(APIKeyMiddleware, keys=api_keys or [])  # /v1 only: probes and /metrics stay open
@@ -111,6 +125,8 @@ def serve(
     on_drain=None,
     ssl_keyfile: str | None = None,
     ssl_certfile: str | None = None,
+    allow_runtime_lora_updating: bool = False,
+    lora_modules_file: str | None = None,
 ) -> int:
     """Serves until SIGTERM (drain, then exit) or SIGINT; shuts the engine down on the way out. reuse_port: several
     frontend processes share the port (the kernel spreads connections); on_start(server) runs on the server's loop,
@@ -119,7 +135,7 @@ def serve(
     certificate = serving_certificate(ssl_keyfile, ssl_certfile)
     provider = make_tracer_provider()
     ctx = make_context(engine, served_model_names, log_prompts, provider, tool_call_parser)
-    app = build_app(ctx, api_keys, max_body_bytes)
+    app = build_app(ctx, api_keys, max_body_bytes, allow_runtime_lora_updating, lora_modules_file)
     # After a drain (or its timeout), give streams still open a moment, then cancel them (which aborts them).
     config = uvicorn.Config(
         app,

@@ -32,12 +32,18 @@ class ServerContext:
         return self.served_model_names[0]
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to echo in the response; 404 for a model this server does not serve."""
+        """The name to echo in the response: a served name or a loaded LoRA adapter's; 404 for any other."""
         if requested is None:
             return self.model_name
-        if requested not in self.served_model_names:
+        if requested not in self.served_model_names and self.adapter(requested) is None:
             raise model_not_found(requested)
         return requested
+
+    def adapter(self, model: str) -> str | None:
+        """The LoRA adapter a resolved model name picks (None: the base model); served names win."""
+        if model in self.served_model_names:
+            return None
+        return next((lora.lora_name for lora in self.engine.list_loras() if lora.lora_name == model), None)
 
     def validate(self, params, num_prompts: int) -> None:
         """The request's sampling fields against the served model and the server's limits; its choices

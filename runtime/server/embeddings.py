@@ -73,6 +73,10 @@ class EmbeddingResponse(BaseModel):
 @router.post("/v1/embeddings", response_model=EmbeddingResponse)
 async def create_embedding(body: EmbeddingRequest, request: Request, ctx: ServerContext = Depends(get_context)):
     model = ctx.resolve_model(body.model)
+    if ctx.adapter(model) is not None:
+        raise InvalidRequestError(
+            f"model: {model} is a LoRA adapter; embeddings come from the base model ({ctx.model_name})", "model"
+        )
     size = ctx.engine.embedding_dimensions
     if body.dimensions is not None and body.dimensions != size:
         raise InvalidRequestError(

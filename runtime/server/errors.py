@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.errors import (
     EngineDeadError,
     EngineNotReadyError,
+    ModelNotFoundError,
     QueueFullError,
     RequestCancelledError,
     RequestFailedError,
@@ -32,6 +33,8 @@ def exception_body(exc: BaseException) -> tuple[int, dict]:
         return 503, error_body(503, str(exc), code="shutting_down")
     if isinstance(exc, RequestFailedError):
         return 500, error_body(500, str(exc), code="request_failed")
+    if isinstance(exc, ModelNotFoundError):
+        return 404, error_body(404, str(exc), param="model", code="model_not_found")
     return 500, error_body(500, "internal server error; the server log has the details")
 
 
@@ -110,4 +113,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineNotReadyError, _on_engine_failure)
     app.add_exception_handler(RequestFailedError, _on_engine_failure)
     app.add_exception_handler(RequestCancelledError, _on_engine_failure)
+    app.add_exception_handler(ModelNotFoundError, _on_engine_failure)
     app.add_exception_handler(Exception, _on_unexpected)

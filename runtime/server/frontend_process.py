@@ -29,6 +29,8 @@ class ServeOptions(msgspec.Struct):
     tool_call_parser: str | None = None
     ssl_keyfile: str | None = None  # each frontend serves (and reloads) the same pair
     ssl_certfile: str | None = None
+    allow_runtime_lora_updating: bool = False
+    lora_modules_file: str | None = None  # followed by the first frontend only (processes.py)
 
 
 class FrontendSpec(msgspec.Struct):

@@ -46,7 +46,9 @@ class Generation:
         prompts: list[str | list[int]],
         params: SamplingParams,
     ):
+        """model: as resolved (ServerContext.resolve_model): a LoRA adapter's name runs its prompts with it."""
         self.ctx, self.id, self.operation, self.model = ctx, request_id, operation, model
+        self.lora_name = ctx.adapter(model)
         self.prompts, self.params = prompts, params
         self.arrival = time.perf_counter()
         self.prompt_token_ids: list[list[int]] = [[] for _ in prompts]
@@ -70,7 +72,9 @@ class Generation:
         if self.ctx.log_prompts:
             log.info("request %s prompts: %r", self.id, self.prompts)
         self._span = start_request_span(self.ctx.tracer, self.operation, self.model, self.params)
-        self._gens = [engine.generate(p, self.params, self.engine_id(i)) for i, p in enumerate(self.prompts)]
+        self._gens = [
+            engine.generate(p, self.params, self.engine_id(i), self.lora_name) for i, p in enumerate(self.prompts)
+        ]
         try:
             firsts = await asyncio.gather(*(anext(g) for g in self._gens), return_exceptions=True)
         except BaseException as e:

@@ -26,6 +26,7 @@ from ..models.loader import resolve_checkpoint
 from ..tokenizer import Tokenizer
 from .app import serve
 from .frontend_process import FrontendSpec, ServeOptions, serve_kwargs
+from .lora_sync import adapters_at_start
 from .metrics import share_across_processes
 
 log = logging.getLogger("capstan.server")
@@ -47,6 +48,15 @@ def serve_with_engine_core(
     config = dataclasses.replace(config, model=str(path), tokenizer=str(tokenizer_path))
     tokenizer = Tokenizer.from_pretrained(tokenizer_path)
     model_name = served_model_name(path)
+    if config.enable_lora:  # bad adapters are refused before the model loads; hf:// ones download here, once
+        lora_modules = adapters_at_start(
+            config.lora_modules,
+            options.lora_modules_file,
+            path,
+            config.max_lora_rank,
+            options.served_model_names or [model_name],
+        )
+        config = dataclasses.replace(config, lora_modules=lora_modules or None)
     workdir = tempfile.mkdtemp(prefix="capstan-")
     if api_server_count > 1:  # each frontend's latency histograms, added up by whichever one is scraped
         os.mkdir(f"{workdir}/metrics")
@@ -82,7 +92,14 @@ def serve_with_engine_core(
                 _spawn(
                     "capstan.runtime.server.frontend_process",
                     FrontendSpec(
-                        config, model_name, i, input_addresses, output_addresses[i], core_pids, os.getpid(), options
+                        config,
+                        model_name,
+                        i,
+                        input_addresses,
+                        output_addresses[i],
+                        core_pids,
+                        os.getpid(),
+                        msgspec.structs.replace(options, lora_modules_file=None),  # the first frontend follows it
                     ),
                     cpu_only=True,
                 )

@@ -397,7 +397,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "capstan"
-    root: str | None = None
+    root: str | None = None  # the checkpoint's name; a LoRA adapter's path
+    parent: str | None = None  # a LoRA adapter's base model (its first served name)
     max_model_len: int | None = None
 
 

@@ -119,7 +119,7 @@ def run_verify(
     fill = (draft_at[None, :] >= 0) & (j < x.draft_lens[None, :])
     at = jnp.where(fill, draft_at[None, :] + j, x.tokens.shape[0])  # out of range: dropped
     tokens = x.tokens.at[at.reshape(-1)].set(proposals[j, draft_row[None, :]].reshape(-1), mode="drop")
-    hidden, kv = model(tokens, x.meta, kv)
+    hidden, kv = model(tokens, x.meta, kv, x.lora_rows)
     num_points = min(x.tokens.shape[0], x.sample_index.shape[0] * num_positions)
     row, step = verify_points(x.meta.seq_lens, x.draft_lens, num_points)
     index = x.sample_index[row] - x.draft_lens[row] + step

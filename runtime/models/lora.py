@@ -1,0 +1,176 @@
+"""LoRA adapters in device slots, and the per-token delta `x @ A_slot @ B_slot` they add to the linear layers.
+
+`--max-loras` slots each hold one adapter's A and B (its scale folded into B) for the seven projections a Llama or
+Gemma 3 block has (q, k, v, o, gate, up, down), padded with zeros to `--max-lora-rank`; an adapter that leaves a
+projection out has zeros there. Each token of a step carries its row's slot (-1: none, the base model).
+
+The delta is computed densely over the slots: one matmul takes the token to every slot's rank-R space at once
+([T, in] x [in, slots * R]), a one-hot mask keeps its own slot's R columns (zeros for base rows), a second matmul
+brings them back ([T, slots * R] x [slots * R, out]). Two ordinary matmuls XLA runs well, with no gather of
+per-token weights (a gathered A of [T, R, in] is larger than the weights themselves in a big batch); the extra work is
+slots * R columns per projection (8 x 16 = 128: a few per cent of a 1B model's matmuls)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from haliax import NamedArray
+
+from .config import ModelConfig
+
+# the projections a block has (Hugging Face's module names, ModelConfig.linear_shapes), q/k/v and gate/up in the order
+# LoRALayer stacks them
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALayer(eqx.Module):
+    """One layer's adapters: a leading [slots] axis on every array, then rank R; B is scaled already."""
+
+    qkv_a: jax.Array  # [L, 3, R, Embed]: q, k and v read the same input
+    q_b: jax.Array  # [L, R, KVHeads, QPerKV, HeadSize]: the fused projection's query part
+    k_b: jax.Array  # [L, R, KVHeads, HeadSize]
+    v_b: jax.Array  # [L, R, KVHeads, HeadSize]
+    o_a: jax.Array  # [L, R, KVHeads, QPerKV, HeadSize]
+    o_b: jax.Array  # [L, R, Embed]
+    gate_up_a: jax.Array  # [L, 2, R, Embed]
+    gate_up_b: jax.Array  # [L, 2, R, Mlp]
+    down_a: jax.Array  # [L, R, Mlp]
+    down_b: jax.Array  # [L, R, Embed]
+
+
+def layer_shapes(cfg: ModelConfig, slots: int, rank: int) -> dict[str, tuple[int, ...]]:
+    E, I, D, KVH, G = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv
+    L, R = slots, rank
+    return {
+        "qkv_a": (L, 3, R, E),
+        "q_b": (L, R, KVH, G, D),
+        "k_b": (L, R, KVH, D),
+        "v_b": (L, R, KVH, D),
+        "o_a": (L, R, KVH, G, D),
+        "o_b": (L, R, E),
+        "gate_up_a": (L, 2, R, E),
+        "gate_up_b": (L, 2, R, I),
+        "down_a": (L, R, I),
+        "down_b": (L, R, E),
+    }
+
+
+class LoRAStack(eqx.Module):
+    """Every layer's slots (DecoderModel.lora). Writing a slot replaces arrays, never the program: the shapes are
+    fixed by the slots and the rank, so adapters come and go without recompiling."""
+
+    layers: tuple[LoRALayer, ...]
+
+    @property
+    def slots(self) -> int:
+        return self.layers[0].qkv_a.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.layers[0].qkv_a.shape[2]
+
+    @staticmethod
+    def allocate(cfg: ModelConfig, slots: int, rank: int, dtype) -> LoRAStack:
+        shapes = layer_shapes(cfg, slots, rank)
+        return LoRAStack(
+            tuple(
+                LoRALayer(**{name: jnp.zeros(shape, dtype) for name, shape in shapes.items()})
+                for _ in range(cfg.num_layers)
+            )
+        )
+
+    def rows(self, token_slots: jax.Array, dtype) -> jax.Array:
+        """The step's one-hot [T, slots] from each token's slot (-1: no adapter, a row of zeros)."""
+        return (token_slots[:, None] == jnp.arange(self.slots)[None, :]).astype(dtype)
+
+
+def slot_weights(
+    cfg: ModelConfig, rank: int, modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], dtype
+) -> tuple[dict[str, np.ndarray], ...]:
+    """One adapter laid out as one slot of every layer (no slots axis): modules maps (layer, projection) to its A
+    [r, in] and its scaled B [out, r] (r <= rank); what it leaves out is zeros. Host arrays in the model's dtype."""
+    E, I, D, KVH, G = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv
+    shapes = {name: shape[1:] for name, shape in layer_shapes(cfg, 1, rank).items()}
+    layers = []
+    for i in range(cfg.num_layers):
+        w = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        for p, (a, b) in ((p, modules[(i, p)]) for p in PROJECTIONS if (i, p) in modules):
+            r = a.shape[0]
+            bt = b.T  # [r, out]
+            if p in ("q_proj", "k_proj", "v_proj"):
+                part = PROJECTIONS.index(p)
+                w["qkv_a"][part, :r] = a
+                if p == "q_proj":
+                    w["q_b"][:r] = bt.reshape(r, KVH, G, D)
+                else:
+                    w[f"{p[0]}_b"][:r] = bt.reshape(r, KVH, D)
+            elif p == "o_proj":
+                w["o_a"][:r] = a.reshape(r, KVH, G, D)
+                w["o_b"][:r] = bt.reshape(r, E)
+            elif p in ("gate_proj", "up_proj"):
+                part = 0 if p == "gate_proj" else 1
+                w["gate_up_a"][part, :r] = a
+                w["gate_up_b"][part, :r] = bt.reshape(r, I)
+            else:
+                w["down_a"][:r] = a.reshape(r, I)
+                w["down_b"][:r] = bt.reshape(r, E)
+        layers.append({name: x.astype(dtype) for name, x in w.items()})
+    return tuple(layers)
+
+
+def _write_slot(stack: LoRAStack, slot: jax.Array, weights: tuple[dict[str, jax.Array], ...]) -> LoRAStack:
+    layers = tuple(
+        LoRALayer(**{name: getattr(layer, name).at[slot].set(w[name].astype(layer.qkv_a.dtype)) for name in w})
+        for layer, w in zip(stack.layers, weights, strict=True)
+    )
+    return LoRAStack(layers)
+
+
+# Not donated: a dispatch queued earlier may still read the old arrays (the stack is small; the copy is cheap).
+write_slot_fn = jax.jit(_write_slot)
+
+
+class LayerAdapters(eqx.Module):
+    """What a block needs to add its adapters' deltas: its layer's slots and the step's one-hot rows [T, slots]."""
+
+    weights: LoRALayer
+    rows: jax.Array
+
+    def _shrink(self, x: jax.Array, a: jax.Array, spec: str) -> jax.Array:
+        """x's projection onto every slot's A, then only its own slot's kept."""
+        h = jnp.einsum(spec, x, a)  # [T, L, ..., R]
+        return h * self.rows.reshape(self.rows.shape + (1,) * (h.ndim - 2))
+
+    def qkv(self, x: NamedArray, qkv: NamedArray, token: str, ax) -> NamedArray:
+        """qkv [token, KVHeads, QKV, HeadSize] plus the q, k and v deltas for x [token, Embed]."""
+        w = self.weights
+        h = self._shrink(x.rearrange((token, ax.Embed)).array, w.qkv_a, "te,lpre->tlpr")
+        dq = jnp.einsum("tlr,lrkgd->tkgd", h[:, :, 0], w.q_b)
+        dk = jnp.einsum("tlr,lrkd->tkd", h[:, :, 1], w.k_b)[:, :, None]
+        dv = jnp.einsum("tlr,lrkd->tkd", h[:, :, 2], w.v_b)[:, :, None]
+        delta = jnp.concatenate([dq, dk, dv], axis=2).astype(qkv.dtype)
+        return qkv + hax.named(delta, (qkv.resolve_axis(token), ax.KVHeads, ax.QKV, ax.HeadSize))
+
+    def out(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
+        """o_proj's y [token, Embed] plus the delta for x [token, KVHeads, QPerKV, HeadSize]."""
+        w = self.weights
+        h = self._shrink(x.rearrange((token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, w.o_a, "tkgd,lrkgd->tlr")
+        delta = jnp.einsum("tlr,lre->te", h, w.o_b).astype(y.dtype)
+        return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
+
+    def gate_up(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
+        """The fused gate/up y [token, GateUp, Mlp] plus both deltas for x [token, Embed]."""
+        w = self.weights
+        h = self._shrink(x.rearrange((token, ax.Embed)).array, w.gate_up_a, "te,lpre->tlpr")
+        delta = jnp.einsum("tlpr,lpri->tpi", h, w.gate_up_b).astype(y.dtype)
+        return y + hax.named(delta, (y.resolve_axis(token), ax.GateUp, ax.Mlp))
+
+    def down(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
+        """down_proj's y [token, Embed] plus the delta for x [token, Mlp]."""
+        w = self.weights
+        h = self._shrink(x.rearrange((token, ax.Mlp)).array, w.down_a, "ti,lri->tlr")
+        delta = jnp.einsum("tlr,lre->te", h, w.down_b).astype(y.dtype)
+        return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))

@@ -1,0 +1,202 @@
+"""LoRA adapters in the engine (docs/lora.md): an adapter gives what its merged checkpoint gives (W + scale * B @ A,
+merged by tests/lora_adapters.py from PEFT's format alone), in mixed batches, through slot swapping and host-memory
+eviction, with the prefix cache keyed by adapter; bad adapters are refused naming the field."""
+
+import json
+
+import numpy as np
+import pytest
+from golden import GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
+from lora_adapters import ALL_MODULES, merge_adapter, write_adapter
+
+from capstan import LLM, LoRARequest, SamplingParams
+from capstan.runtime.lora.peft import read_adapter
+from capstan.runtime.lora.request import LoRAError
+from capstan.runtime.models.config import ModelConfig
+
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4, dtype="float32", warmup=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+
+
+def outputs(results):
+    return [
+        (
+            r.outputs[0].token_ids,
+            [lp[t].logprob for lp, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids, strict=True)],
+        )
+        for r in results
+    ]
+
+
+def assert_same(got, expected, what: str, tolerance: float = 1e-4):
+    for i, ((tokens, lps), (want_tokens, want_lps)) in enumerate(zip(got, expected, strict=True)):
+        assert tokens == want_tokens, f"{what}: prompt {i}"
+        assert np.max(np.abs(np.array(lps) - np.array(want_lps))) < tolerance, f"{what}: prompt {i}"
+
+
+@pytest.mark.parametrize("case", ["llama-s11", "qwen2-s12", "qwen3-s13", "gemma3-s14"])
+def test_an_adapter_gives_its_merged_checkpoint_and_base_rows_stay_the_golden_ones(case, tmp_path):
+    """Two adapters (all seven projections at rank 8; an rsLoRA one on q and v at rank 4) and base rows in one batch:
+    each adapter's rows equal the merged checkpoint's greedy tokens and logprobs, the base rows transformers'."""
+    base, ref = GOLDEN / case, reference(case)
+    prompts = ref["prompts"]
+    full = write_adapter(tmp_path / "full", base, seed=1)
+    rs = write_adapter(tmp_path / "rs", base, seed=2, rank=4, alpha=4.0, targets=("q_proj", "v_proj"), rslora=True)
+    expected = {}
+    for name, adapter in (("full", full), ("rs", rs)):
+        merged = LLM(str(merge_adapter(base, adapter, tmp_path / f"merged-{name}")), **ENGINE)
+        expected[name] = outputs(merged.generate(prompts, GREEDY, use_tqdm=False))
+        del merged
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
+    requests = {"full": LoRARequest("full", 1, str(full)), "rs": LoRARequest("rs", 2, str(rs))}
+    n = len(prompts)
+    mixed = llm.generate(
+        prompts * 3, GREEDY, use_tqdm=False, lora_request=[requests["full"]] * n + [requests["rs"]] * n + [None] * n
+    )
+    got = outputs(mixed)
+    assert_same(got[:n], expected["full"], f"{case} full adapter vs merged")
+    assert_same(got[n : 2 * n], expected["rs"], f"{case} rsLoRA adapter vs merged")
+    assert got[:n] != got[2 * n :], "the adapter changed nothing: the test would prove nothing"
+    for i, (tokens, lps) in enumerate(got[2 * n :]):  # base rows of the same batch: transformers' reference
+        owed = min(greedy_agreement_length(ref, i), len(tokens))
+        assert tokens[:owed] == ref["greedy_continuations"][i][:owed], f"{case} base prompt {i}"
+        logp = log_softmax(reference_logits(case, i))
+        for k in range(owed):
+            assert abs(lps[k] - logp[len(prompts[i]) - 1 + k, tokens[k]]) < 1e-4, f"{case} base prompt {i} step {k}"
+    llm.engine.pool.check_all_free()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    base = GOLDEN / "llama-s11"
+    folder = tmp_path_factory.mktemp("adapters")
+    targets = [
+        ("q_proj", "v_proj"),
+        ALL_MODULES,
+        ("gate_proj", "up_proj", "down_proj"),
+        ("o_proj",),
+        ("k_proj", "down_proj"),
+        ("q_proj", "up_proj"),
+    ]
+    return [
+        LoRARequest(
+            f"a{i}",
+            i + 1,
+            str(write_adapter(folder / f"a{i}", base, seed=10 + i, rank=4 + 2 * (i % 3), targets=t, rslora=i == 3)),
+        )
+        for i, t in enumerate(targets)
+    ]
+
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 8, 19, 77, 301, 12], [400, 2, 33], [9] * 23, [120, 121, 122, 123, 124, 125, 126]]
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, ignore_eos=True, logprobs=0, seed=7)
+
+
+def alone(llm, adapters, params):
+    """Each (prompt, adapter) run by itself, one generate call at a time."""
+    return {
+        (i, a.lora_name if a else None): outputs(llm.generate([p], params, use_tqdm=False, lora_request=a))[0]
+        for a in [None, *adapters]
+        for i, p in enumerate(PROMPTS)
+    }
+
+
+def test_a_mixed_batch_of_four_adapters_and_base_rows_equals_each_run_alone(adapters):
+    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=4, max_lora_rank=8, **ENGINE)
+    four = adapters[:4]
+    for params in (GREEDY, SAMPLED):
+        single = alone(llm, four, params)
+        pairs = [(i, a) for a in [None, *four] for i in range(len(PROMPTS))]
+        batch = outputs(
+            llm.generate([PROMPTS[i] for i, _ in pairs], params, use_tqdm=False, lora_request=[a for _, a in pairs])
+        )
+        expected = [single[(i, a.lora_name if a else None)] for i, a in pairs]
+        assert_same(batch, expected, f"mixed batch, temperature {params.temperature}")
+    assert len({tuple(single[(0, a.lora_name)][0]) for a in four}) == 4  # four different functions
+    llm.engine.pool.check_all_free()
+
+
+def test_two_slots_for_six_adapters_swap_without_changing_any_output(adapters):
+    """--max-loras 2 and --max-cpu-loras 2 with six adapters: adapters wait for slots, are swapped in and out, and are
+    read again from their files after leaving host memory; every output equals the one from six slots."""
+    roomy = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=6, max_lora_rank=8, **ENGINE)
+    pairs = [(i, a) for a in adapters for i in range(len(PROMPTS))] + [(i, None) for i in range(len(PROMPTS))]
+    prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
+    expected = outputs(roomy.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    del roomy
+    tight = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8, **ENGINE)
+    for a in adapters:  # registered first, so most have left host memory when their turn comes
+        tight.engine.add_lora(a)
+    got = outputs(tight.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    assert_same(got, expected, "two slots vs six")
+    assert tight.engine.loras.slot_loads >= 6
+    tight.engine.pool.check_all_free()
+    assert not tight.engine.loras._refs.count(1)  # every slot released
+
+
+def test_the_prefix_cache_never_shares_pages_across_adapters(adapters):
+    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
+    prompt = list(range(30, 70))  # ten full pages of 4
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    under_a0 = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=adapters[0])[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=adapters[0])[0]
+    under_a1 = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=adapters[1])[0]
+    assert under_a0.num_cached_tokens == 0 and under_a1.num_cached_tokens == 0
+    assert again.num_cached_tokens > 0
+    assert_same(outputs([again]), outputs([under_a0]), "a cached prefix under the same adapter")
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    assert outputs([first]) != outputs([under_a0])
+
+
+def test_an_adapter_without_enable_lora_is_refused(adapters):
+    llm = LLM(str(GOLDEN / "llama-s11"), **ENGINE)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=adapters[0])
+
+
+def refusal(folder, max_rank=16):
+    with pytest.raises(LoRAError) as e:
+        read_adapter(folder, ModelConfig.from_pretrained(GOLDEN / "llama-s11"), max_rank)
+    return e.value
+
+
+def test_bad_adapters_are_refused_naming_the_field(tmp_path):
+    base = GOLDEN / "llama-s11"
+    e = refusal(write_adapter(tmp_path / "big", base, seed=0, rank=32))
+    assert e.field == "r" and "--max-lora-rank=16" in str(e)
+    e = refusal(write_adapter(tmp_path / "dora", base, seed=0, extra_config={"use_dora": True}))
+    assert e.field == "use_dora"
+    e = refusal(write_adapter(tmp_path / "head", base, seed=0, extra_config={"target_modules": ["q_proj", "lm_head"]}))
+    assert e.field == "target_modules" and "lm_head" in str(e)
+    assert refusal(tmp_path / "missing").field == "lora_path"
+    # a tensor for a module no block has, and shapes for another model
+    from safetensors.numpy import load_file, save_file
+
+    folder = write_adapter(tmp_path / "embed", base, seed=0, targets=("q_proj",))
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    tensors["base_model.model.model.layers.0.self_attn.rotary.lora_A.weight"] = np.zeros((8, 64), np.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    assert refusal(folder).field == "target_modules"
+    folder = write_adapter(tmp_path / "shape", base, seed=0, targets=("k_proj",))
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"] = np.zeros((64, 8), np.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    e = refusal(folder)
+    assert e.field == "layers.1.k_proj" and "lora_B [32, r]" in str(e)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": "high"}))
+    assert refusal(folder).field == "lora_alpha"
+
+
+def test_engine_flags_are_checked():
+    from capstan import EngineConfig
+
+    for kwargs, field in (
+        (dict(enable_lora=True, max_loras=0), "max_loras"),
+        (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank"),
+        (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
+        (dict(lora_modules={"a": "/x"}), "enable_lora"),
+        (dict(enable_lora=True, lora_modules={"bad name": "/x"}), "lora_modules"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(model=str(GOLDEN / "llama-s11"), **kwargs).validate()
