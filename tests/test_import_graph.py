@@ -132,7 +132,7 @@ def test_the_operator_never_reaches_jax():
 
 # The rooms that run on the device, and those above them that drive it (docs/architecture.md).
 DEVICE_ROOMS = ("kernels", "attention", "models", "kv", "sampling")
-DRIVING_ROOMS = ("scheduling", "speculative", "engine", "server", "gateway", "cli")
+DRIVING_ROOMS = ("scheduling", "speculative", "lora", "engine", "server", "gateway", "cli")
 
 
 def test_the_device_rooms_never_import_the_rooms_that_drive_them():
