@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve multiturn]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve multiturn lora]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -84,6 +84,11 @@ for part in $parts; do
           --smallest-bucket 256 --trace /tmp/tpt 2>&1 | grep --line-buffered -E "output_tokens_per_s|Error|error"
         python3 benchmarks/trace_summary.py /tmp/tpt --top ${TOP:-25}; done; done
       [ -d /tmp/tphlo ] && python3 benchmarks/hlo_collectives.py /tmp/tphlo --top 4 ;;
+    # issue 32: 256 requests over 8 rank-16 adapters (q/k/v/o/gate/up/down) against the base in one process, and
+    # one stream with and without an adapter (targets: >= 0.8x the base's tokens/s; one stream within 15%)
+    lora) python3 benchmarks/lora.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
+        --adapters 8 --rank 16 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+        --single-stream-tokens 256 --json "$OUT/lora-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep --line-buffered -v Warning ;;
     kernelsweep) python3 benchmarks/attention_kernels.py --sweep 2>&1 | grep --line-buffered -v Warning ;;
     grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep --line-buffered -v Warning ;;

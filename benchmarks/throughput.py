@@ -119,10 +119,13 @@ class Timeline:
         return out
 
 
-def run(engine: LLMEngine, prompts, params, timeline: Timeline | None = None, trace: str | None = None) -> dict:
+def run(
+    engine: LLMEngine, prompts, params, timeline: Timeline | None = None, trace: str | None = None, loras=None
+) -> dict:
+    """loras: a LoRARequest (or None) per prompt (benchmarks/lora.py)."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
-        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp)
+        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp, lora_request=loras[i] if loras else None)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     trace_step = -1
     while engine.has_unfinished():
