@@ -347,7 +347,7 @@ class LLMEngine:
             if self.scheduler.loading:  # only copies back are left: wait (GIL released) until one lands, not spin
                 assert self.scheduler.offload is not None, "sequences load only from a host tier"
                 self.scheduler.offload.wait_landed(LOAD_WAIT_S)
-            elif self.scheduler.blocked_on_adapters():  # only adapters' files being read: likewise
+            elif self.loras is not None and self.scheduler.blocked_on_adapters():  # adapters being read: likewise
                 self.loras.wait_read(LOAD_WAIT_S)
             return []
         if self.speculator is not None and self.speculator.active():  # proposals take tokens the chunks leave

@@ -24,6 +24,9 @@ def parse_modules_file(data: bytes, where: str) -> tuple[dict[str, str], list[st
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
             errors.append(f'{label}: expected {{"name": ..., "path": ...}} with a non-empty path')
             continue
+        if not isinstance(name, str):
+            errors.append(f"{label}: name must be a string")
+            continue
         try:
             check_name(name, "name")
         except LoRAError as e:

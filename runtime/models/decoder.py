@@ -61,7 +61,8 @@ class DecoderModel(eqx.Module):
         [S]: each sequence row's adapter slot (-1: none); its tokens get that adapter's deltas."""
         cfg, ax = self.cfg, self.ax
         x = embed(tokens, self.embedding, ax)
-        rows = None if self.lora is None or lora_rows is None else self.lora.rows(lora_rows[meta.token_seq], x.dtype)
+        lora = self.lora
+        rows = None if lora is None or lora_rows is None else lora.rows(lora_rows[meta.token_seq], x.dtype)
         if cfg.family == "gemma3":
             x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
         rope = {kind: rotary_tables(f, meta.positions) for kind, f in self.inv_freq.items()}
@@ -72,7 +73,7 @@ class DecoderModel(eqx.Module):
             kind = cfg.layer_types[i]
             window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
             cos, sin = rope[kind]
-            adapters = None if rows is None else LayerAdapters(self.lora.layers[i], rows)
+            adapters = None if lora is None or rows is None else LayerAdapters(lora.layers[i], rows)
             x, k_layers[i], v_layers[i] = block(
                 x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax, kv.page_size, adapters
             )

@@ -97,7 +97,7 @@ class Scheduler:
         deferred: list[Sequence] = []  # waiting for their LoRA adapter's slot: the sequences behind them go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.lora is not None and seq.lora_slot < 0:
+            if seq.lora is not None and seq.lora_slot < 0 and self.lora is not None:
                 try:
                     slot = self.lora.acquire(seq.lora)
                 except Exception as e:  # noqa: BLE001 - its adapter cannot be read any more: it fails alone
@@ -273,7 +273,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
-        if seq.lora_slot >= 0:  # its adapter's slot may go to another adapter once no sequence holds it
+        if seq.lora_slot >= 0 and self.lora is not None:  # the slot may go to another adapter once none holds it
             self.lora.release(seq.lora_slot)
             seq.lora_slot = -1
         self.restored.pop(seq, None)

@@ -75,7 +75,8 @@ def check_the_lora_api(url: str, adapters: dict, modules_file: Path) -> None:
     assert chat.model == "a0" and chat.choices[0].message.content is not None
     with pytest.raises(openai.NotFoundError) as e:
         completion(client, "a1")
-    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    body = e.value.body
+    assert isinstance(body, dict) and body["code"] == "model_not_found" and body["param"] == "model"
 
     # vLLM's runtime routes: load, serve, refuse a duplicate or a bad one by field, unload
     r = post(url, "load_lora_adapter", {"lora_name": "a1", "lora_path": str(adapters["a1"])})
@@ -85,9 +86,8 @@ def check_the_lora_api(url: str, adapters: dict, modules_file: Path) -> None:
     r = post(url, "load_lora_adapter", {"lora_name": "a1", "lora_path": str(adapters["a1"])})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     r = post(url, "load_lora_adapter", {"lora_name": "big", "lora_path": str(adapters["too-big"])})
-    assert (
-        r.status_code == 400 and r.json()["error"]["param"] == "r" and "max-lora-rank" in r.json()["error"]["message"]
-    )
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "r" and "max-lora-rank" in error["message"]
     r = post(url, "load_lora_adapter", {"lora_name": "nowhere", "lora_path": "/no/such/adapter"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     assert post(url, "unload_lora_adapter", {"lora_name": "a1"}).status_code == 200
