@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
             figures["lora_single_stream_ms_per_token"] / figures["base_single_stream_ms_per_token"]
         )
     for k, v in figures.items():
-        print(f"{k:>34}: {v:.4g}" if isinstance(v, float) else f"{k:>34}: {v}")
+        print(f"{k:>42}: {v:.4g}" if isinstance(v, float) else f"{k:>42}: {v}")
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1))
     return figures
