@@ -153,5 +153,3 @@ class EngineConfig:
         check_limits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         for name in self.lora_modules or {}:
             check_name(name, "lora_modules")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet; serve on one device")

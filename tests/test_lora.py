@@ -200,3 +200,45 @@ def test_engine_flags_are_checked():
     ):
         with pytest.raises(ValueError, match=field):
             EngineConfig(model=str(GOLDEN / "llama-s11"), **kwargs).validate()
+
+
+SPLIT_RUN = """
+import json, sys
+from capstan import LLM, LoRARequest, SamplingParams
+model, paths = sys.argv[1], sys.argv[2:]
+prompts = [[5, 17, 99, 3, 250, 41, 8, 19, 77, 301, 12], [400, 2, 33], [9] * 23]
+loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+got = {}
+for tp in (1, 2, 4):
+    llm = LLM(model, tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128,
+              max_num_seqs=8, max_num_batched_tokens=64, page_size=4, dtype="float32", warmup=False)
+    outs = llm.generate(prompts * 3, greedy, use_tqdm=False, lora_request=[loras[0]] * 3 + [loras[1]] * 3 + [None] * 3)
+    got[tp] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+               for o in outs]
+print(json.dumps(got))
+"""
+
+
+def test_adapters_split_over_devices_equal_one_device(adapters):
+    """Tensor parallelism: llama-s11's two KV heads one per device (2), and replicated twice (4): the adapters' rows
+    and the base rows give one device's tokens and logprobs (run in a process with four CPU devices)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    paths = [adapters[1].lora_path, adapters[3].lora_path]  # all seven projections; o_proj alone (rsLoRA)
+    proc = subprocess.run(
+        [sys.executable, "-c", SPLIT_RUN, str(GOLDEN / "llama-s11"), *paths],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    one = [(t, lp) for t, lp in got["1"]]
+    assert one[0] != one[6]  # the adapter changes the output
+    for tp in ("2", "4"):
+        assert_same([(t, lp) for t, lp in got[tp]], one, f"tensor parallel {tp}")

@@ -63,6 +63,7 @@ class LLMEngine:
         )
         self.dtype = parse_dtype(dtype)
         self.model = model if model is not None else load_model(path, dtype, config.quantization)
+        checkpoint_cfg = self.model.cfg  # what LoRA adapters' shapes are checked against
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
         self.model = self.parallel.place_model(self.model)  # may replicate KV heads: read cfg after
         cfg = self.model.cfg
@@ -114,22 +115,24 @@ class LLMEngine:
         self.loras: LoRAManager | None = None  # --enable-lora: the adapters, their host copies and device slots
         self._lora_ids = itertools.count(1)  # ids for adapters named by the configuration (lora_modules)
         if config.enable_lora:
-            self._enable_lora()
+            self._enable_lora(checkpoint_cfg)
         self.requests: dict[str, list[Sequence]] = {}
         self.failed: list[tuple[str, BaseException]] = []  # requests failed alone since the owner last took them
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.compile_seconds = 0.0
 
-    def _enable_lora(self) -> None:
-        """Device slots for --max-loras adapters in the model, and the adapters of lora_modules loaded."""
+    def _enable_lora(self, checkpoint_cfg) -> None:
+        """Device slots for --max-loras adapters in the model (whole on every device under tensor parallelism), and
+        the adapters of lora_modules loaded."""
         c, cfg = self.config, self.model.cfg
         if jax.process_count() > 1:
             raise ValueError("enable_lora is not supported across several hosts yet")
         stack = LoRAStack.allocate(cfg, c.max_loras, c.max_lora_rank, self.dtype)
-        self.model = dataclasses.replace(self.model, lora=stack)
+        self.model = dataclasses.replace(self.model, lora=self.parallel.replicated(stack))
         self.loras = LoRAManager(
-            cfg,
+            checkpoint_cfg,
+            layout=cfg,
             max_loras=c.max_loras,
             max_lora_rank=c.max_lora_rank,
             max_cpu_loras=c.max_cpu_loras or c.max_loras,
@@ -143,7 +146,7 @@ class LLMEngine:
     def _write_lora_slot(self, slot: int, weights: SlotWeights) -> None:
         with self._precision():
             stack = write_slot_fn(self.model.lora, np.int32(slot), weights)
-        self.model = dataclasses.replace(self.model, lora=stack)
+        self.model = dataclasses.replace(self.model, lora=self.parallel.replicated(stack))
 
     # ---- LoRA adapters ------------------------------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest, weights: SlotWeights | None = None) -> None:
@@ -309,6 +312,18 @@ class LLMEngine:
             spec_drafts=spec.drafts if spec else 0,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
             **s.host_tier_stats(),
+            **self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> dict:
+        loras = self.loras
+        if loras is None:
+            return {}
+        return dict(
+            lora_slots_used=loras.slots_used,
+            lora_slots_total=loras.max_loras,
+            lora_slot_loads=loras.slot_loads,
+            lora_requests_waiting=self.scheduler.lora_waiting,
         )
 
     # ---- stepping -------------------------------------------------------------------------------------------

@@ -30,3 +30,9 @@ class EngineStats:
     kv_offload_bytes_to_device: int = 0
     kv_offload_failed_loads: int = 0  # copies back that failed or were late: their pages were recomputed
     kv_offload_saved_seconds: float = 0.0  # estimated prefill time saved, less the time the copies took
+    # LoRA adapters (--enable-lora): device slots held by running sequences, all slots, adapters written into a slot,
+    # sequences that waited for a slot at the last schedule
+    lora_slots_used: int = 0
+    lora_slots_total: int = 0
+    lora_slot_loads: int = 0
+    lora_requests_waiting: int = 0

@@ -33,15 +33,17 @@ class LoRAManager:
         self,
         cfg: ModelConfig,
         *,
+        layout: ModelConfig | None = None,
         max_loras: int,
         max_lora_rank: int,
         max_cpu_loras: int,
         dtype,
         write_slot: Callable[[int, SlotWeights], None],
     ):
-        """cfg: the checkpoint's (before any tensor-parallel regrouping); write_slot(slot, weights) puts one
-        adapter's weights into a device slot."""
-        self.cfg, self.dtype = cfg, dtype
+        """cfg: the checkpoint's, which adapters are checked against; layout: the served model's, whose KV heads
+        tensor parallelism may have replicated (default cfg); write_slot(slot, weights) puts one adapter's weights
+        into a device slot."""
+        self.cfg, self.layout, self.dtype = cfg, layout or cfg, dtype
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self._write_slot = write_slot
         self.adapters: dict[str, Adapter] = {}  # the registry: what requests may name
@@ -59,7 +61,7 @@ class LoRAManager:
     def read(self, request: LoRARequest) -> SlotWeights:
         """An adapter's files read, checked and laid out as one slot (LoRAError naming the field); thread-safe."""
         modules = read_adapter(resolve_adapter(request.lora_path), self.cfg, self.max_lora_rank)
-        return slot_weights(self.cfg, self.max_lora_rank, modules, self.dtype)
+        return slot_weights(self.layout, self.max_lora_rank, modules, self.dtype)
 
     def add(self, request: LoRARequest, weights: SlotWeights | None = None) -> Adapter:
         """Registers the adapter under its name (reading it unless weights are given); an adapter of that name is
@@ -130,6 +132,11 @@ class LoRAManager:
                 self._idle.move_to_end(slot, last=False)  # empty: reused first
             else:
                 self._idle[slot] = None  # most recently used: reused last
+
+    @property
+    def slots_used(self) -> int:
+        """Slots some sequence holds."""
+        return sum(1 for refs in self._refs if refs)
 
     @property
     def reading(self) -> bool:

@@ -91,7 +91,9 @@ def slot_weights(
     cfg: ModelConfig, rank: int, modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], dtype
 ) -> tuple[dict[str, np.ndarray], ...]:
     """One adapter laid out as one slot of every layer (no slots axis): modules maps (layer, projection) to its A
-    [r, in] and its scaled B [out, r] (r <= rank); what it leaves out is zeros. Host arrays in the model's dtype."""
+    [r, in] and its scaled B [out, r] (r <= rank); what it leaves out is zeros. Host arrays in the model's dtype.
+    cfg is the served model's: query heads keep their order when tensor parallelism regroups them under replicated
+    KV heads, so q and o reshape to its grouping, and k and v repeat each head as the KV heads were."""
     E, I, D, KVH, G = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv
     shapes = {name: shape[1:] for name, shape in layer_shapes(cfg, 1, rank).items()}
     layers = []
@@ -105,8 +107,9 @@ def slot_weights(
                 w["qkv_a"][part, :r] = a
                 if p == "q_proj":
                     w["q_b"][:r] = bt.reshape(r, KVH, G, D)
-                else:
-                    w[f"{p[0]}_b"][:r] = bt.reshape(r, KVH, D)
+                else:  # a KV head replicated for tensor parallelism (tensor_parallel.py) takes its head's B
+                    heads = bt.shape[1] // D
+                    w[f"{p[0]}_b"][:r] = np.repeat(bt.reshape(r, heads, D), KVH // heads, axis=1)
             elif p == "o_proj":
                 w["o_a"][:r] = a.reshape(r, KVH, G, D)
                 w["o_b"][:r] = bt.reshape(r, E)

@@ -126,6 +126,10 @@ class TensorParallel:
         """KV cache arrays [kv_heads, pages, page_size, head_dim]: split by KV head."""
         return None if self.mesh is None else NamedSharding(self.mesh, P(MODEL_AXIS))
 
+    def replicated(self, tree):
+        """Every array of tree whole on every device of the mesh (LoRA adapters' slots: models/lora.py)."""
+        return tree if self.mesh is None else jax.tree.map(lambda x: self._put(x, P()), tree)
+
     def inputs_sharding(self) -> NamedSharding | None:
         """Step inputs: the same on every device."""
         return None if self.mesh is None else NamedSharding(self.mesh, P())

@@ -61,6 +61,7 @@ class Scheduler:
         self.prefill_seconds_per_token = 0.0  # moving average over steps that were mostly prefill
         self._last_step: tuple[float, int] | None = None  # (when the last schedule ran, its prefill tokens)
         self.lora: LoRAManager | None = None  # LoRA adapters' device slots: a sequence is admitted once it has one
+        self.lora_waiting = 0  # sequences that waited for their adapter's slot at the last schedule
 
     def attach_host_tier(self, offload: HostOffload[Sequence]) -> None:
         self.offload = offload
@@ -147,6 +148,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+        self.lora_waiting = len(deferred)
         return self._count_prefill(chunks) if self.offload is not None else chunks
 
     def take_failed(self) -> list[tuple[Sequence, BaseException]]:

@@ -120,6 +120,7 @@ class EngineCollector:
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from _host_tier_families(s)
+        yield from _lora_families(s)
         per_pos = CounterMetricFamily(
             names.SPEC_ACCEPTED_PER_POS,
             "Accepted proposed tokens by their position in "
@@ -161,6 +162,26 @@ def _host_tier_families(s):
         "Estimated prefill seconds the host tier saved (restored "
         "tokens at the measured prefill cost), less the time its copies took.",
         value=s.kv_offload_saved_seconds,
+    )
+
+
+def _lora_families(s):
+    """LoRA adapters' device slots (docs/lora.md); zeros without --enable-lora."""
+    yield GaugeMetricFamily(
+        names.LORA_SLOTS_USED, "LoRA adapter slots held by running sequences.", value=s.lora_slots_used
+    )
+    yield GaugeMetricFamily(
+        names.LORA_SLOTS_TOTAL, "LoRA adapter slots on the device (--max-loras).", value=s.lora_slots_total
+    )
+    yield CounterMetricFamily(
+        names.LORA_SLOT_LOADS,
+        "LoRA adapters written into a device slot (the first time, and swaps).",
+        value=s.lora_slot_loads,
+    )
+    yield GaugeMetricFamily(
+        names.LORA_REQUESTS_WAITING,
+        "Sequences waiting for their LoRA adapter's slot (every slot held by other adapters' running sequences).",
+        value=s.lora_requests_waiting,
     )
 
 

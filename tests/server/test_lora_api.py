@@ -6,6 +6,7 @@ engine, once through `capstan serve`'s engine-core process."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,10 @@ def check_the_lora_api(url: str, adapters: dict, modules_file: Path) -> None:
     wait_for(lambda: "a2" not in model_ids(client))
     assert model_ids(client) == [MODEL, "a0"]
     assert completion(client, "a0") == with_a0  # served as before all this
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert re.search(r"^capstan_lora_slots_total 2\.0$", metrics, re.M), metrics
+    loads = re.search(r"^capstan_lora_slot_loads_total (\S+)$", metrics, re.M)
+    assert loads and float(loads[1]) >= 3  # a0, a1 and a2 through two slots
 
 
 def test_the_lora_api_on_an_in_thread_engine(adapters, tmp_path):
