@@ -1,8 +1,10 @@
 """Which replicas exist, and which models exist even with no replica (an InferenceService scaled to zero).
 
 Two sources: a static list of `[MODEL=]URL` (tests, and running outside a cluster), or the Kubernetes API:
-every InferenceService (its served model name) and the ready endpoints of its EndpointSlices (the slices of
-the Service the operator renders carry that Service's labels, so one label selector finds them all).
+every InferenceService (its served model name and its LoRA adapters' names) and the ready endpoints of its
+EndpointSlices (the slices of the Service the operator renders carry that Service's labels, so one label selector
+finds them all). Which replica has which adapter loaded is the replicas' own word (replica_pool.py); the spec only
+says that a name exists, so a request for an adapter still loading waits rather than getting a 404.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class EndpointSliceDiscovery:
         self._discovery = client.DiscoveryV1Api(api_client)
         self.namespaces = namespaces  # empty: all
         self.services: dict[str, ServiceRef] = {}
+        self._warned: set[tuple[str, ServiceRef]] = set()
 
     def _list_services(self) -> list[dict]:
         from capstan.operator import api
@@ -98,11 +101,18 @@ class EndpointSliceDiscovery:
         from capstan.operator.render import INSTANCE_LABEL
 
         models: dict[tuple[str, str], str] = {}
+        current: dict[str, ServiceRef] = {}  # every name clients may send -> its InferenceService
         for item in self._list_services():
-            meta, model = item["metadata"], item.get("spec", {}).get("model", {})
-            if "uri" in model:
-                models[(meta["namespace"], meta["name"])] = model.get("servedName") or served_model_name(model["uri"])
-        current = {model: ServiceRef(ns, name) for (ns, name), model in models.items()}
+            meta, spec = item["metadata"], item.get("spec", {})
+            model, ref = spec.get("model", {}), ServiceRef(meta["namespace"], meta["name"])
+            if "uri" not in model:
+                continue
+            models[(ref.namespace, ref.name)] = model.get("servedName") or served_model_name(model["uri"])
+            names = [models[(ref.namespace, ref.name)]]
+            names += [a["name"] for a in spec.get("adapters", []) if isinstance(a, dict) and a.get("name")]
+            for served in names:
+                if current.setdefault(served, ref) != ref:
+                    self._warn_shared(served, current[served], ref)
         self.services.clear()  # in place: the demand signal holds this dict
         self.services.update(current)
         targets = []
@@ -118,7 +128,20 @@ class EndpointSliceDiscovery:
                 host = endpoint.addresses[0]
                 host = f"[{host}]" if ":" in host else host
                 targets.append(Target(f"http://{host}:{ports[0]}", models[owner]))
-        return targets, set(models.values())
+        return targets, set(current)
+
+    def _warn_shared(self, name: str, first: ServiceRef, second: ServiceRef) -> None:
+        """Two InferenceServices claim one model or adapter name: requests go to whichever replicas list it."""
+        if (name, second) not in self._warned:
+            self._warned.add((name, second))
+            log.warning(
+                "model name %r is claimed by %s/%s and %s/%s: give adapters and models names unique in the cluster",
+                name,
+                first.namespace,
+                first.name,
+                second.namespace,
+                second.name,
+            )
 
     async def discover(self) -> tuple[list[Target], set[str]]:
         return await asyncio.to_thread(self._discover)

@@ -145,6 +145,17 @@ class Gateway:
                 self.pool.mark_failed(replica)
                 last = (502, b"", {})
                 continue
+            if upstream.status_code == 404 and model != replica.declared_model:
+                content = await upstream.aread()
+                await upstream.aclose()
+                replica.in_flight -= 1
+                last = (404, content, _response_headers(upstream))
+                if _error_code(content) != "model_not_found":
+                    break
+                replica.forget(model)  # an adapter unloaded since the last probe: another replica may have it
+                if not self.pool.serves(model):
+                    break
+                continue
             if upstream.status_code in RETRYABLE_STATUS and attempts < self.max_attempts:
                 content = await upstream.aread()
                 await upstream.aclose()
@@ -221,9 +232,14 @@ class Gateway:
                 self.access.finish(admission, upstream.status_code, meter.prompt_tokens, meter.completion_tokens)
 
     async def list_models(self) -> dict:
+        """Every model and adapter the gateway knows; a replica's own card where one lists it (an adapter's names
+        its `parent`, the base model), else a plain one (a model whose replicas are not up)."""
         return {
             "object": "list",
-            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "capstan"} for m in self.pool.all_models()],
+            "data": [
+                self.pool.card(m) or {"id": m, "object": "model", "created": 0, "owned_by": "capstan"}
+                for m in self.pool.all_models()
+            ],
         }
 
 
@@ -239,6 +255,15 @@ def _parse_body(raw: bytes) -> dict:
             400, "`model` is required: the name of the model to use (GET /v1/models lists them)", param="model"
         )
     return body
+
+
+def _error_code(content: bytes) -> str | None:
+    """The `code` of an OpenAI error body, or None."""
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def _response_headers(upstream: httpx.Response) -> dict[str, str]:

@@ -1,12 +1,14 @@
-"""The replicas the gateway may send to, kept fresh in the background: which are ready, which models each serves,
-and how loaded each is (its own /metrics: running, waiting, KV-cache use), plus the requests this gateway has
-open on each. Discovery says which replicas exist; this pool says which can take a request now."""
+"""The replicas the gateway may send to, kept fresh in the background: which are ready, which models each serves
+(its /v1/models, read every round: LoRA adapters are loaded and unloaded while it runs), and how loaded each is
+(its own /metrics: running, waiting, KV-cache use), plus the requests this gateway has open on each. Discovery
+says which replicas exist; this pool says which can take a request now."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,7 +26,8 @@ class Replica:
     url: str
     declared_model: str | None = None  # from discovery (the InferenceService's name for it, or MODEL=URL)
     ready: bool = False
-    served_models: tuple[str, ...] = ()  # from its /v1/models
+    served_models: tuple[str, ...] = ()  # from its /v1/models: the base model's names and its LoRA adapters
+    cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # those cards by id (an adapter's has `parent`)
     others: float = 0.0  # running + waiting at the last scrape, less this gateway's requests then: other clients'
     kv_cache_usage: float = 0.0
     in_flight: int = 0  # requests this gateway has open there: exact and immediate
@@ -33,9 +36,23 @@ class Replica:
     def models(self) -> set[str]:
         return set(self.served_models) | ({self.declared_model} if self.declared_model else set())
 
+    def forget(self, model: str) -> None:
+        """It answered model_not_found for `model` (an adapter unloaded since the last probe): until its next
+        /v1/models lists it again, send that model elsewhere."""
+        self.served_models = tuple(m for m in self.served_models if m != model)
+        self.cards.pop(model, None)
+
     def load(self) -> ReplicaLoad:
         # Ours count as they are now; a scrape up to a poll interval old would count finished ones and miss new ones.
         return ReplicaLoad(self.url, self.in_flight + self.others, self.kv_cache_usage)
+
+
+def model_cards(listing: Any) -> dict[str, dict[str, Any]]:
+    """A /v1/models body -> its cards by id; anything that is not a card is skipped."""
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(cards, list):
+        return {}
+    return {c["id"]: c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]}
 
 
 def parse_gauges(text: str) -> dict[str, float]:
@@ -62,6 +79,13 @@ class ReplicaPool:
 
     def all_models(self) -> list[str]:
         return sorted(self.known_models | {m for r in self.replicas.values() for m in r.models})
+
+    def card(self, model: str) -> dict[str, Any] | None:
+        """A replica's /v1/models card for `model` (ready replicas first), e.g. an adapter's with its `parent`."""
+        for replica in sorted(self.replicas.values(), key=lambda r: not r.ready):
+            if model in replica.cards:
+                return replica.cards[model]
+        return None
 
     def mark_failed(self, replica: Replica) -> None:
         """A request could not reach it: take it out until a probe finds it ready again."""
@@ -95,9 +119,9 @@ class ReplicaPool:
     async def _probe(self, replica: Replica) -> None:
         try:
             ready = (await self._client.get(f"{replica.url}/ready")).status_code == 200
-            if ready and not replica.served_models:
-                listed = (await self._client.get(f"{replica.url}/v1/models")).json()
-                replica.served_models = tuple(m["id"] for m in listed.get("data", []))
+            if ready:
+                replica.cards = model_cards((await self._client.get(f"{replica.url}/v1/models")).json())
+                replica.served_models = tuple(replica.cards)
             if ready:
                 ours = replica.in_flight
                 gauges = parse_gauges((await self._client.get(f"{replica.url}/metrics")).text)
@@ -113,16 +137,19 @@ class ReplicaPool:
 
     async def refresh(self) -> None:
         """One round: ask discovery, probe every replica, wake whoever waits if readiness changed."""
-        before = {url: r.ready for url, r in self.replicas.items()}
+        before = self._routable()
         try:
             targets, models = await self.discovery.discover()
             self._apply_targets(targets, models)
         except Exception as error:  # noqa: BLE001 - keep the last known replicas; the next round retries
             log.warning("discovery failed, keeping %d known replica(s): %s", len(self.replicas), error)
         await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())))
-        if {url: r.ready for url, r in self.replicas.items()} != before:
+        if self._routable() != before:  # a replica became ready, or loaded an adapter: wake held requests
             self._changed.set()
             self._changed = asyncio.Event()
+
+    def _routable(self) -> dict[str, tuple[bool, frozenset[str]]]:
+        return {url: (r.ready, frozenset(r.models)) for url, r in self.replicas.items()}
 
     async def run(self) -> None:
         while True:
