@@ -5,12 +5,19 @@ Deployment's pod template (and so its pods) alone."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from control_plane import wait_for
 
 from capstan.operator import adapters, api
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS / "gateway"))
+from processes import start_replica  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 MODEL = {"uri": "hf://Qwen/Qwen3-0.6B", "servedName": "qwen3"}
@@ -172,3 +179,72 @@ def test_adapters_render_and_an_edit_reaches_the_configmap_without_a_rollout(clu
 
     status = eventually("status without adapters", status_of_generation_3)
     assert "adapters" not in status and all(c["type"] != "AdaptersLoaded" for c in status["conditions"])
+
+
+class KubeletStandIn:
+    """What the kubelet does for a real pod, for a real `capstan serve` on this machine: write the mounted ConfigMap's
+    adapters file, with the claim's mount path mapped to the local folder that plays the claim."""
+
+    def __init__(self, cluster, namespace: str, claim: str, claim_folder: Path, modules_file: Path):
+        self.cluster, self.namespace = cluster, namespace
+        self.mount, self.folder, self.file = f"{adapters.CLAIMS_MOUNT}/{claim}", str(claim_folder), modules_file
+
+    def sync(self) -> None:
+        configmap = self.cluster.get_json("configmap", "tiny-adapters", "-n", self.namespace)
+        text = configmap["data"][adapters.MODULES_KEY].replace(self.mount, self.folder)
+        if not self.file.exists() or self.file.read_text() != text:
+            staged = self.file.with_suffix(".tmp")
+            staged.write_text(text)
+            staged.replace(self.file)
+
+
+@pytest.mark.slow
+def test_status_reports_what_a_real_server_loaded_and_follows_an_edit(cluster, operator, namespace, tmp_path):
+    sys.path.insert(0, str(TESTS))
+    from lora_adapters import write_adapter
+
+    from capstan.runtime.config import DEFAULT_MODEL
+
+    claim_folder = tmp_path / "claim"
+    for seed, name in enumerate(["sql", "support", "summary"]):
+        write_adapter(claim_folder / "tiny" / name, DEFAULT_MODEL, seed=seed, rank=4)
+    modules_file = tmp_path / "adapters.json"
+    modules_file.write_text("[]")
+    server = start_replica(
+        "tiny", extra=["--enable-lora", "--max-lora-rank", "8", "--lora-modules-file", str(modules_file)]
+    ).wait_ready()
+    try:
+        operator.restart(f"--test-pod-addresses=127.0.0.1:{server.port}")
+        bound_claim(cluster, namespace, "lora-adapters")
+        sources = {n: {"name": n, "source": f"pvc://lora-adapters/tiny/{n}"} for n in ["sql", "support", "summary"]}
+        spec = {"model": {"uri": "hf://capstan/tiny", "servedName": "tiny"}, "replicas": 1}
+        spec["adapters"] = [sources["sql"], sources["support"]]
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("tiny", **spec))
+        kubelet = KubeletStandIn(cluster, namespace, "lora-adapters", claim_folder, modules_file)
+
+        def loaded(names: list[str]):
+            def check():
+                kubelet.sync()
+                status = cluster.get_json("inferenceservice", "tiny", "-n", namespace)["status"]
+                condition = next((c for c in status["conditions"] if c["type"] == "AdaptersLoaded"), {})
+                counts = {a["name"]: a["loadedReplicas"] for a in status.get("adapters", [])}
+                replica = status.get("replicaAdapters", [{}])[0]
+                done = condition.get("status") == "True" and counts == dict.fromkeys(names, 1)
+                return done and replica.get("adapters") == sorted(names) and status
+
+            return check
+
+        status = eventually("the server's adapters in status", loaded(["sql", "support"]), timeout=120)
+        pod = cluster.get_json("pods", "-n", namespace, "-l", "serving.capstan.dev/inferenceservice=tiny")["items"][0]
+        assert status["replicaAdapters"] == [{"pod": pod["metadata"]["name"], "adapters": ["sql", "support"]}]
+
+        spec["adapters"] = [sources["support"], sources["summary"]]  # one added, one removed
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("tiny", **spec))
+        status = eventually("the edit loaded by the running server", loaded(["support", "summary"]), timeout=120)
+        assert status["observedGeneration"] == 2
+        assert cluster.get_json("deployment", "tiny", "-n", namespace)["metadata"]["generation"] == 1  # no rollout
+        models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+        assert {m["id"]: m.get("parent") for m in models} == {"tiny": None, "support": "tiny", "summary": "tiny"}
+    finally:
+        server.stop()
+        operator.restart()
