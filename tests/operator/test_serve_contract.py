@@ -44,3 +44,14 @@ def test_local_model_paths_are_accepted():
 
 def test_tokenizer_override_is_accepted():
     assert serve_arguments(model={"uri": "hf://org/m", "tokenizer": "hf://org/tok"}).tokenizer == "hf://org/tok"
+
+
+def test_lora_flags_are_accepted_and_mean_the_spec():
+    parsed = serve_arguments(
+        model={"uri": "hf://Qwen/Qwen3-0.6B", "servedName": "qwen3"},
+        adapters=[{"name": "sql", "source": "hf://org/sql-lora"}],
+        lora={"maxLoras": 2, "maxLoraRank": 32, "maxCpuLoras": 8},
+    )
+    assert parsed.enable_lora is True and parsed.lora_modules_file == "/etc/capstan/adapters/adapters.json"
+    assert (parsed.max_loras, parsed.max_lora_rank, parsed.max_cpu_loras) == (2, 32, 8)
+    assert not parsed.allow_runtime_lora_updating  # the ConfigMap is the list: no second way to change it
