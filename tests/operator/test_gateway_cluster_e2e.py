@@ -1,6 +1,8 @@
 """Scale from zero through the gateway on the real control plane: `capstan gateway` in discovery mode (under the
 chart's gateway ServiceAccount) holds a request for an InferenceService at zero replicas, stamps its demand on the
 resource, the operator scales 0 -> 1, and the request is answered once a ready endpoint appears in an EndpointSlice.
+The same for a request naming a LoRA adapter of the InferenceService's spec: the name is known before any replica
+lists it, and its demand wakes the base model.
 
 kwok's pods serve nothing, so the endpoint the gateway finds is a real `capstan serve` on this machine's own address
 (the API server refuses loopback endpoints), published in an EndpointSlice of the InferenceService's (as the
@@ -8,6 +10,7 @@ EndpointSlice controller publishes a ready pod)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import threading
@@ -20,6 +23,7 @@ from control_plane import wait_for, write_kubeconfig
 from operator_process import RELEASE
 
 from capstan.operator import api
+from capstan.runtime.config import DEFAULT_MODEL
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
 from processes import metric, start_gateway, start_replica  # noqa: E402
@@ -52,9 +56,11 @@ def gateway_kubeconfig(cluster, chart, tmp_path) -> Path:
     )
 
 
+@pytest.mark.parametrize("requested", ["tiny", "tiny-sql"], ids=["model", "lora-adapter"])
 def test_request_at_zero_replicas_scales_up_and_is_answered(
-    cluster, operator, namespace, gateway_kubeconfig, monkeypatch
+    cluster, operator, namespace, gateway_kubeconfig, monkeypatch, tmp_path, requested
 ):
+    """A request for the model, or for a LoRA adapter its spec lists (which then wakes its base model)."""
     address = host_address()
     if address is None:
         pytest.skip("no non-loopback IPv4 address to publish a real replica at")
@@ -68,6 +74,7 @@ def test_request_at_zero_replicas_scales_up_and_is_answered(
             "minReplicas": 0,
             "maxReplicas": 2,
             "autoscaling": {"target": 4, "scaleDownStabilizationSeconds": 600},
+            "adapters": [{"name": "tiny-sql", "source": "hf://capstan/tiny-sql-lora"}],
         },
     }
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
@@ -78,18 +85,26 @@ def test_request_at_zero_replicas_scales_up_and_is_answered(
     wait_for("the service at zero replicas", lambda: deployment_replicas() == 0, timeout=60)
 
     monkeypatch.setenv("KUBECONFIG", str(gateway_kubeconfig))
-    replica = start_replica(
-        "tiny", host=address
-    )  # starts compiling now; published below, once the operator has scaled up
+    # The pod's server, with the adapter its ConfigMap lists (a local folder for the hf:// source: no network here).
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from lora_adapters import write_adapter
+
+    modules = tmp_path / "adapters.json"
+    adapter = write_adapter(tmp_path / "tiny-sql", DEFAULT_MODEL, seed=0, rank=4)
+    modules.write_text(json.dumps([{"name": "tiny-sql", "path": str(adapter)}]))
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules-file", str(modules)]
+    replica = start_replica("tiny", host=address, extra=lora)  # compiles now; published once the operator scales up
     gateway = start_gateway([], "--namespace", namespace, "--poll-interval", "0.5", "--hold-timeout", "150")
     result: dict = {}
     try:
         gateway.wait_ready(30)
-        assert [m["id"] for m in httpx.get(f"{gateway.url}/v1/models").json()["data"]] == ["tiny"]
+        assert [m["id"] for m in httpx.get(f"{gateway.url}/v1/models").json()["data"]] == ["tiny", "tiny-sql"]
 
         def send():
             result["response"] = httpx.post(
-                f"{gateway.url}/v1/completions", timeout=170, json={"model": "tiny", "prompt": "Hello", "max_tokens": 3}
+                f"{gateway.url}/v1/completions",
+                timeout=170,
+                json={"model": requested, "prompt": "Hello", "max_tokens": 3},
             )
 
         sender = threading.Thread(target=send, daemon=True)
@@ -129,6 +144,7 @@ def test_request_at_zero_replicas_scales_up_and_is_answered(
         response = result["response"]
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert response.json()["model"] == requested
     finally:
         gateway.stop()
         replica.stop()
