@@ -78,7 +78,7 @@ def choose_kernel(
     return "chunked"
 
 
-def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window: int | None, softcap):
+def attend(q, k_cache, v_cache, meta: AttentionMetadata[jax.Array], *, scale: float, window: int | None, softcap):
     """Chooses the kernel at trace time (choose_kernel). On GPUs: bf16 decode batches of layers without a window
     or soft-capping take JAX's Pallas decode kernel (it splits long contexts across blocks), every other step our
     ragged Pallas kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too,
@@ -125,7 +125,13 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, scale: float, window
 
 
 def decode_fuses(
-    k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, *, head_dim: int, window: int | None, softcap
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    meta: AttentionMetadata[jax.Array],
+    *,
+    head_dim: int,
+    window: int | None,
+    softcap,
 ) -> bool:
     """Whether a step's norms, rope, K/V write and attention run as gpu_fused_decode's one kernel: a decode step
     on a GPU (or the kernels interpreted on CPU), caches HEADS_FIRST, shapes the kernel tiles, no
@@ -153,7 +159,7 @@ def fused_decode(
     sin,
     k_cache,
     v_cache,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata[jax.Array],
     *,
     scale: float,
     q_norm,
@@ -195,7 +201,17 @@ def fused_decode(
 
 
 def write_and_attend(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, page_size: int, scale: float, window: int | None, softcap
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata[jax.Array],
+    *,
+    page_size: int,
+    scale: float,
+    window: int | None,
+    softcap,
 ):
     """Writes the step's k, v [T, KVH, D] into one layer's pages, then attends q [T, KVH, G, D] over them; returns
     (out [T, KVH, G, D], k_cache, v_cache). The caches are HEADS_FIRST ([KVH, pages, page_size, D] each) or, on

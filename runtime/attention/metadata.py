@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Generic
+
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ..arrays import HostOrDevice
 
 # A slot index past any cache: scatters with mode="drop" ignore it, so padding tokens write nothing.
 INVALID_SLOT = jnp.iinfo(jnp.int32).max
@@ -40,15 +43,15 @@ def query_blocks(chunks, num_tokens: int, max_rows: int, queries_per_kv: int) ->
     return blocks
 
 
-class AttentionMetadata(eqx.Module):
+class AttentionMetadata(eqx.Module, Generic[HostOrDevice]):
     """One step's flat token batch: T tokens (padded to a bucket) from S sequences (padded to the maximum)."""
 
-    positions: jax.Array  # [T] int32: position of each token in its sequence
-    slot_mapping: jax.Array  # [T] int32: page * page_size + offset where its K/V go; INVALID_SLOT for padding
-    token_seq: jax.Array  # [T] int32: row of block_tables that the token belongs to
-    block_tables: jax.Array  # [S, max_pages_per_seq] int32: the pages of each sequence, in order
-    seq_lens: jax.Array  # [S] int32: tokens in the cache for each sequence after this step (0 for padding)
+    positions: HostOrDevice  # [T] int32: position of each token in its sequence
+    slot_mapping: HostOrDevice  # [T] int32: page * page_size + offset where its K/V go; INVALID_SLOT for padding
+    token_seq: HostOrDevice  # [T] int32: row of block_tables that the token belongs to
+    block_tables: HostOrDevice  # [S, max_pages_per_seq] int32: the pages of each sequence, in order
+    seq_lens: HostOrDevice  # [S] int32: tokens in the cache for each sequence after this step (0 for padding)
     # [NB, 4] int32 (first token, tokens, row, first position) per query block, num tokens 0 for unused ones;
     # built by the batch builder for the ragged GPU kernel, None in multi-step decoding
-    query_blocks: jax.Array | None = None
+    query_blocks: HostOrDevice | None = None
     decode: bool = eqx.field(static=True, default=False)  # token r is row r's only token (decode kernels apply)

@@ -21,7 +21,7 @@ def paged_attention(
     q: jax.Array,  # [T, KVH, G, D]
     k_cache: jax.Array,  # [KVH, pages, page_size, D] (one layer)
     v_cache: jax.Array,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata[jax.Array],
     *,
     scale: float,
     window: jax.Array | int | None = None,  # keys within `window` positions of the query, itself included

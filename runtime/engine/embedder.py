@@ -45,7 +45,7 @@ class EmbeddingInput:
         return self.num_computed == len(self.token_ids)
 
 
-def pool_forward(model, kv, tokens, meta: AttentionMetadata, valid, last_index):
+def pool_forward(model, kv, tokens, meta: AttentionMetadata[jax.Array], valid, last_index):
     """Per row of the batch: the float32 sum of its tokens' final hidden states, and its last token's state."""
     hidden, kv = model(tokens, meta, kv)
     h = hidden.array.astype(jnp.float32)  # [T, Embed]

@@ -62,7 +62,7 @@ def _forward(
     return model.logits(hidden).array, kv
 
 
-def _at_step(sampling: SamplingBatch, j: jax.Array) -> SamplingBatch:
+def _at_step(sampling: SamplingBatch[jax.Array], j: jax.Array) -> SamplingBatch[jax.Array]:
     return eqx.tree_at(lambda s: s.position, sampling, sampling.position + j)  # each step draws with its own key
 
 

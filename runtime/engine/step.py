@@ -6,10 +6,13 @@ request asked for prompt logprobs."""
 
 from __future__ import annotations
 
+from typing import Generic
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ..arrays import HostOrDevice
 from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
@@ -18,15 +21,15 @@ from ..scheduling.packing import Packed
 from .sampling_params import MAX_LOGPROBS
 
 
-class StepInputs(eqx.Module):
-    tokens: jax.Array  # [T] i32
-    meta: AttentionMetadata
-    sample_index: jax.Array  # [S] i32: index into tokens of each row's last token
-    draft_lens: jax.Array  # [S] i32: tokens proposed by speculation at the end of each row's chunk (speculative.py)
-    lora_rows: jax.Array  # [S] i32: each row's LoRA adapter slot, -1 for none (models/lora.py)
-    sampling: SamplingBatch
-    prompt_targets: jax.Array  # [T] i32: the token after each prompt token (for prompt logprobs)
-    want_prompt_logprobs: jax.Array  # [] bool
+class StepInputs(eqx.Module, Generic[HostOrDevice]):
+    tokens: HostOrDevice  # [T] i32
+    meta: AttentionMetadata[HostOrDevice]
+    sample_index: HostOrDevice  # [S] i32: index into tokens of each row's last token
+    draft_lens: HostOrDevice  # [S] i32: tokens proposed by speculation at the end of each row's chunk (speculative.py)
+    lora_rows: HostOrDevice  # [S] i32: each row's LoRA adapter slot, -1 for none (models/lora.py)
+    sampling: SamplingBatch[HostOrDevice]
+    prompt_targets: HostOrDevice  # [T] i32: the token after each prompt token (for prompt logprobs)
+    want_prompt_logprobs: HostOrDevice  # [] bool
 
 
 class PromptLogprobs(eqx.Module):
@@ -42,7 +45,7 @@ class StepOutputs(eqx.Module):
 
 
 def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:
-    x: StepInputs = packed.unpack()
+    x: StepInputs[jax.Array] = packed.unpack()
     hidden, kv = model(x.tokens, x.meta, kv, x.lora_rows)
     last = hidden["token", x.sample_index]  # [S, Embed] (the axis keeps its name)
     logits = model.logits(last).array

@@ -41,7 +41,7 @@ def decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata[jax.Array],
     *,
     scale: float,
     interpret: bool = False,

@@ -145,7 +145,7 @@ def fused_decode_attention(
     sin: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata[jax.Array],
     *,
     scale: float,
     q_norm: jax.Array | None = None,

@@ -98,7 +98,7 @@ def _kernel(
         plgpu.store(o_ref.at[pl.ds(start, query_block), :, :], out, mask=tokens[:, None, None])
 
 
-def decode_query_blocks(meta: AttentionMetadata) -> jax.Array:
+def decode_query_blocks(meta: AttentionMetadata[jax.Array]) -> jax.Array:
     """Query blocks of a decode batch (row r is token r), built on the device for multi-step decoding."""
     S = meta.positions.shape[0]
     rows = jnp.arange(S, dtype=jnp.int32)
@@ -110,7 +110,7 @@ def ragged_attention(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata[jax.Array],
     *,
     scale: float,
     window: int | None = None,

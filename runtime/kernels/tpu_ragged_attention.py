@@ -68,7 +68,7 @@ def split_pages(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
     return k, v
 
 
-def kernel_arguments(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def kernel_arguments(meta: AttentionMetadata[jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(kv_lens, page_indices, cu_q_lens, num_seqs) of the kernel for a step built by the batch builder (query
     blocks) or a decode step (token r is row r's). Rows without tokens this step get kv_len 0: nothing read."""
     S = meta.block_tables.shape[0]
@@ -86,7 +86,7 @@ def kernel_arguments(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax
 def ragged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata[jax.Array],
     *,
     scale: float,
     window: int | None = None,

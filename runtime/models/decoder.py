@@ -36,7 +36,7 @@ class DecoderBlock(Protocol):
         window: int | None,
         k_cache: jax.Array,
         v_cache: jax.Array,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[jax.Array],
         cfg: ModelConfig,
         ax: ModelAxes,
         page_size: int,
@@ -55,7 +55,7 @@ class DecoderModel(eqx.Module):
     lora: LoRAStack | None = None  # LoRA adapters in device slots (--enable-lora); None: none can be served
 
     def __call__(
-        self, tokens: jax.Array, meta: AttentionMetadata, kv: KVCache, lora_rows: jax.Array | None = None
+        self, tokens: jax.Array, meta: AttentionMetadata[jax.Array], kv: KVCache, lora_rows: jax.Array | None = None
     ) -> tuple[NamedArray, KVCache]:
         """Runs T tokens through every layer, writing their K/V; returns hidden states [token, Embed]. lora_rows
         [S]: each sequence row's adapter slot (-1: none); its tokens get that adapter's deltas."""

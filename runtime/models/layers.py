@@ -74,7 +74,7 @@ class Attention(eqx.Module):
         window: int | None,
         k_cache: jax.Array,
         v_cache: jax.Array,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[jax.Array],
         cfg: ModelConfig,
         ax: ModelAxes,
         page_size: int,

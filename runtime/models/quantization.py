@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Generic
 
 import equinox as eqx
 import haliax as hax
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
 
+from ..arrays import HostOrDevice
 from ..kernels import gpu_gemv
 from ..parallel.mesh import model_parallel_size
 from .config import UnsupportedModelError
@@ -46,12 +48,13 @@ def check_method(method: str | None) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantizedTensor:
+class QuantizedTensor(Generic[HostOrDevice]):
     """A linear weight as loaded, in Hugging Face's [out, in] layout: values (int8 or e4m3) and scale [out], or
-    with `block` (GGUF Q8_0: 32) scale [out, in / block], one per block of consecutive inputs."""
+    with `block` (GGUF Q8_0: 32) scale [out, in / block], one per block of consecutive inputs. Read from a file on
+    the host (numpy), then put on the device."""
 
-    values: jax.Array
-    scale: jax.Array
+    values: HostOrDevice
+    scale: HostOrDevice
     block: int = 0
 
     @property

@@ -9,38 +9,41 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Generic, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 
+from ..arrays import HostOrDevice
 from ..limits import MAX_LOGPROBS
 from .candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, ordered_keys
 
 
-class SamplingBatch(eqx.Module):
-    temperature: jax.Array  # [S] f32; 0 = greedy
-    top_k: jax.Array  # [S] i32; 0 = off
-    top_p: jax.Array  # [S] f32
-    min_p: jax.Array  # [S] f32
-    presence_penalty: jax.Array  # [S] f32
-    frequency_penalty: jax.Array  # [S] f32
-    repetition_penalty: jax.Array  # [S] f32
-    key_data: jax.Array  # [S, 2] u32: the row's threefry key before folding in the position
-    position: jax.Array  # [S] i32: position of the token being sampled
-    bias_ids: jax.Array  # [S, B] i32, vocab_size = unused
-    bias_values: jax.Array  # [S, B] f32
-    banned_ids: jax.Array  # [S, E] i32: ids forbidden this step (eos/stop ids below min_tokens); vocab_size = unused
-    history: jax.Array  # [S, H] i32: prompt then output tokens, vocab_size = unused (read only with penalties)
-    prompt_lens: jax.Array  # [S] i32: history[:, :prompt_len] is the prompt
-    allowed: jax.Array  # [S, ceil(V/32)] i32: bit j of word w allows token 32w + j (structured outputs)
-    any_constrained: jax.Array  # [] bool: some row has a grammar (else `allowed` is never read)
-    any_penalty: jax.Array  # [] bool
-    any_filter: jax.Array  # [] bool: some row uses top-k, top-p or min-p
-    want_logprobs: jax.Array  # [] bool
-    plain_greedy: jax.Array  # [] bool: every row greedy without bias, bans or penalties: the argmax of the raw logits
+class SamplingBatch(eqx.Module, Generic[HostOrDevice]):
+    temperature: HostOrDevice  # [S] f32; 0 = greedy
+    top_k: HostOrDevice  # [S] i32; 0 = off
+    top_p: HostOrDevice  # [S] f32
+    min_p: HostOrDevice  # [S] f32
+    presence_penalty: HostOrDevice  # [S] f32
+    frequency_penalty: HostOrDevice  # [S] f32
+    repetition_penalty: HostOrDevice  # [S] f32
+    key_data: HostOrDevice  # [S, 2] u32: the row's threefry key before folding in the position
+    position: HostOrDevice  # [S] i32: position of the token being sampled
+    bias_ids: HostOrDevice  # [S, B] i32, vocab_size = unused
+    bias_values: HostOrDevice  # [S, B] f32
+    banned_ids: HostOrDevice  # [S, E] i32: ids forbidden this step (eos/stop ids below min_tokens); vocab_size = unused
+    history: HostOrDevice  # [S, H] i32: prompt then output tokens, vocab_size = unused (read only with penalties)
+    prompt_lens: HostOrDevice  # [S] i32: history[:, :prompt_len] is the prompt
+    allowed: HostOrDevice  # [S, ceil(V/32)] i32: bit j of word w allows token 32w + j (structured outputs)
+    any_constrained: HostOrDevice  # [] bool: some row has a grammar (else `allowed` is never read)
+    any_penalty: HostOrDevice  # [] bool
+    any_filter: HostOrDevice  # [] bool: some row uses top-k, top-p or min-p
+    want_logprobs: HostOrDevice  # [] bool
+    plain_greedy: (
+        HostOrDevice  # [] bool: every row greedy without bias, bans or penalties: the argmax of the raw logits
+    )
 
 
 class SampleResult(eqx.Module):
@@ -69,7 +72,7 @@ def _branch(static: bool | None, traced: jax.Array, yes, no, *args):
     return jax.lax.cond(traced, yes, no, *args) if static is None else (yes if static else no)(*args)
 
 
-def sample(logits: jax.Array, b: SamplingBatch, branches: Branches | None = None) -> SampleResult:
+def sample(logits: jax.Array, b: SamplingBatch[jax.Array], branches: Branches | None = None) -> SampleResult:
     """branches: decided on the host (static), else each is a lax.cond on the batch's flags."""
     S, V = logits.shape
     logits = logits.astype(jnp.float32)
@@ -104,7 +107,7 @@ def sample(logits: jax.Array, b: SamplingBatch, branches: Branches | None = None
     return SampleResult(tokens, chosen, rank, top_ids, top_lp)
 
 
-def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | None = None) -> jax.Array:
+def _processed_sample(logits: jax.Array, b: SamplingBatch[jax.Array], branches: Branches | None = None) -> jax.Array:
     """Bias, bans, penalties, temperature and filters, then greedy rows take the argmax and the rest draw."""
     S, V = logits.shape
     rows = jnp.arange(S)[:, None]
@@ -144,7 +147,7 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch, branches: Branches | 
     ).astype(jnp.int32)
 
 
-def row_keys(b: SamplingBatch) -> jax.Array:
+def row_keys(b: SamplingBatch[jax.Array]) -> jax.Array:
     """[S, 2] u32: each row's key data with the position it samples folded in."""
     return jax.vmap(lambda k, p: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), p)))(
         b.key_data, b.position
@@ -185,7 +188,7 @@ def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(bits.reshape(S, -1)[:, :V].astype(jnp.bool_), x, -jnp.inf)
 
 
-def _apply_penalties(x: jax.Array, b: SamplingBatch) -> jax.Array:
+def _apply_penalties(x: jax.Array, b: SamplingBatch[jax.Array]) -> jax.Array:
     S, V = x.shape
     rows = jnp.arange(S)[:, None]
     is_output = jnp.arange(b.history.shape[1])[None, :] >= b.prompt_lens[:, None]
@@ -197,7 +200,7 @@ def _apply_penalties(x: jax.Array, b: SamplingBatch) -> jax.Array:
     return x - b.presence_penalty[:, None] * (out_counts > 0)
 
 
-def filters_by_search(x: jax.Array, b: SamplingBatch, pivots: int = 1) -> jax.Array:
+def filters_by_search(x: jax.Array, b: SamplingBatch[jax.Array], pivots: int = 1) -> jax.Array:
     """Top-k, then top-p over what top-k kept (renormalised), then min-p; exact, without sorting the vocabulary:
     each threshold is searched for over the float32 values' ordered bit patterns, `pivots` candidates per pass
     over the row (1: bisection, 32 passes; 15: 8 passes that each compare every value with 15 candidates), so
@@ -232,7 +235,7 @@ def filters_by_search(x: jax.Array, b: SamplingBatch, pivots: int = 1) -> jax.Ar
     return jnp.where(keep, x, -jnp.inf)
 
 
-def filters_by_bisection(x: jax.Array, b: SamplingBatch) -> jax.Array:
+def filters_by_bisection(x: jax.Array, b: SamplingBatch[jax.Array]) -> jax.Array:
     return filters_by_search(x, b, pivots=1)
 
 
@@ -258,7 +261,7 @@ def best_by_blocks(x: jax.Array, threshold: jax.Array, noise) -> tuple[jax.Array
 
 def draw_by_candidates(
     x: jax.Array,
-    b: SamplingBatch,
+    b: SamplingBatch[jax.Array],
     greedy: jax.Array,
     noise,
     fallback=None,
@@ -310,7 +313,9 @@ def draw_by_candidates(
     return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
 
 
-def draw_by_kernels(x: jax.Array, b: SamplingBatch, greedy: jax.Array, noise: RowNoise, fallback=None) -> jax.Array:
+def draw_by_kernels(
+    x: jax.Array, b: SamplingBatch[jax.Array], greedy: jax.Array, noise: RowNoise, fallback=None
+) -> jax.Array:
     """draw_by_candidates' tokens from gpu_sampler's Pallas kernels, where each row does only the stages it needs
     (the candidate blocks and thresholds by bisection in registers, the vocabulary's noise only for rows whose
     kept set reaches past the candidates). The block maxima are XLA's. A row the candidates leave undecided is
@@ -360,7 +365,7 @@ def _draw(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
     return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x + noise(), axis=-1))
 
 
-def filters_by_sort(x: jax.Array, b: SamplingBatch) -> jax.Array:
+def filters_by_sort(x: jax.Array, b: SamplingBatch[jax.Array]) -> jax.Array:
     """Top-k, top-p, min-p by one descending sort of the vocabulary: the definition, and the candidates' fallback."""
     S, V = x.shape
     ordered = jnp.sort(x, axis=-1)[:, ::-1]  # descending
@@ -410,13 +415,13 @@ def _search(keys: jax.Array, holds, pivots: int, smallest_false: bool = False) -
 
 
 # x, b -> x with what the filters drop at -inf
-FILTERS: dict[str, Callable[[jax.Array, SamplingBatch], jax.Array]] = {
+FILTERS: dict[str, Callable[[jax.Array, SamplingBatch[jax.Array]], jax.Array]] = {
     "sort": filters_by_sort,
     "bisection": filters_by_bisection,
     **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)},
 }
 # x, b, greedy, noise -> each row's token
-DRAWS: dict[str, Callable[[jax.Array, SamplingBatch, jax.Array, RowNoise], jax.Array]] = {
+DRAWS: dict[str, Callable[[jax.Array, SamplingBatch[jax.Array], jax.Array, RowNoise], jax.Array]] = {
     "candidates": draw_by_candidates,  # methods that filter as they draw
     "candidates-fused": functools.partial(draw_by_candidates, best=best_by_blocks),
     "candidates-kernel": functools.partial(draw_by_candidates, best=best_by_blocks, in_one_pass=True),

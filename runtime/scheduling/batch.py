@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..arrays import HostLeaf
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
 from ..engine.step import StepInputs
 from ..limits import MAX_LOGIT_BIAS
@@ -140,7 +141,7 @@ class BatchBuilder:
         blocks = query_blocks(
             [(r, c.start, c.num_step_tokens) for r, c in enumerate(chunks)], T, S, self.queries_per_kv
         )
-        meta = AttentionMetadata(
+        meta: AttentionMetadata[HostLeaf] = AttentionMetadata(
             positions=positions,
             slot_mapping=slots,
             token_seq=token_seq,
@@ -148,7 +149,7 @@ class BatchBuilder:
             seq_lens=seq_lens,
             query_blocks=blocks,
         )
-        sampling = SamplingBatch(
+        sampling: SamplingBatch[HostLeaf] = SamplingBatch(
             temperature=f["temperature"],
             top_k=top_k,
             top_p=f["top_p"],
@@ -165,13 +166,15 @@ class BatchBuilder:
             history=self._no_history if history is None else jax.device_put(history),
             prompt_lens=prompt_lens,
             allowed=self.all_allowed if allowed is None else jax.device_put(allowed),
-            any_constrained=np.bool_(allowed is not None),
-            any_penalty=np.bool_(history is not None),
-            any_filter=np.bool_(any_filter),
-            want_logprobs=np.bool_(want_logprobs),
-            plain_greedy=np.bool_(not (processing or any_filter or history is not None or allowed is not None)),
+            any_constrained=np.asarray(allowed is not None, np.bool_),
+            any_penalty=np.asarray(history is not None, np.bool_),
+            any_filter=np.asarray(any_filter, np.bool_),
+            want_logprobs=np.asarray(want_logprobs, np.bool_),
+            plain_greedy=np.asarray(
+                not (processing or any_filter or history is not None or allowed is not None), np.bool_
+            ),
         )
-        inputs = StepInputs(
+        inputs: StepInputs[HostLeaf] = StepInputs(
             tokens=tokens,
             meta=meta,
             sample_index=sample_index,
@@ -179,6 +182,6 @@ class BatchBuilder:
             lora_rows=lora_rows,
             sampling=sampling,
             prompt_targets=targets,
-            want_prompt_logprobs=np.bool_(want_prompt),
+            want_prompt_logprobs=np.asarray(want_prompt, np.bool_),
         )
         return pack(inputs)  # a few transfers, and device arrays throughout, so jit sees one signature per bucket
