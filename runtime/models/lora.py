@@ -30,9 +30,9 @@ class LoRALayer(eqx.Module):
     """One layer's adapters: a leading [slots] axis on every array, then rank R; B is scaled already."""
 
     qkv_a: jax.Array  # [L, 3, R, Embed]: q, k and v read the same input
-    q_b: jax.Array  # [L, R, KVHeads, QPerKV, HeadSize]: the fused projection's query part
-    k_b: jax.Array  # [L, R, KVHeads, HeadSize]
-    v_b: jax.Array  # [L, R, KVHeads, HeadSize]
+    # [L, 3, R, KVHeads, QKV, HeadSize]: q's B in the fused projection's query columns, k's and v's in theirs, zeros
+    # elsewhere: one matmul brings all three back (decode steps are bound by kernels, not by these few bytes)
+    qkv_b: jax.Array
     o_a: jax.Array  # [L, R, KVHeads, QPerKV, HeadSize]
     o_b: jax.Array  # [L, R, Embed]
     gate_up_a: jax.Array  # [L, 2, R, Embed]
@@ -46,9 +46,7 @@ def layer_shapes(cfg: ModelConfig, slots: int, rank: int) -> dict[str, tuple[int
     L, R = slots, rank
     return {
         "qkv_a": (L, 3, R, E),
-        "q_b": (L, R, KVH, G, D),
-        "k_b": (L, R, KVH, D),
-        "v_b": (L, R, KVH, D),
+        "qkv_b": (L, 3, R, KVH, G + 2, D),
         "o_a": (L, R, KVH, G, D),
         "o_b": (L, R, E),
         "gate_up_a": (L, 2, R, E),
@@ -106,10 +104,10 @@ def slot_weights(
                 part = PROJECTIONS.index(p)
                 w["qkv_a"][part, :r] = a
                 if p == "q_proj":
-                    w["q_b"][:r] = bt.reshape(r, KVH, G, D)
+                    w["qkv_b"][0, :r, :, :G] = bt.reshape(r, KVH, G, D)
                 else:  # a KV head replicated for tensor parallelism (tensor_parallel.py) takes its head's B
                     heads = bt.shape[1] // D
-                    w[f"{p[0]}_b"][:r] = np.repeat(bt.reshape(r, heads, D), KVH // heads, axis=1)
+                    w["qkv_b"][part, :r, :, G + part - 1] = np.repeat(bt.reshape(r, heads, D), KVH // heads, axis=1)
             elif p == "o_proj":
                 w["o_a"][:r] = a.reshape(r, KVH, G, D)
                 w["o_b"][:r] = bt.reshape(r, E)
@@ -151,10 +149,7 @@ class LayerAdapters(eqx.Module):
         """qkv [token, KVHeads, QKV, HeadSize] plus the q, k and v deltas for x [token, Embed]."""
         w = self.weights
         h = self._shrink(x.rearrange((token, ax.Embed)).array, w.qkv_a, "te,lpre->tlpr")
-        dq = jnp.einsum("tlr,lrkgd->tkgd", h[:, :, 0], w.q_b)
-        dk = jnp.einsum("tlr,lrkd->tkd", h[:, :, 1], w.k_b)[:, :, None]
-        dv = jnp.einsum("tlr,lrkd->tkd", h[:, :, 2], w.v_b)[:, :, None]
-        delta = jnp.concatenate([dq, dk, dv], axis=2).astype(qkv.dtype)
+        delta = jnp.einsum("tlpr,lprkqd->tkqd", h, w.qkv_b).astype(qkv.dtype)
         return qkv + hax.named(delta, (qkv.resolve_axis(token), ax.KVHeads, ax.QKV, ax.HeadSize))
 
     def out(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
