@@ -227,7 +227,7 @@ class MultiStepDecoder:
         """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""
         e = self.engine
         k = e.config.decode_steps
-        if k <= 1 or e.scheduler.waiting and len(chunks) < e.builder.S:  # admit waiting requests first
+        if k <= 1 or e.scheduler.admissible_waiting() and len(chunks) < e.builder.S:  # admit waiting requests first
             return None
         for c in chunks:
             p = c.seq.params

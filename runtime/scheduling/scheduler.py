@@ -61,7 +61,7 @@ class Scheduler:
         self.prefill_seconds_per_token = 0.0  # moving average over steps that were mostly prefill
         self._last_step: tuple[float, int] | None = None  # (when the last schedule ran, its prefill tokens)
         self.lora: LoRAManager | None = None  # LoRA adapters' device slots: a sequence is admitted once it has one
-        self.lora_waiting = 0  # sequences that waited for their adapter's slot at the last schedule
+        self.lora_blocked: set[Sequence] = set()  # waited for their adapter's slot at the last schedule
 
     def attach_host_tier(self, offload: HostOffload[Sequence]) -> None:
         self.offload = offload
@@ -76,6 +76,17 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
+
+    def admissible_waiting(self) -> bool:
+        """Some waiting sequence could be admitted at a step: not all of them wait for their LoRA adapter's slot. (A
+        slot frees only when a running sequence ends, and a multi-step run ends there while anything waits.)"""
+        if not self.lora_blocked:
+            return bool(self.waiting)
+        return any(seq not in self.lora_blocked for seq in self.waiting)
+
+    @property
+    def lora_waiting(self) -> int:
+        return len(self.lora_blocked)
 
     def blocked_on_adapters(self) -> bool:
         """Nothing runs and only LoRA adapters' files being read hold the waiting back (the engine waits a moment)."""
@@ -148,7 +159,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        self.lora_waiting = len(deferred)
+        self.lora_blocked = set(deferred)
         return self._count_prefill(chunks) if self.offload is not None else chunks
 
     def take_failed(self) -> list[tuple[Sequence, BaseException]]:
