@@ -6,13 +6,20 @@ kernels' relative error against the reference. On CPU the kernels run interprete
 
 python benchmarks/attention_kernels.py --sweep
 times JAX's decode kernel over its Triton tuning (warps, pipeline stages, pages a block) on decode batches of the
-Llama-3.2-1B and Qwen3-0.6B heads (256 rows of 256-511 tokens, as the headline's decode phase has; one row)."""
+Llama-3.2-1B and Qwen3-0.6B heads (256 rows of 256-511 tokens, as the headline's decode phase has; one row).
+
+python benchmarks/attention_kernels.py --fp8
+times the ragged kernel and JAX's decode kernel on bf16 pages and on the same values in FP8 pages (--kv-cache-dtype
+fp8, scales 0.03 / 0.07), Llama-3-8B and Qwen3-0.6B heads, with each FP8 result's relative error against the
+reference over the same FP8 pages (a check that it reads them right). The fused decode kernel updates its pages in
+place, so it is timed in whole decode steps instead (decode_profile.py --kv-cache-dtype fp8)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -65,10 +72,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true", help="time the decode kernel's tuning instead")
+    ap.add_argument("--fp8", action="store_true", help="time the kernels on bf16 pages against FP8 pages instead")
     a = ap.parse_args()
     dtype = jnp.dtype(a.dtype)
     if a.sweep:
         return sweep(dtype)
+    if a.fp8:
+        return fp8_pages(dtype)
     interpret = jax.default_backend() != "gpu"
     shape = dict(KVH=8, G=4, D=64, page=16, max_len=528, dtype=dtype)  # Llama-3.2-1B, 512 + 16 tokens of context
     scale = 0.125
@@ -90,6 +100,48 @@ def main() -> None:
             got = kernels[kname](q, k, v, meta)
             line += f" | {kname} {timed(kernels[kname], q, k, v, meta):7.3f} ms (rel err {rel_err(got, want):.1e})"
         print(line, flush=True)
+
+
+def fp8_pages(dtype) -> None:
+    """Each kernel on bf16 pages and on FP8 pages holding the same values: FP8 halves the bytes the kernels read."""
+    from capstan.runtime.attention.kv_quantization import FP8, store
+
+    interpret = jax.default_backend() != "gpu"
+    k_scale, v_scale = 0.03, 0.07
+    small = interpret  # interpreted on CPU: tiny shapes, to check the script runs
+    rows, context, long = (4, 40, 100) if small else (256, 1024, 4096)
+    heads = {"Llama-3-8B heads (8 x 4, 128)": (8, 4, 128), "Qwen3-0.6B heads (8 x 2, 128)": (8, 2, 128)}
+    print(
+        f"{jax.devices()[0].device_kind}: ms a call, {jnp.dtype(dtype).name} pages / FP8 pages (rel err vs reference)"
+    )
+    for hname, (KVH, G, D) in heads.items():
+        scale = D**-0.5
+        cases = {
+            f"decode {rows} rows x {context}": batch(
+                [(context - 1, 1)] * rows, decode=True, KVH=KVH, G=G, D=D, page=16, max_len=context, dtype=dtype
+            ),
+            f"decode 1 row x {long}": batch(
+                [(long - 1, 1)], decode=True, KVH=KVH, G=G, D=D, page=16, max_len=long, dtype=dtype
+            ),
+            f"prefill 4 x {context // 2} after {context // 2}": batch(
+                [(context // 2, context // 2)] * 4, KVH=KVH, G=G, D=D, page=16, max_len=context, dtype=dtype
+            ),
+        }
+        for cname, (q, k, v, meta) in cases.items():
+            k8, v8 = store(k, FP8, k_scale), store(v, FP8, v_scale)
+            want = paged_attention(q, k8, v8, meta, scale=scale, k_scale=k_scale, v_scale=v_scale)
+            kernels: dict[str, Callable] = {"ragged": ragged_attention}
+            if meta.decode:
+                kernels["decode"] = decode_attention
+            line = f"{hname}, {cname}:"
+            for kname, kernel in kernels.items():
+                plain = jax.jit(functools.partial(kernel, scale=scale, interpret=interpret))
+                fp8 = jax.jit(
+                    functools.partial(kernel, scale=scale, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+                )
+                err = rel_err(np.asarray(fp8(q, k8, v8, meta), np.float32), np.asarray(want, np.float32))
+                line += f" | {kname} {timed(plain, q, k, v, meta):.4f} / {timed(fp8, q, k8, v8, meta):.4f} ({err:.1e})"
+            print(line, flush=True)
 
 
 def sweep(dtype) -> None:

@@ -2,6 +2,7 @@
 
 python benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 256
 python benchmarks/decode_profile.py --shape llama-3-8b --quantization fp8 --rows 1 --trace /tmp/fp8trace
+python benchmarks/decode_profile.py --shape llama-3-8b --kv-cache-dtype fp8 --rows 1 64 --context 4096 --quick
 Times, per row count: one model forward with the decode kernel and with the reference attention, the sampler,
 and one step of the multi-step decode."""
 
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--trace", help="also write a Perfetto trace of one multi-step dispatch per row count here")
     ap.add_argument("--quantization", choices=["fp8", "int8", "q8_0"], default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="what K/V pages store: auto (bf16), bfloat16, fp8")
     ap.add_argument("--quick", action="store_true", help="time the multi-step decode only (flag comparisons)")
     a = ap.parse_args()
     cfg = shape_config(a.shape)
@@ -67,6 +69,7 @@ def main() -> None:
                 decode_steps=1,
                 enable_prefix_caching=False,
                 warmup=False,
+                kv_cache_dtype=a.kv_cache_dtype,
             ),
             model=model,
         )
@@ -116,7 +119,11 @@ def main() -> None:
         if a.trace:  # kernel by kernel: summarise with benchmarks/trace_summary.py
             with jax.profiler.trace(f"{a.trace}/rows{rows}", create_perfetto_trace=True):
                 jax.block_until_ready(multi(None))
-        print(f"rows={rows} context={a.context} " + " ".join(f"{k}={v:.3f}" for k, v in results.items()), flush=True)
+        print(
+            f"rows={rows} context={a.context} kv={a.kv_cache_dtype} "
+            + " ".join(f"{k}={v:.3f}" for k, v in results.items()),
+            flush=True,
+        )
         del engine
 
 

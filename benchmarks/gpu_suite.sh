@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve multiturn lora lorapeft]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve multiturn lora lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -12,6 +12,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 parts=${*:-parity prefill throughput throughput8b peer}
+expanded=""; for p in $parts; do [ "$p" = fp8kv ] && p="fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed"; expanded="$expanded $p"; done
+parts=$expanded
 for part in $parts; do
   echo "=== $part"
   case $part in
@@ -93,6 +95,30 @@ for part in $parts; do
     # where installed), teacher-forced on Capstan's greedy tokens, for every golden checkpoint
     lorapeft) python3 benchmarks/lora_transformers_parity.py 2>&1 | grep --line-buffered -v Warning ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | grep --line-buffered -v Warning ;;
+    # issue 31, FP8 K/V pages (--kv-cache-dtype fp8). Each part stays within one 10-minute call. parity: every kernel
+    # compiled by Triton against the reference on FP8 pages, golden parity and the wrong-scale check with the CPU's
+    # tolerances (-s prints the figures)
+    fp8kvparity) python3 -m pytest -q -s -p no:cacheprovider tests/test_attention.py tests/test_fp8_kv_cache.py -k "fp8 or golden or scale" \
+        2>&1 | grep --line-buffered -E "fp8 pages|read with|passed|failed|FAILED|Error" | tail -40 ;;
+    # the ragged and JAX's decode kernel timed on bf16 against FP8 pages; one decode step (the fused kernel) of the 8B
+    # shape at 4k context, 1 and 32 rows (32 x 4k tokens fit bf16 pages at the default --kv-memory-fraction)
+    fp8kvspeed) python3 benchmarks/attention_kernels.py --fp8 2>&1 | grep --line-buffered -v Warning
+      for kv in auto fp8; do python3 benchmarks/decode_profile.py --shape llama-3-8b --kv-cache-dtype $kv --rows 1 32 \
+        --context 4096 --quick 2>&1 | grep --line-buffered -E "rows=|Error"; done ;;
+    # the 8B shape, 256 requests of 256 -> 128 (issue 31's TP workload): bf16 pages against FP8 pages, same call
+    fp8kv8b) for kv in auto fp8; do echo "--- llama-3-8b --kv-cache-dtype $kv"
+        python3 benchmarks/throughput.py --shape llama-3-8b --kv-cache-dtype $kv --requests 256 --prompt-len 256 \
+          --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+          --json "$OUT/fp8kv-llama-3-8b-$kv.json" 2>&1 | grep --line-buffered -E "kv_|output_tokens|prefill_tokens|compile|Error"; done ;;
+    # the most sequences of 4,096 tokens the pages hold at --kv-memory-fraction 0.6 (and reach decoding together), and
+    # the output tokens/s there, 8B shape, bf16 against FP8 pages
+    fp8kvcap) python3 benchmarks/kv_capacity.py --shape llama-3-8b --context 4096 --output-len 64 --kv-cache-dtypes auto fp8 \
+        --max-num-seqs 256 --json "$OUT/fp8kv-capacity-llama-3-8b.json" 2>&1 | grep --line-buffered -v Warning ;;
+    # Qwen3-0.6B against Llama-3.2-1B on the mixed workload (sampled), bf16 and FP8 pages, all in one call
+    fp8kvmixed) for shape in qwen3-0.6b llama-3.2-1b; do for kv in auto fp8; do echo "--- $shape mixed --kv-cache-dtype $kv"
+        python3 benchmarks/throughput.py --shape $shape --workload mixed --kv-cache-dtype $kv --requests 256 --prompt-len 256 \
+          --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+          --json "$OUT/fp8kv-mixed-$shape-$kv.json" 2>&1 | grep --line-buffered -E "kv_|output_tokens|compile|Error"; done; done ;;
     kernelsweep) python3 benchmarks/attention_kernels.py --sweep 2>&1 | grep --line-buffered -v Warning ;;
     grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep --line-buffered -v Warning ;;
     sampling) for shape in ${SHAPES:-llama-3.2-1b qwen3-0.6b}; do for greedy in "" --all-greedy; do

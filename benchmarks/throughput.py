@@ -190,6 +190,12 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "fp8", "fp8_e4m3"],
+        help="what K/V pages store (auto: the model's dtype; fp8: e4m3, twice the pages)",
+    )
+    ap.add_argument(
         "--quantization",
         choices=["fp8", "int8", "q8_0"],
         default=None,
@@ -228,6 +234,7 @@ def main(argv=None) -> dict:
                 decode_steps=a.decode_steps,
                 enable_prefix_caching=False,
                 tensor_parallel_size=a.tensor_parallel_size,
+                kv_cache_dtype=a.kv_cache_dtype,
             ),
             model=model,
         )
@@ -255,6 +262,8 @@ def main(argv=None) -> dict:
         "quantization": a.quantization or "none",
         "device": str(jax.devices()[0].device_kind),
         "tensor_parallel_size": a.tensor_parallel_size,
+        "kv_cache_dtype": a.kv_cache_dtype,
+        "kv_pages": engine.config.num_pages,
         "requests": a.requests,
         "prompt_len": a.prompt_len,
         "output_len": a.output_len,

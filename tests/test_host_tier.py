@@ -75,6 +75,19 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
+def test_fp8_pages_go_to_host_memory_and_back_as_stored():
+    """--kv-cache-dtype fp8: the tier copies the pages' e4m3 bytes (a quarter of float32's), and returning turns
+    give the tokens that recomputing their FP8 pages gives."""
+    fp8 = dict(SMALL_POOL, kv_cache_dtype="fp8", warmup=False)
+    recomputed = conversations(LLM(MODEL, **fp8), PARAMS)
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB / 4, **fp8)
+    assert conversations(llm, PARAMS) == recomputed
+    s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
+    assert tier.page_bytes == PAGE_BYTES // 4 and s.kv_offload_pages_total == 64
+    assert s.kv_offload_hit_tokens > 100 and s.kv_offload_failed_loads == 0
+    llm.engine.pool.check_all_free()
+
+
 def test_late_copies_fall_back_to_recompute(recomputed, monkeypatch):
     monkeypatch.setattr(host_offload, "LOAD_DEADLINE_S", -1.0)  # every copy back is late
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)

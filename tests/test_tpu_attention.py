@@ -175,6 +175,30 @@ def test_a_decode_step_maps_onto_the_kernel_arguments():
     assert rel_err(got[:n], want[:n]) < 1e-5
 
 
+def test_fp8_pages_map_onto_the_kernels_own_scales():
+    """--kv-cache-dtype fp8 on TPUs: JAX's kernel takes e4m3 pages with per-tensor k_scale / v_scale itself. Both
+    layouts store the same bytes, and the kernel's reference with our scales is our reference over our pages."""
+    from capstan.runtime.attention.kv_quantization import FP8
+
+    q, k, v, meta, ctx_slots, ctx_k, ctx_v, n, num_pages = mixed_step(5)
+    page, KVH, D = 8, k.shape[1], k.shape[2]
+    scales = dict(k_scale=0.03, v_scale=0.07)
+    kv_pages = jnp.zeros((num_pages, page, 2 * KVH, D), FP8)
+    for slots, kk, vv in ((ctx_slots, ctx_k, ctx_v), (meta.slot_mapping, k, v)):
+        kv_pages = write_kv_pages(kv_pages, slots, kk, vv, page, **scales)
+    k_cache = v_cache = jnp.zeros((KVH, num_pages, page, D), FP8)
+    k_cache = write_kv(write_kv(k_cache, ctx_slots, ctx_k, page, 0.03), meta.slot_mapping, k, page, 0.03)
+    v_cache = write_kv(write_kv(v_cache, ctx_slots, ctx_v, page, 0.07), meta.slot_mapping, v, page, 0.07)
+    assert kv_pages.dtype == FP8
+    for got_c, want_c in zip(split_pages(kv_pages), (k_cache, v_cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(got_c.astype(jnp.float32)), np.asarray(want_c.astype(jnp.float32)))
+    want = np.asarray(paged_attention(q, k_cache, v_cache, meta, scale=0.088, **scales))[:n]
+    got = through_kernel_reference(q, kv_pages, meta, sm_scale=0.088, **scales)[:n]
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(through_kernel_reference(q, kv_pages, meta, sm_scale=0.088)[:n], want) > 1  # scales matter
+    assert kv_layout("tpu", 4, 128, FP8, tpu_version=5) == PAGES_INTERLEAVED  # the kernel tiles FP8 pages
+
+
 def test_write_and_attend_off_tpu_reads_interleaved_pages_as_the_reference():
     """A cache in the TPU layout on CPU: written in place, attended through the split pages (chunked)."""
     q, k, v, meta, ctx_slots, ctx_k, ctx_v, n, num_pages = mixed_step(3)

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from ..kernels.tpu_ragged_attention import HEADS_FIRST, PAGES_INTERLEAVED, split_pages, write_kv_pages
 from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .chunked import chunked_attention
+from .kv_quantization import is_fp8, scales_for
 from .metadata import INVALID_SLOT, AttentionMetadata, query_blocks
 from .reference import paged_attention, write_kv
 
@@ -49,6 +50,7 @@ def choose_kernel(
     ragged: bool,
     dtype,
     batch: int,
+    kv_dtype=None,
     kv_heads: int,
     pages_per_seq: int,
     page_size: int,
@@ -57,7 +59,9 @@ def choose_kernel(
     softcap,
 ) -> str:
     """The kernel for one layer's step: "tpu_ragged", "gpu_decode", "gpu_ragged" or "chunked" (the reference's
-    result over the real context). ragged: the step carries query blocks (the batch builder's steps do)."""
+    result over the real context). ragged: the step carries query blocks (the batch builder's steps do). dtype:
+    the queries'; kv_dtype: the pages' (None: the same). JAX's decode kernel reads pages of the queries' dtype, or
+    FP8 ones (it upcasts them after the load); our kernels upcast any cache dtype after the load."""
     from ..kernels.gpu_decode_attention import supported as decode_supported
     from ..kernels.gpu_ragged_attention import supported as ragged_supported
 
@@ -65,11 +69,13 @@ def choose_kernel(
         return "tpu_ragged" if backend == "tpu" and (decode or ragged) else "chunked"
     if backend == "gpu":
         dtype = jnp.dtype(dtype)
+        kv_dtype = dtype if kv_dtype is None else jnp.dtype(kv_dtype)
         if (
             decode
             and window is None
             and not softcap
             and dtype != jnp.float32
+            and (kv_dtype == dtype or is_fp8(kv_dtype))
             and decode_supported(batch, kv_heads, pages_per_seq, page_size, head_dim)
         ):
             return "gpu_decode"
@@ -78,13 +84,25 @@ def choose_kernel(
     return "chunked"
 
 
-def attend(q, k_cache, v_cache, meta: AttentionMetadata[jax.Array], *, scale: float, window: int | None, softcap):
+def attend(
+    q,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata[jax.Array],
+    *,
+    scale: float,
+    window: int | None,
+    softcap,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+):
     """Chooses the kernel at trace time (choose_kernel). On GPUs: bf16 decode batches of layers without a window
     or soft-capping take JAX's Pallas decode kernel (it splits long contexts across blocks), every other step our
     ragged Pallas kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too,
     since JAX's kernel multiplies in TF32). On TPUs, caches in the kernel's layout: JAX's ragged Pallas kernel.
     Elsewhere, and for shapes the kernels cannot tile, the reference's result computed over the step's real
-    context only (chunked_attention), not over max_model_len keys."""
+    context only (chunked_attention), not over max_model_len keys. k_scale, v_scale: an FP8 cache's
+    (kv_quantization); every kernel upcasts the pages after the load and applies them in float32."""
     backend = jax.default_backend()
     if backend == "cpu" and KERNELS_INTERPRETED_ON_CPU:
         backend = "gpu"
@@ -96,6 +114,7 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata[jax.Array], *, scale: fl
         decode=meta.decode,
         ragged=meta.query_blocks is not None,
         dtype=q.dtype,
+        kv_dtype=k_cache.dtype,
         batch=q.shape[0],
         kv_heads=q.shape[1],
         pages_per_seq=meta.block_tables.shape[1],
@@ -108,20 +127,35 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata[jax.Array], *, scale: fl
     if kernel == "tpu_ragged":
         from ..kernels.tpu_ragged_attention import ragged_attention as tpu_ragged_attention
 
-        return tpu_ragged_attention(q, k_cache, meta, scale=scale, window=window, softcap=softcap)
+        return tpu_ragged_attention(
+            q, k_cache, meta, scale=scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale
+        )
     if kernel == "gpu_decode":
         from ..kernels.gpu_decode_attention import decode_attention
 
-        return decode_attention(q, k_cache, v_cache, meta, scale=scale, interpret=interpret)
+        return decode_attention(
+            q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale, v_scale=v_scale, interpret=interpret
+        )
     if kernel == "gpu_ragged":
         from ..kernels.gpu_ragged_attention import ragged_attention as gpu_ragged_attention
 
         return gpu_ragged_attention(
-            q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap or None, interpret=interpret
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            scale=scale,
+            window=window,
+            softcap=softcap or None,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            interpret=interpret,
         )
     if layout == PAGES_INTERLEAVED:  # off TPU, or a step without query blocks: costs a copy of the layer's pages
         k_cache, v_cache = split_pages(k_cache)
-    return chunked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
+    return chunked_attention(
+        q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def decode_fuses(
@@ -166,11 +200,16 @@ def fused_decode(
     k_norm,
     eps: float,
     one_plus: bool,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     """qkv [T, KVH, G + 2, D] straight from the QKV matmul; returns (out [T, KVH, G, D], k_cache, v_cache):
     gpu_fused_decode's kernel, where decode_fuses says so. Under tensor parallelism each device runs it on its own
-    KV heads (shard_map), as write_and_attend does: the norms and rope are per head, the pages are the device's."""
+    KV heads (shard_map), as write_and_attend does: the norms and rope are per head, the pages are the device's.
+    k_scale, v_scale: an FP8 cache's (kv_quantization)."""
     from ..kernels.gpu_fused_decode_attention import fused_decode_attention
+
+    k_scale, v_scale = scales_for(k_cache.dtype, k_scale, v_scale)
 
     def local(qkv, cos, sin, k_cache, v_cache, meta, q_norm, k_norm):
         return fused_decode_attention(
@@ -185,6 +224,8 @@ def fused_decode(
             k_norm=k_norm,
             eps=eps,
             one_plus=one_plus,
+            k_scale=k_scale,
+            v_scale=v_scale,
             interpret=jax.default_backend() != "gpu",
         )
 
@@ -212,22 +253,27 @@ def write_and_attend(
     scale: float,
     window: int | None,
     softcap,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     """Writes the step's k, v [T, KVH, D] into one layer's pages, then attends q [T, KVH, G, D] over them; returns
     (out [T, KVH, G, D], k_cache, v_cache). The caches are HEADS_FIRST ([KVH, pages, page_size, D] each) or, on
     TPU, PAGES_INTERLEAVED (k_cache [pages, page_size, 2 * KVH, D], v_cache an empty placeholder). Under tensor
     parallelism the caches are sharded by KV head and each device does both for its own KV heads (shard_map):
     attention never mixes heads, so no device reads another's pages, and every kernel above runs unchanged on its
-    shard."""
+    shard. k_scale, v_scale: the layer's FP8 scales (kv_quantization), used only when the cache is FP8."""
     layout = layout_of(v_cache)
+    k_scale, v_scale = scales_for(k_cache.dtype, k_scale, v_scale)
 
     def local(q, k, v, k_cache, v_cache, meta):
         if layout == PAGES_INTERLEAVED:
-            k_cache = write_kv_pages(k_cache, meta.slot_mapping, k, v, page_size)
+            k_cache = write_kv_pages(k_cache, meta.slot_mapping, k, v, page_size, k_scale=k_scale, v_scale=v_scale)
         else:
-            k_cache = write_kv(k_cache, meta.slot_mapping, k, page_size)
-            v_cache = write_kv(v_cache, meta.slot_mapping, v, page_size)
-        out = attend(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
+            k_cache = write_kv(k_cache, meta.slot_mapping, k, page_size, k_scale)
+            v_cache = write_kv(v_cache, meta.slot_mapping, v, page_size, v_scale)
+        out = attend(
+            q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale
+        )
         return out, k_cache, v_cache
 
     if model_parallel_size() == 1:
@@ -253,6 +299,7 @@ __all__ = [
     "kv_layout",
     "paged_attention",
     "write_kv",
+    "is_fp8",
     "HEADS_FIRST",
     "PAGES_INTERLEAVED",
 ]

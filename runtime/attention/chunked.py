@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .kv_quantization import load
 from .metadata import AttentionMetadata
 
 KEYS_PER_CHUNK = 128  # keys per inner iteration: on CPU its overhead is small next to 128 keys' work
@@ -30,6 +31,8 @@ def chunked_attention(
     scale: float,
     window: jax.Array | int | None = None,  # keys within `window` positions of the query, itself included
     softcap: float | None = None,
+    k_scale: float = 1.0,  # FP8 caches: what each stored key and value stands for (kv_quantization)
+    v_scale: float = 1.0,
 ) -> jax.Array:
     """The reference's result (paged_attention), reading only the key chunks each group of tokens can see."""
     T, KVH, G, D = q.shape
@@ -55,9 +58,9 @@ def chunked_attention(
         def chunk(i, carry):
             acc, m, l = carry
             pages = jax.lax.dynamic_slice_in_dim(pages_g, i * chunk_pages, chunk_pages, axis=1)
-            k = k_cache[:, pages].reshape(KVH, group, chunk_keys, D)
-            v = v_cache[:, pages].reshape(KVH, group, chunk_keys, D)
-            s = jnp.einsum("tkgd,ktcd->tkgc", q_g, k, preferred_element_type=jnp.float32) * scale
+            k = load(k_cache[:, pages], q.dtype).reshape(KVH, group, chunk_keys, D)  # FP8 upcast after the gather
+            v = load(v_cache[:, pages], q.dtype).reshape(KVH, group, chunk_keys, D)
+            s = jnp.einsum("tkgd,ktcd->tkgc", q_g, k, preferred_element_type=jnp.float32) * (scale * k_scale)
             if softcap:
                 s = jnp.tanh(s / softcap) * softcap
             key_pos = i * chunk_keys + jnp.arange(chunk_keys)[None, :]
@@ -81,6 +84,7 @@ def chunked_attention(
             jnp.zeros((group, KVH, G), jnp.float32),
         )
         acc, _, l = jax.lax.fori_loop(lo[g], hi[g], chunk, init)
+        acc = acc * v_scale if v_scale != 1.0 else acc
         return out.at[g].set((acc / jnp.maximum(l, 1e-30)[..., None]).astype(q.dtype))  # no key seen: zeros
 
     out = jax.lax.fori_loop(0, num_groups, attend_group, jnp.zeros_like(qs))

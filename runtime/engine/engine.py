@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..attention.kv_quantization import cache_dtype
 from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
 from ..kv.host_offload import HostOffload
@@ -62,6 +63,7 @@ class LLMEngine:
             config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
         )
         self.dtype = parse_dtype(dtype)
+        self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)  # what K/V pages store (FP8: half of bf16)
         self.model = model if model is not None else load_model(path, dtype, config.quantization)
         checkpoint_cfg = self.model.cfg  # what LoRA adapters' shapes are checked against
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
@@ -89,8 +91,15 @@ class LLMEngine:
             config.page_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             sharding=self.parallel.kv_sharding(),
+        )
+        log.info(
+            "KV cache: %d pages of %d tokens, %s (%.1f MiB)",
+            num_pages,
+            config.page_size,
+            jnp.dtype(self.kv_dtype).name,
+            sum(a.nbytes for a in (*self.kv.k, *self.kv.v)) / (1 << 20),
         )
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
@@ -168,10 +177,10 @@ class LLMEngine:
 
     def _pages_that_fit(self, draft_model: DecoderModel | None) -> int:
         cfg, c = self.model.cfg, self.config
-        per_page = KVCache.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_page = KVCache.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         if draft_model is not None:  # a page holds the draft's K/V of its tokens too
             d = draft_model.cfg
-            per_page += KVCache.bytes_per_page(d.num_layers, c.page_size, d.num_kv_heads, d.head_dim, self.dtype)
+            per_page += KVCache.bytes_per_page(d.num_layers, c.page_size, d.num_kv_heads, d.head_dim, self.kv_dtype)
         per_page //= self.parallel.size  # each device holds its KV heads' share of every page
         useful = c.max_num_seqs * -(-self.max_model_len // c.page_size) + 1  # more than this is never used
         stats = jax.local_devices()[0].memory_stats() or {}  # (devices()[0] may be another host's)

@@ -6,4 +6,5 @@ each must match (tests/test_attention.py, test_tpu_attention.py, test_sampler_fi
   gpu_sampler, gpu_mass_above   sampling/sampler.py (draw_by_candidates, mass_above)
   gpu_gemv   models/quantization.py's dense matmul of the dequantized weight
 
+The attention kernels read FP8 pages too (attention/kv_quantization.py: upcast after the load, scales folded in).
 The rooms that call them (attention/, sampling/, models/) choose a kernel by backend and shape."""

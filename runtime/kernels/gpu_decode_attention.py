@@ -2,7 +2,13 @@
 
 It reads each sequence's pages in place (no gathered copy of the context) and splits long contexts across
 thread blocks (flash-decoding). It has no sliding window and no softmax scale of its own: queries are
-pre-scaled, and sliding-window models keep the reference."""
+pre-scaled, and sliding-window models keep the reference.
+
+FP8 pages: the kernel upcasts quantized K and V after the load only when it is given per-slot scale arrays
+([kv_heads, pages, page_size]), which it multiplies into the logits and probabilities. Our scales are per tensor
+(kv_quantization), so it is given one array of ones, shared by K and V (a bf16 fill of kv_heads x pages x
+page_size per step, which XLA shares between layers; the kernel reads 2 bytes of it per key beside head_dim
+bytes of FP8), and the scales are folded into the query and the output."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
 
+from ..attention.kv_quantization import is_fp8
 from ..attention.metadata import AttentionMetadata
 
 SPLIT_PAGES = 8  # a long context is split into parts of at least this many pages (flash-decoding)
@@ -44,13 +51,16 @@ def decode_attention(
     meta: AttentionMetadata[jax.Array],
     *,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
     pages_per_block: int | None = None,
 ) -> jax.Array:
-    """q[S, KVH, G, D] (row r is sequence r's only token); caches [KVH, pages, page_size, D] of one layer.
-    num_warps, num_stages, pages_per_block: Triton's tuning, else _layout's (attention_kernels.py --sweep)."""
+    """q[S, KVH, G, D] (row r is sequence r's only token); caches [KVH, pages, page_size, D] of one layer, of q's
+    dtype or FP8 (k_scale, v_scale: its scales). num_warps, num_stages, pages_per_block: Triton's tuning, else
+    _layout's (attention_kernels.py --sweep)."""
     S, KVH, G, D = q.shape
     tables = meta.block_tables
     k_splits, per_block, warps, stages = _layout(S, KVH, tables.shape[1], D)
@@ -59,12 +69,17 @@ def decode_attention(
     if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     lengths = jnp.where(meta.seq_lens > 0, meta.positions + 1, 0)  # keys 0..position; padding rows see none
+    scales = {}
+    if is_fp8(k_cache.dtype):  # the kernel upcasts FP8 pages only beside per-slot scales: ones, ours folded in
+        unit = jnp.ones(k_cache.shape[:3], q.dtype)
+        scales = dict(k_scales_pages=unit, v_scales_pages=unit)
     out = pallas_paged_attention(
-        (q * scale).reshape(S, KVH * G, D),
+        (q * (scale * k_scale)).reshape(S, KVH * G, D),
         k_cache,
         v_cache,
         tables,
         lengths,
+        **scales,
         block_h=max(16, G),
         pages_per_compute_block=pages_per_block,
         k_splits=k_splits,
@@ -72,4 +87,6 @@ def decode_attention(
         num_stages=num_stages,
         interpret=interpret,
     )
+    if v_scale != 1.0:
+        out = (out.astype(jnp.float32) * v_scale).astype(q.dtype)
     return out.reshape(S, KVH, G, D)

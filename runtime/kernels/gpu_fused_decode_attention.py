@@ -8,7 +8,10 @@ norms and rotates them in registers (rotate-half as a dot with a signed permutat
 cached context (flash-decoding: splits share the pages the sequence has filled, combined after), adds the step's
 own key and value from registers, and the first split writes them into their page slot, so no program reads a
 slot another writes.
-Float32 takes IEEE dots (JAX's decode kernel multiplies in TF32), so golden float32 parity holds through it."""
+Float32 takes IEEE dots (JAX's decode kernel multiplies in TF32), so golden float32 parity holds through it.
+FP8 pages (kv_quantization): loads are upcast in registers, the scales folded into the logits' scale and the
+output, and the step's own key and value are rounded to what the page stores before they are attended, as the
+reference reads them back."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..attention.kv_quantization import load, store
 from ..attention.metadata import AttentionMetadata
 
 # Triton's tuning (num_warps, num_stages, pages per inner iteration), swept on an H200 (2026-11-26, bf16, 16-token
@@ -57,6 +61,8 @@ def _kernel(
     groups: int,
     pages_per_block: int,
     scale: float,
+    k_scale: float,
+    v_scale: float,
     eps: float,
     one_plus: bool,
     normalize: bool,
@@ -87,22 +93,24 @@ def _kernel(
     cos = cos_ref[...].astype(dtype).astype(jnp.float32)[None, :]
     sin = sin_ref[...].astype(dtype).astype(jnp.float32)[None, :]
     q = (x * cos + rotated * sin).astype(dtype)  # [block_h, D]: rotated query heads, then the rotated key
-    k_new = jnp.sum(jnp.where(rows == groups, q.astype(jnp.float32), 0.0), axis=0).astype(k_ref.dtype)  # the key row
-    v_new = qkv_ref[groups + 1].astype(v_ref.dtype)  # [D]
+    # the key row and the value as their pages store them (FP8: divided by their scales)
+    k_new = store(jnp.sum(jnp.where(rows == groups, q.astype(jnp.float32), 0.0), axis=0), k_ref.dtype, k_scale)
+    v_new = store(qkv_ref[groups + 1], v_ref.dtype, v_scale)  # [D]
+    scale = scale * k_scale  # logits of stored keys
 
     def block(b, carry):
         o, m, l = carry
         first_page = pl.multiple_of(start + b * pages_per_block, pages_per_block)
         ids = tables_ref[pl.ds(first_page, pages_per_block)]
-        k = k_ref[ids].reshape(block_k, D)
-        v = v_ref[ids].reshape(block_k, D)
-        s = plgpu.dot(q, k.astype(dtype), trans_b=True, precision=precision) * scale  # [block_h, block_k]
+        k = load(k_ref[ids], dtype).reshape(block_k, D)  # FP8 pages: half the bytes loaded, upcast here
+        v = load(v_ref[ids], dtype).reshape(block_k, D)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [block_h, block_k]
         first = first_page * page_size
         s = jnp.where(first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < pos, s, MASKED)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_next)
         p = jnp.exp(s - m_next[:, None])
-        o = o * correction[:, None] + plgpu.dot(p.astype(dtype), v.astype(dtype), precision=precision)
+        o = o * correction[:, None] + plgpu.dot(p.astype(dtype), v, precision=precision)
         return o, m_next, l * correction + jnp.sum(p, axis=1)
 
     # the splits share the pages this sequence has filled (not the table's width, which is max_model_len's), in
@@ -124,6 +132,7 @@ def _kernel(
     correction = jnp.exp(m - m_next)
     p_own = jnp.where(own, jnp.exp(s_own - m_next), 0.0)
     o = o * correction[:, None] + p_own[:, None] * v_new.astype(jnp.float32)[None, :]
+    o = o * v_scale if v_scale != 1.0 else o  # stored values to values
     l = l * correction + p_own
     if normalize:
         o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
@@ -152,6 +161,8 @@ def fused_decode_attention(
     k_norm: jax.Array | None = None,
     eps: float = 0.0,
     one_plus: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -160,7 +171,7 @@ def fused_decode_attention(
 ):
     """qkv[S, KVH, G + 2, D]: row r's query heads, key and value before norms and rope (row r is sequence r's only
     token, at meta.positions[r]); cos, sin [S, D] float32; caches [KVH, pages, page_size, D] of one layer;
-    q_norm, k_norm [D] or None. Returns (out [S, KVH, G, D], k_cache, v_cache with the step's K/V written at
+    q_norm, k_norm [D] or None; k_scale, v_scale: an FP8 cache's scales (kv_quantization). Returns (out [S, KVH, G, D], k_cache, v_cache with the step's K/V written at
     meta.slot_mapping; INVALID_SLOT writes nothing). The tuning arguments default to the tables above."""
     S, KVH, rows, D = qkv.shape
     G = rows - 2
@@ -183,6 +194,8 @@ def fused_decode_attention(
         groups=G,
         pages_per_block=pages_per_block,
         scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
         eps=eps,
         one_plus=one_plus,
         normalize=normalize,

@@ -6,7 +6,9 @@ builder). A program takes one block and one kv head with all its query heads (QU
 streams that sequence's pages from the cache once with an online softmax, and stops at the block's last causal
 key; a sliding window also skips the pages before it. A decode token is a block of one token: its program reads
 the context once for all its query heads, as a decode kernel does. Nothing is gathered (the reference reads
-max_model_len keys for every token). float32 runs its dots in IEEE float32 (no TF32), so golden parity holds."""
+max_model_len keys for every token). float32 runs its dots in IEEE float32 (no TF32), so golden parity holds.
+Pages of another dtype than the queries' (FP8, or bfloat16 under a float32 model) are upcast right after the
+load; an FP8 cache's scales (kv_quantization) are folded into the logits' scale and the output."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..attention.kv_quantization import load
 from ..attention.metadata import AttentionMetadata, padded_group, query_block_tokens
 
 MAX_BLOCK_K = 128  # keys per inner iteration
@@ -51,6 +54,7 @@ def _kernel(
     page_size: int,
     pages_per_block: int,
     query_block: int,
+    v_scale: float,
 ):
     b = pl.program_id(0)
     start, num, row, first_pos = blocks_ref[b, 0], blocks_ref[b, 1], blocks_ref[b, 2], blocks_ref[b, 3]
@@ -70,8 +74,8 @@ def _kernel(
         def body(i, carry):
             o, m, l = carry
             pages = tables_ref[row, pl.ds(i * pages_per_block, pages_per_block)]
-            k = k_ref[pages].reshape(block_k, D)
-            v = v_ref[pages].reshape(block_k, D)
+            k = load(k_ref[pages], q.dtype).reshape(block_k, D)  # FP8 pages: half the bytes loaded, upcast here
+            v = load(v_ref[pages], q.dtype).reshape(block_k, D)
             s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, BK] f32
             if softcap:
                 s = jnp.tanh(s / softcap) * softcap
@@ -93,6 +97,7 @@ def _kernel(
             jnp.zeros((rows,), jnp.float32),
         )
         o, _, l = jax.lax.fori_loop(lo, hi, body, init)
+        o = o * v_scale if v_scale != 1.0 else o
         out = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype).reshape(query_block, G, D)
         tokens = jnp.arange(query_block) < num
         plgpu.store(o_ref.at[pl.ds(start, query_block), :, :], out, mask=tokens[:, None, None])
@@ -105,7 +110,7 @@ def decode_query_blocks(meta: AttentionMetadata[jax.Array]) -> jax.Array:
     return jnp.stack([rows, (meta.seq_lens > 0).astype(jnp.int32), rows, meta.positions], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "k_scale", "v_scale", "interpret"))
 def ragged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -115,9 +120,12 @@ def ragged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     interpret: bool = False,
 ) -> jax.Array:
-    """q[T, KVH, G, D]; caches [KVH, pages, page_size, D] of one layer, already holding this step's K/V."""
+    """q[T, KVH, G, D]; caches [KVH, pages, page_size, D] of one layer, already holding this step's K/V, of any
+    dtype (k_scale, v_scale: an FP8 cache's scales)."""
     T, KVH, G, D = q.shape
     page_size = k_cache.shape[2]
     blocks = meta.query_blocks if meta.query_blocks is not None else decode_query_blocks(meta)
@@ -134,7 +142,8 @@ def ragged_attention(
     out = jnp.zeros_like(q_padded)  # tokens no block covers (padding) read as zeros
     kernel = functools.partial(
         _kernel,
-        scale=scale,
+        scale=scale * k_scale,
+        v_scale=v_scale,
         window=window,
         softcap=softcap,
         page_size=page_size,

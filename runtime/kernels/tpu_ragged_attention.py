@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..attention.kv_quantization import is_fp8, store
 from ..attention.metadata import AttentionMetadata
 
 HEADS_FIRST = "heads_first"  # K and V each [kv_heads, pages, page_size, head_dim]
@@ -54,10 +55,20 @@ def allocate_pages(num_pages: int, page_size: int, kv_heads: int, head_dim: int,
     return jnp.zeros((num_pages, page_size, 2 * kv_heads, head_dim), dtype, device=sharding)
 
 
-def write_kv_pages(kv_pages: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array, page_size: int) -> jax.Array:
-    """k, v [T, KVH, D] into kv_pages at slots (page * page_size + offset); INVALID_SLOT is dropped."""
+def write_kv_pages(
+    kv_pages: jax.Array,
+    slots: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    page_size: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> jax.Array:
+    """k, v [T, KVH, D] into kv_pages at slots (page * page_size + offset), as the cache's dtype stores them (FP8:
+    divided by their scales); INVALID_SLOT is dropped."""
     T, KVH, D = k.shape
-    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * KVH, D).astype(kv_pages.dtype)  # K0 V0 K1 V1 ...
+    dtype = kv_pages.dtype
+    kv = jnp.stack([store(k, dtype, k_scale), store(v, dtype, v_scale)], axis=2).reshape(T, 2 * KVH, D)  # K0 V0 K1 ..
     return kv_pages.at[slots // page_size, slots % page_size].set(kv, mode="drop")
 
 
@@ -91,10 +102,14 @@ def ragged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     interpret=None,
 ) -> jax.Array:
     """q [T, KVH, G, D] over kv_pages [pages, page_size, 2 * KVH, D]; returns [T, KVH, G, D], zeros for padding.
 
+    k_scale, v_scale: an FP8 cache's (kv_quantization); the kernel takes FP8 pages with per-tensor scales itself
+    (it upcasts K and V after the load and multiplies them by their scales).
     interpret: None compiles for the TPU; a pltpu.InterpretParams (or True, Pallas' generic interpreter) runs the
     kernel on CPU."""
     from jax.experimental.pallas import tpu as pltpu
@@ -102,6 +117,7 @@ def ragged_attention(
 
     T, KVH, G, D = q.shape
     kv_lens, page_indices, cu_q_lens, num_seqs = kernel_arguments(meta)
+    scales = dict(k_scale=float(k_scale), v_scale=float(v_scale)) if is_fp8(kv_pages.dtype) else {}
     blocks = {}
     if interpret is not None:
         pages, queries = INTERPRETED_BLOCKS
@@ -116,6 +132,7 @@ def ragged_attention(
         sm_scale=scale,
         sliding_window=window,
         soft_cap=softcap or None,
+        **scales,
         **blocks,
     )
     if interpret is None:

@@ -80,6 +80,16 @@ class DecoderModel(eqx.Module):
         x = rms_norm(x, self.final_norm, ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
         return x, KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)
 
+    def with_kv_scales(self, scales: list[tuple[float, float]]) -> DecoderModel:
+        """The model with each layer's (k_scale, v_scale) for FP8 K/V pages (a checkpoint's; default 1.0)."""
+        layers = []
+        for block, (k, v) in zip(self.layers, scales, strict=True):
+            family_block: Any = block  # every family's block has its Attention as .attn
+            layers.append(
+                dataclasses.replace(family_block, attn=dataclasses.replace(family_block.attn, k_scale=k, v_scale=v))
+            )
+        return dataclasses.replace(self, layers=tuple(layers))
+
     def logits(self, hidden: NamedArray) -> NamedArray:
         """Float32 logits [..., Vocab]; under tensor parallelism gathered from the vocabulary shards onto every
         device (and cut to the real vocabulary where it was padded), so sampling sees what one device computes."""

@@ -65,6 +65,10 @@ class Attention(eqx.Module):
     qkv_bias: NamedArray | None  # [KVHeads, QKV, HeadSize]
     q_norm: NamedArray | None  # [HeadSize]
     k_norm: NamedArray | None
+    # what one stored unit of an FP8 K or V page stands for (attention/kv_quantization.py): the checkpoint's
+    # self_attn.k_scale / v_scale, else 1.0 (vLLM's default); other cache dtypes ignore them
+    k_scale: float = eqx.field(static=True, default=1.0)
+    v_scale: float = eqx.field(static=True, default=1.0)
 
     def __call__(
         self,
@@ -103,6 +107,8 @@ class Attention(eqx.Module):
                 k_norm=None if self.k_norm is None else self.k_norm.array,
                 eps=cfg.rms_norm_eps,
                 one_plus=gemma,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         else:
             G = ax.QPerKV.size
@@ -125,6 +131,8 @@ class Attention(eqx.Module):
                 scale=cfg.attention_scale,
                 window=window,
                 softcap=cfg.attn_logit_softcapping,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         out = hax.named(out, (qkv.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
         y = linear(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from safetensors import safe_open
 
 from .builder import build_model
@@ -68,13 +69,44 @@ def load_model(path: str | Path, dtype: str = "float32", quantization: str | Non
     source = SafetensorsSource(path)
     prequantized = checkpoint_quantization(hf, path)
     if prequantized is None:
-        return build_model(cfg, source, parse_dtype(dtype), quantization)
-    if quantization not in (None, prequantized.method):
+        model = build_model(cfg, source, parse_dtype(dtype), quantization)
+    elif quantization not in (None, prequantized.method):
         raise UnsupportedModelError(
             f"{FLAG}={quantization}: {path} is quantized already ({prequantized.quant_method}, "
             f"{prequantized.method} weights); leave {FLAG} out or set it to {prequantized.method}"
         )
-    return build_model(cfg, quantized_source(source, prequantized, path), parse_dtype(dtype))
+    else:
+        model = build_model(cfg, quantized_source(source, prequantized, path), parse_dtype(dtype))
+    scales = checkpoint_kv_scales(source, cfg.num_layers)
+    return model if scales is None else model.with_kv_scales(scales)
+
+
+def checkpoint_kv_scales(source: SafetensorsSource, num_layers: int) -> list[tuple[float, float]] | None:
+    """Each layer's (k_scale, v_scale) for FP8 K/V pages from its self_attn.k_scale / v_scale tensors (as
+    llm-compressor writes them and vLLM reads them), or None when the checkpoint has none. One value per tensor:
+    per-head or per-token scales are refused by name."""
+    names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(num_layers)]
+    present = [source.has(n) for pair in names for n in pair]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = next(n for pair in names for n in pair if not source.has(n))
+        raise UnsupportedModelError(
+            f"{source.path}: K/V cache scales are given for some layers only ({missing} is not)"
+        )
+    scales = []
+    for pair in names:
+        values = []
+        for name in pair:
+            a = np.asarray(source(name, None), np.float32)
+            if a.size != 1 or not np.isfinite(a).all() or float(a.reshape(())) <= 0:
+                raise UnsupportedModelError(
+                    f"{source.path}: tensor {name} must be one positive finite scale (per-tensor FP8 K/V scales), "
+                    f"got shape {a.shape}"
+                )
+            values.append(float(a.reshape(())))
+        scales.append((values[0], values[1]))
+    return scales
 
 
 def random_model(

@@ -157,7 +157,7 @@ class Speculator:
                     c.page_size,
                     d.num_kv_heads,
                     d.head_dim,
-                    engine.dtype,
+                    engine.kv_dtype,
                     sharding=engine.parallel.kv_sharding(),
                 ),
                 self.k,
