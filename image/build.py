@@ -6,7 +6,10 @@ Capstan's own wheel, built from this tree, on top. umoci packs them into an OCI 
 OCI archive. Both are cached under ~/.cache/capstan/image/, keyed by a hash of their inputs: a second build
 is instant, and a change to Capstan's sources rebuilds only its own layer.
 
-    python3 image/build.py [--variant cpu|cuda]     # prints the archive's path, then its image name
+    python3 image/build.py [--variant cpu|cuda|tpu]     # prints the archive's path, then its image name
+
+A variant with a check (IMAGE_CHECKS) runs it with the image's Python, user and environment in the finished root
+filesystem before packing it: an image that fails it is never cached.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 SOURCE_FOLDERS = ["capstan", "runtime", "operator"]  # the package-dir folders of pyproject.toml
+VARIANTS = ["cpu", "cuda", "tpu"]
+# No TPU here: the TPU image shows that jax finds libtpu's plugin and compiles for a TPU slice with it.
+IMAGE_CHECKS = {"tpu": HERE / "tpu_check.py"}
+CHECK_TIMEOUT_SECONDS = 600
 CLEAN_ENV = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"]  # none of the host's PIP_* settings in the chroot
 IN_CHROOT = 'chroot "$1" ' + " ".join(CLEAN_ENV)  # in mmdebstrap's hooks, "$1" is the root filesystem
 
@@ -98,6 +105,7 @@ def base_hash(variant: str) -> str:
 def image_hash(variant: str) -> str:
     """The whole image's inputs: the base's, this recipe, and Capstan's own sources."""
     files = [HERE / "build.py", REPO / "pyproject.toml", REPO / "README.md"]
+    files += [IMAGE_CHECKS[variant]] if variant in IMAGE_CHECKS else []
     for folder in SOURCE_FOLDERS:
         files += sorted(p for p in (REPO / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     return _hash(files, base_hash(variant))
@@ -223,8 +231,41 @@ def build_base(variant: str, log) -> Path:
     return layout
 
 
-def add_capstan_layer(base: Path, layout: Path, reference: str) -> None:
-    """Capstan's wheel built from this tree, installed over the base as one more layer, and the config."""
+def run_image_check(rootfs: Path, check: Path, user: str, env: list[str]) -> subprocess.CompletedProcess:
+    """check run by the image's Python in rootfs as user ("uid:gid") with env ("NAME=value"), with /proc and /sys
+    as a container has them (libtpu's tcmalloc counts CPUs there) in a mount namespace of its own, gone with it;
+    what the check leaves in /tmp goes."""
+    before = set((rootfs / "tmp").iterdir())
+    shutil.copy(check, rootfs / "tmp" / check.name)
+    in_namespace = f'mount --rbind /sys "$0/sys" && exec chroot --userspec={user} "$0" "$@"'
+    try:
+        result = subprocess.run(
+            [
+                "unshare",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                f"--mount-proc={rootfs / 'proc'}",
+                "sh",
+                "-c",
+                in_namespace,
+            ]
+            + [str(rootfs), "env", "-i", *env, f"{VENV}/bin/python", f"/tmp/{check.name}"],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_SECONDS,
+        )
+    finally:
+        for path in set((rootfs / "tmp").iterdir()) - before:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return result
+
+
+def add_capstan_layer(base: Path, layout: Path, reference: str, check: Path | None = None, log=print) -> None:
+    """Capstan's wheel built from this tree, installed over the base as one more layer, and the config; check (a
+    script) then runs in the finished root filesystem."""
     shutil.copytree(base, layout, copy_function=os.link)  # blobs are content-addressed: link, don't copy
     for name in ("index.json", "oci-layout"):  # the files umoci rewrites get copies of their own
         (layout / name).unlink()
@@ -259,6 +300,11 @@ def add_capstan_layer(base: Path, layout: Path, reference: str) -> None:
         "unchecked-hash",
         f"{VENV}/lib/python3.11/site-packages/capstan",
     )
+    if check is not None:
+        result = run_image_check(rootfs, check, f"{USER_ID}:{USER_ID}", [f"{k}={v}" for k, v in ENV.items()])
+        if result.returncode:
+            raise SystemExit(f"the image's check {check.name} failed:\n{result.stdout}{result.stderr}")
+        log(f"{check.name}: {result.stdout.strip()}")
     pin_mtimes(rootfs)
     run("umoci", "repack", *history("Capstan"), "--image", image, str(bundle))
     run(
@@ -298,7 +344,7 @@ def build_image(variant: str = "cpu", log=print) -> tuple[Path, str]:
         work = folder / "work"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
-        add_capstan_layer(base, work / "oci", reference)
+        add_capstan_layer(base, work / "oci", reference, IMAGE_CHECKS.get(variant), log)
         run(
             "skopeo",
             "copy",
@@ -315,7 +361,7 @@ def build_image(variant: str = "cpu", log=print) -> tuple[Path, str]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--variant", choices=VARIANTS, default="cpu")
     args = parser.parse_args()
     path, name = build_image(args.variant, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(path)

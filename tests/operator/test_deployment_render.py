@@ -1,5 +1,9 @@
 """render.py: an InferenceService spec -> Deployment, Service, PodDisruptionBudget and cache PVC."""
 
+from pathlib import Path
+
+import yaml
+
 from capstan.operator import api, render
 
 OWNER = {"metadata": {"name": "qwen", "namespace": "serving", "uid": "1234"}}
@@ -100,6 +104,20 @@ def test_tpu_accelerator_selects_type_and_topology():
         "cloud.google.com/gke-tpu-topology": "2x4",
     }
     assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 8}
+
+
+def test_the_tpu_example_runs_the_tpu_image_on_its_slice_as_its_comment_says():
+    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs/examples/tpu-v5e.yaml").read_text())
+    pod = render.render_deployment(OWNER, api.InferenceServiceSpec.model_validate(example["spec"]), replicas=1)
+    pod = pod["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"].endswith(":0.1.0-tpu")
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+        "cloud.google.com/gke-tpu-topology": "2x4",
+    }
+    assert pod["containers"][0]["resources"] == {"requests": {"google.com/tpu": 8}, "limits": {"google.com/tpu": 8}}
+    assert pod["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["containers"][0]["args"][pod["containers"][0]["args"].index("--tensor-parallel-size") + 1] == "8"
 
 
 def test_cpu_has_no_device_resources_or_selectors():
