@@ -88,7 +88,7 @@ class AsyncLLM(FrontendEngine):
 
     async def load_lora(self, name: str, path: str) -> None:
         lora = LoRARequest(name, next(self._lora_ids), path)
-        weights = await asyncio.to_thread(self.engine._lora_manager().read, lora)  # files read off the engine thread
+        weights = await asyncio.to_thread(self.engine.lora_manager().read, lora)  # files read off the engine thread
         await self._on_engine_thread(lambda: self.engine.add_lora(lora, weights))
 
     async def unload_lora(self, name: str) -> bool:

@@ -188,7 +188,7 @@ class EngineCore:
                 outbox.send(encode(LoRADone(message.call_id, found=found, core=self.core)))
                 return
             lora = LoRARequest(message.name, next(self._lora_ids), message.path)
-            self.lora_reads.append((message, lora, self._lora_reader.submit(engine._lora_manager().read, lora)))
+            self.lora_reads.append((message, lora, self._lora_reader.submit(engine.lora_manager().read, lora)))
         except (LoRAError, InvalidRequestError) as e:
             field = e.field if isinstance(e, LoRAError) else e.param
             outbox.send(encode(LoRADone(message.call_id, str(e), field, core=self.core)))

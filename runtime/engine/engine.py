@@ -69,6 +69,11 @@ class LLMEngine:
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
         self.model = self.parallel.place_model(self.model)  # may replicate KV heads: read cfg after
         cfg = self.model.cfg
+        if config.enable_lora:  # the adapters' slots before the KV pool takes its share of the free memory
+            if jax.process_count() > 1:
+                raise ValueError("enable_lora is not supported across several hosts yet")
+            stack = LoRAStack.allocate(cfg, config.max_loras, config.max_lora_rank, self.dtype)
+            self.model = dataclasses.replace(self.model, lora=self.parallel.replicated(stack))
         spec, draft = config.speculative_config, None
         if spec is not None and spec.method == "draft_model":  # loaded first: the KV budget counts its pages
             draft = load_draft(spec.model, self.model, dtype, self.parallel, given=draft_model)
@@ -132,13 +137,9 @@ class LLMEngine:
         self.compile_seconds = 0.0
 
     def _enable_lora(self, checkpoint_cfg) -> None:
-        """Device slots for --max-loras adapters in the model (whole on every device under tensor parallelism), and
-        the adapters of lora_modules loaded."""
+        """The manager of the model's adapter slots (whole on every device under tensor parallelism), and the
+        adapters of lora_modules loaded."""
         c, cfg = self.config, self.model.cfg
-        if jax.process_count() > 1:
-            raise ValueError("enable_lora is not supported across several hosts yet")
-        stack = LoRAStack.allocate(cfg, c.max_loras, c.max_lora_rank, self.dtype)
-        self.model = dataclasses.replace(self.model, lora=self.parallel.replicated(stack))
         self.loras = LoRAManager(
             checkpoint_cfg,
             layout=cfg,
@@ -161,16 +162,16 @@ class LLMEngine:
     def add_lora(self, lora: LoRARequest, weights: SlotWeights | None = None) -> None:
         """Registers an adapter by its name (read now unless weights, from LoRAManager.read, are given); LoRAError
         names what is wrong with it."""
-        self._lora_manager().add(lora, weights)
+        self.lora_manager().add(lora, weights)
 
     def remove_lora(self, name: str) -> bool:
         """New requests can no longer name it; those admitted already finish with it."""
-        return self._lora_manager().remove(name)
+        return self.lora_manager().remove(name)
 
     def list_loras(self) -> list[LoRARequest]:
         return [] if self.loras is None else self.loras.list()
 
-    def _lora_manager(self) -> LoRAManager:
+    def lora_manager(self) -> LoRAManager:
         if self.loras is None:
             raise InvalidRequestError("LoRA adapters need enable_lora (--enable-lora)", "lora_request")
         return self.loras
@@ -201,7 +202,7 @@ class LLMEngine:
         """lora_request: the adapter to run with (vLLM's), registered on first sight."""
         lora_name = None
         if lora_request is not None:
-            self._lora_manager().find(lora_request)
+            self.lora_manager().find(lora_request)
             lora_name = lora_request.lora_name
         self.enqueue(self.prepare(request_id, prompt, params, lora_name))
 
