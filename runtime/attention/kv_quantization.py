@@ -38,7 +38,10 @@ def store(values: jax.Array, dtype, scale: float = 1.0) -> jax.Array:
 
 def load(stored: jax.Array, dtype) -> jax.Array:
     """A loaded page upcast to the compute dtype (exact for FP8 into bfloat16 or float32); the scale is the
-    caller's to fold in."""
+    caller's to fold in. FP8 into float32 goes through bfloat16 (exact: e4m3's values are bfloat16 values), the
+    conversion Triton has wherever it has FP8."""
+    if is_fp8(stored.dtype) and jnp.dtype(dtype) == jnp.float32:
+        stored = stored.astype(jnp.bfloat16)
     return stored.astype(dtype)
 
 

@@ -127,11 +127,11 @@ def _kernel(
     o, m, l = jax.lax.fori_loop(0, blocks, block, init)
     # the step's own key and value, from registers, counted once: by the first split
     own = (split == 0) & (length > 0)
-    s_own = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale
+    s_own = jnp.sum(q.astype(jnp.float32) * load(k_new, jnp.float32)[None, :], axis=1) * scale
     m_next = jnp.where(own, jnp.maximum(m, s_own), m)
     correction = jnp.exp(m - m_next)
     p_own = jnp.where(own, jnp.exp(s_own - m_next), 0.0)
-    o = o * correction[:, None] + p_own[:, None] * v_new.astype(jnp.float32)[None, :]
+    o = o * correction[:, None] + p_own[:, None] * load(v_new, jnp.float32)[None, :]
     o = o * v_scale if v_scale != 1.0 else o  # stored values to values
     l = l * correction + p_own
     if normalize:
