@@ -76,7 +76,7 @@ wrap(E.LLMEngine, "_build", "build")
 wrap(E.LLMEngine, "_collect_all", "collect")
 wrap(E.LLMEngine, "_append_token", "append_token")
 throughput.main()
-for k in sorted(T, key=T.get, reverse=True):
+for k in sorted(T, key=lambda name: T[name], reverse=True):
     last = np.asarray(L[k][-200:]) * 1e6
     print(
         f"{k:>18}: {T[k] * 1000:9.1f} ms total, {N[k]:7d} calls, last 200 calls: median {np.median(last):9.1f} us, "

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TypedDict
 from urllib.parse import urlparse
 
 import httpx
@@ -59,7 +60,13 @@ def request_body(rng: random.Random) -> tuple[str, dict]:
     return "/v1/chat/completions", {"messages": [{"role": "user", "content": words}], **sampling}
 
 
-async def client(url: str, rng: random.Random, http: httpx.AsyncClient, stats: dict, stop_at: float) -> None:
+class Stats(TypedDict):
+    latency: list[float]  # seconds of each request this minute
+    errors: int
+    disconnected: int
+
+
+async def client(url: str, rng: random.Random, http: httpx.AsyncClient, stats: Stats, stop_at: float) -> None:
     while time.monotonic() < stop_at:
         path, body = request_body(rng)
         leaves = rng.random() < 0.2
@@ -92,7 +99,7 @@ async def client(url: str, rng: random.Random, http: httpx.AsyncClient, stats: d
 
 async def soak(url: str, pid: int, minutes: float, concurrency: int, seed: int) -> None:
     rngs = [random.Random(seed + i) for i in range(concurrency)]
-    stats = {"latency": [], "errors": 0, "disconnected": 0}
+    stats: Stats = {"latency": [], "errors": 0, "disconnected": 0}
     start = time.monotonic()
     stop_at = start + minutes * 60
     samples = []

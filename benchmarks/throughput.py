@@ -24,6 +24,7 @@ from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 from capstan.runtime.parallel.tensor_parallel import TensorParallel  # noqa: E402
 from capstan.runtime.sampling.grammar import StructuredOutput  # noqa: E402
+from capstan.runtime.sampling_keys import SamplingDefaults  # noqa: E402
 
 UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}  # cannot end early
 
@@ -31,17 +32,21 @@ UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 10
 def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
     """Variable lengths and a mix of greedy, top-p and top-k sampling (seeded), as real traffic has."""
     prompts, params = [], []
-    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=50, min_p=0.05)]
+    kinds: list[SamplingDefaults] = [
+        {"temperature": 0.0},
+        {"temperature": 0.8, "top_p": 0.9},
+        {"temperature": 1.0, "top_k": 50, "min_p": 0.05},
+    ]
     for i in range(a.requests):
         prompts.append(rng.integers(0, vocab_size, int(rng.integers(a.prompt_len // 4, 2 * a.prompt_len))).tolist())
-        kind = dict(temperature=0.0) if a.all_greedy else kinds[i % 3]
+        kind: SamplingDefaults = {"temperature": 0.0} if a.all_greedy else kinds[i % 3]
         params.append(
-            SamplingParams(
+            dataclasses.replace(
+                SamplingParams(**kind),
                 max_tokens=int(rng.integers(max(1, a.output_len // 8), 2 * a.output_len)),
                 ignore_eos=True,
                 detokenize=False,
                 seed=i,
-                **kind,
             )
         )
     return prompts, params
@@ -129,8 +134,8 @@ def run(
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     trace_step = -1
     while engine.has_unfinished():
-        tracing = trace and steps == trace_step
-        if tracing:  # one decode step's kernels, for benchmarks/trace_summary.py
+        tracing = bool(trace) and steps == trace_step
+        if trace and tracing:  # one decode step's kernels, for benchmarks/trace_summary.py
             jax.profiler.start_trace(trace, create_perfetto_trace=True)
         outs = timeline.step(engine) if timeline else engine.step()
         if tracing:

@@ -7,7 +7,7 @@ InferenceService every few seconds, which refreshes status from its pods and dri
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypedDict
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -20,14 +20,25 @@ ANNOTATION_PREFIX = "capstan.dev"
 
 
 def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type_, reason=reason, message=message[:1024])
+    # kopf walks any mapping (its dicts.walk); the annotation names only its own Body view of one
+    kopf.event(body, type=type_, reason=reason, message=message[:1024])  # type: ignore[arg-type]
+
+
+class _Resource(TypedDict):
+    """What every handler is registered for: the InferenceService resource, in this registry."""
+
+    group: str
+    version: str
+    plural: str
+    registry: kopf.OperatorRegistry
+    backoff: float
 
 
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     reconciler: Reconciler | None = None
     # Unexpected errors retry soon, not after kopf's default minute: the reconciliation is idempotent.
-    resource = dict(group=api.GROUP, version=api.VERSION, plural=api.PLURAL, registry=registry, backoff=5)
+    resource = _Resource(group=api.GROUP, version=api.VERSION, plural=api.PLURAL, registry=registry, backoff=5)
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

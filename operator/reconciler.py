@@ -269,6 +269,6 @@ def _is_ready(pod: dict[str, Any]) -> bool:
 
 def _api_message(error: ApiException) -> str:
     try:
-        return json.loads(error.body)["message"]
+        return json.loads(error.body or "")["message"]
     except (TypeError, ValueError, KeyError):
         return f"{error.status} {error.reason}"

@@ -91,6 +91,12 @@ class EngineConfig:
         if self.model is None:  # every entry point (LLM(), serve, generate) resolves "no model" here, once
             self.model = str(default_model())
 
+    @property
+    def checkpoint(self) -> str:
+        """model, as __post_init__ resolved it: never None."""
+        assert self.model is not None, "EngineConfig.__post_init__ resolves model"
+        return self.model
+
     def validate(self) -> None:
         for name in (
             "max_num_seqs",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .gguf_metadata import GGUFMetadataError, read_metadata
-from .sampling_keys import check_fields, parse_sampling_keys
+from .sampling_keys import SamplingDefaults, check_fields, parse_sampling_keys
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -32,17 +32,17 @@ GGUF_SAMPLING_KEYS = {
 # The default model's card (HuggingFaceTB/SmolLM2-135M-Instruct) samples with temperature 0.2 and top_p 0.9; its
 # files carry none. With those alone, the Q4_1 file's near-tied first tokens send ~3 in 10 one-line answers into a
 # loop until the context ends; a repetition penalty of 1.1 (ours, not the card's) ended 15 of 15 with EOS.
-SMOLLM2_RECOMMENDED = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+SMOLLM2_RECOMMENDED: SamplingDefaults = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
 
 
-def sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
+def sampling_defaults(config: EngineConfig) -> SamplingDefaults:
     """SamplingParams fields a request (or LLM.generate without sampling_params) takes when it leaves them out."""
-    model = {} if config.generation_config == "vllm" else model_defaults(config.model, config.generation_config)
+    model = {} if config.generation_config == "vllm" else model_defaults(config.checkpoint, config.generation_config)
     override = parse_sampling_keys(config.override_generation_config or {}, "--override-generation-config", strict=True)
     return {**model, **override}
 
 
-def describe(defaults: dict[str, float | int], config: EngineConfig) -> str:
+def describe(defaults: SamplingDefaults, config: EngineConfig) -> str:
     """One log line: which defaults are in force and where they came from."""
     if not defaults:
         return "default sampling parameters: SamplingParams' own (the model's generation config has none)"
@@ -61,7 +61,7 @@ def describe(defaults: dict[str, float | int], config: EngineConfig) -> str:
     )
 
 
-def model_defaults(model: str, source: str = "auto") -> dict[str, float | int]:
+def model_defaults(model: str, source: str = "auto") -> SamplingDefaults:
     """The sampling defaults the checkpoint recommends. source: "auto" (the checkpoint's own files) or a folder
     holding a generation_config.json."""
     if source != "auto":
@@ -75,7 +75,7 @@ def model_defaults(model: str, source: str = "auto") -> dict[str, float | int]:
     return _json_defaults(path / GENERATION_CONFIG_FILE) if path.is_dir() else {}
 
 
-def _json_defaults(path: Path) -> dict[str, float | int]:
+def _json_defaults(path: Path) -> SamplingDefaults:
     if not path.is_file():
         if path.parent.is_dir():
             return {}
@@ -90,7 +90,7 @@ def _json_defaults(path: Path) -> dict[str, float | int]:
     return parse_sampling_keys(raw, str(path))
 
 
-def _gguf_defaults(path: Path) -> dict[str, float | int]:
+def _gguf_defaults(path: Path) -> SamplingDefaults:
     from .config import SMOLLM2_FILE
 
     try:
@@ -102,7 +102,7 @@ def _gguf_defaults(path: Path) -> dict[str, float | int]:
     if isinstance(top_k, float):  # int or float: the key's type is the converter's choice
         fields["top_k"] = int(top_k)
     if not fields and path.name == SMOLLM2_FILE:
-        return dict(SMOLLM2_RECOMMENDED)
+        return SMOLLM2_RECOMMENDED.copy()
     return check_fields(fields, f"{path} (general.sampling.*)")
 
 

@@ -3,6 +3,8 @@ model's generation config and for --override-generation-config (which EngineConf
 
 from __future__ import annotations
 
+from typing import TypedDict, cast
+
 from .engine.sampling_params import InvalidRequestError, SamplingParams
 
 # generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults
@@ -16,7 +18,18 @@ SAMPLING_KEYS = {
 }
 
 
-def parse_sampling_keys(raw: dict, source: str, strict: bool = False) -> dict[str, float | int]:
+class SamplingDefaults(TypedDict, total=False):
+    """The SamplingParams fields a model's generation config (or its override) sets: defaults for requests."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    max_tokens: int
+
+
+def parse_sampling_keys(raw: dict, source: str, strict: bool = False) -> SamplingDefaults:
     """generation_config.json's sampling keys as SamplingParams fields, each checked against the request limits.
     strict: other keys are refused (a typo in a flag must not pass silently); a file's other keys are ignored."""
     if not isinstance(raw, dict):
@@ -29,7 +42,7 @@ def parse_sampling_keys(raw: dict, source: str, strict: bool = False) -> dict[st
     return check_fields(fields, source)
 
 
-def check_fields(fields: dict, source: str) -> dict:
+def check_fields(fields: dict, source: str) -> SamplingDefaults:
     """The same limits a request meets (SamplingParams.validate), plus at least one token to generate."""
     try:
         SamplingParams(**fields).validate(vocab_size=1, max_n=1)
@@ -37,4 +50,4 @@ def check_fields(fields: dict, source: str) -> dict:
         raise ValueError(f"{source}: {e}") from None
     if fields.get("max_tokens") == 0:
         raise ValueError(f"{source}: max_new_tokens must be at least 1, got 0")
-    return fields
+    return cast(SamplingDefaults, fields)  # SamplingParams took and checked them above

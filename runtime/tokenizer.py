@@ -166,7 +166,7 @@ class Tokenizer:
 
     def end_of_turn_ids(self) -> list[int]:
         """EOS ids plus the end-of-turn special tokens of the common chat formats that this tokenizer has."""
-        ids = {self.token_to_id(t) for t in END_OF_TURN_TOKENS} & set(self.special_token_ids)
+        ids = {i for t in END_OF_TURN_TOKENS if (i := self.token_to_id(t)) is not None} & set(self.special_token_ids)
         return sorted(ids | set(self.eos_token_ids))
 
     def backend_json(self) -> str:

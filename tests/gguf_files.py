@@ -112,14 +112,16 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, hf: dict, pre: str) -> No
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = dict(tok["model"]["vocab"])
     special = {a["content"]: a["id"] for a in tok["added_tokens"]}
-    tokens = [None] * (max([*vocab.values(), *special.values()]) + 1)
+    tokens: list[str | None] = [None] * (max([*vocab.values(), *special.values()]) + 1)
     for t, i in {**vocab, **special}.items():
         tokens[i] = t
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
+    names = [t for t in tokens if t is not None]
+    assert len(names) == len(tokens), "every id below the largest has a token"
+    w.add_token_list(names)
     w.add_token_types(
-        [gguf.TokenType.CONTROL if i in special.values() else gguf.TokenType.NORMAL for i in range(len(tokens))]
+        [gguf.TokenType.CONTROL if i in special.values() else gguf.TokenType.NORMAL for i in range(len(names))]
     )
     merges = tok["model"]["merges"]
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import uuid
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -327,7 +328,7 @@ class EngineCoreClient(FrontendEngine):
 
 def add_stats(stats: list[EngineStats]) -> EngineStats:
     """Several engine cores' stats as one engine's: every count added up (accepted tokens by position too)."""
-    total = {}
+    total: dict[str, Any] = {}
     for field in dataclasses.fields(EngineStats):
         values = [getattr(s, field.name) for s in stats]
         if isinstance(values[0], tuple):

@@ -25,7 +25,7 @@ from ..models.lora import LoRAStack, write_slot_fn
 from ..parallel.tensor_parallel import TensorParallel
 from ..sampling.grammar import GrammarTokenizer
 from ..sampling.sampler import SampleResult
-from ..scheduling.batch import BatchBuilder
+from ..scheduling.batch import BatchBuilder, BatchSizes
 from ..scheduling.scheduler import ScheduledChunk, Scheduler
 from ..scheduling.sequence import Sequence
 from ..speculative.draft_model import load_draft
@@ -58,7 +58,7 @@ class LLMEngine:
         """model, draft_model: built already (benchmarks' random weights) instead of loaded from the config's paths."""
         config.validate()
         self.config = config
-        path = resolve_checkpoint(config.model)
+        path = resolve_checkpoint(config.checkpoint)
         dtype = (
             config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
         )
@@ -76,6 +76,7 @@ class LLMEngine:
             self.model = dataclasses.replace(self.model, lora=self.parallel.replicated(stack))
         spec, draft = config.speculative_config, None
         if spec is not None and spec.method == "draft_model":  # loaded first: the KV budget counts its pages
+            assert spec.model is not None, "SpeculativeConfig.validate: draft_model names its model"
             draft = load_draft(spec.model, self.model, dtype, self.parallel, given=draft_model)
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(
             resolve_checkpoint(config.tokenizer) if config.tokenizer else path
@@ -110,7 +111,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         if config.kv_offloading_size:  # evicted prefix pages go to host memory, and come back on a hit
             self.scheduler.attach_host_tier(HostOffload(self.kv, config.kv_offloading_size, context=self._precision))
-        rows = dict(
+        rows = BatchSizes(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             page_size=config.page_size,
@@ -212,7 +213,7 @@ class LLMEngine:
             vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len,
             page_size=c.page_size,
-            num_pages=c.num_pages,
+            num_pages=self.pool.num_pages,
             max_num_seqs=c.max_num_seqs,
             max_logprobs=c.max_logprobs,
             eos_token_ids=sorted(self.eos_token_ids),

@@ -56,7 +56,7 @@ class LLM:
         params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        loras = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest | None) else list(lora_request)
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]

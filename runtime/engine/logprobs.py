@@ -24,6 +24,7 @@ def position_logprobs(
 def add_prompt_logprobs(tokenizer: Tokenizer, seq: Sequence, c: ScheduledChunk, out: StepOutputs, t0: int) -> None:
     """The logprobs of the prompt tokens this chunk computed (each token's, given the ones before it)."""
     pl, n = out.prompt, seq.params.prompt_logprobs
+    assert n is not None and pl is not None, "called for requests that asked for prompt logprobs"
     if c.start == 0:
         seq.prompt_logprobs = [None]  # the first prompt token has no context
     last_prompt = len(seq.prompt_ids) - 1

@@ -307,6 +307,7 @@ class MultiStepDecoder:
     def continue_run(self) -> list[RequestOutput]:
         """The engine step after a dispatch was queued ahead: apply its tokens (queueing the next first)."""
         d, self.ahead = self.ahead, None
+        assert d is not None, "called when a dispatch was queued ahead"
         self.settle(d)
         return self._apply(d)
 

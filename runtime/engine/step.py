@@ -41,7 +41,7 @@ class PromptLogprobs(eqx.Module):
 
 class StepOutputs(eqx.Module):
     sampled: SampleResult
-    prompt: PromptLogprobs
+    prompt: PromptLogprobs | None  # None: a speculative verify step (its requests ask for no prompt logprobs)
 
 
 def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:

@@ -135,6 +135,7 @@ class TensorParallel:
         return None if self.mesh is None else NamedSharding(self.mesh, P())
 
     def _put(self, x, spec: P) -> jax.Array:
+        assert self.mesh is not None, "placed only on a mesh"
         if jax.process_count() > 1:  # each host holds the whole value; device_put takes its own devices' parts
             x = np.asarray(x)
         return jax.device_put(x, NamedSharding(self.mesh, spec))

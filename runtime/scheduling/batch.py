@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,18 @@ def row_key_data(seed: int, index: int) -> tuple[int, int]:
     """A choice's 64-bit threefry key from its request's seed and its index among the n choices."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+class BatchSizes(TypedDict):
+    """BatchBuilder's sizes but queries_per_kv: the engine's, which the draft model's builder shares."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    page_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    smallest_bucket: int
 
 
 class BatchBuilder:

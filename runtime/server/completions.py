@@ -80,10 +80,12 @@ def _choice(
     if body.echo:
         prompt_text = _prompt_text(gen, i, ctx)
         text = prompt_text + text
-        if body.logprobs is not None and gen.prompt_logprobs[i] is not None:
-            prompt_logprobs = writer.write(gen.prompt_token_ids[i], gen.prompt_logprobs[i])
+        prompt_positions = gen.prompt_logprobs[i]
+        if body.logprobs is not None and prompt_positions is not None:
+            prompt_logprobs = writer.write(gen.prompt_token_ids[i], prompt_positions)
         writer.offset = len(prompt_text)
     if body.logprobs is not None:
+        assert choice.logprobs is not None, "asked for (SamplingParams.logprobs), so computed"
         logprobs = _join(prompt_logprobs, writer.write(choice.token_ids, choice.logprobs))
     return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason)
 

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from ..engine.sampling_params import InvalidRequestError
+from ..sampling_keys import SamplingDefaults
 from .drain import Drain
 from .errors import APIError, model_not_found
 from .metrics import ServerMetrics
@@ -24,7 +25,7 @@ class ServerContext:
     log_prompts: bool = False
     tool_parser: Any = None  # parses `tool_choice: auto` answers (tool_parsers.py)
     # what a request's left-out sampling fields take (generation_config.py): override > model > SamplingParams'
-    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sampling_defaults: SamplingDefaults = dataclasses.field(default_factory=SamplingDefaults)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property

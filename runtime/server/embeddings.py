@@ -21,7 +21,7 @@ from ..engine.sampling_params import InvalidRequestError
 from .context import ServerContext, get_context
 from .generation import CLIENT_CLOSED, until_disconnected
 from .json_body import StrictJSONRoute
-from .protocol import Name, Text, TokenList
+from .protocol import Name, Text, TokenList, is_token_list
 
 log = logging.getLogger("capstan.server")
 router = APIRouter(route_class=StrictJSONRoute)
@@ -45,9 +45,10 @@ class EmbeddingRequest(BaseModel):
         """One embedding per string or per token list, in order."""
         if isinstance(self.input, str):
             return [self.input]
-        if all(isinstance(t, int) for t in self.input):
-            return [list(self.input)]
-        return list(self.input)
+        texts_or_tokens = self.input
+        if is_token_list(texts_or_tokens):
+            return [list(texts_or_tokens)]
+        return list(texts_or_tokens)
 
 
 class Embedding(BaseModel):

@@ -64,7 +64,11 @@ def _field_path(loc: tuple) -> str | None:
     return path or None
 
 
-async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+# Starlette types a handler as taking any Exception; each below is installed for one kind and asserts it.
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0]
     if first.get("type") == "json_invalid":
         return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
@@ -77,15 +81,18 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     return error_response(400, message, param=param)
 
 
-async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
     return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
 
-async def _on_invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+async def _on_invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidRequestError)
     return error_response(400, str(exc), param=exc.param)
 
 
-async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
     return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 

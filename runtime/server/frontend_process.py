@@ -61,7 +61,7 @@ def main() -> int:
     config = spec.config
     client = EngineCoreClient(
         config,
-        Tokenizer.from_pretrained(config.tokenizer or config.model),
+        Tokenizer.from_pretrained(config.tokenizer or config.checkpoint),
         spec.model_name,
         frontend=spec.frontend,
         input_addresses=spec.input_addresses,

@@ -43,7 +43,7 @@ def serve_with_engine_core(
     """Serves until SIGTERM (after the drain) or SIGINT; returns the exit code. cpu_max_num_seqs: the core's
     max_num_seqs when it finds itself on a CPU (only a core may start JAX's backend). data_parallel_size: engine
     cores, each a replica of the model on its own tensor_parallel_size GPUs, behind every frontend."""
-    path = resolve_checkpoint(config.model)  # hf:// downloads once, here
+    path = resolve_checkpoint(config.checkpoint)  # hf:// downloads once, here
     tokenizer_path = resolve_checkpoint(config.tokenizer) if config.tokenizer else path
     config = dataclasses.replace(config, model=str(path), tokenizer=str(tokenizer_path))
     tokenizer = Tokenizer.from_pretrained(tokenizer_path)

@@ -9,15 +9,19 @@ and what depends on the served model or the server's flags is refused in `to_sam
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 from .. import limits
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from ..sampling_keys import SamplingDefaults
 from .json_values import Name, Text, bounded_json
 from .structured import StructuredFields
 from .tools import NamedToolChoice, Tool, ToolCall, ToolChoice, forced_tool_output, template_tool_calls
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 Count = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
 FreeJSON = Annotated[Any, AfterValidator(bounded_json)]  # free-form objects: depth and text checked
@@ -86,7 +90,7 @@ class _SamplingFields(StructuredFields):
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
-        defaults: dict[str, Any] | None = None,
+        defaults: SamplingDefaults | None = None,
     ):
         """defaults: what a field the request leaves out takes (the model's generation config and the server's
         override, generation_config.py), before SamplingParams' own."""
@@ -100,7 +104,7 @@ class _SamplingFields(StructuredFields):
                 ) from e
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         # request > --override-generation-config > the model's generation config > SamplingParams' own defaults
-        sampling = {name: value for name, value in (defaults or {}).items() if name in DEFAULTED_FIELDS}
+        sampling: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k in DEFAULTED_FIELDS}
         sampling |= {name: getattr(self, name) for name in DEFAULTED_FIELDS if getattr(self, name) is not None}
         return SamplingParams(
             n=self.n,
@@ -126,6 +130,11 @@ class _SamplingFields(StructuredFields):
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
 
 
+def is_token_list(texts_or_tokens: list[str] | list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    """Whether a list of prompts or inputs is one token list (else strings, or several token lists)."""
+    return all(isinstance(t, int) for t in texts_or_tokens)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: (
         Text
@@ -144,12 +153,12 @@ class CompletionRequest(_SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if all(isinstance(p, int) for p in prompt):
+        if is_token_list(prompt):
             return [list(prompt)]
         return list(prompt)
 
     def to_sampling_params(
-        self, max_logprobs: int = limits.MAX_LOGPROBS, defaults: dict[str, Any] | None = None
+        self, max_logprobs: int = limits.MAX_LOGPROBS, defaults: SamplingDefaults | None = None
     ) -> SamplingParams:
         self.check_stream_options()
         defaults = defaults or {}
@@ -258,7 +267,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Annotated[dict[Name, FreeJSON], Field(max_length=limits.MAX_TEMPLATE_KWARGS)] | None = None
 
     def to_sampling_params(
-        self, max_logprobs: int = limits.MAX_LOGPROBS, defaults: dict[str, Any] | None = None
+        self, max_logprobs: int = limits.MAX_LOGPROBS, defaults: SamplingDefaults | None = None
     ) -> SamplingParams:
         self.check_stream_options()
         if self.top_logprobs is not None and self.top_logprobs > max_logprobs:

@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from .. import limits
 from ..engine.sampling_params import InvalidRequestError
-from ..sampling.grammar import StructuredOutput
+from ..sampling.grammar import Kind, StructuredOutput
 from .json_values import Name, Text, bounded_json
 
 GrammarText = Annotated[Text, Field(min_length=1, max_length=limits.MAX_GRAMMAR_CHARS)]
@@ -70,22 +70,24 @@ class StructuredFields(_Fields):
             found.append(StructuredOutput("json", rf.json_schema.json_schema, "response_format.json_schema.schema"))
         so = self.structured_outputs
         if so is not None:
-            for kind, value, name in (
+            named: tuple[tuple[Kind, Any, str], ...] = (
                 ("json", so.json_schema, "json"),
                 ("regex", so.regex, "regex"),
                 ("choice", so.choice, "choice"),
                 ("grammar", so.grammar, "grammar"),
-            ):
+            )
+            for kind, value, name in named:
                 if value is not None:
                     found.append(StructuredOutput(kind, value, f"structured_outputs.{name}"))
             if so.json_object:
                 found.append(StructuredOutput("json_object", param="structured_outputs.json_object"))
-        for kind, value, name in (
+        guided: tuple[tuple[Kind, Any, str], ...] = (
             ("json", self.guided_json, "guided_json"),
             ("regex", self.guided_regex, "guided_regex"),
             ("choice", self.guided_choice, "guided_choice"),
             ("grammar", self.guided_grammar, "guided_grammar"),
-        ):
+        )
+        for kind, value, name in guided:
             if value is not None:
                 found.append(StructuredOutput(kind, value, name))
         if len(found) > 1:

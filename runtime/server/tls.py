@@ -13,6 +13,7 @@ import hashlib
 import logging
 import ssl
 from pathlib import Path
+from typing import TypedDict
 
 import uvicorn
 
@@ -35,6 +36,13 @@ def _check_pair(keyfile: str, certfile: str) -> None:
         ) from None
 
 
+class UvicornTLS(TypedDict, total=False):
+    """uvicorn.Config's TLS keywords (none: plain HTTP)."""
+
+    ssl_keyfile: str
+    ssl_certfile: str
+
+
 class ServingCertificate:
     """A key and certificate file pair served by uvicorn and reloaded when their content changes."""
 
@@ -44,9 +52,9 @@ class ServingCertificate:
         self._fingerprint = self._read_fingerprint()
         self.context: ssl.SSLContext | None = None
 
-    def uvicorn_options(self) -> dict[str, str]:
+    def uvicorn_options(self) -> UvicornTLS:
         """Keyword arguments for `uvicorn.Config`."""
-        return {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile}
+        return UvicornTLS(ssl_keyfile=self.keyfile, ssl_certfile=self.certfile)
 
     def attach(self, config: uvicorn.Config) -> None:
         """Take the context uvicorn built from `uvicorn_options()` (loading the config now), to reload into it."""
@@ -88,7 +96,7 @@ def serving_certificate(keyfile: str | None, certfile: str | None) -> ServingCer
             f"{missing} is required with {'--ssl-keyfile' if keyfile else '--ssl-certfile'}: TLS needs "
             "the certificate (chain) and its private key"
         )
-    return ServingCertificate(keyfile, certfile) if keyfile else None
+    return ServingCertificate(keyfile, certfile) if keyfile and certfile else None
 
 
 def add_tls_flags(parser) -> None:

@@ -25,6 +25,7 @@ class ToolCallOutput:
     def split(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """A finished choice's text as (content, calls); text that is not a well-formed call stays content."""
         if self.mode == "named":
+            assert self.named is not None, "a named tool_choice names its function"
             return None, [ParsedCall(self.named, text)]
         if self.mode == "required":
             try:
@@ -65,6 +66,7 @@ class ToolCallStream:
             deltas = []
             if not self.named_opened:
                 self.named_opened = True
+                assert self.output.named is not None, "a named tool_choice names its function"
                 deltas.append(self._call_delta(0, ParsedCall(self.output.named, "")))
             if piece:
                 deltas.append(

@@ -27,7 +27,7 @@ from ..engine.step import StepInputs, StepOutputs
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from ..sampling.sampler import Branches, SampleResult, sample
-from ..scheduling.batch import BatchBuilder
+from ..scheduling.batch import BatchBuilder, BatchSizes
 from ..scheduling.packing import Packed
 from ..scheduling.scheduler import ScheduledChunk
 from ..speculative_config import SpeculativeConfig
@@ -138,7 +138,7 @@ class Speculator:
     target step. It works on the engine's own state (its KV cache, pool, scheduler and requests), as the Embedder
     does, and applies accepted tokens through the engine's token path so stops and logprobs stay the engine's."""
 
-    def __init__(self, engine, config: SpeculativeConfig, draft_model: DecoderModel | None, rows: dict):
+    def __init__(self, engine, config: SpeculativeConfig, draft_model: DecoderModel | None, rows: BatchSizes):
         """draft_model: loaded and placed already (method draft_model), the engine's pages sized for it too;
         rows: the target's BatchBuilder arguments, which the draft's steps share."""
         self.engine, self.k = engine, config.num_speculative_tokens

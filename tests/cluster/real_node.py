@@ -339,5 +339,7 @@ def archive_manifest(archive: Path) -> tuple[str, str]:
     """The image name an OCI archive carries (skopeo writes it as the index's ref.name annotation), and the
     digest of its manifest."""
     with tarfile.open(archive) as tar:
-        manifest = json.load(tar.extractfile("index.json"))["manifests"][0]
+        index = tar.extractfile("index.json")
+        assert index is not None, f"{archive}: no index.json"
+        manifest = json.load(index)["manifests"][0]
     return manifest["annotations"]["org.opencontainers.image.ref.name"], manifest["digest"]

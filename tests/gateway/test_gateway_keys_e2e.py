@@ -87,7 +87,10 @@ def gateway(replica, keyfiles):
 
 def client_for(gateway, name: str | None, key: str | None = None) -> openai.OpenAI:
     return openai.OpenAI(
-        base_url=f"{gateway.url}/v1", api_key=key or KEYS.get(name, "none"), max_retries=0, timeout=120
+        base_url=f"{gateway.url}/v1",
+        api_key=key or (KEYS.get(name, "none") if name else "none"),
+        max_retries=0,
+        timeout=120,
     )
 
 

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from cryptography import x509
@@ -75,7 +74,11 @@ def issue(ca, keyfile: Path, certfile: Path) -> None:
 def client_trusting(url: str, ca_file: Path) -> openai.OpenAI:
     verify = ssl.create_default_context(cafile=str(ca_file))
     return openai.OpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10, http_client=httpx.Client(verify=verify)
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=10,
+        http_client=openai.DefaultHttpxClient(verify=verify),
     )
 
 

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.realnode
 
 
 def blob(tar: tarfile.TarFile, digest: str) -> dict:
-    return json.load(tar.extractfile(f"blobs/{digest.replace(':', '/')}"))
+    member = tar.extractfile(f"blobs/{digest.replace(':', '/')}")
+    assert member is not None, f"no blob {digest}"
+    return json.load(member)
 
 
 def test_the_image_runs_capstan_as_a_non_root_user_with_no_shell(image):
