@@ -36,10 +36,16 @@ def tpu_archive() -> Path:
     return archive
 
 
+def member_json(tar: tarfile.TarFile, name: str) -> dict:
+    member = tar.extractfile(name)
+    assert member is not None, f"{name}: not in the archive"
+    return json.load(member)
+
+
 def image_config(archive: Path) -> dict:
     with tarfile.open(archive) as tar:
-        index = json.load(tar.extractfile("index.json"))
-        blob = lambda digest: json.load(tar.extractfile(f"blobs/{digest.replace(':', '/')}"))  # noqa: E731
+        index = member_json(tar, "index.json")
+        blob = lambda digest: member_json(tar, f"blobs/{digest.replace(':', '/')}")  # noqa: E731
         manifest = blob(index["manifests"][0]["digest"])
         return {
             "reference": index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"],
