@@ -23,8 +23,8 @@ from shapes import shape_config  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
+from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 
 
 def one_stream(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[float, float, float]:

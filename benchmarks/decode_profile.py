@@ -23,9 +23,9 @@ from timing import median_ms as timed  # noqa: E402
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.engine.multi_step import GREEDY_SCAN, decode_steps_fn  # noqa: E402
-from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 from capstan.runtime.sampling.sampler import sample  # noqa: E402
+from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 
 
 def leave_one_out(results: dict, step, model, kv, xd) -> None:

@@ -25,8 +25,8 @@ from shapes import shape_config  # noqa: E402
 from capstan.runtime.config import DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig  # noqa: E402
 from capstan.runtime.engine import engine as engine_module  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
+from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 
 
 def bytes_in_use() -> int:

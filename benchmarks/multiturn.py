@@ -37,10 +37,10 @@ from shapes import shape_config  # noqa: E402
 from capstan.runtime.attention import PAGES_INTERLEAVED, layout_of  # noqa: E402
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.kv.cache import KVCache  # noqa: E402
 from capstan.runtime.kv.host_offload import gather_pages  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
+from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 
 
 def engine_for(model, a, num_pages: int, tier_gib: float) -> LLMEngine:

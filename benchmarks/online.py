@@ -240,7 +240,7 @@ def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
 
     from capstan.runtime.cli import _engine_config, build_parser, persist_compilations
     from capstan.runtime.engine.engine import LLMEngine
-    from capstan.runtime.engine.sampling_params import SamplingParams
+    from capstan.runtime.sampling.sampling_params import SamplingParams
 
     persist_compilations()  # the server's compilation cache: the same programs load instead of compiling
     config = _engine_config(build_parser().parse_args(["serve", *serve_argv]))

@@ -35,8 +35,8 @@ from throughput import Timeline  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
+from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.speculative_config import SpeculativeConfig  # noqa: E402
 
 METHODS = ("ngram", "oracle", "draft-target", "draft-small")

@@ -20,10 +20,10 @@ from shapes import shape_config  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 from capstan.runtime.parallel.tensor_parallel import TensorParallel  # noqa: E402
 from capstan.runtime.sampling.grammar import StructuredOutput  # noqa: E402
+from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 from capstan.runtime.sampling_keys import SamplingDefaults  # noqa: E402
 
 UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}  # cannot end early

@@ -14,7 +14,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 _EXPORTS = {
     "LLM": "capstan.runtime.engine.llm",
-    "SamplingParams": "capstan.runtime.engine.sampling_params",
+    "SamplingParams": "capstan.runtime.sampling.sampling_params",
     "EngineConfig": "capstan.runtime.config",
     "RequestOutput": "capstan.runtime.engine.outputs",
     "CompletionOutput": "capstan.runtime.engine.outputs",

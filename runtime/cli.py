@@ -420,7 +420,7 @@ def _serve_several_hosts(
 
 def _generate(args: argparse.Namespace) -> int:
     from .engine.llm import LLM
-    from .engine.sampling_params import SamplingParams
+    from .sampling.sampling_params import SamplingParams
 
     config = _engine_config(args)
     llm = LLM(**vars(config))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TypedDict, cast
 
-from .engine.sampling_params import InvalidRequestError, SamplingParams
+from .sampling.sampling_params import InvalidRequestError, SamplingParams
 
 # generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults
 SAMPLING_KEYS = {

@@ -16,7 +16,7 @@ def main(case: str) -> None:
     import jax
 
     from capstan.runtime.config import EngineConfig
-    from capstan.runtime.engine.sampling_params import SamplingParams
+    from capstan.runtime.sampling.sampling_params import SamplingParams
 
     many = initialize_from_env(timeout_s=60)
     engine = LockstepEngine(

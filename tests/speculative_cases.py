@@ -2,8 +2,8 @@
 
 import pytest
 
-from capstan.runtime.engine.sampling_params import SamplingParams
 from capstan.runtime.sampling.grammar import StructuredOutput
+from capstan.runtime.sampling.sampling_params import SamplingParams
 
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
 # greedy with logprobs, seeded sampling, n=2 with filters and a stop string, and penalties (decoded plainly)

@@ -6,8 +6,8 @@ from golden import GOLDEN
 
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.multi_step import decode_steps_fn
-from capstan.runtime.engine.sampling_params import InvalidRequestError, SamplingParams
 from capstan.runtime.engine.step import step_fn
+from capstan.runtime.sampling.sampling_params import InvalidRequestError, SamplingParams
 
 MODEL = str(GOLDEN / "llama-s11")
 

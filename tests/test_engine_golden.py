@@ -5,7 +5,7 @@ import pytest
 from golden import CASES, GOLDEN, greedy_agreement_length, log_softmax, reference, reference_logits
 
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.sampling_params import SamplingParams
+from capstan.runtime.sampling.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,7 +14,7 @@ from golden import GOLDEN
 
 from capstan.runtime.config import EngineConfig
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.sampling_params import SamplingParams
+from capstan.runtime.sampling.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 from servers import START_TIMEOUT, ThreadServer  # noqa: E402

@@ -21,10 +21,10 @@ from capstan.runtime.config import EngineConfig
 from capstan.runtime.engine import engine as engine_module
 from capstan.runtime.engine.engine import LLMEngine
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.sampling_params import SamplingParams
 from capstan.runtime.kv.cache import KVCache
 from capstan.runtime.models.config import UnsupportedModelError
 from capstan.runtime.models.loader import load_model
+from capstan.runtime.sampling.sampling_params import SamplingParams
 
 # Measured (CPU, float32 model, FP8 pages), teacher-forced over every position of every golden prompt against
 # transformers' float32 logits, with scales 1.0 (vLLM's default) and 0.05 (a checkpoint's): the largest |logprob

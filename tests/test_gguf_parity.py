@@ -19,7 +19,7 @@ from golden import GOLDEN
 
 from capstan.runtime.config import SMOLLM2_NAME, installed_smollm2
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.sampling_params import SamplingParams
+from capstan.runtime.sampling.sampling_params import SamplingParams
 from capstan.runtime.tokenizer import Tokenizer
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())

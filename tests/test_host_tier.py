@@ -9,12 +9,12 @@ from golden import GOLDEN
 
 from capstan.runtime.cli import main
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.sampling_params import SamplingParams
 from capstan.runtime.engine.step import step_fn
 from capstan.runtime.kv import host_offload
 from capstan.runtime.kv.host_offload import gather_pages, scatter_pages
 from capstan.runtime.kv.host_tier import HostTier
 from capstan.runtime.kv.page_pool import page_hash
+from capstan.runtime.sampling.sampling_params import SamplingParams
 from capstan.runtime.server.metrics import ServerMetrics
 
 MODEL = str(GOLDEN / "llama-s11")

@@ -272,7 +272,7 @@ def test_quantized_model_splits_over_devices_like_one_device():
 
 if __name__ == "__main__":  # the child of the split test: one device, then four
     from capstan.runtime.engine.llm import LLM
-    from capstan.runtime.engine.sampling_params import SamplingParams
+    from capstan.runtime.sampling.sampling_params import SamplingParams
 
     prompts = reference("qwen2-s12")["prompts"][:3]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)

@@ -11,7 +11,7 @@ import pytest
 from capstan.runtime.config import EngineConfig
 from capstan.runtime.engine.engine import LLMEngine
 from capstan.runtime.engine.request_text import RequestText
-from capstan.runtime.engine.sampling_params import SamplingParams
+from capstan.runtime.sampling.sampling_params import SamplingParams
 
 CHECKPOINT = Path(__file__).parent / "data" / "golden" / "qwen3-s13"
 

@@ -13,7 +13,7 @@ from speculative_cases import ENGINE, GRAMMAR, PARAMS, PROMPTS, same_outputs
 
 from capstan.runtime.cli import build_parser
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.sampling_params import SamplingParams
+from capstan.runtime.sampling.sampling_params import SamplingParams
 from capstan.runtime.speculative.speculator import propose_ngram
 from capstan.runtime.speculative_config import SpeculativeConfig
 

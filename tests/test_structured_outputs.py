@@ -12,8 +12,8 @@ import pytest
 from golden import GOLDEN
 
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.sampling_params import InvalidRequestError, SamplingParams
 from capstan.runtime.sampling.grammar import StructuredOutput
+from capstan.runtime.sampling.sampling_params import InvalidRequestError, SamplingParams
 
 NAME = {"type": "string", "maxLength": 12}
 SCHEMAS = {

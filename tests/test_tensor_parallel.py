@@ -148,7 +148,7 @@ def test_engine_refuses_more_devices_than_there_are():
 
 def _generate(case: str, tp: int) -> dict:
     from capstan.runtime.engine.llm import LLM
-    from capstan.runtime.engine.sampling_params import SamplingParams
+    from capstan.runtime.sampling.sampling_params import SamplingParams
 
     prompts = reference(case)["prompts"]
     llm = LLM(
@@ -184,8 +184,8 @@ def _compiles(case: str, tp: int) -> dict:
     """The jitted steps' compiled programs after warm-up and after a greedy run long enough to queue dispatches."""
     import capstan.runtime.engine.multi_step as multi_step
     from capstan.runtime.engine.llm import LLM
-    from capstan.runtime.engine.sampling_params import SamplingParams
     from capstan.runtime.engine.step import step_fn
+    from capstan.runtime.sampling.sampling_params import SamplingParams
 
     llm = LLM(
         str(GOLDEN / case),

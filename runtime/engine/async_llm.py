@@ -12,11 +12,11 @@ import threading
 
 from ..config import EngineConfig
 from ..lora.request import LoRARequest
+from ..sampling.sampling_params import SamplingParams
 from .engine import LLMEngine
 from .engine_stats import EngineStats
 from .errors import EngineDeadError, QueueFullError, RequestCancelledError, RequestFailedError
 from .frontend_engine import FrontendEngine
-from .sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestCancelledError", "RequestFailedError"]
 log = logging.getLogger("capstan.engine")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..sampling.sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from .detokenizer import IncrementalDetokenizer
-from .sampling_params import SamplingParams
 from .stop_strings import StopStringMatcher
 
 

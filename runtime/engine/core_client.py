@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from ..config import EngineConfig
 from ..lora.request import LoRAError, LoRARequest
+from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from ..tokenizer import Tokenizer
 from .core_messages import (
     Abort,
@@ -39,7 +40,6 @@ from .errors import EngineDeadError, EngineNotReadyError, ModelNotFoundError, Qu
 from .frontend_engine import FrontendEngine
 from .input_processor import InputProcessor
 from .request_text import RequestText
-from .sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("capstan.engine")
 

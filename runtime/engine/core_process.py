@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from ..lora.request import LoRAError, LoRARequest
+from ..sampling.sampling_params import InvalidRequestError
 from .core_messages import (
     Abort,
     Add,
@@ -42,7 +43,6 @@ from .engine import LLMEngine
 from .errors import ModelNotFoundError, QueueFullError
 from .outputs import EmbeddingRequestOutput, RequestOutput
 from .parent_death import die_with_parent
-from .sampling_params import InvalidRequestError
 
 log = logging.getLogger("capstan.engine")
 IDLE_POLL_MS = 500  # how long an idle core waits for a message before looking again

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
+from ..sampling.sampling_params import InvalidRequestError
 from .input_processor import EmbeddingRequest
 from .outputs import EmbeddingOutput, EmbeddingRequestOutput
-from .sampling_params import InvalidRequestError
 
 log = logging.getLogger("capstan.engine")
 POOLING = ("last", "mean")

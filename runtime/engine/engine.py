@@ -25,6 +25,7 @@ from ..models.lora import LoRAStack, write_slot_fn
 from ..parallel.tensor_parallel import TensorParallel
 from ..sampling.grammar import GrammarTokenizer
 from ..sampling.sampler import SampleResult
+from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from ..scheduling.batch import BatchBuilder, BatchSizes
 from ..scheduling.scheduler import ScheduledChunk, Scheduler
 from ..scheduling.sequence import Sequence
@@ -39,7 +40,6 @@ from .input_processor import EngineRequest, InputProcessor, ModelLimits
 from .logprobs import add_prompt_logprobs, position_logprobs
 from .multi_step import MultiStepDecoder
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import InvalidRequestError, SamplingParams
 from .step import StepOutputs, step_fn
 
 log = logging.getLogger("capstan.engine")

@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from ..lora.request import LoRARequest
+from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from .errors import EngineDeadError
 from .outputs import EmbeddingRequestOutput, RequestOutput
-from .sampling_params import InvalidRequestError, SamplingParams
 
 
 class FrontendEngine:

@@ -8,8 +8,8 @@ import dataclasses
 import secrets
 
 from ..sampling.grammar import GrammarTokenizer
+from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from ..tokenizer import Tokenizer
-from .sampling_params import InvalidRequestError, SamplingParams
 
 
 @dataclasses.dataclass

@@ -13,9 +13,9 @@ from tqdm.auto import tqdm
 from ..config import EngineConfig
 from ..generation_config import sampling_defaults
 from ..lora.request import LoRARequest
+from ..sampling.sampling_params import SamplingParams
 from .engine import LLMEngine
 from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
-from .sampling_params import SamplingParams
 
 # What generate() and embed() take, as vLLM does: a string, token ids, {"prompt": ...} or {"prompt_token_ids": ...},
 # or a list of any of these.

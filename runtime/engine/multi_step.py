@@ -31,11 +31,11 @@ from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from ..sampling.grammar import fill_masks, mask_words
 from ..sampling.sampler import Branches, SampleResult, SamplingBatch, sample
+from ..sampling.sampling_params import SamplingParams
 from ..scheduling.packing import Packed
 from ..scheduling.scheduler import ScheduledChunk
 from .engine_state import EngineState
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
 from .step import StepInputs
 
 

@@ -17,8 +17,8 @@ from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from ..sampling.sampler import SampleResult, SamplingBatch, sample, top_logprobs
+from ..sampling.sampling_params import MAX_LOGPROBS
 from ..scheduling.packing import Packed
-from .sampling_params import MAX_LOGPROBS
 
 
 class StepInputs(eqx.Module, Generic[HostOrDevice]):

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
-from ..engine.sampling_params import SamplingParams
+from ..sampling.sampling_params import SamplingParams
 from .follower_health import serve_probes
 
 log = logging.getLogger("capstan.multihost")

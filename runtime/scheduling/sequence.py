@@ -7,10 +7,10 @@ import enum
 
 from ..engine.choice_text import ChoiceText
 from ..engine.outputs import PositionLogprobs
-from ..engine.sampling_params import SamplingParams
 from ..kv.page_pool import PageHash
 from ..lora.request import Adapter
 from ..sampling.grammar import TokenConstraint
+from ..sampling.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -8,7 +8,7 @@ import uuid
 import jinja2
 from fastapi import APIRouter, Depends, Request
 
-from ..engine.sampling_params import InvalidRequestError
+from ..sampling.sampling_params import InvalidRequestError
 from .context import ServerContext, get_context
 from .generation import SSE_DONE, Generation, respond, sse
 from .json_body import StrictJSONRoute

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ..engine.sampling_params import InvalidRequestError
+from ..sampling.sampling_params import InvalidRequestError
 from ..sampling_keys import SamplingDefaults
 from .drain import Drain
 from .errors import APIError, model_not_found

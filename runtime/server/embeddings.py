@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from .. import limits
-from ..engine.sampling_params import InvalidRequestError
+from ..sampling.sampling_params import InvalidRequestError
 from .context import ServerContext, get_context
 from .generation import CLIENT_CLOSED, until_disconnected
 from .json_body import StrictJSONRoute

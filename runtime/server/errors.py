@@ -17,7 +17,7 @@ from ..engine.errors import (
     RequestCancelledError,
     RequestFailedError,
 )
-from ..engine.sampling_params import InvalidRequestError
+from ..sampling.sampling_params import InvalidRequestError
 from .error_body import RETRY_AFTER_SECONDS, APIError, ErrorJSONResponse, error_body, error_response
 
 log = logging.getLogger("capstan.server")

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..engine.outputs import RequestOutput
-from ..engine.sampling_params import SamplingParams
+from ..sampling.sampling_params import SamplingParams
 from .context import ServerContext
 from .errors import exception_body
 from .metrics import RequestTimer

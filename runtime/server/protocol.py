@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 from .. import limits
-from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from ..sampling_keys import SamplingDefaults
 from .json_values import Name, Text, bounded_json
 from .structured import StructuredFields

@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from .. import limits
-from ..engine.sampling_params import InvalidRequestError
 from ..sampling.grammar import Kind, StructuredOutput
+from ..sampling.sampling_params import InvalidRequestError
 from .json_values import Name, Text, bounded_json
 
 GrammarText = Annotated[Text, Field(min_length=1, max_length=limits.MAX_GRAMMAR_CHARS)]

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import limits
-from ..engine.sampling_params import InvalidRequestError
+from ..sampling.sampling_params import InvalidRequestError
 from .chat import render_prompt
 from .context import ServerContext, get_context
 from .json_body import StrictJSONRoute

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from .. import limits
-from ..engine.sampling_params import InvalidRequestError
 from ..sampling.grammar import StructuredOutput
+from ..sampling.sampling_params import InvalidRequestError
 from .json_values import Name, Text, bounded_json
 
 FunctionName = Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]  # OpenAI's rule

@@ -20,7 +20,7 @@ from ..limits import (
     PENALTY_RANGE,
     UINT64_MAX,
 )
-from ..sampling.grammar import StructuredOutput
+from .grammar import StructuredOutput
 
 __all__ = ["InvalidRequestError", "SamplingParams", "MAX_LOGIT_BIAS", "MAX_LOGPROBS"]
 
