@@ -59,15 +59,19 @@ def test_the_tpu_image_finds_libtpu_and_compiles_for_a_tpu_slice(tpu_archive, tm
     assert config["reference"] == image_reference("tpu") and image_reference("tpu").endswith("-tpu")
     assert config["layers"] == 2
     layout, bundle = tmp_path / "oci", tmp_path / "bundle"
-    subprocess.run(
-        ["skopeo", "copy", "--quiet", f"oci-archive:{tpu_archive}", f"oci:{layout}:check"],
-        check=True,
-        timeout=UNPACK_TIMEOUT_SECONDS,
-    )
-    subprocess.run(
-        ["umoci", "unpack", "--image", f"{layout}:check", str(bundle)], check=True, timeout=UNPACK_TIMEOUT_SECONDS
-    )
-    result = run_image_check(bundle / "rootfs", IMAGE_CHECKS["tpu"], config["User"], config["Env"])
+    try:
+        subprocess.run(
+            ["skopeo", "copy", "--quiet", f"oci-archive:{tpu_archive}", f"oci:{layout}:check"],
+            check=True,
+            timeout=UNPACK_TIMEOUT_SECONDS,
+        )
+        subprocess.run(
+            ["umoci", "unpack", "--image", f"{layout}:check", str(bundle)], check=True, timeout=UNPACK_TIMEOUT_SECONDS
+        )
+        result = run_image_check(bundle / "rootfs", IMAGE_CHECKS["tpu"], config["User"], config["Env"])
+    finally:  # 2.5 GiB that pytest would keep for three runs
+        shutil.rmtree(layout, ignore_errors=True)
+        shutil.rmtree(bundle, ignore_errors=True)
     assert result.returncode == 0, result.stdout + result.stderr
     findings = json.loads(result.stdout)
     assert findings["jax"] == "0.10.2" and findings["libtpu"].startswith("0.0.42")
