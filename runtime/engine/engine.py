@@ -24,7 +24,8 @@ from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..models.lora import LoRAStack, write_slot_fn
 from ..parallel.tensor_parallel import TensorParallel
 from ..sampling.grammar import GrammarTokenizer
-from ..sampling.sampler import SampleResult
+from ..sampling.logprobs import position_logprobs, prompt_logprobs
+from ..sampling.sampler import SampleResult, StepOutputs
 from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from ..scheduling.batch import BatchBuilder, BatchSizes
 from ..scheduling.scheduler import ScheduledChunk, Scheduler
@@ -37,10 +38,9 @@ from .embedder import Embedder
 from .engine_stats import EngineStats
 from .errors import ModelNotFoundError
 from .input_processor import EngineRequest, InputProcessor, ModelLimits
-from .logprobs import add_prompt_logprobs, position_logprobs
 from .multi_step import MultiStepDecoder
 from .outputs import CompletionOutput, RequestOutput
-from .step import StepOutputs, step_fn
+from .step import step_fn
 
 log = logging.getLogger("capstan.engine")
 CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
@@ -421,12 +421,24 @@ class LLMEngine:
         """A device call's results on the host (every step's one wait for the device)."""
         return jax.device_get(out)
 
+    def _add_prompt_logprobs(self, seq: Sequence, c: ScheduledChunk, out: StepOutputs, t0: int) -> None:
+        """The logprobs of the prompt tokens this chunk computed (each token's, given the ones before it)."""
+        n = seq.params.prompt_logprobs
+        assert n is not None and out.prompt is not None, "called for requests that asked for prompt logprobs"
+        if c.start == 0:
+            seq.prompt_logprobs = [None]  # the first prompt token has no context
+        count = max(0, min(c.num_tokens, len(seq.prompt_ids) - 1 - c.start))  # the last one predicts the output
+        targets = seq.token_ids[c.start + 1 : c.start + 1 + count]
+        seq.prompt_logprobs += prompt_logprobs(self.tokenizer, targets, out.prompt, t0, n)
+        if c.start + c.num_tokens >= len(seq.prompt_ids):
+            seq.prompt_logprobs_done = True
+
     def _apply_chunk(self, c: ScheduledChunk, r: int, t: int, out: StepOutputs) -> None:
         seq = c.seq
         seq.num_computed = c.start + c.num_tokens
         self.scheduler.register_full_pages(seq)
         if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
-            add_prompt_logprobs(self.tokenizer, seq, c, out, t)
+            self._add_prompt_logprobs(seq, c, out, t)
         if c.samples and not seq.finished and seq.max_tokens == 0:
             return self._finish_prompt_only(seq)
         if c.samples and not seq.finished:

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-
-@dataclasses.dataclass
-class Logprob:
-    logprob: float
-    rank: int  # 1 = the most likely token
-    decoded_token: str
-
-
-# One position's log-probabilities: the chosen token first, then the top-N alternatives.
-PositionLogprobs = dict[int, Logprob]
+from ..sampling.logprobs import PositionLogprobs
 
 
 @dataclasses.dataclass

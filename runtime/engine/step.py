@@ -16,7 +16,7 @@ from ..arrays import HostOrDevice
 from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
-from ..sampling.sampler import SampleResult, SamplingBatch, sample, top_logprobs
+from ..sampling.sampler import PromptLogprobs, SamplingBatch, StepOutputs, sample, top_logprobs
 from ..sampling.sampling_params import MAX_LOGPROBS
 from ..scheduling.packing import Packed
 
@@ -30,18 +30,6 @@ class StepInputs(eqx.Module, Generic[HostOrDevice]):
     sampling: SamplingBatch[HostOrDevice]
     prompt_targets: HostOrDevice  # [T] i32: the token after each prompt token (for prompt logprobs)
     want_prompt_logprobs: HostOrDevice  # [] bool
-
-
-class PromptLogprobs(eqx.Module):
-    logprob: jax.Array  # [T] f32 of prompt_targets
-    rank: jax.Array  # [T] i32
-    top_ids: jax.Array  # [T, MAX_LOGPROBS] i32
-    top_logprobs: jax.Array  # [T, MAX_LOGPROBS] f32
-
-
-class StepOutputs(eqx.Module):
-    sampled: SampleResult
-    prompt: PromptLogprobs | None  # None: a speculative verify step (its requests ask for no prompt logprobs)
 
 
 def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:

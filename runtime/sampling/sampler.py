@@ -54,6 +54,20 @@ class SampleResult(eqx.Module):
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
 
 
+class PromptLogprobs(eqx.Module):
+    logprob: jax.Array  # [T] f32 of each prompt token's successor (StepInputs.prompt_targets)
+    rank: jax.Array  # [T] i32
+    top_ids: jax.Array  # [T, MAX_LOGPROBS] i32
+    top_logprobs: jax.Array  # [T, MAX_LOGPROBS] f32
+
+
+class StepOutputs(eqx.Module):
+    """What a step samples: a token per row, and the prompt tokens' log-probabilities."""
+
+    sampled: SampleResult
+    prompt: PromptLogprobs | None  # None: a speculative verify step (its requests ask for no prompt logprobs)
+
+
 class Branches(NamedTuple):
     """A batch's sampling branches decided on the host (None: left to a lax.cond on the batch's flag). A program
     compiled for them has no lax.cond, whose predicate XLA:GPU copies back to the host: the host would wait there

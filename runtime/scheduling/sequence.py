@@ -6,10 +6,10 @@ import dataclasses
 import enum
 
 from ..engine.choice_text import ChoiceText
-from ..engine.outputs import PositionLogprobs
 from ..kv.page_pool import PageHash
 from ..lora.request import Adapter
 from ..sampling.grammar import TokenConstraint
+from ..sampling.logprobs import PositionLogprobs
 from ..sampling.sampling_params import SamplingParams
 
 

@@ -23,10 +23,10 @@ import numpy as np
 
 from ..engine.multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
 from ..engine.outputs import RequestOutput
-from ..engine.step import StepInputs, StepOutputs
+from ..engine.step import StepInputs
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
-from ..sampling.sampler import Branches, SampleResult, sample
+from ..sampling.sampler import Branches, SampleResult, StepOutputs, sample
 from ..scheduling.batch import BatchBuilder, BatchSizes
 from ..scheduling.packing import Packed
 from ..scheduling.scheduler import ScheduledChunk
