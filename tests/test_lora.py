@@ -116,6 +116,39 @@ def test_a_mixed_batch_of_four_adapters_and_base_rows_equals_each_run_alone(adap
     llm.engine.pool.check_all_free()
 
 
+def test_speculative_decoding_with_adapters_keeps_the_outputs(adapters):
+    """Proposals verified for rows of two adapters and the base (each step's model with or without the slots,
+    LLMEngine.model_for): the outputs of decoding without speculation."""
+    from capstan.runtime.speculative_config import SpeculativeConfig
+
+    pairs = [(i, a) for a in (None, *adapters[:2]) for i in range(len(PROMPTS))]
+    prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
+    plain = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
+    expected = outputs(plain.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    del plain
+    spec = LLM(
+        str(GOLDEN / "llama-s11"),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+        **ENGINE,
+    )
+    # proposals from the plain outputs (prompts repeat across adapters, so some are another adapter's: rejected)
+    futures = [list(p) + tokens for p, (tokens, _) in zip(prompts, expected, strict=True)]
+
+    def propose(tokens, k):
+        future = next((f for f in futures if f[: len(tokens)] == tokens and len(f) > len(tokens)), None)
+        return [] if future is None else future[len(tokens) : len(tokens) + k]
+
+    spec.engine.speculator.proposer = propose
+    got = outputs(spec.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    assert_same(got, expected, "speculative vs plain")
+    assert spec.engine.stats().spec_draft_tokens > 0
+    only_base = outputs(spec.generate(PROMPTS, GREEDY, use_tqdm=False))  # a batch without adapters: the base program
+    assert_same(only_base, expected[: len(PROMPTS)], "a base-only batch on the LoRA engine")
+
+
 def test_two_slots_for_six_adapters_swap_without_changing_any_output(adapters):
     """--max-loras 2 and --max-cpu-loras 2 with six adapters: adapters wait for slots, are swapped in and out, and are
     read again from their files after leaving host memory; every output equals the one from six slots."""

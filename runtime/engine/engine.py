@@ -342,15 +342,17 @@ class LLMEngine:
         """Compiles every token bucket now, so no request ever waits for XLA."""
         start = time.monotonic()
         log.info("compiling %d step shapes (token buckets %s)", len(self.builder.buckets), self.builder.buckets)
-        for bucket in self.builder.buckets:
+        models = self.model_variants()
+        for model, bucket in ((m, b) for m in models for b in self.builder.buckets):
             inputs = self.builder.build([], bucket=bucket)
             with self._precision():
-                self.kv, out = step_fn(self.model, self.kv, inputs)
+                self.kv, out = step_fn(model, self.kv, inputs)
             jax.block_until_ready(out)
         if self.speculator is not None:
-            self.speculator.warmup()
+            self.speculator.warmup(models)
         if self.config.decode_steps > 1:
-            self.multi_step.warmup()
+            for model in models:
+                self.multi_step.warmup(model)
         if self.scheduler.offload is not None:  # the copies between the tiers
             self.kv = self.scheduler.offload.warmup(self.kv)
         self.compile_seconds = time.monotonic() - start
@@ -387,7 +389,7 @@ class LLMEngine:
         if not chunks:
             return []
         with self._precision():
-            self.kv, out = step_fn(self.model, self.kv, inputs)
+            self.kv, out = step_fn(self.model_for(chunks), self.kv, inputs)
         out = self.fetch(out)
         t = 0
         for r, c in enumerate(chunks):
@@ -399,6 +401,17 @@ class LLMEngine:
                     self.fail(seq.request_id, e)
             t += c.num_tokens
         return self._collect_all(c.seq.request_id for c in chunks)
+
+    def model_for(self, chunks: list[ScheduledChunk]) -> DecoderModel:
+        """The model a step of these rows runs: with its LoRA slots when some row has an adapter, else without them,
+        which is another compiled program (the base model's): rows without adapters never pay for LoRA's matmuls."""
+        if self.loras is None or any(c.seq.lora is not None for c in chunks):
+            return self.model
+        return dataclasses.replace(self.model, lora=None)
+
+    def model_variants(self) -> list[DecoderModel]:
+        """Every model model_for can give: each is compiled at warm-up."""
+        return [self.model] if self.loras is None else [self.model, dataclasses.replace(self.model, lora=None)]
 
     @property
     def kv(self) -> KVCache:

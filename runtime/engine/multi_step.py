@@ -198,15 +198,16 @@ class MultiStepDecoder:
         # to the host), so the next dispatch is queued from this thread while the engine's applies tokens
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="capstan-dispatch")
 
-    def warmup(self) -> None:
-        """Compiles the scan and the pipeline's programs (its forward and every sampling branch set)."""
+    def warmup(self, model: DecoderModel) -> None:
+        """Compiles the scan and the pipeline's programs (its forward and every sampling branch set) for model (one
+        of the engine's variants: LLMEngine.model_for)."""
         e = self.engine
         inputs = e.builder.build([], bucket=e.builder.S)
         k, S = e.config.decode_steps, e.builder.S
         with e._precision():
             for branches in scans(jax.default_backend()):
                 e.kv, out = decode_steps_fn(
-                    e.model,
+                    model,
                     e.kv,
                     inputs,
                     np.zeros(S, np.int32),
@@ -217,7 +218,7 @@ class MultiStepDecoder:
                     branches=branches,
                 )
                 jax.block_until_ready(out)
-            e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, out.tokens[0], out.tokens[0], np.int32(0))
+            e.kv, logits = decode_forward_fn(model, e.kv, inputs, out.tokens[0], out.tokens[0], np.int32(0))
             for branches in PIPELINE_BRANCHES:
                 jax.block_until_ready(
                     decode_sample_fn(logits, inputs, e.builder.all_allowed, np.int32(0), branches=branches)
@@ -270,7 +271,7 @@ class MultiStepDecoder:
             )
             with e._precision():
                 e.kv, d.out = decode_steps_fn(
-                    e.model,
+                    e.model_for(chunks),
                     e.kv,
                     inputs,
                     rows,
@@ -370,11 +371,12 @@ class MultiStepDecoder:
         nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, active, d.branches)
         assert d.out is not None, "d is settled before the next dispatch is queued"
         kv, previous, tables = e.kv, d.out.tokens, self._block_tables(d.chunks)
+        model = e.model_for(d.chunks)  # the run's variant: its rows' adapters stay in their slots while it runs
 
         def call():
             with e._precision():
                 return decode_steps_fn(
-                    e.model, kv, d.inputs, active, np.int32(offset), previous, tables, num_steps=k, branches=d.branches
+                    model, kv, d.inputs, active, np.int32(offset), previous, tables, num_steps=k, branches=d.branches
                 )
 
         nxt.future = self._thread.submit(call)
@@ -409,6 +411,7 @@ class MultiStepDecoder:
         forward, the host advances each grammar by its step j-1 token and computes its step j mask. Returns the
         steps' samples on the host ([step, row] leading axes) and fills grammar_end and refused."""
         e = self.engine
+        model = e.model_for(chunks)
         grammars = [(c.seq.constraint, r) for r, c in enumerate(chunks) if c.seq.constraint is not None]
         words = mask_words(e.model.cfg.vocab_size)
         active_rows = jax.device_put(rows)
@@ -434,7 +437,7 @@ class MultiStepDecoder:
 
         with e._precision():
             for j in range(e.config.decode_steps):
-                e.kv, logits = decode_forward_fn(e.model, e.kv, inputs, previous, active_rows, np.int32(j))
+                e.kv, logits = decode_forward_fn(model, e.kv, inputs, previous, active_rows, np.int32(j))
                 if j:
                     advance(j - 1)  # the forward above is queued: this host work overlaps it
                 live = [(c, r) for c, r in grammars if j < active[r] and r not in grammar_end and r not in refused]

@@ -177,14 +177,15 @@ class Speculator:
         self.drafts = 0  # rows verified with proposals (EngineStats.spec_drafts)
         self.accepted_per_pos = [0] * self.k  # accepted proposals by their position in the proposal
 
-    def warmup(self) -> None:
-        """Compiles the verify step of every token bucket and the draft's programs."""
+    def warmup(self, models) -> None:
+        """Compiles the verify step of every token bucket for each of the engine's model variants (LLMEngine.model_for),
+        and the draft's programs."""
         engine = self.engine
-        for bucket in engine.builder.buckets:
+        for model, bucket in ((m, b) for m in models for b in engine.builder.buckets):
             for branches in verify_programs(jax.default_backend()):
                 with engine._precision():
                     engine.kv, out = verify_fn(
-                        engine.model,
+                        model,
                         engine.kv,
                         engine.builder.build([], bucket=bucket),
                         *self.no_device_proposals,
@@ -267,7 +268,7 @@ class Speculator:
             proposals, draft_at, draft_row = self.no_device_proposals
         with engine._precision():
             engine.kv, out = verify_fn(
-                engine.model,
+                engine.model_for(chunks),
                 engine.kv,
                 inputs,
                 proposals,
