@@ -8,7 +8,8 @@ every request on an adapter (request i on adapter i % adapters); the LoRA engine
 enabling LoRA costs rows without one); then one stream of each kind.
 
 python benchmarks/lora.py --shape tiny --requests 16 --prompt-len 16 --output-len 16 --single-stream-tokens 16  # CPU
-bash benchmarks/gpu_suite.sh lora                                                                       # H100"""
+bash benchmarks/gpu_suite.sh lora                                                                       # H100
+CAPSTAN_LORA_GATHER_MAX_TOKENS=1 python benchmarks/lora.py --no-batch   # one stream, each token's slot gathered"""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from throughput import run  # noqa: E402
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.lora.request import LoRARequest  # noqa: E402
+from capstan.runtime.models import lora as lora_layers  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 
@@ -75,6 +77,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--smallest-bucket", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps)
     ap.add_argument("--single-stream-tokens", type=int, default=256, help="0: no one-stream runs")
+    ap.add_argument("--batch", action=argparse.BooleanOptionalAction, default=True, help="the 256-request runs")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -120,8 +123,10 @@ def main(argv=None) -> dict:
     warm = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
     spread = [loras[i % len(loras)] for i in range(a.requests)]
     figures: dict = {"shape": a.shape, "dtype": dtype, "device": str(jax.devices()[0].device_kind)}
+    figures["gather_max_tokens"] = lora_layers.GATHER_MAX_TOKENS  # CAPSTAN_LORA_GATHER_MAX_TOKENS
     figures.update(requests=a.requests, adapters=a.adapters, rank=a.rank, max_loras=a.max_loras or a.adapters)
-    for label, lora, adapters in (("base", False, None), ("lora", True, spread), ("lora_engine_base_rows", True, None)):
+    batch_runs = (("base", False, None), ("lora", True, spread), ("lora_engine_base_rows", True, None))
+    for label, lora, adapters in batch_runs if a.batch else ():
         engine = engine_for(lora, a.max_num_seqs, a.max_num_batched_tokens)
         run(engine, prompts[: len(loras)], warm, loras=loras if adapters else None)  # every adapter in its slot
         result = run(engine, prompts, params, loras=adapters)
@@ -129,7 +134,8 @@ def main(argv=None) -> dict:
         figures[f"{label}_seconds"] = result["seconds"]
         figures[f"{label}_compile_s"] = engine.compile_seconds
         del engine
-    figures["lora_vs_base"] = figures["lora_output_tokens_per_s"] / figures["base_output_tokens_per_s"]
+    if a.batch:
+        figures["lora_vs_base"] = figures["lora_output_tokens_per_s"] / figures["base_output_tokens_per_s"]
     if a.single_stream_tokens:
         one = SamplingParams(max_tokens=a.single_stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         streams = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(3)]

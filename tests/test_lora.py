@@ -149,6 +149,25 @@ def test_speculative_decoding_with_adapters_keeps_the_outputs(adapters):
     assert_same(only_base, expected[: len(PROMPTS)], "a base-only batch on the LoRA engine")
 
 
+def test_gathering_each_tokens_slot_equals_every_slots_rank_space(adapters, monkeypatch):
+    """CAPSTAN_LORA_GATHER_MAX_TOKENS: steps that gather each token's own A and B give what the dense way gives."""
+    import jax
+
+    from capstan.runtime.models import lora
+
+    pairs = [(i, a) for a in (None, *adapters[:3]) for i in range(len(PROMPTS))]
+    prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
+    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=3, max_lora_rank=8, **ENGINE)
+    dense = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20)
+    jax.clear_caches()  # the steps traced the dense way must be traced again
+    try:
+        gathered = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    finally:
+        jax.clear_caches()
+    assert_same(gathered, dense, "gathered vs dense")
+
+
 def test_two_slots_for_six_adapters_swap_without_changing_any_output(adapters):
     """--max-loras 2 and --max-cpu-loras 2 with six adapters: adapters wait for slots, are swapped in and out, and are
     read again from their files after leaving host memory; every output equals the one from six slots."""
@@ -179,6 +198,37 @@ def test_the_prefix_cache_never_shares_pages_across_adapters(adapters):
     assert_same(outputs([again]), outputs([under_a0]), "a cached prefix under the same adapter")
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
     assert outputs([first]) != outputs([under_a0])
+
+
+def test_unloading_or_replacing_an_adapter_lets_admitted_requests_finish_with_it(adapters):
+    from capstan.runtime.engine.errors import ModelNotFoundError
+
+    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
+    a0, a1 = adapters[0], adapters[1]
+    alone = {
+        a.lora_name: outputs(llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=a))[0] for a in (a0, a1)
+    }
+    engine = llm.engine
+    from capstan.runtime.engine.llm import merge
+
+    results: dict = {}
+    engine.add_request("r0", PROMPTS[0], GREEDY, lora_request=a0)
+    for delta in engine.step():  # admitted: its slot is held
+        results[delta.request_id] = merge(results.get(delta.request_id), delta)
+    engine.remove_lora(a0.lora_name)
+    with pytest.raises(ModelNotFoundError):  # new requests can no longer name it
+        engine.enqueue(engine.prepare("r1", PROMPTS[0], GREEDY, a0.lora_name))
+    # the same name now another adapter's files: new requests get the new one, the admitted one keeps its own
+    engine.add_lora(LoRARequest(a0.lora_name, 99, a1.lora_path))
+    engine.add_request("r2", PROMPTS[0], GREEDY, lora_request=None)
+    engine.enqueue(engine.prepare("r3", PROMPTS[0], GREEDY, a0.lora_name))
+    while engine.has_unfinished():
+        for delta in engine.step():
+            results[delta.request_id] = merge(results.get(delta.request_id), delta)
+    assert_same(outputs([results["r0"]]), [alone[a0.lora_name]], "admitted before the unload")
+    assert_same(outputs([results["r3"]]), [alone[a1.lora_name]], "the name's new adapter")
+    engine.pool.check_all_free()
+    assert engine.loras.slots_used == 0
 
 
 def test_an_adapter_without_enable_lora_is_refused(adapters):

@@ -62,7 +62,7 @@ class DecoderModel(eqx.Module):
         cfg, ax = self.cfg, self.ax
         x = embed(tokens, self.embedding, ax)
         lora = self.lora
-        rows = None if lora is None or lora_rows is None else lora.rows(lora_rows[meta.token_seq], x.dtype)
+        slots = None if lora is None or lora_rows is None else lora_rows[meta.token_seq]  # each token's row's slot
         if cfg.family == "gemma3":
             x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
         rope = {kind: rotary_tables(f, meta.positions) for kind, f in self.inv_freq.items()}
@@ -73,7 +73,7 @@ class DecoderModel(eqx.Module):
             kind = cfg.layer_types[i]
             window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
             cos, sin = rope[kind]
-            adapters = None if lora is None or rows is None else LayerAdapters(lora.layers[i], rows)
+            adapters = None if lora is None or slots is None else LayerAdapters(lora.layers[i], slots)
             x, k_layers[i], v_layers[i] = block(
                 x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax, kv.page_size, adapters
             )

@@ -12,6 +12,8 @@ slots * R columns per projection (8 x 16 = 128: a few per cent of a 1B model's m
 
 from __future__ import annotations
 
+import os
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -80,10 +82,6 @@ class LoRAStack(eqx.Module):
             )
         )
 
-    def rows(self, token_slots: jax.Array, dtype) -> jax.Array:
-        """The step's one-hot [T, slots] from each token's slot (-1: no adapter, a row of zeros)."""
-        return (token_slots[:, None] == jnp.arange(self.slots)[None, :]).astype(dtype)
-
 
 def slot_weights(
     cfg: ModelConfig, rank: int, modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], dtype
@@ -134,41 +132,64 @@ def _write_slot(stack: LoRAStack, slot: jax.Array, weights: tuple[dict[str, jax.
 write_slot_fn = jax.jit(_write_slot)
 
 
+# Steps of at most this many tokens gather each token's own slot's A and B instead of computing every slot's rank
+# space (CAPSTAN_LORA_GATHER_MAX_TOKENS; 0, the default: never). Both are exact; which is faster for a decode step of a
+# few rows (one stream) is a GPU measurement (benchmarks/lora.py). The gathered weights grow with the tokens, so large
+# steps always take the dense way.
+GATHER_MAX_TOKENS = int(os.environ.get("CAPSTAN_LORA_GATHER_MAX_TOKENS", "0"))
+
+
+def _gathered(spec: str, operand: int) -> str:
+    """A dense spec over the slot axis l made per token: operand's l becomes t, and l leaves the other operands."""
+    inputs, out = spec.split("->")
+    parts = inputs.split(",")
+    parts = [p.replace("l", "t") if k == operand else p.replace("l", "") for k, p in enumerate(parts)]
+    return ",".join(parts) + "->" + out.replace("l", "")
+
+
 class LayerAdapters(eqx.Module):
-    """What a block needs to add its adapters' deltas: its layer's slots and the step's one-hot rows [T, slots]."""
+    """What a block needs to add its adapters' deltas: its layer's slots and each token's slot [T] (-1: none)."""
 
     weights: LoRALayer
-    rows: jax.Array
+    slots: jax.Array
 
-    def _shrink(self, x: jax.Array, a: jax.Array, spec: str) -> jax.Array:
-        """x's projection onto every slot's A, then only its own slot's kept."""
-        h = jnp.einsum(spec, x, a)  # [T, L, ..., R]
-        return h * self.rows.reshape(self.rows.shape + (1,) * (h.ndim - 2))
+    def _delta(self, x: jax.Array, a: jax.Array, b: jax.Array, shrink: str, expand: str) -> jax.Array:
+        """x @ A @ B of each token's own slot; shrink and expand are the dense specs (over every slot, l)."""
+        T, L = self.slots.shape[0], a.shape[0]
+        if T <= GATHER_MAX_TOKENS:
+            s = jnp.maximum(self.slots, 0)
+            h = jnp.einsum(_gathered(shrink, 1), x, a[s])  # [T, ..., R]
+            h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * (h.ndim - 1))
+            return jnp.einsum(_gathered(expand, 1), h, b[s])
+        h = jnp.einsum(shrink, x, a)  # [T, L, ..., R]: every slot's rank space
+        rows = (self.slots[:, None] == jnp.arange(L)[None, :]).astype(h.dtype)  # one-hot; a row of zeros for -1
+        h = h * rows.reshape((T, L) + (1,) * (h.ndim - 2))
+        return jnp.einsum(expand, h, b)
 
     def qkv(self, x: NamedArray, qkv: NamedArray, token: str, ax) -> NamedArray:
         """qkv [token, KVHeads, QKV, HeadSize] plus the q, k and v deltas for x [token, Embed]."""
         w = self.weights
-        h = self._shrink(x.rearrange((token, ax.Embed)).array, w.qkv_a, "te,lpre->tlpr")
-        delta = jnp.einsum("tlpr,lprkqd->tkqd", h, w.qkv_b).astype(qkv.dtype)
+        xs = x.rearrange((token, ax.Embed)).array
+        delta = self._delta(xs, w.qkv_a, w.qkv_b, "te,lpre->tlpr", "tlpr,lprkqd->tkqd").astype(qkv.dtype)
         return qkv + hax.named(delta, (qkv.resolve_axis(token), ax.KVHeads, ax.QKV, ax.HeadSize))
 
     def out(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
         """o_proj's y [token, Embed] plus the delta for x [token, KVHeads, QPerKV, HeadSize]."""
         w = self.weights
-        h = self._shrink(x.rearrange((token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, w.o_a, "tkgd,lrkgd->tlr")
-        delta = jnp.einsum("tlr,lre->te", h, w.o_b).astype(y.dtype)
+        xs = x.rearrange((token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array
+        delta = self._delta(xs, w.o_a, w.o_b, "tkgd,lrkgd->tlr", "tlr,lre->te").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
 
     def gate_up(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
         """The fused gate/up y [token, GateUp, Mlp] plus both deltas for x [token, Embed]."""
         w = self.weights
-        h = self._shrink(x.rearrange((token, ax.Embed)).array, w.gate_up_a, "te,lpre->tlpr")
-        delta = jnp.einsum("tlpr,lpri->tpi", h, w.gate_up_b).astype(y.dtype)
+        xs = x.rearrange((token, ax.Embed)).array
+        delta = self._delta(xs, w.gate_up_a, w.gate_up_b, "te,lpre->tlpr", "tlpr,lpri->tpi").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.GateUp, ax.Mlp))
 
     def down(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
         """down_proj's y [token, Embed] plus the delta for x [token, Mlp]."""
         w = self.weights
-        h = self._shrink(x.rearrange((token, ax.Mlp)).array, w.down_a, "ti,lri->tlr")
-        delta = jnp.einsum("tlr,lre->te", h, w.down_b).astype(y.dtype)
+        xs = x.rearrange((token, ax.Mlp)).array
+        delta = self._delta(xs, w.down_a, w.down_b, "ti,lri->tlr", "tlr,lre->te").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
