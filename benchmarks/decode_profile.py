@@ -22,8 +22,9 @@ from timing import median_ms as timed  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.multi_step import GREEDY_SCAN, decode_steps_fn  # noqa: E402
+from capstan.runtime.engine.multi_step import decode_steps_fn  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
+from capstan.runtime.sampling.programs import GREEDY_SCAN  # noqa: E402
 from capstan.runtime.sampling.sampler import sample  # noqa: E402
 from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 

@@ -251,6 +251,7 @@ def test_chained_dispatches_change_no_token_and_free_every_page(programs, monkey
 
 def test_a_plain_greedy_run_takes_its_own_program_and_the_single_step_tokens(monkeypatch):
     import capstan.runtime.engine.multi_step as multi_step
+    import capstan.runtime.sampling.programs as sampling_programs
 
     flags = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
     chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
@@ -261,7 +262,7 @@ def test_a_plain_greedy_run_takes_its_own_program_and_the_single_step_tokens(mon
     assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == [
         o.outputs[0].token_ids for o in single.generate(prompts, params)
     ]
-    assert chosen and set(chosen) == {multi_step.GREEDY_SCAN}
+    assert chosen and set(chosen) == {sampling_programs.GREEDY_SCAN}
     chained.engine.pool.check_all_free()
 
 

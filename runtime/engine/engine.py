@@ -381,7 +381,7 @@ class LLMEngine:
         if self.speculator is not None and self.speculator.active():  # proposals take tokens the chunks leave
             budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
             if self.speculator.propose(chunks, budget):
-                return self.speculator.verify(chunks)
+                return self._collect_all(self.speculator.verify(chunks))
         active = self.multi_step.plan(chunks)
         if active is not None:
             return self.multi_step.decode(chunks, active)

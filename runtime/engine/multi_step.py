@@ -30,13 +30,13 @@ from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from ..sampling.grammar import fill_masks, mask_words
+from ..sampling.programs import SCAN_BRANCHES, scan_branches, scans
 from ..sampling.sampler import Branches, SampleResult, SamplingBatch, sample
-from ..sampling.sampling_params import SamplingParams
+from ..scheduling.batch import StepInputs
 from ..scheduling.packing import Packed
 from ..scheduling.scheduler import ScheduledChunk
 from .engine_state import EngineState
 from .outputs import RequestOutput
-from .step import StepInputs
 
 
 def _forward(
@@ -66,38 +66,6 @@ def _at_step(sampling: SamplingBatch[jax.Array], j: jax.Array) -> SamplingBatch[
     return eqx.tree_at(lambda s: s.position, sampling, sampling.position + j)  # each step draws with its own key
 
 
-# the scan never sees grammars (the pipeline takes them) or penalties and bans (plan() refuses them)
-SCAN_BRANCHES = Branches(
-    plain_greedy=None, any_constrained=False, any_penalty=False, any_filter=None, all_greedy=None, want_logprobs=None
-)
-# On GPUs every branch of a run is decided on the host: XLA:GPU copies each lax.cond's predicate to the host, and
-# the device idles until the host has queued the kernels after it (H100, Llama-3.2-1B shape, 256 rows: a greedy
-# dispatch of 16 steps 80 -> 67 ms without its two). A plain greedy run (the argmax of the raw logits) has a program
-# of its own; sampled runs filter always (exact for rows without filters: the candidates' draw decides them
-# without a fallback), with or without logprobs. CPUs keep one program for sampled runs (a cond costs them nothing).
-GREEDY_SCAN = Branches(
-    plain_greedy=True, any_constrained=False, any_penalty=False, any_filter=False, all_greedy=True, want_logprobs=False
-)
-SAMPLED_SCANS = {
-    w: Branches(
-        plain_greedy=False, any_constrained=False, any_penalty=False, any_filter=True, all_greedy=False, want_logprobs=w
-    )
-    for w in (False, True)
-}
-
-
-def scans(backend: str) -> tuple[Branches, ...]:
-    """The decode scan's programs on this backend (each compiled at warm-up)."""
-    return (GREEDY_SCAN, *SAMPLED_SCANS.values()) if backend == "gpu" else (GREEDY_SCAN, SCAN_BRANCHES)
-
-
-def scan_branches(params: list[SamplingParams], backend: str) -> Branches:
-    """The program for a free batch of these requests (plan() has refused penalties and min_tokens bans)."""
-    if all(p.temperature == 0.0 and not p.logit_bias and p.logprobs is None for p in params):
-        return GREEDY_SCAN
-    return SAMPLED_SCANS[any(p.logprobs is not None for p in params)] if backend == "gpu" else SCAN_BRANCHES
-
-
 def run_decode_steps(
     model: DecoderModel,
     kv: KVCache,
@@ -112,7 +80,7 @@ def run_decode_steps(
     """Steps offset .. offset + num_steps - 1 of a run; packed holds one decode token per row (T == S), the first
     step's tokens at offset 0, else previous[-1] (the dispatch before's last samples, [num_steps, S]); block_tables
     [S, pages] the rows' pages so far. Returns SampleResult with a leading [num_steps] axis."""
-    x: StepInputs = packed.unpack()
+    x: StepInputs[jax.Array] = packed.unpack()
     x = eqx.tree_at(lambda x: x.meta.block_tables, x, block_tables)
 
     def one(carry, j):
@@ -130,7 +98,7 @@ def run_decode_forward(
     model: DecoderModel, kv: KVCache, packed: Packed, previous: jax.Array, active: jax.Array, j: jax.Array
 ) -> tuple[KVCache, jax.Array]:
     """The pipeline's forward of step j: the packed tokens at j == 0, then the previous step's samples."""
-    x: StepInputs = packed.unpack()
+    x: StepInputs[jax.Array] = packed.unpack()
     logits, kv = _forward(model, kv, x, jnp.where(j == 0, x.tokens, previous), active, j)
     return kv, logits
 
@@ -140,7 +108,7 @@ def run_decode_sample(
 ) -> SampleResult:
     """The pipeline's sampling of step j with this step's grammar masks; its branches are static, so queueing it
     never waits for the device (see Branches)."""
-    x: StepInputs = packed.unpack()
+    x: StepInputs[jax.Array] = packed.unpack()
     sampling = eqx.tree_at(lambda s: s.allowed, _at_step(x.sampling, j), allowed)
     return sample(logits, sampling, branches)
 

@@ -6,30 +6,15 @@ request asked for prompt logprobs."""
 
 from __future__ import annotations
 
-from typing import Generic
-
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..arrays import HostOrDevice
-from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
-from ..sampling.sampler import PromptLogprobs, SamplingBatch, StepOutputs, sample, top_logprobs
+from ..sampling.sampler import PromptLogprobs, StepOutputs, sample, top_logprobs
 from ..sampling.sampling_params import MAX_LOGPROBS
+from ..scheduling.batch import StepInputs
 from ..scheduling.packing import Packed
-
-
-class StepInputs(eqx.Module, Generic[HostOrDevice]):
-    tokens: HostOrDevice  # [T] i32
-    meta: AttentionMetadata[HostOrDevice]
-    sample_index: HostOrDevice  # [S] i32: index into tokens of each row's last token
-    draft_lens: HostOrDevice  # [S] i32: tokens proposed by speculation at the end of each row's chunk (speculative.py)
-    lora_rows: HostOrDevice  # [S] i32: each row's LoRA adapter slot, -1 for none (models/lora.py)
-    sampling: SamplingBatch[HostOrDevice]
-    prompt_targets: HostOrDevice  # [T] i32: the token after each prompt token (for prompt logprobs)
-    want_prompt_logprobs: HostOrDevice  # [] bool
 
 
 def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from typing import TypedDict
+from typing import Generic, TypedDict
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..arrays import HostLeaf
+from ..arrays import HostLeaf, HostOrDevice
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
-from ..engine.step import StepInputs
 from ..limits import MAX_LOGIT_BIAS
 from ..sampling.grammar import fill_masks, mask_words
 from ..sampling.sampler import SamplingBatch
@@ -35,6 +35,19 @@ def row_key_data(seed: int, index: int) -> tuple[int, int]:
     """A choice's 64-bit threefry key from its request's seed and its index among the n choices."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+class StepInputs(eqx.Module, Generic[HostOrDevice]):
+    """One step's inputs: built here on the host (numpy), packed, and read by the jitted step (engine/step.py)."""
+
+    tokens: HostOrDevice  # [T] i32
+    meta: AttentionMetadata[HostOrDevice]
+    sample_index: HostOrDevice  # [S] i32: index into tokens of each row's last token
+    draft_lens: HostOrDevice  # [S] i32: tokens proposed by speculation at the end of each row's chunk (speculative.py)
+    lora_rows: HostOrDevice  # [S] i32: each row's LoRA adapter slot, -1 for none (models/lora.py)
+    sampling: SamplingBatch[HostOrDevice]
+    prompt_targets: HostOrDevice  # [T] i32: the token after each prompt token (for prompt logprobs)
+    want_prompt_logprobs: HostOrDevice  # [] bool
 
 
 class BatchSizes(TypedDict):

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol
 
-from ..engine.choice_text import ChoiceText
 from ..kv.page_pool import PageHash
 from ..lora.request import Adapter
 from ..sampling.grammar import TokenConstraint
 from ..sampling.logprobs import PositionLogprobs
 from ..sampling.sampling_params import SamplingParams
+
+
+class ChoiceTextState(Protocol):
+    """A choice's text as its tokens arrive: engine/choice_text.py's ChoiceText, which the engine makes and reads; a
+    sequence only carries it."""
+
+    @property
+    def stop(self) -> str | None: ...
+
+    def add(self, token: int) -> tuple[str, bool]: ...
+
+    def finish(self) -> str: ...
 
 
 class Status(enum.Enum):
@@ -27,7 +39,7 @@ class Sequence:
     params: SamplingParams
     seed: int  # the request's seed, or one drawn for it
     arrival: float
-    text: ChoiceText | None  # None: token ids only (detokenize off, or the engine core's frontend makes the text)
+    text: ChoiceTextState | None  # None: token ids only (detokenize off, or the engine core's frontend makes the text)
     max_tokens: int  # resolved against the context length
     prompt_text: str | None = None
     constraint: TokenConstraint | None = None  # structured outputs: the grammar's state after its tokens

@@ -19,15 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata
-from ..engine.multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
-from ..engine.step import StepInputs
 from ..kv.cache import KVCache
 from ..models.config import UnsupportedModelError
 from ..models.decoder import DecoderModel
 from ..models.loader import load_model, resolve_checkpoint
 from ..parallel.tensor_parallel import TensorParallel, check_size
+from ..sampling.programs import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
 from ..sampling.sampler import Branches, sample
-from ..scheduling.batch import BatchBuilder
+from ..scheduling.batch import BatchBuilder, StepInputs
 from ..scheduling.packing import Packed
 from ..scheduling.scheduler import ScheduledChunk
 from ..scheduling.sequence import Sequence
@@ -73,7 +72,7 @@ def run_draft(
 ) -> tuple[KVCache, jax.Array]:
     """packed: each row's catch-up chunk, ending at its last token; steps [S]: the tokens row r proposes (0: it only
     catches up). Returns the proposals [num_steps, S]: step 0 samples after the chunk, step j feeds step j-1's."""
-    x: StepInputs = packed.unpack()
+    x: StepInputs[jax.Array] = packed.unpack()
     draws = eqx.tree_at(lambda s: s.want_logprobs, x.sampling, jnp.zeros((), jnp.bool_))  # tokens, no logprobs
     hidden, kv = model(x.tokens, x.meta, kv)
     first = sample(model.logits(hidden["token", x.sample_index]).array, draws, branches).tokens

@@ -21,13 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine.multi_step import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
-from ..engine.outputs import RequestOutput
-from ..engine.step import StepInputs
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from ..sampling.programs import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
 from ..sampling.sampler import Branches, SampleResult, StepOutputs, sample
-from ..scheduling.batch import BatchBuilder, BatchSizes
+from ..scheduling.batch import BatchBuilder, BatchSizes, StepInputs
 from ..scheduling.packing import Packed
 from ..scheduling.scheduler import ScheduledChunk
 from ..speculative_config import SpeculativeConfig
@@ -114,7 +112,7 @@ def run_verify(
     only: min(tokens, rows x num_positions) of them, so a small batch's verify projects a few rows onto the
     vocabulary, not every padded row's K + 1. Returns (SampleResult with a leading [points] axis, point_bases
     giving each row's first; the proposals, for the host)."""
-    x: StepInputs = packed.unpack()
+    x: StepInputs[jax.Array] = packed.unpack()
     j = jnp.arange(proposals.shape[0])[:, None]
     fill = (draft_at[None, :] >= 0) & (j < x.draft_lens[None, :])
     at = jnp.where(fill, draft_at[None, :] + j, x.tokens.shape[0])  # out of range: dropped
@@ -246,10 +244,11 @@ class Speculator:
             return 0
         return min(self.k, budget, seq.max_tokens - seq.num_output - 1, self.engine.max_model_len - seq.num_tokens - 1)
 
-    def verify(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+    def verify(self, chunks: list[ScheduledChunk]) -> list[str]:
         """One step that computes each proposal as a short chunk and samples after every proposed token; a row
         keeps its proposed tokens up to the first the target would not have drawn, then the target's own token.
-        The pages reserved for rejected tokens go back to the pool."""
+        The pages reserved for rejected tokens go back to the pool. Returns the requests it stepped (the engine
+        collects their outputs)."""
         engine = self.engine
         columns, self.columns = self.columns, {}
         proposals, self.proposals = self.proposals, None
@@ -315,4 +314,4 @@ class Speculator:
                     engine.scheduler.register_full_pages(seq)
             except Exception as e:  # noqa: BLE001 - this request's own fault
                 engine.fail(seq.request_id, e)
-        return engine._collect_all(c.seq.request_id for c in chunks)
+        return [c.seq.request_id for c in chunks]
