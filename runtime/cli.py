@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .parallel.multihost import initialize_from_env
+    from .parallel.distributed import initialize_from_env
     from .server.auth import load_api_keys
     from .server.tls import serving_certificate
 
@@ -395,7 +395,7 @@ def _serve_several_hosts(
     import jax
 
     from .engine.async_llm import AsyncLLM
-    from .parallel.multihost import LockstepEngine, run_follower
+    from .engine.lockstep import LockstepEngine, run_follower
     from .server.app import serve
     from .server.body_limit import DEFAULT_MAX_BODY_BYTES
 

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from capstan.runtime.parallel.multihost import LockstepEngine, initialize_from_env
+from capstan.runtime.engine.lockstep import LockstepEngine
+from capstan.runtime.parallel.distributed import initialize_from_env
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 

@@ -7,15 +7,12 @@ every follower applies the same changes and takes the same step. The scheduler a
 deterministic functions of those inputs and of the step outputs (replicated on every device), so each host
 schedules the same batch without the ~30 packed arrays of every step crossing the network; a fingerprint of the
 leader's state travels with each broadcast and a follower that diverged stops with an error instead of hanging
-in a collective.
-
-The operator sets JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
+in a collective. The hosts joined their group first (parallel/distributed.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 import signal
 import threading
@@ -25,38 +22,13 @@ import jax
 import numpy as np
 
 from ..config import EngineConfig
-from ..engine.engine import LLMEngine
+from ..parallel.follower_health import serve_probes
 from ..sampling.sampling_params import SamplingParams
-from .follower_health import serve_probes
+from .engine import LLMEngine
 
 log = logging.getLogger("capstan.multihost")
-ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 SMALLEST_MESSAGE = 1024  # broadcast buffers are padded to powers of two from here: few compiled broadcasts
 HEARTBEAT_S = 5.0  # an idle leader still steps (with nothing to do) this often: no follower waits long in a collective
-
-
-def initialize_from_env(timeout_s: int = 300) -> bool:
-    """Joins the host group the environment names (before any JAX computation); False when there is none."""
-    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) <= 1:
-        return False
-    missing = [name for name in ENV if not os.environ.get(name)]
-    if missing:
-        raise ValueError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']} needs {', '.join(missing)} as well")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts' collectives across processes
-    jax.distributed.initialize(
-        os.environ["JAX_COORDINATOR_ADDRESS"],
-        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAX_PROCESS_ID"]),
-        initialization_timeout=timeout_s,
-    )
-    log.info(
-        "process %d of %d; devices: %d here, %d in all",
-        jax.process_index(),
-        jax.process_count(),
-        jax.local_device_count(),
-        jax.device_count(),
-    )
-    return True
 
 
 @dataclasses.dataclass(frozen=True)
