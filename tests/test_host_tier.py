@@ -11,7 +11,8 @@ from capstan.runtime.cli import main
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.step import step_fn
 from capstan.runtime.kv import host_offload
-from capstan.runtime.kv.host_offload import gather_pages, scatter_pages
+from capstan.runtime.kv.cache import KVCache
+from capstan.runtime.kv.host_offload import HostOffload, gather_pages, scatter_pages
 from capstan.runtime.kv.host_tier import HostTier
 from capstan.runtime.kv.page_pool import page_hash
 from capstan.runtime.sampling.sampling_params import SamplingParams
@@ -126,6 +127,39 @@ def test_aborts_while_pages_are_copied_back_leak_nothing():
     assert offload.tier.num_pinned == 0  # every load's slots were given back, the aborted ones' too
     assert offload.tier.num_used == len(offload.tier._slot_of)  # no slot stays reserved
     engine.pool.check_all_free()
+
+
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data starts on an alignment-byte boundary."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_load_that_lands_before_the_one_before_is_written_keeps_its_own_bytes(aligned):
+    """Two loads land before the engine polls (it was busy, e.g. in a multi-step decode dispatch), so the second
+    stages through the buffer the first one used. On CPU, device_put of a 64-byte-aligned numpy array aliases it
+    (may_alias=False is not honoured for numpy arrays): reusing that buffer rewrote the first load's staged pages
+    before the scatter read them (issue 33's divergence). aligned: the staging buffer is one the CPU client aliases."""
+    kv = KVCache.allocate(num_layers=2, num_pages=8, page_size=4, kv_heads=2, head_dim=16, dtype=np.float32)
+    offload = HostOffload(kv, 4 * KVCache.bytes_per_page(2, 4, 2, 16, np.float32) / (1 << 30))
+    page_shape = offload.tier.pages.shape[1:]
+    if aligned:
+        offload._staging[1].append(aligned_empty((1, *page_shape), np.float32))
+    hashes = [page_hash(None, [i]) for i in range(2)]
+    slots = offload.tier.reserve(hashes)
+    pages = np.stack([np.full(page_shape, i + 1.0, np.float32) for i in range(2)])
+    offload.tier.commit(slots, pages)
+    for key, slot in enumerate(slots):  # each lands before the next starts: one staging buffer serves both
+        offload.start_load(key, [3 + key], [slot])
+        offload._to_device[key].future.result(timeout=30)
+    kv, ended = offload.poll(lambda: kv)
+    assert ended == [(0, True), (1, True)] and kv is not None
+    restored = np.asarray(gather_pages(kv, np.array([3, 4], np.int32), page_axis=offload.page_axis))
+    np.testing.assert_array_equal(restored, pages)  # each device page holds its own slot's bytes
+    assert offload.tier.num_pinned == 0
 
 
 def test_the_tier_keeps_its_size_and_evicts_least_recently_used():

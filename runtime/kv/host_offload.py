@@ -10,8 +10,9 @@ tier's slots are pinned (no eviction reuses them meanwhile) and a second copy th
 transfers them (device_put, waited for there), so the engine's thread does no byte work and never waits. Its
 sequence waits while the batch steps on; the first poll after the transfer has landed writes the pages into the
 cache with one jitted scatter (a device-local copy, ordered before the next step) and admits the sequence with them
-computed. A load that fails or has not landed by LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow
-copy costs time, never a wrong token.
+computed. Staging buffers are reused, except one its transfer aliased (on CPU devices: it is then the staged copy
+until the scatter has read it). A load that fails or has not landed by LOAD_DEADLINE_S is dropped and its pages
+are recomputed: a slow copy costs time, never a wrong token.
 
 Copies move at most MAX_PAGES_PER_COPY pages a dispatch, padded to a power of two (a handful of compiled shapes,
 all compiled at warm-up). Tensor parallelism: the gathered pages keep the cache's split by KV head, so each
@@ -80,6 +81,15 @@ def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: in
 
 # The cache is donated: the scatter updates the pages in place, as every step does.
 scatter_pages = jax.jit(_scatter_pages, donate_argnums=(0,), static_argnames=("page_axis",))
+
+
+def _aliases(staged: jax.Array, data: np.ndarray) -> bool:
+    """Whether a shard of staged is data's own memory: the CPU client copies no 64-byte-aligned numpy array, whatever
+    may_alias says (device_put ignores it for numpy arrays, jax 0.10); a transfer to an accelerator always copies."""
+    lo, hi = data.ctypes.data, data.ctypes.data + data.nbytes
+    return any(
+        s.device.platform == "cpu" and lo <= s.data.unsafe_buffer_pointer() < hi for s in staged.addressable_shards
+    )
 
 
 def _bucket(n: int) -> int:
@@ -256,15 +266,16 @@ class HostOffload(Generic[LoadKey]):
             self.tier.read(part, out=data)  # rows past the part are padding, dropped by the scatter: left as they are
             buffers.append(data)
             t2 = time.perf_counter()
-            # a copy, never an alias of the buffer (CPU backends alias numpy arrays otherwise): it is reused
             staged.append(jax.device_put(data, self._staged_sharding, may_alias=False))
             self.timings["copy_thread_stage"] += t2 - t
             self.timings["copy_thread_device_put"] += time.perf_counter() - t2
         t = time.perf_counter()
         jax.block_until_ready(staged)
         self.timings["copy_thread_transfer_wait"] += time.perf_counter() - t
-        for data in buffers:  # the transfers are done with them
-            if len(self._staging[len(data)]) < STAGING_BUFFERS:
+        for data, part in zip(buffers, staged, strict=True):  # the transfers are done with them
+            # a buffer the staged copy aliases is that copy until the scatter has read it: reused, the next load
+            # would rewrite this one's pages (issue 33's divergence)
+            if not _aliases(part, data) and len(self._staging[len(data)]) < STAGING_BUFFERS:
                 self._staging[len(data)].append(data)
         return staged, time.monotonic()
 
