@@ -110,7 +110,7 @@ def main() -> None:
                 active,
                 np.int32(0),
                 np.zeros((8, rows), np.int32),
-                engine.multi_step._block_tables(chunks),
+                engine.multi_step._block_tables(chunks, rows),
                 num_steps=8,
                 branches=GREEDY_SCAN,
             )  # the cache is donated

@@ -115,7 +115,7 @@ for variant in ("pipeline", "pipeline_nomask", "scan", "forward_only"):
                 rows,
                 np.int32(0),
                 np.zeros((16, 256), np.int32),
-                e.multi_step._block_tables([]),
+                e.multi_step._block_tables([], 256),
                 num_steps=16,
             )
         else:

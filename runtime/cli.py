@@ -93,6 +93,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="decode steps per device dispatch when every sequence is decoding",
     )
     parser.add_argument(
+        "--decode-row-buckets",
+        action=argparse.BooleanOptionalAction,
+        default=d.decode_row_buckets,
+        help="run decode steps padded to a row bucket (1, 4, 16, ... up to --max-num-seqs) rather than to "
+        "--max-num-seqs: one program more per bucket at warm-up (default: on CPU only)",
+    )
+    parser.add_argument(
         "--smallest-token-bucket",
         type=int,
         default=d.smallest_token_bucket,
@@ -219,6 +226,7 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
         max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
         tokenizer=args.tokenizer,
         decode_steps=args.decode_steps,
+        decode_row_buckets=args.decode_row_buckets,
         smallest_token_bucket=args.smallest_token_bucket,
         max_logprobs=args.max_logprobs,
         embedding_pooling=args.embedding_pooling,

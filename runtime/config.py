@@ -70,6 +70,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # what K/V pages store: the model's dtype, bfloat16, or fp8 (e4m3: twice the pages)
     enable_prefix_caching: bool = True
     decode_steps: int = 16  # decode steps per dispatch when every sequence is decoding (1: one step per dispatch)
+    # decode steps run padded to a row bucket (1, 4, 16, ... max_num_seqs) instead of max_num_seqs; None: on CPU only
+    decode_row_buckets: bool | None = None
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
     warmup: bool = True  # compile every step shape before serving
     tokenizer: str | None = None  # defaults to the model folder
@@ -96,6 +98,14 @@ class EngineConfig:
         """model, as __post_init__ resolved it: never None."""
         assert self.model is not None, "EngineConfig.__post_init__ resolves model"
         return self.model
+
+    def uses_decode_row_buckets(self) -> bool:
+        """Whether decode steps are padded to row buckets: the flag, else on CPU (not yet measured on GPUs)."""
+        if self.decode_row_buckets is not None:
+            return self.decode_row_buckets
+        import jax
+
+        return jax.default_backend() == "cpu"
 
     def validate(self) -> None:
         for name in (

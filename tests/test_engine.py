@@ -283,3 +283,30 @@ def test_a_full_batch_runs_on_while_requests_wait_and_admits_them_when_a_row_fre
     ]
     assert any(runs)  # some dispatch was queued ahead while a request waited
     chained.engine.pool.check_all_free()
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_decode_row_buckets_give_the_tokens_of_full_rows(decode_steps):
+    """Steps of a few decodes run at their row bucket (1, 4, 16 here), not max_num_seqs rows: greedy and seeded
+    outputs are those of the full rows, while the batch shrinks from six rows through four to one."""
+    from capstan.runtime.scheduling.batch import row_buckets
+
+    assert row_buckets(16) == [1, 4, 16] and row_buckets(32) == [1, 4, 16, 32] and row_buckets(1) == [1]
+    flags = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, page_size=16, decode_steps=decode_steps)
+    bucketed, full = LLM(MODEL, decode_row_buckets=True, **flags), LLM(MODEL, decode_row_buckets=False, **flags)
+    assert bucketed.engine.builder.row_buckets == [1, 4, 16] and full.engine.builder.row_buckets == [16]
+    rng = np.random.default_rng(11)
+    prompts = random_prompts(rng, 6, 1, 40)
+    params = [
+        SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=5 + 9 * i, ignore_eos=True) for i in range(6)
+    ]
+    shapes = []
+    real = bucketed.engine.builder.build
+    bucketed.engine.builder.build = lambda *a, **k: shapes.append(k.get("rows")) or real(*a, **k)
+    assert [o.outputs[0].token_ids for o in bucketed.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in full.generate(prompts, params)
+    ]
+    assert {1, 4} <= set(shapes)  # the batch ran at the small buckets on its way down
+    alone = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert bucketed.generate(prompts[0], alone)[0].outputs[0].token_ids == full.generate(prompts[0], alone)[0].outputs[0].token_ids
+    bucketed.engine.pool.check_all_free()

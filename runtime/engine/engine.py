@@ -121,7 +121,9 @@ class LLMEngine:
             smallest_bucket=config.smallest_token_bucket,
         )
         self.inputs = InputProcessor(self.tokenizer, self.limits(), self.grammar)  # admission: no engine state
-        self.builder = BatchBuilder(**rows, queries_per_kv=cfg.queries_per_kv)
+        self.builder = BatchBuilder(
+            **rows, queries_per_kv=cfg.queries_per_kv, decode_row_buckets=config.uses_decode_row_buckets()
+        )
         self.speculator: Speculator | None = None  # None: every step decodes plainly
         if spec is not None:
             self.speculator = Speculator(self, spec, draft, rows)
@@ -341,10 +343,13 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compiles every token bucket now, so no request ever waits for XLA."""
         start = time.monotonic()
-        log.info("compiling %d step shapes (token buckets %s)", len(self.builder.buckets), self.builder.buckets)
+        b = self.builder
+        small = b.row_buckets[:-1]  # steps of a few tokens and rows: one program each (row buckets)
+        log.info("compiling %d step shapes (token buckets %s, small steps %s)", len(b.buckets) + len(small), b.buckets, small)
         models = self.model_variants()
-        for model, bucket in ((m, b) for m in models for b in self.builder.buckets):
-            inputs = self.builder.build([], bucket=bucket)
+        shapes = [(t, None) for t in b.buckets] + [(r, r) for r in small]
+        for model, (bucket, rows) in ((m, shape) for m in models for shape in shapes):
+            inputs = b.build([], bucket=bucket, rows=rows)
             with self._precision():
                 self.kv, out = step_fn(model, self.kv, inputs)
             jax.block_until_ready(out)
@@ -385,7 +390,8 @@ class LLMEngine:
         active = self.multi_step.plan(chunks)
         if active is not None:
             return self.multi_step.decode(chunks, active)
-        chunks, inputs = self._build(chunks)
+        small = self.builder.small_step(chunks)  # a few decodes: as many rows and tokens as the step's row bucket
+        chunks, inputs = self._build(chunks, bucket=small, rows=small)
         if not chunks:
             return []
         with self._precision():
@@ -459,11 +465,13 @@ class LLMEngine:
                 self._fork(seq)
             self._append_token(seq, int(out.sampled.tokens[r]), out.sampled, r)
 
-    def _build(self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True):
+    def _build(
+        self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True, rows: int | None = None
+    ):
         """The step's inputs; when building fails, each chunk is tried alone and the requests whose chunks fail
         are failed, so one request's bad input never stops the engine."""
         try:
-            return chunks, self.builder.build(chunks, bucket=bucket, masks=masks)
+            return chunks, self.builder.build(chunks, bucket=bucket, masks=masks, rows=rows)
         except Exception:  # noqa: BLE001 - find whose it is, below
             log.exception("building a step failed; looking for the request at fault")
         kept = []
@@ -476,7 +484,7 @@ class LLMEngine:
         if len(kept) == len(chunks):
             raise RuntimeError("building a step failed, though every chunk builds alone")
         kept = [c for c in kept if c.seq.request_id in self.requests]
-        return kept, (self.builder.build(kept, bucket=bucket, masks=masks) if kept else None)
+        return kept, (self.builder.build(kept, bucket=bucket, masks=masks, rows=rows) if kept else None)
 
     def _collect_all(self, request_ids) -> list[RequestOutput]:
         outputs = []

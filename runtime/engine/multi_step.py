@@ -170,22 +170,25 @@ class MultiStepDecoder:
         """Compiles the scan and the pipeline's programs (its forward and every sampling branch set) for model (one
         of the engine's variants: LLMEngine.model_for)."""
         e = self.engine
-        inputs = e.builder.build([], bucket=e.builder.S)
-        k, S = e.config.decode_steps, e.builder.S
+        k = e.config.decode_steps
         with e._precision():
-            for branches in scans(jax.default_backend()):
-                e.kv, out = decode_steps_fn(
-                    model,
-                    e.kv,
-                    inputs,
-                    np.zeros(S, np.int32),
-                    np.int32(0),
-                    self._no_previous(),
-                    self._block_tables([]),
-                    num_steps=k,
-                    branches=branches,
-                )
-                jax.block_until_ready(out)
+            for S in e.builder.row_buckets:  # a free batch's scan runs at its row bucket
+                inputs = e.builder.build([], bucket=S, rows=S)
+                for branches in scans(jax.default_backend()):
+                    e.kv, out = decode_steps_fn(
+                        model,
+                        e.kv,
+                        inputs,
+                        np.zeros(S, np.int32),
+                        np.int32(0),
+                        self._no_previous(S),
+                        self._block_tables([], S),
+                        num_steps=k,
+                        branches=branches,
+                    )
+                    jax.block_until_ready(out)
+            # the grammar pipeline runs at max_num_seqs rows
+            inputs = e.builder.build([], bucket=e.builder.S)
             e.kv, logits = decode_forward_fn(model, e.kv, inputs, out.tokens[0], out.tokens[0], np.int32(0))
             for branches in PIPELINE_BRANCHES:
                 jax.block_until_ready(
@@ -223,11 +226,12 @@ class MultiStepDecoder:
         e = self.engine
         steps = {id(c.seq): n for c, n in zip(chunks, active, strict=True)}
         constrained = any(c.seq.constraint is not None for c in chunks)
-        chunks, inputs = e._build(chunks, bucket=e.builder.S, masks=not constrained)
+        S = e.builder.S if constrained else e.builder.rows_for(len(chunks))  # a free batch: its row bucket
+        chunks, inputs = e._build(chunks, bucket=S, masks=not constrained, rows=S)
         if not chunks:
             return []
         active = [steps[id(c.seq)] for c in chunks]
-        rows = np.zeros(e.builder.S, np.int32)
+        rows = np.zeros(S, np.int32)
         rows[: len(active)] = active
         if not constrained:
             k = e.config.decode_steps
@@ -244,8 +248,8 @@ class MultiStepDecoder:
                     inputs,
                     rows,
                     np.int32(0),
-                    self._no_previous(),
-                    self._block_tables(chunks),
+                    self._no_previous(S),
+                    self._block_tables(chunks, S),
                     num_steps=k,
                     branches=d.branches,
                 )
@@ -329,6 +333,8 @@ class MultiStepDecoder:
             return None
         if e.scheduler.offload is not None and e.scheduler.offload.landed:  # restored pages wait to be written
             return None
+        if e.builder.rows_for(len(live)) < len(d.active):  # the rows left fit a smaller row bucket: schedule afresh
+            return None
         active = np.minimum(d.active, offset)  # rows found stopped write nothing more
         for r in live:
             c = d.chunks[r]
@@ -338,7 +344,7 @@ class MultiStepDecoder:
             active[r] = steps
         nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, active, d.branches)
         assert d.out is not None, "d is settled before the next dispatch is queued"
-        kv, previous, tables = e.kv, d.out.tokens, self._block_tables(d.chunks)
+        kv, previous, tables = e.kv, d.out.tokens, self._block_tables(d.chunks, len(d.active))
         model = e.model_for(d.chunks)  # the run's variant: its rows' adapters stay in their slots while it runs
 
         def call():
@@ -350,18 +356,18 @@ class MultiStepDecoder:
         nxt.future = self._thread.submit(call)
         return nxt
 
-    def _no_previous(self) -> np.ndarray | jax.Array:
+    def _no_previous(self, rows: int) -> np.ndarray | jax.Array:
         """Zeros for a run's first dispatch in place of the previous one's tokens, placed as those are (replicated on
         the tensor-parallel mesh): an unplaced array there made the queued dispatches a second program, compiled in
         the middle of the first run (8B shape, TP=2: 8 s of a 10 s decode phase)."""
         e = self.engine
-        zeros = np.zeros((e.config.decode_steps, e.builder.S), np.int32)
+        zeros = np.zeros((e.config.decode_steps, rows), np.int32)
         sharding = e.parallel.inputs_sharding()
         return zeros if sharding is None else jax.device_put(zeros, sharding)
 
-    def _block_tables(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+    def _block_tables(self, chunks: list[ScheduledChunk], rows: int) -> np.ndarray:
         e = self.engine
-        tables = np.zeros((e.builder.S, e.builder.max_pages), np.int32)
+        tables = np.zeros((rows, e.builder.max_pages), np.int32)
         for r, c in enumerate(chunks):
             tables[r, : len(c.seq.pages)] = c.seq.pages
         return tables

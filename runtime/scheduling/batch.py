@@ -31,6 +31,16 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     return buckets + [max_tokens]
 
 
+def row_buckets(max_rows: int) -> list[int]:
+    """Decode-step row counts: powers of four from 1, ending exactly at max_rows (few programs, at most 4x the
+    rows a step has)."""
+    buckets, b = [], 1
+    while b < max_rows:
+        buckets.append(b)
+        b *= 4
+    return buckets + [max_rows]
+
+
 def row_key_data(seed: int, index: int) -> tuple[int, int]:
     """A choice's 64-bit threefry key from its request's seed and its index among the n choices."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
@@ -74,8 +84,11 @@ class BatchBuilder:
         eos_token_ids: frozenset[int],
         smallest_bucket: int = 16,
         queries_per_kv: int = 1,
+        decode_row_buckets: bool = False,
     ):
         self.S = max_num_seqs
+        # steps of few rows and tokens (decodes) run padded to a row bucket, not to max_num_seqs (one program each)
+        self.row_buckets = row_buckets(max_num_seqs) if decode_row_buckets else [max_num_seqs]
         self.queries_per_kv = queries_per_kv  # sizes the ragged kernel's query blocks
         self.buckets = token_buckets(max_num_batched_tokens, min(smallest_bucket, max_num_batched_tokens))
         self.page_size = page_size
@@ -83,16 +96,43 @@ class BatchBuilder:
         self.H = max_model_len
         self.V = vocab_size
         self.eos = sorted(eos_token_ids)
-        self._no_history = jnp.full((self.S, self.H), vocab_size, jnp.int32)  # stays on device: no per-step copy
-        self.all_allowed = jnp.full((self.S, mask_words(vocab_size)), -1, jnp.int32)  # likewise: no grammar
+        self._no_history: dict[int, jax.Array] = {}  # by rows; stays on device: no per-step copy
+        self._all_allowed: dict[int, jax.Array] = {}  # likewise: no grammar
+        self.all_allowed = self.allowed_for(self.S)
+
+    def no_history(self, rows: int) -> jax.Array:
+        if rows not in self._no_history:
+            self._no_history[rows] = jnp.full((rows, self.H), self.V, jnp.int32)
+        return self._no_history[rows]
+
+    def allowed_for(self, rows: int) -> jax.Array:
+        """Every token allowed for every row: the grammar mask of a batch without grammars, on the device."""
+        if rows not in self._all_allowed:
+            self._all_allowed[rows] = jnp.full((rows, mask_words(self.V)), -1, jnp.int32)
+        return self._all_allowed[rows]
 
     def bucket_for(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
-    def build(self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True) -> Packed:
+    def rows_for(self, num_rows: int) -> int:
+        """The row bucket a decode dispatch of num_rows sequences runs at (max_num_seqs without row buckets)."""
+        return self.row_buckets[bisect.bisect_left(self.row_buckets, num_rows)]
+
+    def small_step(self, chunks: list[ScheduledChunk]) -> int | None:
+        """A step whose rows and tokens both fit a row bucket below max_num_seqs (decodes of a few sequences) runs
+        as that many tokens and rows; None: the usual token bucket over max_num_seqs rows."""
+        n = max(len(chunks), sum(c.num_step_tokens for c in chunks), 1)
+        rows = self.rows_for(n) if n <= self.S else self.S
+        return rows if rows < self.S else None
+
+    def build(
+        self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True, rows: int | None = None
+    ) -> Packed:
         """bucket forces the padded token count (warm-up compiles each one with an empty batch); masks=False
-        leaves the grammar masks to the caller (a decode pipeline computes them while the forward runs)."""
-        S, V, page = self.S, self.V, self.page_size
+        leaves the grammar masks to the caller (a decode pipeline computes them while the forward runs); rows:
+        the padded row count (a row bucket; default max_num_seqs)."""
+        S, V, page = rows or self.S, self.V, self.page_size
+        assert len(chunks) <= S, (len(chunks), S)
         T = bucket or self.bucket_for(sum(c.num_step_tokens for c in chunks) or 1)
         tokens = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
@@ -189,9 +229,9 @@ class BatchBuilder:
             bias_values=bias_values,
             banned_ids=banned,
             # history is a device array either way, so the packed layout (and the compiled step) is the same
-            history=self._no_history if history is None else jax.device_put(history),
+            history=self.no_history(S) if history is None else jax.device_put(history),
             prompt_lens=prompt_lens,
-            allowed=self.all_allowed if allowed is None else jax.device_put(allowed),
+            allowed=self.allowed_for(S) if allowed is None else jax.device_put(allowed),
             any_constrained=np.asarray(allowed is not None, np.bool_),
             any_penalty=np.asarray(history is not None, np.bool_),
             any_filter=np.asarray(any_filter, np.bool_),
