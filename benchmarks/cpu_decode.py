@@ -41,7 +41,8 @@ def parse_variant(text: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in text.split(",") if part)
 
 
-def engine_for(variant: dict[str, str], gguf: str, models: dict, args) -> LLMEngine:
+def engine_for(variant: dict[str, str], gguf: str, models: dict, args) -> tuple[LLMEngine, float]:
+    """The variant's engine, warmed up, and its warm-up's process CPU seconds."""
     from capstan.runtime.models.loader import load_model
 
     weights = variant.get("weights", "")
@@ -60,11 +61,12 @@ def engine_for(variant: dict[str, str], gguf: str, models: dict, args) -> LLMEng
     engine = LLMEngine(config, model=models[weights])
     start = time.process_time()
     engine.warmup()
-    engine.warmup_cpu_s = time.process_time() - start
-    return engine
+    return engine, time.process_time() - start
 
 
-def one_round(engine: LLMEngine, variant: dict[str, str], streams: int, rng: random.Random, args) -> tuple[float, float]:
+def one_round(
+    engine: LLMEngine, variant: dict[str, str], streams: int, rng: random.Random, args
+) -> tuple[float, float]:
     """(output tokens/s, process CPU ms per output token) of `streams` requests run together to the end."""
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -102,8 +104,9 @@ def main() -> None:
     models: dict = {}
     engines = []
     for v in variants:
-        engines.append(engine_for(v, gguf, models, args))
-        print(f"{v or 'defaults'}: warm-up {engines[-1].warmup_cpu_s:.1f} s CPU", flush=True)
+        engine, warmup_s = engine_for(v, gguf, models, args)
+        engines.append(engine)
+        print(f"{v or 'defaults'}: warm-up {warmup_s:.1f} s CPU", flush=True)
     results: dict[tuple[int, int], list[tuple[float, float]]] = {}
     rng = random.Random(0)
     for engine, v in zip(engines, variants, strict=True):  # one round each first: lazy set-up outside the figures
@@ -116,7 +119,9 @@ def main() -> None:
     for (i, streams), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         tok_s = statistics.median(r[0] for r in runs)
         cpu_ms = statistics.median(r[1] for r in runs)
-        rows.append({"variant": variants[i] or "defaults", "streams": streams, "tok_s": tok_s, "cpu_ms_per_tok": cpu_ms})
+        rows.append(
+            {"variant": variants[i] or "defaults", "streams": streams, "tok_s": tok_s, "cpu_ms_per_tok": cpu_ms}
+        )
         print(
             f"{json.dumps(variants[i] or 'defaults'):40s} streams {streams:3d}: {tok_s:7.1f} tokens/s  "
             f"{cpu_ms:6.1f} CPU ms/token  (runs: {', '.join(f'{r[0]:.1f}' for r in runs)})",

@@ -308,5 +308,8 @@ def test_decode_row_buckets_give_the_tokens_of_full_rows(decode_steps):
     ]
     assert {1, 4} <= set(shapes)  # the batch ran at the small buckets on its way down
     alone = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    assert bucketed.generate(prompts[0], alone)[0].outputs[0].token_ids == full.generate(prompts[0], alone)[0].outputs[0].token_ids
+    assert (
+        bucketed.generate(prompts[0], alone)[0].outputs[0].token_ids
+        == full.generate(prompts[0], alone)[0].outputs[0].token_ids
+    )
     bucketed.engine.pool.check_all_free()

@@ -345,7 +345,9 @@ class LLMEngine:
         start = time.monotonic()
         b = self.builder
         small = b.row_buckets[:-1]  # steps of a few tokens and rows: one program each (row buckets)
-        log.info("compiling %d step shapes (token buckets %s, small steps %s)", len(b.buckets) + len(small), b.buckets, small)
+        log.info(
+            "compiling %d step shapes (token buckets %s, small steps %s)", len(b.buckets) + len(small), b.buckets, small
+        )
         models = self.model_variants()
         shapes = [(t, None) for t in b.buckets] + [(r, r) for r in small]
         for model, (bucket, rows) in ((m, shape) for m in models for shape in shapes):
