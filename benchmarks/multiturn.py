@@ -55,7 +55,6 @@ def engine_for(model, a, num_pages: int, tier_gib: float) -> LLMEngine:
             page_size=a.page_size,
             num_pages=num_pages,
             kv_offloading_size=tier_gib,
-            decode_steps=1 if tier_gib else EngineConfig.decode_steps,  # the tier is refused with multi-step (config)
         ),
         model=model,
     )

@@ -149,11 +149,6 @@ class EngineConfig:
             raise ValueError(
                 f"kv_offloading_size must be between 0 and {MAX_KV_OFFLOADING_GIB} GiB, got {self.kv_offloading_size}"
             )
-        if self.kv_offloading_size and self.decode_steps > 1:  # safe until the open divergence is found
-            raise ValueError(
-                "kv_offloading_size needs --decode-steps 1 for now: with multi-step decoding a prefix restored from "
-                "host memory has changed greedy outputs (an open bug, docs/runtime.md)"
-            )
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError(
                 "kv_offloading_size needs prefix caching (its pages are found by their prefix's hash): "
