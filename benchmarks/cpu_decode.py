@@ -13,7 +13,7 @@ same load; the median of --repeats rounds is printed with the load average.
 
 A variant is key=value[,key=value]: rows=on|off (decode-row buckets), steps=N (decode steps per dispatch),
 penalty=X (repetition_penalty of
-every request), temperature=X, seqs=N (max_num_seqs)."""
+every request), temperature=X, seqs=N (max_num_seqs), weights=int8 (--quantization int8)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from serve import WORDS  # noqa: E402  (the load generator's prompt words)
 
 from capstan.runtime.config import EngineConfig, installed_smollm2  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.engine.sampling_params import SamplingParams  # noqa: E402
+from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 
 
 def load_average() -> str:
@@ -47,7 +47,7 @@ def engine_for(variant: dict[str, str], gguf: str, models: dict, args) -> tuple[
 
     weights = variant.get("weights", "")
     if weights not in models:
-        models[weights] = load_model(Path(gguf), "float32", None)
+        models[weights] = load_model(Path(gguf), "float32", weights if weights in ("int8", "fp8") else None)
     rows = variant.get("rows")
     config = EngineConfig(
         model=gguf,

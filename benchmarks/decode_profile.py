@@ -103,7 +103,7 @@ def main() -> None:
         holder = [engine.kv]
 
         def multi(_, engine=engine, holder=holder, packed=packed, active=active, rows=rows, chunks=chunks):
-            holder[0], out = decode_steps_fn(
+            holder[0], out, _ = decode_steps_fn(
                 model,
                 holder[0],
                 packed,
@@ -111,6 +111,7 @@ def main() -> None:
                 np.int32(0),
                 np.zeros((8, rows), np.int32),
                 engine.multi_step._block_tables(chunks, rows),
+                None,  # a greedy scan carries no penalty counts
                 num_steps=8,
                 branches=GREEDY_SCAN,
             )  # the cache is donated

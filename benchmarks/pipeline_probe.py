@@ -108,7 +108,7 @@ for variant in ("pipeline", "pipeline_nomask", "scan", "forward_only"):
             for j in range(16):
                 e.kv, out = M.decode_forward_fn(e.model, e.kv, inputs, prev, rows, np.int32(j))
         elif variant == "scan":
-            e.kv, out = M.decode_steps_fn(
+            e.kv, out, _ = M.decode_steps_fn(
                 e.model,
                 e.kv,
                 inputs,
@@ -116,6 +116,7 @@ for variant in ("pipeline", "pipeline_nomask", "scan", "forward_only"):
                 np.int32(0),
                 np.zeros((16, 256), np.int32),
                 e.multi_step._block_tables([], 256),
+                e.multi_step._no_counts(256, M.SCAN_BRANCHES),
                 num_steps=16,
             )
         else:

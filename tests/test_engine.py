@@ -313,3 +313,42 @@ def test_decode_row_buckets_give_the_tokens_of_full_rows(decode_steps):
         == full.generate(prompts[0], alone)[0].outputs[0].token_ids
     )
     bucketed.engine.pool.check_all_free()
+
+
+@pytest.mark.parametrize("programs", ["cpu", "gpu"])
+def test_penalties_run_inside_multi_step_decoding_with_the_single_step_tokens(programs, monkeypatch):
+    """Repetition, presence and frequency penalties keep multi-step decoding: the scan carries each row's token
+    counts, adds every step's samples and hands them to the run's next dispatch; greedy and seeded outputs are the
+    single-step ones (with the CPU's programs and with the GPU's, whose penalties have programs of their own)."""
+    import capstan.runtime.engine.multi_step as multi_step
+    import capstan.runtime.sampling.programs as sampling_programs
+
+    real = multi_step.scan_branches
+    chosen: list = []
+    monkeypatch.setattr(multi_step, "scan_branches", lambda p, backend: chosen.append(real(p, programs)) or chosen[-1])
+    flags = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
+    chained, single = LLM(MODEL, decode_steps=4, **flags), LLM(MODEL, decode_steps=1, **flags)
+    rng = np.random.default_rng(12)
+    prompts = random_prompts(rng, 5, 1, 40)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=41, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, presence_penalty=0.6, frequency_penalty=0.4, max_tokens=37),
+        SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=-0.5, max_tokens=30, logprobs=1),
+        SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.1, top_p=0.8, max_tokens=45),
+        SamplingParams(temperature=0.0, max_tokens=33),  # no penalties, in the same batch
+    ]
+    for p in params:
+        p.ignore_eos = True
+    runs = []
+    plan = chained.engine.multi_step.plan
+    chained.engine.multi_step.plan = lambda chunks: runs.append(r := plan(chunks)) or r
+    assert [o.outputs[0].token_ids for o in chained.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in single.generate(prompts, params)
+    ]
+    assert any(r is not None for r in runs)  # the penalised batch ran several steps a dispatch
+    expected = sampling_programs.PENALTY_SCANS.values() if programs == "gpu" else [sampling_programs.SCAN_BRANCHES]
+    assert chosen and set(chosen) <= set(expected)
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=40, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in chained.generate(prompts[:1], greedy)]  # one row: its own bucket
+    assert alone == [o.outputs[0].token_ids for o in single.generate(prompts[:1], greedy)]
+    chained.engine.pool.check_all_free()

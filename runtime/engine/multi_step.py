@@ -1,5 +1,7 @@
 """Several decode steps in one engine step, when every scheduled sequence is decoding and nothing needs the host
-between tokens (no penalties, min_tokens bans or prompt logprobs).
+between tokens (no min_tokens bans or prompt logprobs). Penalties run inside: the scan carries what they read
+(each row's token counts, PenaltyCounts) and adds every step's samples to it, and a run's next dispatch takes
+the counts its last one left.
 
 Free batches run as one dispatch: a lax.scan that feeds each step's sampled tokens to the next. Batches with
 structured outputs need each constrained row's next mask from its last token, so they run as a pipeline of
@@ -30,8 +32,16 @@ from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from ..sampling.grammar import fill_masks, mask_words
-from ..sampling.programs import SCAN_BRANCHES, scan_branches, scans
-from ..sampling.sampler import Branches, SampleResult, SamplingBatch, sample
+from ..sampling.programs import SCAN_BRANCHES, carries_counts, scan_branches, scans
+from ..sampling.sampler import (
+    Branches,
+    PenaltyCounts,
+    SampleResult,
+    SamplingBatch,
+    count_sampled,
+    penalty_counts,
+    sample,
+)
 from ..scheduling.batch import StepInputs
 from ..scheduling.packing import Packed
 from ..scheduling.scheduler import ScheduledChunk
@@ -74,24 +84,32 @@ def run_decode_steps(
     offset: jax.Array,
     previous: jax.Array,
     block_tables: jax.Array,
+    counts: PenaltyCounts | None,
     num_steps: int,
     branches: Branches = SCAN_BRANCHES,
-) -> tuple[KVCache, SampleResult]:
+) -> tuple[KVCache, SampleResult, PenaltyCounts | None]:
     """Steps offset .. offset + num_steps - 1 of a run; packed holds one decode token per row (T == S), the first
     step's tokens at offset 0, else previous[-1] (the dispatch before's last samples, [num_steps, S]); block_tables
-    [S, pages] the rows' pages so far. Returns SampleResult with a leading [num_steps] axis."""
+    [S, pages] the rows' pages so far; counts (when carries_counts(branches)) the penalties' counts the dispatch
+    before left, counted from the packed history instead at offset 0. Returns SampleResult with a leading
+    [num_steps] axis, and the counts after the last step."""
     x: StepInputs[jax.Array] = packed.unpack()
     x = eqx.tree_at(lambda x: x.meta.block_tables, x, block_tables)
+    if counts is not None:
+        start = penalty_counts(x.sampling, model.cfg.vocab_size)
+        counts = jax.tree.map(lambda a, b: jnp.where(offset == 0, a, b), start, counts)
 
     def one(carry, j):
-        kv, tokens = carry
+        kv, tokens, counts = carry
         logits, kv = _forward(model, kv, x, tokens, active, j)
-        result = sample(logits, _at_step(x.sampling, j), branches)
-        return (kv, result.tokens), result
+        result = sample(logits, _at_step(x.sampling, j), branches, counts)
+        if counts is not None:  # the sampled token joins each row's output before the next step samples
+            counts = count_sampled(counts, result.tokens)
+        return (kv, result.tokens, counts), result
 
     first = jnp.where(offset == 0, x.tokens, previous[-1])
-    (kv, _), results = jax.lax.scan(one, (kv, first), offset + jnp.arange(num_steps))
-    return kv, results
+    (kv, _, counts), results = jax.lax.scan(one, (kv, first, counts), offset + jnp.arange(num_steps))
+    return kv, results, counts
 
 
 def run_decode_forward(
@@ -151,6 +169,7 @@ class Dispatch:
     active: np.ndarray  # [S] each row writes K/V for its steps below this (its limit, or where it was found stopped)
     branches: Branches  # its program (scan_branches)
     out: SampleResult | None = None  # on the device
+    counts: PenaltyCounts | None = None  # on the device: the penalties' counts after its last step (carries_counts)
     future: Future | None = None  # the call, while it runs on the dispatch thread
 
 
@@ -165,6 +184,7 @@ class MultiStepDecoder:
         # a call returns only once the device is nearly done with it (XLA:GPU reads each lax.cond's predicate back
         # to the host), so the next dispatch is queued from this thread while the engine's applies tokens
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="capstan-dispatch")
+        self._zero_counts: dict[int, PenaltyCounts] = {}  # by rows (_no_counts)
 
     def warmup(self, model: DecoderModel) -> None:
         """Compiles the scan and the pipeline's programs (its forward and every sampling branch set) for model (one
@@ -175,7 +195,7 @@ class MultiStepDecoder:
             for S in e.builder.row_buckets:  # a free batch's scan runs at its row bucket
                 inputs = e.builder.build([], bucket=S, rows=S)
                 for branches in scans(jax.default_backend()):
-                    e.kv, out = decode_steps_fn(
+                    e.kv, out, _ = decode_steps_fn(
                         model,
                         e.kv,
                         inputs,
@@ -183,6 +203,7 @@ class MultiStepDecoder:
                         np.int32(0),
                         self._no_previous(S),
                         self._block_tables([], S),
+                        self._no_counts(S, branches),
                         num_steps=k,
                         branches=branches,
                     )
@@ -201,6 +222,8 @@ class MultiStepDecoder:
         k = e.config.decode_steps
         if k <= 1 or e.scheduler.admissible_waiting() and len(chunks) < e.builder.S:  # admit waiting requests first
             return None
+        # the grammar pipeline applies no penalties: a batch with both takes single steps
+        grammars = any(c.seq.constraint is not None for c in chunks)
         for c in chunks:
             p = c.seq.params
             if (
@@ -208,6 +231,7 @@ class MultiStepDecoder:
                 or c.seq.max_tokens == 0
                 or c.seq.pending_forks
                 or p.uses_penalties
+                and grammars
                 or c.seq.num_output < p.min_tokens
                 or p.prompt_logprobs is not None
                 and not c.seq.prompt_logprobs_done
@@ -242,7 +266,7 @@ class MultiStepDecoder:
                 chunks, inputs, limits, 0, rows, scan_branches([c.seq.params for c in chunks], jax.default_backend())
             )
             with e._precision():
-                e.kv, d.out = decode_steps_fn(
+                e.kv, d.out, d.counts = decode_steps_fn(
                     e.model_for(chunks),
                     e.kv,
                     inputs,
@@ -250,6 +274,7 @@ class MultiStepDecoder:
                     np.int32(0),
                     self._no_previous(S),
                     self._block_tables(chunks, S),
+                    self._no_counts(S, d.branches),
                     num_steps=k,
                     branches=d.branches,
                 )
@@ -289,7 +314,9 @@ class MultiStepDecoder:
         d = d or self.ahead
         if d is not None and d.future is not None:
             future, d.future = d.future, None
-            self.engine._kv, d.out = future.result()  # re-raises the call's error: a device fault stops the engine
+            self.engine._kv, d.out, d.counts = (
+                future.result()
+            )  # re-raises the call's error: a device fault stops the engine
 
     def _apply(self, d: Dispatch) -> list[RequestOutput]:
         """Queues the run's next dispatch when it can go on, then applies this one's tokens."""
@@ -344,13 +371,22 @@ class MultiStepDecoder:
             active[r] = steps
         nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, active, d.branches)
         assert d.out is not None, "d is settled before the next dispatch is queued"
-        kv, previous, tables = e.kv, d.out.tokens, self._block_tables(d.chunks, len(d.active))
+        kv, previous, tables, counts = e.kv, d.out.tokens, self._block_tables(d.chunks, len(d.active)), d.counts
         model = e.model_for(d.chunks)  # the run's variant: its rows' adapters stay in their slots while it runs
 
         def call():
             with e._precision():
                 return decode_steps_fn(
-                    model, kv, d.inputs, active, np.int32(offset), previous, tables, num_steps=k, branches=d.branches
+                    model,
+                    kv,
+                    d.inputs,
+                    active,
+                    np.int32(offset),
+                    previous,
+                    tables,
+                    counts,
+                    num_steps=k,
+                    branches=d.branches,
                 )
 
         nxt.future = self._thread.submit(call)
@@ -364,6 +400,18 @@ class MultiStepDecoder:
         zeros = np.zeros((e.config.decode_steps, rows), np.int32)
         sharding = e.parallel.inputs_sharding()
         return zeros if sharding is None else jax.device_put(zeros, sharding)
+
+    def _no_counts(self, rows: int, branches: Branches) -> PenaltyCounts | None:
+        """A run's first dispatch's counts argument (the scan counts the packed history itself there), placed as a
+        later dispatch's are; None for a program without penalties. Kept on the device: the argument is not
+        donated."""
+        if not carries_counts(branches):
+            return None
+        if rows not in self._zero_counts:
+            V, sharding = self.engine.model.cfg.vocab_size, self.engine.parallel.inputs_sharding()
+            zeros = PenaltyCounts(jnp.zeros((rows, V), jnp.float32), jnp.zeros((rows, V), jnp.bool_))
+            self._zero_counts[rows] = zeros if sharding is None else jax.device_put(zeros, sharding)
+        return self._zero_counts[rows]
 
     def _block_tables(self, chunks: list[ScheduledChunk], rows: int) -> np.ndarray:
         e = self.engine

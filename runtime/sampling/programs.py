@@ -7,15 +7,17 @@ from __future__ import annotations
 from .sampler import Branches
 from .sampling_params import SamplingParams
 
-# the scan never sees grammars (the pipeline takes them) or penalties and bans (the multi-step plan refuses them)
+# the scan never sees grammars (the pipeline takes them) or min_tokens bans (the multi-step plan refuses them); on CPUs
+# one program takes every sampled run, penalties or not (a cond costs them nothing), carrying the penalties' counts
 SCAN_BRANCHES = Branches(
-    plain_greedy=None, any_constrained=False, any_penalty=False, any_filter=None, all_greedy=None, want_logprobs=None
+    plain_greedy=None, any_constrained=False, any_penalty=None, any_filter=None, all_greedy=None, want_logprobs=None
 )
 # On GPUs every branch of a run is decided on the host: XLA:GPU copies each lax.cond's predicate to the host, and
 # the device idles until the host has queued the kernels after it (H100, Llama-3.2-1B shape, 256 rows: a greedy
 # dispatch of 16 steps 80 -> 67 ms without its two). A plain greedy run (the argmax of the raw logits) has a program
 # of its own; sampled runs filter always (exact for rows without filters: the candidates' draw decides them
-# without a fallback), with or without logprobs. CPUs keep one program for sampled runs (a cond costs them nothing).
+# without a fallback), with or without logprobs, with or without penalties. CPUs keep one program for sampled runs (a
+# cond costs them nothing).
 GREEDY_SCAN = Branches(
     plain_greedy=True, any_constrained=False, any_penalty=False, any_filter=False, all_greedy=True, want_logprobs=False
 )
@@ -25,15 +27,26 @@ SAMPLED_SCANS = {
     )
     for w in (False, True)
 }
+PENALTY_SCANS = {w: b._replace(any_penalty=True) for w, b in SAMPLED_SCANS.items()}
 
 
 def scans(backend: str) -> tuple[Branches, ...]:
-    """The decode scan's programs on this backend (each compiled at warm-up)."""
-    return (GREEDY_SCAN, *SAMPLED_SCANS.values()) if backend == "gpu" else (GREEDY_SCAN, SCAN_BRANCHES)
+    """The decode scan's programs on this backend (each compiled at warm-up, once per row bucket)."""
+    if backend == "gpu":
+        return (GREEDY_SCAN, *SAMPLED_SCANS.values(), *PENALTY_SCANS.values())
+    return (GREEDY_SCAN, SCAN_BRANCHES)
 
 
 def scan_branches(params: list[SamplingParams], backend: str) -> Branches:
-    """The program for a free batch of these requests (the multi-step plan has refused penalties and min_tokens bans)."""
-    if all(p.temperature == 0.0 and not p.logit_bias and p.logprobs is None for p in params):
+    """The program for a free batch of these requests (the multi-step plan has refused min_tokens bans)."""
+    penalties = any(p.uses_penalties for p in params)
+    if not penalties and all(p.temperature == 0.0 and not p.logit_bias and p.logprobs is None for p in params):
         return GREEDY_SCAN
-    return SAMPLED_SCANS[any(p.logprobs is not None for p in params)] if backend == "gpu" else SCAN_BRANCHES
+    if backend != "gpu":
+        return SCAN_BRANCHES
+    return (PENALTY_SCANS if penalties else SAMPLED_SCANS)[any(p.logprobs is not None for p in params)]
+
+
+def carries_counts(branches: Branches) -> bool:
+    """Whether a decode scan with these branches takes and returns the penalties' counts (sampler.PenaltyCounts)."""
+    return branches.any_penalty is not False

@@ -68,6 +68,29 @@ class StepOutputs(eqx.Module):
     prompt: PromptLogprobs | None  # None: a speculative verify step (its requests ask for no prompt logprobs)
 
 
+class PenaltyCounts(eqx.Module):
+    """What the penalties read of a row's history: a multi-step decode carries these from step to step (adding each
+    sampled token) instead of its history."""
+
+    output: jax.Array  # [S, V] f32: times each token was generated (frequency and presence penalties)
+    seen: jax.Array  # [S, V] bool: in the prompt or generated (repetition penalty)
+
+
+def penalty_counts(b: SamplingBatch[jax.Array], vocab: int) -> PenaltyCounts:
+    """The counts of each row's history (prompt, then output tokens; vocab = unused)."""
+    S = b.history.shape[0]
+    rows = jnp.arange(S)[:, None]
+    is_output = jnp.arange(b.history.shape[1])[None, :] >= b.prompt_lens[:, None]
+    output = jnp.zeros((S, vocab), jnp.float32).at[rows, b.history].add(is_output.astype(jnp.float32), mode="drop")
+    return PenaltyCounts(output, jnp.zeros((S, vocab), jnp.bool_).at[rows, b.history].set(True, mode="drop"))
+
+
+def count_sampled(counts: PenaltyCounts, tokens: jax.Array) -> PenaltyCounts:
+    """The counts after each row's sampled token [S] joined its output."""
+    rows = jnp.arange(tokens.shape[0])
+    return PenaltyCounts(counts.output.at[rows, tokens].add(1.0), counts.seen.at[rows, tokens].set(True))
+
+
 class Branches(NamedTuple):
     """A batch's sampling branches decided on the host (None: left to a lax.cond on the batch's flag). A program
     compiled for them has no lax.cond, whose predicate XLA:GPU copies back to the host: the host would wait there
@@ -86,8 +109,14 @@ def _branch(static: bool | None, traced: jax.Array, yes, no, *args):
     return jax.lax.cond(traced, yes, no, *args) if static is None else (yes if static else no)(*args)
 
 
-def sample(logits: jax.Array, b: SamplingBatch[jax.Array], branches: Branches | None = None) -> SampleResult:
-    """branches: decided on the host (static), else each is a lax.cond on the batch's flags."""
+def sample(
+    logits: jax.Array,
+    b: SamplingBatch[jax.Array],
+    branches: Branches | None = None,
+    counts: PenaltyCounts | None = None,
+) -> SampleResult:
+    """branches: decided on the host (static), else each is a lax.cond on the batch's flags. counts: what the
+    penalties read (a multi-step decode's, carried from step to step); None: counted from b.history."""
     S, V = logits.shape
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)  # one reduction: log-probabilities are only materialised when asked
@@ -96,7 +125,7 @@ def sample(logits: jax.Array, b: SamplingBatch[jax.Array], branches: Branches | 
         branches and branches.plain_greedy,
         b.plain_greedy,
         lambda x, b: jnp.argmax(x, axis=-1).astype(jnp.int32),
-        lambda x, b: _processed_sample(x, b, branches),
+        lambda x, b: _processed_sample(x, b, branches, counts),
         logits,
         b,
     )
@@ -121,7 +150,12 @@ def sample(logits: jax.Array, b: SamplingBatch[jax.Array], branches: Branches | 
     return SampleResult(tokens, chosen, rank, top_ids, top_lp)
 
 
-def _processed_sample(logits: jax.Array, b: SamplingBatch[jax.Array], branches: Branches | None = None) -> jax.Array:
+def _processed_sample(
+    logits: jax.Array,
+    b: SamplingBatch[jax.Array],
+    branches: Branches | None = None,
+    counts: PenaltyCounts | None = None,
+) -> jax.Array:
     """Bias, bans, penalties, temperature and filters, then greedy rows take the argmax and the rest draw."""
     S, V = logits.shape
     rows = jnp.arange(S)[:, None]
@@ -141,7 +175,7 @@ def _processed_sample(logits: jax.Array, b: SamplingBatch[jax.Array], branches: 
     x = _branch(
         branches and branches.any_penalty,
         b.any_penalty,
-        lambda x: _apply_penalties(biased(x, 1.0), b) / t,
+        lambda x: _apply_penalties(biased(x, 1.0), b, counts) / t,
         lambda x: biased(x / t, t),
         logits,
     )
@@ -202,16 +236,12 @@ def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(bits.reshape(S, -1)[:, :V].astype(jnp.bool_), x, -jnp.inf)
 
 
-def _apply_penalties(x: jax.Array, b: SamplingBatch[jax.Array]) -> jax.Array:
-    S, V = x.shape
-    rows = jnp.arange(S)[:, None]
-    is_output = jnp.arange(b.history.shape[1])[None, :] >= b.prompt_lens[:, None]
-    out_counts = jnp.zeros((S, V), jnp.float32).at[rows, b.history].add(is_output.astype(jnp.float32), mode="drop")
-    seen = jnp.zeros((S, V), jnp.bool_).at[rows, b.history].set(True, mode="drop")
+def _apply_penalties(x: jax.Array, b: SamplingBatch[jax.Array], counts: PenaltyCounts | None = None) -> jax.Array:
+    counts = penalty_counts(b, x.shape[1]) if counts is None else counts
     rep = b.repetition_penalty[:, None]
-    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
-    x = x - b.frequency_penalty[:, None] * out_counts
-    return x - b.presence_penalty[:, None] * (out_counts > 0)
+    x = jnp.where(counts.seen, jnp.where(x > 0, x / rep, x * rep), x)
+    x = x - b.frequency_penalty[:, None] * counts.output
+    return x - b.presence_penalty[:, None] * (counts.output > 0)
 
 
 def filters_by_search(x: jax.Array, b: SamplingBatch[jax.Array], pivots: int = 1) -> jax.Array:
