@@ -395,11 +395,11 @@ class MultiStepDecoder:
     def _no_previous(self, rows: int) -> np.ndarray | jax.Array:
         """Zeros for a run's first dispatch in place of the previous one's tokens, placed as those are (replicated on
         the tensor-parallel mesh): an unplaced array there made the queued dispatches a second program, compiled in
-        the middle of the first run (8B shape, TP=2: 8 s of a 10 s decode phase)."""
+        the middle of the first run (8B shape, TP=2: 8 s of a 10 s decode phase); on one device a numpy array did the
+        same (a dispatch queued ahead takes device arrays)."""
         e = self.engine
         zeros = np.zeros((e.config.decode_steps, rows), np.int32)
-        sharding = e.parallel.inputs_sharding()
-        return zeros if sharding is None else jax.device_put(zeros, sharding)
+        return jax.device_put(zeros, e.parallel.inputs_sharding())
 
     def _no_counts(self, rows: int, branches: Branches) -> PenaltyCounts | None:
         """A run's first dispatch's counts argument (the scan counts the packed history itself there), placed as a
@@ -409,8 +409,8 @@ class MultiStepDecoder:
             return None
         if rows not in self._zero_counts:
             V, sharding = self.engine.model.cfg.vocab_size, self.engine.parallel.inputs_sharding()
-            zeros = PenaltyCounts(jnp.zeros((rows, V), jnp.float32), jnp.zeros((rows, V), jnp.bool_))
-            self._zero_counts[rows] = zeros if sharding is None else jax.device_put(zeros, sharding)
+            zeros = PenaltyCounts(np.zeros((rows, V), np.float32), np.zeros((rows, V), np.bool_))
+            self._zero_counts[rows] = jax.device_put(zeros, sharding)  # as _no_previous places its zeros
         return self._zero_counts[rows]
 
     def _block_tables(self, chunks: list[ScheduledChunk], rows: int) -> np.ndarray:
