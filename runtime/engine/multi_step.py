@@ -409,8 +409,9 @@ class MultiStepDecoder:
             return None
         if rows not in self._zero_counts:
             V, sharding = self.engine.model.cfg.vocab_size, self.engine.parallel.inputs_sharding()
-            zeros = PenaltyCounts(np.zeros((rows, V), np.float32), np.zeros((rows, V), np.bool_))
-            self._zero_counts[rows] = jax.device_put(zeros, sharding)  # as _no_previous places its zeros
+            output, seen = np.zeros((rows, V), np.float32), np.zeros((rows, V), np.bool_)
+            # placed as _no_previous places its zeros
+            self._zero_counts[rows] = PenaltyCounts(jax.device_put(output, sharding), jax.device_put(seen, sharding))
         return self._zero_counts[rows]
 
     def _block_tables(self, chunks: list[ScheduledChunk], rows: int) -> np.ndarray:
