@@ -98,8 +98,8 @@ def test_offline_generate_raises_naming_the_prompt(llm):
     engine = llm.engine
     original = engine.prepare
 
-    def prepare(request_id, prompt, params):
-        seqs = original(request_id, prompt, params)
+    def prepare(request_id, prompt, params, lora_name=None):
+        seqs = original(request_id, prompt, params, lora_name)
         if prompt == "boom":
             for seq in seqs:
                 seq.text.stop_matcher.feed = broken
@@ -128,8 +128,8 @@ def served():
     assert engine.wait_ready(START_TIMEOUT)
     original = engine.engine.prepare
 
-    def prepare(request_id, prompt, params):
-        seqs = original(request_id, prompt, params)
+    def prepare(request_id, prompt, params, lora_name=None):
+        seqs = original(request_id, prompt, params, lora_name)
         if "BOOM" in (seqs[0].prompt_text or ""):
             for seq in seqs:
                 seq.text.stop_matcher.feed = broken_after(3 if "later" in seqs[0].prompt_text else 0)
