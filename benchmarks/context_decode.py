@@ -2,6 +2,7 @@
 
 python benchmarks/context_decode.py --contexts 64 2000 --max-model-len 4096 [--attention reference]
 python benchmarks/context_decode.py --shape qwen3-0.6b --contexts 64 2000 --tokens 17
+python benchmarks/context_decode.py --model SmolLM2-135M-Instruct.Q4_1.gguf --max-num-seqs 4 --contexts 64 2000
 Runs the embedded default checkpoint (or --shape with random weights) with the engine's own defaults otherwise
 (max_num_seqs, token budget, multi-step decode), one stream at a time, and prints per context: decode ms/token
 (after the first token, wall and CPU time), prefill seconds (prompt to first token), plus the warm-up compile time."""
@@ -46,6 +47,7 @@ def one_stream(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[float
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", help="a named shape with random weights instead of the embedded checkpoint")
+    ap.add_argument("--model", help="a checkpoint folder or .gguf file instead of the embedded checkpoint")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 2000])
     ap.add_argument("--tokens", type=int, default=65, help="tokens generated per stream (the first is prefill's)")
@@ -66,7 +68,7 @@ def main(argv=None) -> dict:
 
         attention.chunked_attention = attention.paged_attention  # attend()'s CPU path, as it was
     config = EngineConfig(
-        model=str(DEFAULT_MODEL),
+        model=a.model or str(DEFAULT_MODEL),
         max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -83,7 +85,7 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     one_stream(engine, rng.integers(0, vocab, 8).tolist(), 4)  # first-call costs outside the figures
     figures = {
-        "model": a.shape or "default",
+        "model": a.shape or a.model or "default",
         "attention": a.attention,
         "device": str(jax.devices()[0].device_kind),
         "max_model_len": a.max_model_len,

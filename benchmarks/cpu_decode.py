@@ -13,7 +13,8 @@ same load; the median of --repeats rounds is printed with the load average.
 
 A variant is key=value[,key=value]: rows=on|off (decode-row buckets), steps=N (decode steps per dispatch),
 penalty=X (repetition_penalty of
-every request), temperature=X, seqs=N (max_num_seqs), weights=int8 (--quantization int8)."""
+every request), temperature=X, seqs=N (max_num_seqs), weights=int8|none|fp8 (--quantization; none: the GGUF dequantized to float32; default:
+the engine's, int8 on CPU)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def engine_for(variant: dict[str, str], gguf: str, models: dict, args) -> tuple[
 
     weights = variant.get("weights", "")
     if weights not in models:
-        models[weights] = load_model(Path(gguf), "float32", weights if weights in ("int8", "fp8") else None)
+        models[weights] = load_model(Path(gguf), "float32", weights or None)
     rows = variant.get("rows")
     config = EngineConfig(
         model=gguf,

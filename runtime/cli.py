@@ -15,7 +15,7 @@ from .speculative_config import SpeculativeConfig
 
 log = logging.getLogger("capstan")
 GENERATE_MAX_TOKENS = 64  # `capstan generate` without --max-tokens, when the model sets no max_new_tokens
-CPU_MAX_NUM_SEQS = 4  # a CPU step computes every padded row: 4 keeps one chat fast (README snippet: ~6 s)
+CPU_MAX_NUM_SEQS = 4  # decode runs at its row bucket (1, 4): more rows only add warm-up programs on a 2-core CPU
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -81,9 +81,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=d.quantization,
-        choices=["fp8", "int8"],
-        help="linear weights in FP8 (e4m3, FP8 matmuls on Hopper) or INT8 (weight-only), one scale per "
-        "output channel (default: the checkpoint's dtype, or its own quantization_config)",
+        choices=["fp8", "int8", "none"],
+        help="linear weights in FP8 (e4m3, FP8 matmuls on Hopper) or INT8 (weight-only; on CPU, also the LM head "
+        "and activations of steps of several rows), one scale per output channel (default: the checkpoint's "
+        "dtype, or its own quantization_config; a quantized GGUF on CPU: int8); none: a quantized GGUF's "
+        "weights dequantized to --dtype on CPU too",
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or hf://org/name (default: the model's)")
     parser.add_argument(

@@ -79,7 +79,9 @@ class EngineConfig:
     embedding_pooling: str = "last"  # /v1/embeddings and LLM.embed: "last" token's hidden state, or "mean"
     tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP, vocabulary, KV cache by KV head)
     speculative_config: SpeculativeConfig | None = None  # n-gram or draft-model speculative decoding (engine/)
-    quantization: str | None = None  # "fp8" or "int8" linear weights; None: dense, or the checkpoint's own format
+    # "fp8" or "int8" linear weights; None: dense, or the checkpoint's own format (a quantized GGUF on CPU: int8);
+    # "none": dense, a quantized GGUF's weights dequantized on CPU too
+    quantization: str | None = None
     kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix-cache pages (vLLM's flag); 0: no such tier
     generation_config: str = "auto"  # vLLM's: "auto" (the model's sampling defaults), "vllm" (none), or a folder
     override_generation_config: dict | None = None  # e.g. {"temperature": 0.5}: beats the model's, loses to a request's
@@ -136,8 +138,8 @@ class EngineConfig:
             self.speculative_config.validate()
         if self.embedding_pooling not in ("last", "mean"):
             raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
-        if self.quantization is not None and self.quantization not in ("fp8", "int8"):
-            raise ValueError(f"quantization must be 'fp8' or 'int8' (or unset), got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in ("fp8", "int8", "none"):
+            raise ValueError(f"quantization must be 'fp8', 'int8' or 'none' (or unset), got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, "

@@ -92,7 +92,7 @@ def test_decoding_through_the_kernel_matches_decoding_without_it(case, method, i
 
         from capstan.runtime.models.gguf_checkpoint import load_gguf_model
 
-        model = load_gguf_model(write_gguf(GOLDEN / case, tmp_path / "q.gguf", q8_0=True), jnp.float32)
+        model = load_gguf_model(write_gguf(GOLDEN / case, tmp_path / "q.gguf", q8_0=True), jnp.float32, "none")
     else:
         model = load_model(GOLDEN / case, "float32", method)
     pages = list(range(1, 1 + 160 // PAGE))

@@ -308,7 +308,8 @@ def test_gguf_q8_0_weights_are_served_in_their_blocks(tmp_path, case):
     from capstan.runtime.models.gguf_checkpoint import load_gguf_model
 
     file = write_gguf(GOLDEN / case, tmp_path / f"{case}.q8_0.gguf", q8_0=True)
-    kept, dense = load_gguf_model(file, jnp.float32), load_gguf_model(file, jnp.float32, keep_q8_0=False)
+    kept = load_gguf_model(file, jnp.float32, "none")  # its own format (CPUs would requantize it to int8)
+    dense = load_gguf_model(file, jnp.float32, "none", keep_q8_0=False)
     layer = kept.layers[0]
     blocked = [layer.attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     assert all(isinstance(w, QuantizedWeight) and w.block == 32 and w.weight.dtype == jnp.int8 for w in blocked)
@@ -336,7 +337,7 @@ def test_gguf_q8_0_in_blocks_is_refused_across_devices_naming_the_way_out(tmp_pa
     from capstan.runtime.models.gguf_checkpoint import load_gguf_model
     from capstan.runtime.parallel.tensor_parallel import TensorParallel, TensorParallelError
 
-    model = load_gguf_model(write_gguf(GOLDEN / "qwen3-s13", tmp_path / "q.gguf", q8_0=True), jnp.float32)
+    model = load_gguf_model(write_gguf(GOLDEN / "qwen3-s13", tmp_path / "q.gguf", q8_0=True), jnp.float32, "none")
     import jax
     from jax.sharding import Mesh
 

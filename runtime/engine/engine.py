@@ -19,6 +19,7 @@ from ..kv.host_offload import HostOffload
 from ..kv.page_pool import PagePool
 from ..lora.manager import LoRAManager, SlotWeights
 from ..lora.request import LoRARequest
+from ..models.cpu_layout import cpu_int8_layout
 from ..models.decoder import DecoderModel
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..models.lora import LoRAStack, write_slot_fn
@@ -68,6 +69,8 @@ class LLMEngine:
         checkpoint_cfg = self.model.cfg  # what LoRA adapters' shapes are checked against
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
         self.model = self.parallel.place_model(self.model)  # may replicate KV heads: read cfg after
+        if jax.default_backend() == "cpu" and self.parallel.size == 1:  # INT8 weights as CPU loops read them fastest
+            self.model = cpu_int8_layout(self.model)
         cfg = self.model.cfg
         if config.enable_lora:  # the adapters' slots before the KV pool takes its share of the free memory
             if jax.process_count() > 1:

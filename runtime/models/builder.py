@@ -66,7 +66,13 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
                 values = join([p.values.reshape(r) for p, r in zip(parts, reshapes, strict=True)])
                 scale = join([p.scale.reshape(*r[:-1], r[-1] // block) for p, r in zip(parts, reshapes, strict=True)])
                 per_block = hax.Axis(f"{axes[-1].name}_blocks", reshapes[0][-1] // block)
-                return QuantizedWeight(hax.named(values, axes), hax.named(scale, (*axes[:-1], per_block)), block=block)
+                offset = None
+                if any(p.offset is not None for p in parts):  # GGUF Q4_1 on CPU (symmetric parts: minimum 0)
+                    offsets = [jnp.zeros_like(p.scale) if p.offset is None else p.offset for p in parts]
+                    offset = join([o.reshape(*r[:-1], r[-1] // block) for o, r in zip(offsets, reshapes, strict=True)])
+                    offset = hax.named(offset, (*axes[:-1], per_block))
+                scale_named = hax.named(scale, (*axes[:-1], per_block))
+                return QuantizedWeight(hax.named(values, axes), scale_named, block=block, offset=offset)
             else:  # blocks mixed with other formats, or another format asked for: dequantized here
                 parts = [dequantize_rows(p) if isinstance(p, QuantizedTensor) and p.block else p for p in parts]
             method = quantization or next((p.method for p in parts if isinstance(p, QuantizedTensor)), None)

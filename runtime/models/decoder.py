@@ -19,6 +19,7 @@ from ..parallel.mesh import replicated
 from .config import SLIDING_ATTENTION, ModelConfig
 from .layers import Attention, ModelAxes, embed, lm_logits, rms_norm
 from .lora import LayerAdapters, LoRAStack
+from .quantization import QuantizedWeight
 from .rope import inverse_frequencies, rotary_tables
 
 
@@ -50,7 +51,7 @@ class DecoderModel(eqx.Module):
     embedding: NamedArray  # [Vocab, Embed]
     layers: tuple[DecoderBlock, ...]  # the family's blocks (eqx.Modules), one per layer
     final_norm: NamedArray  # [Embed]
-    lm_head: NamedArray  # [Vocab, Embed]; the embedding itself when tied
+    lm_head: NamedArray | QuantizedWeight  # [Vocab, Embed]; the embedding itself when tied (INT8: cpu_layout.py)
     inv_freq: dict[str, jax.Array]  # by layer type: [head_dim // 2] float32
     lora: LoRAStack | None = None  # LoRA adapters in device slots (--enable-lora); None: none can be served
 

@@ -12,18 +12,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .builder import build_model
 from .config import ModelConfig, UnsupportedModelError
-from .quantization import QuantizedTensor
+from .quantization import NONE, QuantizedTensor, quantize_blocks
 
 if TYPE_CHECKING:
     from .decoder import DecoderModel
 
 log = logging.getLogger("capstan")
 Q8_0_BLOCK = 32
+FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
 # general.architecture -> the Hugging Face architecture whose block we build
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -155,12 +157,40 @@ def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
 def load_gguf_model(path: str | Path, dtype, quantization: str | None = None, keep_q8_0: bool = True) -> DecoderModel:
     """Linear weights in Q8_0 are served as they are (int8 in blocks of 32, one scale each); other llama.cpp
     types are dequantized to dtype. quantization (fp8, int8): every linear weight, dequantized, is requantized
-    per output channel instead."""
+    per output channel instead. On CPUs, a file with quantized linear weights has every one of them served in
+    Q8_0's blocks (the other llama.cpp types dequantized, then requantized to Q8_0: int8, which XLA's CPU loops
+    read without a float copy, quantization.cpu_int8_matmul), unless quantization is "none"."""
     reader = read_gguf(str(path))
     cfg = ModelConfig.from_hf(hf_config(reader, path))
+    in_blocks = quantization is None and jax.default_backend() == "cpu" and quantized_linears(reader)
+    quantization = None if quantization == NONE else quantization
     if quantization:
         log.info("%s: GGUF weights dequantized, then requantized to %s per output channel", path, quantization)
-    return build_model(cfg, gguf_tensor_source(reader, cfg, path, keep_q8_0), dtype, quantization)
+    if in_blocks:
+        log.info("%s: GGUF linear weights served in Q8_0 blocks on CPU (--quantization none: dequantized)", path)
+    return build_model(cfg, gguf_tensor_source(reader, cfg, path, keep_q8_0, in_blocks), dtype, quantization)
+
+
+def quantized_linears(reader: gguf.GGUFReader) -> bool:
+    """Whether any linear weight of the file is in a llama.cpp quantized type (not F32, F16 or BF16)."""
+    linear = {name for name in LAYER_TENSORS.values() if not name.endswith("norm")}
+    return any(
+        t.name.split(".")[-2] in linear and t.tensor_type not in FLOAT_TYPES
+        for t in reader.tensors
+        if t.name.startswith("blk.")
+    )
+
+
+def q4_1_blocks(data: np.ndarray, dims: tuple[int, ...]) -> QuantizedTensor:
+    """llama.cpp's Q4_1 as written: per 32 values along a row, a float16 scale d and minimum m, then 16 bytes whose
+    low nibbles are values 0-15 and high nibbles values 16-31 (value = d * q + m); q kept as int8 0-15."""
+    raw = data.reshape(-1, 4 + Q8_0_BLOCK // 2)
+    blocks = dims[:-1] + (dims[-1] // Q8_0_BLOCK,)
+    scale = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(blocks)
+    minimum = raw[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(blocks)
+    nibbles = raw[:, 4:]
+    values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int8).reshape(dims)
+    return QuantizedTensor(values, scale, Q8_0_BLOCK, minimum)
 
 
 def q8_0_blocks(data: np.ndarray, dims: tuple[int, ...]) -> QuantizedTensor:
@@ -170,9 +200,12 @@ def q8_0_blocks(data: np.ndarray, dims: tuple[int, ...]) -> QuantizedTensor:
     return QuantizedTensor(raw[:, 2:].copy().view(np.int8).reshape(dims), scale, Q8_0_BLOCK)
 
 
-def gguf_tensor_source(reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Path, keep_q8_0: bool = True):
+def gguf_tensor_source(
+    reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Path, keep_q8_0: bool = True, in_blocks: bool = False
+):
     """keep_q8_0: linear weights in Q8_0 come as QuantizedTensors in their blocks; every other tensor, and those
-    too without it, dequantized to float32."""
+    too without it, dequantized to float32. in_blocks: linear weights of the other quantized types too, requantized
+    to Q8_0 (rows whose length 32 divides)."""
     tensors = {t.name: t for t in reader.tensors}
     arch = architecture(reader, path)
     layer_names = LAYER_TENSORS | (GEMMA3_LAYER_TENSORS if arch == "gemma3" else LLAMA_LAYER_TENSORS)
@@ -187,16 +220,27 @@ def gguf_tensor_source(reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Pa
             raise UnsupportedModelError(f"{path}: GGUF tensor {name} has shape {dims}, expected {shape}")
         permuted = arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k")
         heads = cfg.num_heads if name.split(".")[-2] == "attn_q" else cfg.num_kv_heads
-        if keep_q8_0 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and hf_name.endswith("_proj.weight"):
-            q = q8_0_blocks(np.asarray(t.data), dims)
+        kept = t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and keep_q8_0
+        kept |= t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and in_blocks  # Q4_1 as written, on CPU
+        if kept and hf_name.endswith("_proj.weight"):
+            q = (q8_0_blocks if t.tensor_type == gguf.GGMLQuantizationType.Q8_0 else q4_1_blocks)(
+                np.asarray(t.data), dims
+            )
             if permuted:
                 q = QuantizedTensor(
-                    unpermute_rows(np.asarray(q.values), heads), unpermute_rows(np.asarray(q.scale), heads), q.block
+                    unpermute_rows(np.asarray(q.values), heads),
+                    unpermute_rows(np.asarray(q.scale), heads),
+                    q.block,
+                    None if q.offset is None else unpermute_rows(np.asarray(q.offset), heads),
                 )
-            return QuantizedTensor(jnp.asarray(q.values), jnp.asarray(q.scale), q.block)
+            offset = None if q.offset is None else jnp.asarray(q.offset)
+            return QuantizedTensor(jnp.asarray(q.values), jnp.asarray(q.scale), q.block, offset)
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(dims)
         if permuted:
             values = unpermute_rows(values, heads)
+        linear = hf_name.endswith("_proj.weight") and t.tensor_type not in FLOAT_TYPES
+        if in_blocks and linear and dims[-1] % Q8_0_BLOCK == 0:
+            return quantize_blocks(values, Q8_0_BLOCK)
         if arch == "gemma3" and name.endswith("norm.weight"):
             values = values - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; we apply the 1 ourselves
         return jnp.asarray(values.astype(np.float32))

@@ -174,10 +174,15 @@ def _lookup_in_vocab_shard(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return jax.lax.psum(x, MODEL_AXIS)
 
 
-def lm_logits(hidden: NamedArray, head: NamedArray, ax: ModelAxes, softcap: float | None) -> NamedArray:
-    """Next-token logits in float32 for hidden[..., Embed]; head is [Vocab, Embed]. Under tensor parallelism each
-    device computes its vocabulary rows' logits, left split (the caller gathers them: DecoderModel.logits)."""
-    if model_parallel_size() == 1:
+def lm_logits(
+    hidden: NamedArray, head: NamedArray | QuantizedWeight, ax: ModelAxes, softcap: float | None
+) -> NamedArray:
+    """Next-token logits in float32 for hidden[..., Embed]; head is [Vocab, Embed] (INT8 on CPUs with INT8 weights:
+    cpu_layout.py). Under tensor parallelism each device computes its vocabulary rows' logits, left split (the
+    caller gathers them: DecoderModel.logits)."""
+    if isinstance(head, QuantizedWeight):
+        logits = linear(hidden.astype(jnp.float32), head, axis=ax.Embed)
+    elif model_parallel_size() == 1:
         logits = hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32).astype(jnp.float32)
     else:  # explicit, or XLA may all-gather the [Vocab, Embed] head every step rather than the far smaller logits
         hidden = hidden.rearrange((..., ax.Embed))

@@ -20,6 +20,7 @@ from .decoder import DecoderModel
 from .gguf_checkpoint import is_gguf, load_gguf_model
 from .quantization import (
     FLAG,
+    NONE,
     QuantizedTensor,
     check_method,
     quantize_blocks,
@@ -64,6 +65,7 @@ def load_model(path: str | Path, dtype: str = "float32", quantization: str | Non
     path = Path(path)
     if is_gguf(path):
         return load_gguf_model(path, parse_dtype(dtype), quantization)
+    quantization = None if quantization == NONE else quantization
     hf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     cfg = ModelConfig.from_pretrained(path)
     source = SafetensorsSource(path)

@@ -33,29 +33,38 @@ from ..parallel.mesh import model_parallel_size
 from .config import UnsupportedModelError
 
 QUANTIZATIONS = ("fp8", "int8")
+NONE = "none"  # no quantization at load: a quantized GGUF's weights dequantized (CPUs serve them as INT8 otherwise)
 FLAG = "--quantization"
 FP8 = jnp.float8_e4m3fn
 STORAGE = {"fp8": FP8, "int8": jnp.int8}
 LARGEST = {"fp8": 448.0, "int8": 127.0}  # the largest finite e4m3 value; the int8 range kept symmetric
 TINY = 1e-12  # the scale of an all-zero row or token (any positive number would do)
+FLAT_JOIN = "+"  # flat_axis_name
 # see the module's docstring; CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS=0 keeps the FP8 gemm at every size (benchmarks compare)
 FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS", "8"))
+# CPU INT8 matmuls of up to this many rows run XLA's fused matrix-vector loop once per row; more rows dequantize the
+# weight first (30 layers of SmolLM2-135M in Q8_0 blocks, 2 cores: per-row loops 11 / 37 / 139 / 568 ms at 4 / 16 /
+# 64 / 256 rows, dequantized 133 / 155 / 254 ms at 16 / 64 / 256: a one-off timing of the 30 layers' matmuls while
+# this was written, not a kept benchmark; CAPSTAN_CPU_GEMV_MAX_ROWS moves the switch to remeasure end to end)
+CPU_GEMV_MAX_ROWS = int(os.environ.get("CAPSTAN_CPU_GEMV_MAX_ROWS", "64"))
 
 
 def check_method(method: str | None) -> None:
-    if method is not None and method not in QUANTIZATIONS:
-        raise ValueError(f"{FLAG}={method!r} is not supported; choose one of {', '.join(QUANTIZATIONS)} (or none)")
+    if method is not None and method not in (*QUANTIZATIONS, NONE):
+        raise ValueError(f"{FLAG}={method!r} is not supported; choose one of {', '.join((*QUANTIZATIONS, NONE))}")
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedTensor(Generic[HostOrDevice]):
     """A linear weight as loaded, in Hugging Face's [out, in] layout: values (int8 or e4m3) and scale [out], or
-    with `block` (GGUF Q8_0: 32) scale [out, in / block], one per block of consecutive inputs. Read from a file on
-    the host (numpy), then put on the device."""
+    with `block` (GGUF Q8_0: 32) scale [out, in / block], one per block of consecutive inputs, and, for GGUF Q4_1
+    kept on CPUs, offset (each block's minimum: value = scale * q + offset). Read from a file on the host (numpy),
+    then put on the device."""
 
     values: HostOrDevice
     scale: HostOrDevice
     block: int = 0
+    offset: HostOrDevice | None = None
 
     @property
     def method(self) -> str:
@@ -85,6 +94,8 @@ def quantize_blocks(w, block: int = 32) -> QuantizedTensor:
 def dequantize_rows(t: QuantizedTensor) -> jax.Array:
     if t.block:
         blocks = t.values.astype(jnp.float32).reshape(*t.scale.shape, t.block) * t.scale[..., None]
+        if t.offset is not None:
+            blocks = blocks + t.offset[..., None]
         return blocks.reshape(t.values.shape)
     return t.values.astype(jnp.float32) * t.scale[:, None]
 
@@ -95,6 +106,8 @@ class QuantizedWeight(eqx.Module):
     # 0: per output channel; else (GGUF Q8_0) the scale's last axis counts blocks of `block` along the weight's
     # last axis, the innermost of the contracted ones
     block: int = eqx.field(static=True, default=0)
+    # GGUF Q4_1 kept on CPUs: each block's minimum, the scale's axes (value = scale * q + offset); None: symmetric
+    offset: NamedArray | None = None
 
     @property
     def method(self) -> str:
@@ -108,6 +121,8 @@ class QuantizedWeight(eqx.Module):
     def _unblocked(self, dtype) -> NamedArray:
         w = self.weight.array.astype(dtype)
         blocks = w.reshape(*w.shape[:-1], -1, self.block) * self.scale.array[..., None].astype(dtype)
+        if self.offset is not None:
+            blocks = blocks + self.offset.array[..., None].astype(dtype)
         return hax.named(blocks.reshape(w.shape), self.weight.axes)
 
     def __call__(self, x: NamedArray, axis) -> NamedArray:
@@ -127,13 +142,101 @@ class QuantizedWeight(eqx.Module):
 
 def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray:
     """A linear layer's matmul for a dense or a quantized weight; a decode step's through gpu_gemv's kernel where it
-    applies (by default GGUF Q8_0 blocks)."""
+    applies (by default GGUF Q8_0 blocks); on CPUs an INT8 weight's without a float copy (cpu_int8_matmul)."""
     y = _in_gemv_kernel(x, w, axis)
+    if y is None:
+        y = cpu_int8_matmul(x, w, axis)
     if y is not None:
         return y
     if isinstance(w, QuantizedWeight):
         return w(x, axis)
     return hax.dot(x, w, axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Matrices:
+    """x contracted with a weight over the weight's last axes, as the 2-D matmul [rows, k] x [n, k]^T."""
+
+    xs: jax.Array  # [rows, k]
+    batch: tuple  # x's axes that are not contracted (the result's first)
+    out_axes: tuple  # the weight's axes that are not contracted (the result's last)
+    rows: int
+    k: int
+    n: int
+
+    def result(self, y: jax.Array) -> NamedArray:
+        return hax.named(
+            y.reshape(*(a.size for a in self.batch), *(a.size for a in self.out_axes)), (*self.batch, *self.out_axes)
+        )
+
+
+def flat_axis_name(names) -> str:
+    """The one axis a CPU weight's contracted axes are flattened into (cpu_layout.py), named after them."""
+    return FLAT_JOIN.join(names)
+
+
+def _as_matrices(x: NamedArray, weight: NamedArray, axis) -> _Matrices | None:
+    """None for a weight split over devices, or contracted axes that are not the weight's last (its [out, in]
+    layout), or flattened into its last (cpu_layout.py)."""
+    if model_parallel_size() != 1:
+        return None
+    names = [a.name if isinstance(a, hax.Axis) else a for a in (axis if isinstance(axis, (tuple, list)) else (axis,))]
+    if weight.axes[-1].name == flat_axis_name(names):
+        out_axes = weight.axes[:-1]
+    elif [a.name for a in weight.axes[len(weight.axes) - len(names) :]] == names:
+        out_axes = weight.axes[: len(weight.axes) - len(names)]
+    else:
+        return None
+    batch = tuple(a for a in x.axes if a.name not in names)
+    n = math.prod(a.size for a in out_axes)
+    k = weight.size // n
+    rows = x.size // k
+    return _Matrices(x.rearrange((*batch, *names)).array.reshape(rows, k), batch, out_axes, rows, k, n)
+
+
+def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray | None:
+    """x contracted with an INT8 weight (GGUF Q8_0 blocks, or one scale per output channel) on CPUs, weight-only:
+    float32 activations times the weight upcast and scaled, in loops that read the int8 bytes without writing a
+    float copy of the weight first (XLA's CPU dot would write one every step: slower than float32 weights). One row
+    (a stream's decode step): XLA fuses the upcast into one matrix-vector loop; up to CPU_GEMV_MAX_ROWS rows: that
+    loop once per row (lax.map); more (prefill chunks): the weight dequantized, then XLA's dot. None elsewhere:
+    other backends, other formats, a weight split over devices."""
+    if not (jax.default_backend() == "cpu" and isinstance(w, QuantizedWeight) and w.method == "int8"):
+        return None
+    m = _as_matrices(x, w.weight, axis)
+    if m is None:
+        return None
+    q = w.weight.array.reshape(m.n, m.k)
+    if w.block:  # the scale's axes are the weight's, its last counting blocks along the weight's last axis
+        scale = w.scale.array.reshape(m.n, m.k // w.block)
+        offset = None if w.offset is None else w.offset.array.reshape(m.n, m.k // w.block)
+    else:
+        scale = w.scale.rearrange(m.out_axes).array.reshape(m.n)
+
+    def upcast(q):
+        if not w.block:
+            return q.astype(jnp.float32)
+        blocks = q.astype(jnp.float32).reshape(m.n, m.k // w.block, w.block) * scale[:, :, None]
+        if offset is not None:
+            blocks = blocks + offset[:, :, None]
+        return blocks.reshape(m.n, m.k)
+
+    def matrix_vector(row):  # [1, k] -> [1, n]
+        # tied to this row: in a decode scan (or the rows' loop) XLA would otherwise hoist the upcast out of the
+        # loop, writing the float32 copy of every weight that each step then reads
+        q_row, row = jax.lax.optimization_barrier((q, row))
+        y = row @ upcast(q_row).T
+        return y if w.block else y * scale
+
+    xs = m.xs.astype(jnp.float32)
+    if m.rows == 1:
+        y = matrix_vector(xs)
+    elif m.rows <= CPU_GEMV_MAX_ROWS:
+        y = jax.lax.map(lambda row: matrix_vector(row[None])[0], xs)
+    else:
+        y = xs @ upcast(q).T
+        y = y if w.block else y * scale
+    return m.result(y.astype(x.dtype))
 
 
 def _in_gemv_kernel(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray | None:
@@ -142,26 +245,17 @@ def _in_gemv_kernel(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
     [out, in] layout)."""
     weight, scale = (w.weight, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
     block = w.block if isinstance(w, QuantizedWeight) else 0
-    if model_parallel_size() != 1:
+    m = _as_matrices(x, weight, axis)
+    offset = w.offset if isinstance(w, QuantizedWeight) else None
+    if m is None or offset is not None or not gpu_gemv.applies(m.rows, m.k, m.n, weight.dtype, block):
         return None
-    names = [a.name if isinstance(a, hax.Axis) else a for a in (axis if isinstance(axis, (tuple, list)) else (axis,))]
-    if [a.name for a in weight.axes[len(weight.axes) - len(names) :]] != names:
-        return None
-    out_axes = weight.axes[: len(weight.axes) - len(names)]
-    batch = tuple(a for a in x.axes if a.name not in names)
-    n = math.prod(a.size for a in out_axes)
-    k = weight.size // n
-    rows = x.size // k
-    if not gpu_gemv.applies(rows, k, n, weight.dtype, block):
-        return None
-    xs = x.rearrange((*batch, *names)).array.reshape(rows, k)
+    xs, out_axes, n, k = m.xs, m.out_axes, m.n, m.k
     if block:  # the scale's axes are the weight's, its last counting blocks (QuantizedWeight._unblocked)
         assert scale is not None, "a weight in blocks has their scales"
         s = scale.array.reshape(n, k // block)
     else:
         s = None if scale is None else scale.rearrange(out_axes).array.reshape(n)
-    y = gpu_gemv.gemv(xs, weight.array.reshape(n, k), s, block=block)
-    return hax.named(y.reshape(*(a.size for a in batch), *(a.size for a in out_axes)), (*batch, *out_axes))
+    return m.result(gpu_gemv.gemv(xs, weight.array.reshape(n, k), s, block=block))
 
 
 def as_numpy_scale(scale, rows: int, name: str) -> np.ndarray:

@@ -208,6 +208,7 @@ def _pad_vocab(model: DecoderModel, size: int) -> DecoderModel:
         Vocab = w.resolve_axis("vocab")
         return hax.named(jnp.pad(w.array, ((0, pad), (0, 0))), (Vocab.resize(Vocab.size + pad), w.axes[1]))
 
+    assert isinstance(model.lm_head, NamedArray), "the LM head is INT8 on one CPU only (cpu_layout.py)"
     assert model.embedding.axes[0].name == "vocab" and model.lm_head.axes[0].name == "vocab"
     embedding = padded(model.embedding)
     lm_head = embedding if model.lm_head is model.embedding else padded(model.lm_head)
