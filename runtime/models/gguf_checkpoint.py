@@ -167,7 +167,11 @@ def load_gguf_model(path: str | Path, dtype, quantization: str | None = None, ke
     if quantization:
         log.info("%s: GGUF weights dequantized, then requantized to %s per output channel", path, quantization)
     if in_blocks:
-        log.info("%s: GGUF linear weights served in Q8_0 blocks on CPU (--quantization none: dequantized)", path)
+        log.info(
+            "%s: GGUF linear weights kept quantized on CPU (Q4_1 and Q8_0 as written, other types as Q8_0; "
+            "--quantization none: dequantized)",
+            path,
+        )
     return build_model(cfg, gguf_tensor_source(reader, cfg, path, keep_q8_0, in_blocks), dtype, quantization)
 
 
