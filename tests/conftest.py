@@ -1,13 +1,44 @@
-"""Suite-wide: the test in progress written to a file, so a run killed by a signal (SIGABRT from native code, the
-OOM killer) still names the test it was in; .ci/run prints it when `make test` fails."""
+"""Suite-wide hooks:
+- the test in progress written to a file, so a run killed by a signal (SIGABRT from native code, the OOM killer)
+  still names the test it was in; .ci/run prints it when `make test` fails.
+- JAX's compiled programs dropped after a test module once the process holds many memory maps: XLA's CPU backend
+  maps each compiled program's code in small pieces, and module-level jitted functions (the engine's steps) keep
+  every program they compiled for the whole session; past the kernel's vm.max_map_count (65,530 by default) an
+  allocation fails inside native code and the whole run dies (SIGSEGV or SIGABRT in XLA's compiler, seen after
+  ~500 tests with ~22,000 maps by test_attention.py)."""
 
 import contextlib
+import gc
 import os
+import sys
 from pathlib import Path
 
+import pytest
+
 PROGRESS = Path(os.environ.get("TMPDIR", "/tmp")) / "capstan-test-progress"
+MAX_MAPS = int(os.environ.get("CAPSTAN_TEST_MAX_MAPS", "20000"))  # well under the kernel's default 65,530
 
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:
     with contextlib.suppress(OSError):  # a read-only or missing TMPDIR must not fail the suite
         PROGRESS.write_text(nodeid + "\n")
+
+
+def memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: nothing to guard
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_compiled_programs():
+    yield
+    if "jax" not in sys.modules or memory_maps() <= MAX_MAPS:
+        return
+    before = memory_maps()
+    sys.modules["jax"].clear_caches()  # a later use compiles again (the session's shared engine too)
+    gc.collect()
+    if os.environ.get("CAPSTAN_TEST_MAPS_LOG"):
+        print(f"\n[conftest] memory maps {before} -> {memory_maps()} after jax.clear_caches()", file=sys.stderr)
