@@ -4,8 +4,8 @@
 - JAX's compiled programs dropped after a test module once the process holds many memory maps: XLA's CPU backend
   maps each compiled program's code in small pieces, and module-level jitted functions (the engine's steps) keep
   every program they compiled for the whole session; past the kernel's vm.max_map_count (65,530 by default) an
-  allocation fails inside native code and the whole run dies (SIGSEGV or SIGABRT in XLA's compiler, seen after
-  ~500 tests with ~22,000 maps by test_attention.py)."""
+  allocation fails inside native code and the whole run dies (SIGSEGV or SIGABRT in XLA's compiler, seen at
+  64,587 maps in tests/test_engine_golden.py, about 500 tests in)."""
 
 import contextlib
 import gc
