@@ -314,9 +314,8 @@ class MultiStepDecoder:
         d = d or self.ahead
         if d is not None and d.future is not None:
             future, d.future = d.future, None
-            self.engine._kv, d.out, d.counts = (
-                future.result()
-            )  # re-raises the call's error: a device fault stops the engine
+            # re-raises the call's error: a device fault stops the engine
+            self.engine._kv, d.out, d.counts = future.result()
 
     def _apply(self, d: Dispatch) -> list[RequestOutput]:
         """Queues the run's next dispatch when it can go on, then applies this one's tokens."""
