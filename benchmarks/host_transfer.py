@@ -48,6 +48,23 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def copy_ways(data, host_pinned, resident, tier, slots, on_device, pinned) -> dict[str, Callable[[], object]]:
+    """Each way to move the same pages, as a call to time."""
+
+    def to_numpy():
+        resident.copy_to_host_async()
+        return np.asarray(resident)
+
+    return {
+        "numpy -> device": lambda: jax.device_put(data, on_device).block_until_ready(),
+        "pinned_host -> device": lambda: jax.device_put(host_pinned, on_device).block_until_ready(),
+        "numpy -> pinned_host": lambda: jax.device_put(data, pinned).block_until_ready(),
+        "device -> numpy": to_numpy,
+        "device -> pinned_host": lambda: jax.device_put(resident, pinned).block_until_ready(),
+        "numpy gather of tier slots": lambda: tier[slots],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
@@ -71,18 +88,7 @@ def main() -> int:
         resident.block_until_ready()
         slots = rng.choice(args.tier_pages, n, replace=False)
 
-        def to_numpy(resident=resident):
-            resident.copy_to_host_async()
-            return np.asarray(resident)
-
-        ways = {
-            "numpy -> device": lambda: jax.device_put(data, on_device).block_until_ready(),
-            "pinned_host -> device": lambda: jax.device_put(host_pinned, on_device).block_until_ready(),
-            "numpy -> pinned_host": lambda: jax.device_put(data, pinned).block_until_ready(),
-            "device -> numpy": to_numpy,
-            "device -> pinned_host": lambda: jax.device_put(resident, pinned).block_until_ready(),
-            "numpy gather of tier slots": lambda: tier[slots],
-        }
+        ways = copy_ways(data, host_pinned, resident, tier, slots, on_device, pinned)
         size = n * nbytes
         for name, fn in ways.items():
             s = timed(fn, args.repeats)
