@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--pages", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--tier-pages", type=int, default=4096, help="slots of the numpy tier the gather reads from")
+    ap.add_argument("--tier-pages", type=int, default=1024, help="slots of the numpy tier the gather reads from")
     args = ap.parse_args()
 
     dev = jax.devices()[0]
