@@ -42,11 +42,17 @@ TINY = 1e-12  # the scale of an all-zero row or token (any positive number would
 FLAT_JOIN = "+"  # flat_axis_name
 # see the module's docstring; CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS=0 keeps the FP8 gemm at every size (benchmarks compare)
 FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS", "8"))
-# CPU INT8 matmuls of up to this many rows run XLA's fused matrix-vector loop once per row; more rows dequantize the
-# weight first (30 layers of SmolLM2-135M in Q8_0 blocks, 2 cores: per-row loops 11 / 37 / 139 / 568 ms at 4 / 16 /
-# 64 / 256 rows, dequantized 133 / 155 / 254 ms at 16 / 64 / 256: a one-off timing of the 30 layers' matmuls while
-# this was written, not a kept benchmark; CAPSTAN_CPU_GEMV_MAX_ROWS moves the switch to remeasure end to end)
+# CPU INT8 matmuls of up to this many rows stream the int8 weight through the loops of cpu_int8_matmul; more rows
+# dequantize the weight first (30 layers of SmolLM2-135M in Q8_0 blocks, 2 cores: per-row loops 11 / 37 / 139 / 568 ms
+# at 4 / 16 / 64 / 256 rows, dequantized 133 / 155 / 254 ms at 16 / 64 / 256: a one-off timing of the 30 layers'
+# matmuls while this was written, not a kept benchmark; CAPSTAN_CPU_GEMV_MAX_ROWS moves the switch to remeasure)
 CPU_GEMV_MAX_ROWS = int(os.environ.get("CAPSTAN_CPU_GEMV_MAX_ROWS", "64"))
+# From this many rows the weight is upcast a tile of output rows at a time, once for all the step's rows, instead of
+# once per row (a 2-core timing of SmolLM2-135M's Q4_1 shapes at 4 / 16 / 64 rows, medians of 20 calls: 576 x 576
+# 0.116 / 0.271 / 1.033 ms per row against 0.064 / 0.104 / 0.241 in tiles of 64; the 49152-row Q8_0 head 3.9 / 16.9
+# / 50.4 against 3.9 / 6.9 / 14.0 in tiles of 768; below 8 rows the per-row loop is as fast or faster for the MLP's
+# shapes). CAPSTAN_CPU_TILED_MIN_ROWS moves the switch to remeasure end to end.
+CPU_TILED_MIN_ROWS = int(os.environ.get("CAPSTAN_CPU_TILED_MIN_ROWS", "8"))
 
 
 def check_method(method: str | None) -> None:
@@ -194,13 +200,33 @@ def _as_matrices(x: NamedArray, weight: NamedArray, axis) -> _Matrices | None:
     return _Matrices(x.rearrange((*batch, *names)).array.reshape(rows, k), batch, out_axes, rows, k, n)
 
 
+def _cpu_tile(n: int) -> int:
+    """Output rows a tile of cpu_int8_matmul's tiled loop upcasts at once (0: n has no such tile): 64 for the
+    projections, 768 for an LM head (fewer, larger tiles measured faster there), the largest that divides n."""
+    for tile in (768, 384, 192, 64) if n > 4096 else (64,):
+        if n % tile == 0:
+            return tile
+    return 0
+
+
+def _upcast_tile(q: jax.Array, scale: jax.Array, offset: jax.Array | None, block: int) -> jax.Array:
+    """[tile, k] int8 values in blocks of `block` along k -> float32 (scale * q + offset)."""
+    n, k = q.shape
+    blocks = q.astype(jnp.float32).reshape(n, k // block, block) * scale[:, :, None]
+    if offset is not None:
+        blocks = blocks + offset[:, :, None]
+    return blocks.reshape(n, k)
+
+
 def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray | None:
     """x contracted with an INT8 weight (GGUF Q8_0 blocks, or one scale per output channel) on CPUs, weight-only:
     float32 activations times the weight upcast and scaled, in loops that read the int8 bytes without writing a
     float copy of the weight first (XLA's CPU dot would write one every step: slower than float32 weights). One row
-    (a stream's decode step): XLA fuses the upcast into one matrix-vector loop; up to CPU_GEMV_MAX_ROWS rows: that
-    loop once per row (lax.map); more (prefill chunks): the weight dequantized, then XLA's dot. None elsewhere:
-    other backends, other formats, a weight split over devices."""
+    (a stream's decode step): XLA fuses the upcast into one matrix-vector loop; up to CPU_GEMV_MAX_ROWS rows of a
+    weight in blocks: from CPU_TILED_MIN_ROWS rows, a loop over tiles of output rows, each tile upcast once and
+    multiplied with every row, below that (and for per-channel weights) the matrix-vector loop once per row
+    (lax.map); more (prefill chunks): the weight dequantized, then XLA's dot. None elsewhere: other backends, other
+    formats, a weight split over devices."""
     if not (jax.default_backend() == "cpu" and isinstance(w, QuantizedWeight) and w.method == "int8"):
         return None
     m = _as_matrices(x, w.weight, axis)
@@ -211,15 +237,10 @@ def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
         scale = w.scale.array.reshape(m.n, m.k // w.block)
         offset = None if w.offset is None else w.offset.array.reshape(m.n, m.k // w.block)
     else:
-        scale = w.scale.rearrange(m.out_axes).array.reshape(m.n)
+        scale, offset = w.scale.rearrange(m.out_axes).array.reshape(m.n), None
 
     def upcast(q):
-        if not w.block:
-            return q.astype(jnp.float32)
-        blocks = q.astype(jnp.float32).reshape(m.n, m.k // w.block, w.block) * scale[:, :, None]
-        if offset is not None:
-            blocks = blocks + offset[:, :, None]
-        return blocks.reshape(m.n, m.k)
+        return _upcast_tile(q, scale, offset, w.block) if w.block else q.astype(jnp.float32)
 
     def matrix_vector(row):  # [1, k] -> [1, n]
         # tied to this row: in a decode scan (or the rows' loop) XLA would otherwise hoist the upcast out of the
@@ -228,9 +249,26 @@ def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
         y = row @ upcast(q_row).T
         return y if w.block else y * scale
 
+    def tiled(xs, tile: int):  # [rows, k] -> [rows, n], the weight upcast one tile of output rows at a time
+        tiles = m.n // tile
+        parts = [q, scale] + ([] if offset is None else [offset])
+        parts = [a.reshape(tiles, tile, *a.shape[1:]) for a in parts]
+
+        def one_tile(part):
+            # tied to the rows as matrix_vector is: the tile's float copy stays small (cache-resident), never whole
+            part, rows = jax.lax.optimization_barrier((part, xs))
+            q_t, scale_t, *rest = part
+            return rows @ _upcast_tile(q_t, scale_t, rest[0] if rest else None, w.block).T  # [rows, tile]
+
+        y = jax.lax.map(one_tile, parts)  # [tiles, rows, tile]
+        return jnp.moveaxis(y, 0, 1).reshape(m.rows, m.n)
+
     xs = m.xs.astype(jnp.float32)
+    tile = _cpu_tile(m.n) if w.block and m.rows >= CPU_TILED_MIN_ROWS else 0
     if m.rows == 1:
         y = matrix_vector(xs)
+    elif m.rows <= CPU_GEMV_MAX_ROWS and tile:
+        y = tiled(xs, tile)
     elif m.rows <= CPU_GEMV_MAX_ROWS:
         y = jax.lax.map(lambda row: matrix_vector(row[None])[0], xs)
     else:
