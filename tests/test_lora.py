@@ -168,6 +168,26 @@ def test_gathering_each_tokens_slot_equals_every_slots_rank_space(adapters, monk
     assert_same(gathered, dense, "gathered vs dense")
 
 
+def test_the_fused_kernel_for_decode_steps_equals_every_slots_rank_space(adapters, monkeypatch):
+    """CAPSTAN_LORA_KERNEL_MAX_TOKENS: decode steps through gpu_lora's kernel (Pallas' interpreter here) give what
+    the dense way gives, for base rows and three adapters in one batch."""
+    import jax
+
+    from capstan.runtime.kernels import gpu_lora
+
+    pairs = [(i, a) for a in (None, *adapters[:3]) for i in range(len(PROMPTS))]
+    prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
+    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=4, max_lora_rank=8, **ENGINE)
+    dense = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    monkeypatch.setattr(gpu_lora, "INTERPRET", True)
+    jax.clear_caches()  # the steps traced the dense way must be traced again
+    try:
+        fused = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    finally:
+        jax.clear_caches()
+    assert_same(fused, dense, "fused kernel vs dense")
+
+
 def test_two_slots_for_six_adapters_swap_without_changing_any_output(adapters):
     """--max-loras 2 and --max-cpu-loras 2 with six adapters: adapters wait for slots, are swapped in and out, and are
     read again from their files after leaving host memory; every output equals the one from six slots."""

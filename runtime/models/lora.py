@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
 
+from ..kernels import gpu_lora
+from ..parallel.mesh import model_parallel_size
 from .config import ModelConfig
 
 # the projections a block has (Hugging Face's module names, ModelConfig.linear_shapes), q/k/v and gate/up in the order
@@ -166,10 +168,24 @@ class LayerAdapters(eqx.Module):
         h = h * rows.reshape((T, L) + (1,) * (h.ndim - 2))
         return jnp.einsum(expand, h, b)
 
+    def _fused(self, y: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array, summed: bool) -> jax.Array | None:
+        """y [T, Q, N] plus the delta in one kernel (gpu_lora: a GPU step of few tokens on one device), or None.
+        a [L, P, R, K], b [L, P, R, N]; summed: the P parts add into one output (Q = 1), else part p is output p."""
+        T, R = self.slots.shape[0], a.shape[2]
+        if model_parallel_size() != 1 or not gpu_lora.applies(T, R, x.shape[1], y.shape[2]):
+            return None
+        return gpu_lora.lora_delta(y, x, a, b, self.slots, summed=summed, interpret=gpu_lora.INTERPRET or None)
+
     def qkv(self, x: NamedArray, qkv: NamedArray, token: str, ax) -> NamedArray:
         """qkv [token, KVHeads, QKV, HeadSize] plus the q, k and v deltas for x [token, Embed]."""
         w = self.weights
         xs = x.rearrange((token, ax.Embed)).array
+        axes = (qkv.resolve_axis(token), ax.KVHeads, ax.QKV, ax.HeadSize)
+        ys = qkv.rearrange(axes).array
+        L, _, R = w.qkv_b.shape[:3]
+        fused = self._fused(ys.reshape(ys.shape[0], 1, -1), xs, w.qkv_a, w.qkv_b.reshape(L, 3, R, -1), True)
+        if fused is not None:
+            return hax.named(fused.reshape(ys.shape), axes)
         delta = self._delta(xs, w.qkv_a, w.qkv_b, "te,lpre->tlpr", "tlpr,lprkqd->tkqd").astype(qkv.dtype)
         return qkv + hax.named(delta, (qkv.resolve_axis(token), ax.KVHeads, ax.QKV, ax.HeadSize))
 
@@ -177,6 +193,9 @@ class LayerAdapters(eqx.Module):
         """o_proj's y [token, Embed] plus the delta for x [token, KVHeads, QPerKV, HeadSize]."""
         w = self.weights
         xs = x.rearrange((token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array
+        fused = self._down_like(xs.reshape(xs.shape[0], -1), y, w.o_a, w.o_b, token, ax)
+        if fused is not None:
+            return fused
         delta = self._delta(xs, w.o_a, w.o_b, "tkgd,lrkgd->tlr", "tlr,lre->te").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
 
@@ -184,6 +203,10 @@ class LayerAdapters(eqx.Module):
         """The fused gate/up y [token, GateUp, Mlp] plus both deltas for x [token, Embed]."""
         w = self.weights
         xs = x.rearrange((token, ax.Embed)).array
+        axes = (y.resolve_axis(token), ax.GateUp, ax.Mlp)
+        fused = self._fused(y.rearrange(axes).array, xs, w.gate_up_a, w.gate_up_b, False)
+        if fused is not None:
+            return hax.named(fused, axes)
         delta = self._delta(xs, w.gate_up_a, w.gate_up_b, "te,lpre->tlpr", "tlpr,lpri->tpi").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.GateUp, ax.Mlp))
 
@@ -191,5 +214,17 @@ class LayerAdapters(eqx.Module):
         """down_proj's y [token, Embed] plus the delta for x [token, Mlp]."""
         w = self.weights
         xs = x.rearrange((token, ax.Mlp)).array
+        fused = self._down_like(xs, y, w.down_a, w.down_b, token, ax)
+        if fused is not None:
+            return fused
         delta = self._delta(xs, w.down_a, w.down_b, "ti,lri->tlr", "tlr,lre->te").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
+
+    def _down_like(self, xs: jax.Array, y: NamedArray, a: jax.Array, b: jax.Array, token: str, ax) -> NamedArray | None:
+        """o_proj's or down_proj's y [token, Embed] plus the delta through the kernel (None where it does not apply):
+        x flattened to [T, K], A [L, R, ...] to one part [L, 1, R, K], B [L, R, Embed] likewise."""
+        axes = (y.resolve_axis(token), ax.Embed)
+        ys = y.rearrange(axes).array
+        L, R = a.shape[:2]
+        fused = self._fused(ys[:, None], xs, a.reshape(L, 1, R, -1), b.reshape(L, 1, R, -1), True)
+        return None if fused is None else hax.named(fused[:, 0], axes)
