@@ -98,7 +98,7 @@ for part in $parts; do
     loragather) CAPSTAN_LORA_KERNEL_MAX_TOKENS=0 CAPSTAN_LORA_GATHER_MAX_TOKENS=16 python3 benchmarks/lora.py \
         --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 --single-stream-tokens 256 \
         --json "$OUT/lora-gather-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
-    # the fused LoRA kernel (kernels/gpu_lora.py, the default for steps of <= 16 tokens) compiled by Triton against
+    # the fused LoRA kernel (kernels/gpu_lora.py, off by default until this has run; 16 here) compiled by Triton against
     # the dense way (its tests), then one stream with it and with it off (the dense way over every slot), same call
     lorakernel) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py 2>&1 \
         | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30

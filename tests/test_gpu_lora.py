@@ -51,6 +51,7 @@ def test_the_kernel_adds_what_the_dense_way_adds(tokens, slots, rank, dtype, mon
     adapters, calls, ax = _inputs(tokens, slots, rank, dtype, seed=tokens)
     dense = {name: getattr(adapters, name)(x, y, "token", ax) for name, (x, y) in calls.items()}
     monkeypatch.setattr(gpu_lora, "INTERPRET", jax.default_backend() != "gpu")  # on a GPU: compiled by Triton
+    monkeypatch.setattr(gpu_lora, "MAX_TOKENS", 16)  # off by default until measured on a GPU
     assert gpu_lora.applies(tokens, rank, 64, 96)
     base = np.asarray(adapters.slots) < 0
     for name, (x, y) in calls.items():
@@ -64,7 +65,8 @@ def test_the_kernel_adds_what_the_dense_way_adds(tokens, slots, rank, dtype, mon
 
 def test_steps_beyond_the_limit_and_odd_ranks_take_the_dense_way(monkeypatch):
     monkeypatch.setattr(gpu_lora, "INTERPRET", True)
-    assert not gpu_lora.applies(gpu_lora.MAX_TOKENS + 1, 16, 64, 96)
+    monkeypatch.setattr(gpu_lora, "MAX_TOKENS", 16)
+    assert not gpu_lora.applies(17, 16, 64, 96)
     assert not gpu_lora.applies(4, 12, 64, 96)  # Triton loads powers of two
     monkeypatch.setattr(gpu_lora, "MAX_TOKENS", 0)
     assert not gpu_lora.applies(1, 16, 64, 96)

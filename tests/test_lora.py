@@ -180,6 +180,7 @@ def test_the_fused_kernel_for_decode_steps_equals_every_slots_rank_space(adapter
     llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=4, max_lora_rank=8, **ENGINE)
     dense = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
     monkeypatch.setattr(gpu_lora, "INTERPRET", True)
+    monkeypatch.setattr(gpu_lora, "MAX_TOKENS", 16)  # off by default until measured on a GPU
     jax.clear_caches()  # the steps traced the dense way must be traced again
     try:
         fused = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
