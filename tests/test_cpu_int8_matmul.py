@@ -29,7 +29,7 @@ def weight(n: int, k: int, rng, offset: bool) -> QuantizedWeight:
 
 
 @pytest.mark.parametrize("offset", [True, False], ids=["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 64, 65])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 64, 65])
 @pytest.mark.parametrize("n", [192, 576, 4608, 100])  # 100: no tile divides it (the per-row loop)
 def test_each_loop_equals_the_dequantized_dot(rows: int, n: int, offset: bool):
     rng = np.random.default_rng(rows * 1000 + n)

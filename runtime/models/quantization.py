@@ -51,12 +51,8 @@ CPU_GEMV_MAX_ROWS = int(os.environ.get("CAPSTAN_CPU_GEMV_MAX_ROWS", "64"))
 # once per row (a 2-core timing of SmolLM2-135M's Q4_1 shapes at 4 / 16 / 64 rows, medians of 20 calls: 576 x 576
 # 0.116 / 0.271 / 1.033 ms per row against 0.064 / 0.104 / 0.241 in tiles of 64; the 49152-row Q8_0 head 3.9 / 16.9
 # / 50.4 against 3.9 / 6.9 / 14.0 in tiles of 768; below 8 rows the per-row loop is as fast or faster for the MLP's
-# shapes). CAPSTAN_CPU_TILED_MIN_ROWS moves the switch to remeasure end to end. A projection (at most 4096 output
-# rows) switches earlier, from 4 rows: at 4 / 6 rows, loaded machine, medians of 15 calls, 576 x 576 0.178 / 0.225 ms
-# per-row against 0.069 / 0.074 tiled, 576 -> 1536 0.321 / 0.335 against 0.191 / 0.169, 1536 -> 576 0.266 / 0.394
-# against 0.194 / 0.208 (at 2 rows the MLP's per-row loop is faster; the head's below 8 rows: 5.1 against 7.2 at 4).
+# shapes). CAPSTAN_CPU_TILED_MIN_ROWS moves the switch to remeasure end to end.
 CPU_TILED_MIN_ROWS = int(os.environ.get("CAPSTAN_CPU_TILED_MIN_ROWS", "8"))
-CPU_TILED_PROJECTION_MIN_ROWS = int(os.environ.get("CAPSTAN_CPU_TILED_PROJECTION_MIN_ROWS", "4"))
 
 
 def check_method(method: str | None) -> None:
@@ -227,7 +223,7 @@ def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
     float32 activations times the weight upcast and scaled, in loops that read the int8 bytes without writing a
     float copy of the weight first (XLA's CPU dot would write one every step: slower than float32 weights). One row
     (a stream's decode step): XLA fuses the upcast into one matrix-vector loop; up to CPU_GEMV_MAX_ROWS rows of a
-    weight in blocks: from CPU_TILED_MIN_ROWS rows (CPU_TILED_PROJECTION_MIN_ROWS for a projection), a loop over tiles of output rows, each tile upcast once and
+    weight in blocks: from CPU_TILED_MIN_ROWS rows, a loop over tiles of output rows, each tile upcast once and
     multiplied with every row, below that (and for per-channel weights) the matrix-vector loop once per row
     (lax.map); more (prefill chunks): the weight dequantized, then XLA's dot. None elsewhere: other backends, other
     formats, a weight split over devices."""
@@ -268,8 +264,7 @@ def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
         return jnp.moveaxis(y, 0, 1).reshape(m.rows, m.n)
 
     xs = m.xs.astype(jnp.float32)
-    min_rows = CPU_TILED_MIN_ROWS if m.n > 4096 else min(CPU_TILED_MIN_ROWS, CPU_TILED_PROJECTION_MIN_ROWS)
-    tile = _cpu_tile(m.n) if w.block and m.rows >= min_rows else 0
+    tile = _cpu_tile(m.n) if w.block and m.rows >= CPU_TILED_MIN_ROWS else 0
     if m.rows == 1:
         y = matrix_vector(xs)
     elif m.rows <= CPU_GEMV_MAX_ROWS and tile:
