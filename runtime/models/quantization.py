@@ -51,7 +51,8 @@ CPU_GEMV_MAX_ROWS = int(os.environ.get("CAPSTAN_CPU_GEMV_MAX_ROWS", "64"))
 # once per row (a 2-core timing of SmolLM2-135M's Q4_1 shapes at 4 / 16 / 64 rows, medians of 20 calls: 576 x 576
 # 0.116 / 0.271 / 1.033 ms per row against 0.064 / 0.104 / 0.241 in tiles of 64; the 49152-row Q8_0 head 3.9 / 16.9
 # / 50.4 against 3.9 / 6.9 / 14.0 in tiles of 768; below 8 rows the per-row loop is as fast or faster for the MLP's
-# shapes). CAPSTAN_CPU_TILED_MIN_ROWS moves the switch to remeasure end to end.
+# shapes; end to end at 4 streams the tiles from 4 rows ran 106.7 against 167.1 tokens/s: XLA spreads one large
+# matrix-vector loop over both cores, not the tiles' small dots; RESULTS.md). CAPSTAN_CPU_TILED_MIN_ROWS moves it.
 CPU_TILED_MIN_ROWS = int(os.environ.get("CAPSTAN_CPU_TILED_MIN_ROWS", "8"))
 
 
