@@ -149,44 +149,43 @@ def test_speculative_decoding_with_adapters_keeps_the_outputs(adapters):
     assert_same(only_base, expected[: len(PROMPTS)], "a base-only batch on the LoRA engine")
 
 
-def test_gathering_each_tokens_slot_equals_every_slots_rank_space(adapters, monkeypatch):
-    """CAPSTAN_LORA_GATHER_MAX_TOKENS: steps that gather each token's own A and B give what the dense way gives."""
+def _same_as_the_dense_way(adapters, patch, label: str, max_loras: int) -> None:
+    """Base rows and three adapters in one batch, generated the dense way, then again after patch() (which switches
+    the way the deltas are computed; monkeypatch undoes it): the same outputs."""
     import jax
-
-    from capstan.runtime.models import lora
 
     pairs = [(i, a) for a in (None, *adapters[:3]) for i in range(len(PROMPTS))]
     prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
-    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=3, max_lora_rank=8, **ENGINE)
+    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=max_loras, max_lora_rank=8, **ENGINE)
     dense = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
-    monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20)
+    patch()
     jax.clear_caches()  # the steps traced the dense way must be traced again
     try:
-        gathered = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+        other = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
     finally:
         jax.clear_caches()
-    assert_same(gathered, dense, "gathered vs dense")
+    assert_same(other, dense, label)
+
+
+def test_gathering_each_tokens_slot_equals_every_slots_rank_space(adapters, monkeypatch):
+    """CAPSTAN_LORA_GATHER_MAX_TOKENS: steps that gather each token's own A and B give what the dense way gives."""
+    from capstan.runtime.models import lora
+
+    _same_as_the_dense_way(
+        adapters, lambda: monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20), "gathered vs dense", max_loras=3
+    )
 
 
 def test_the_fused_kernel_for_decode_steps_equals_every_slots_rank_space(adapters, monkeypatch):
     """CAPSTAN_LORA_KERNEL_MAX_TOKENS: decode steps through gpu_lora's kernel (Pallas' interpreter here) give what
     the dense way gives, for base rows and three adapters in one batch."""
-    import jax
-
     from capstan.runtime.kernels import gpu_lora
 
-    pairs = [(i, a) for a in (None, *adapters[:3]) for i in range(len(PROMPTS))]
-    prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
-    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=4, max_lora_rank=8, **ENGINE)
-    dense = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
-    monkeypatch.setattr(gpu_lora, "INTERPRET", True)
-    monkeypatch.setattr(gpu_lora, "MAX_TOKENS", 16)  # off by default until measured on a GPU
-    jax.clear_caches()  # the steps traced the dense way must be traced again
-    try:
-        fused = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
-    finally:
-        jax.clear_caches()
-    assert_same(fused, dense, "fused kernel vs dense")
+    def through_the_kernel():
+        monkeypatch.setattr(gpu_lora, "INTERPRET", True)
+        monkeypatch.setattr(gpu_lora, "MAX_TOKENS", 16)  # off by default until measured on a GPU
+
+    _same_as_the_dense_way(adapters, through_the_kernel, "fused kernel vs dense", max_loras=4)
 
 
 def test_two_slots_for_six_adapters_swap_without_changing_any_output(adapters):
