@@ -58,8 +58,8 @@ def _block_k(k: int, block_m: int = 16) -> int | None:
     return next((b for b in BLOCK_K if k % b == 0 and (block_m <= 16 or b <= 128)), None)
 
 
-def _block_n(n: int, most: int) -> int:
-    """The largest power of two up to `most` dividing n (n is a multiple of 16)."""
+def largest_pow2_divisor(n: int, most: int) -> int:
+    """The largest power of two up to `most` (a power of two) dividing n: a Triton block along an axis of n."""
     b = most
     while n % b:
         b //= 2
@@ -117,7 +117,7 @@ def gemv(
     n = w.shape[0]
     bn, warps, stages, by_reduce = TUNING
     reduce = (by_reduce if reduce is None else reduce) and rows <= 16  # multiply-adds: a GEMV's few rows only
-    block_n = _block_n(n, block_n or bn)
+    block_n = largest_pow2_divisor(n, block_n or bn)
     block_m = 1 << (rows - 1).bit_length() if reduce else _block_m(rows)
     block_k = block_k or _block_k(k, block_m)
     assert block_k is not None, f"no block of {BLOCK_K} divides k={k} (applies() refuses such shapes)"

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .gpu_gemv import largest_pow2_divisor
+
 # Steps of at most this many tokens take the kernel on a GPU (CAPSTAN_LORA_KERNEL_MAX_TOKENS; 0: never). Its work
 # is one shrink per token and program, so it is for decode steps; larger steps take models/lora.py's dense matmuls.
 # Off by default until a GPU run has compiled and timed it (`gpu_suite.sh lorakernel` sets 16): so far it has run
@@ -27,14 +29,6 @@ INTERPRET = os.environ.get("CAPSTAN_LORA_KERNEL", "") == "interpret"
 MAX_BLOCK_N = 256  # output columns a program takes (fewer programs: each recomputes the shrink)
 MAX_BLOCK_K = 256  # contracted slice a shrink step loads
 NUM_WARPS = 4
-
-
-def _pow2_divisor(n: int, most: int) -> int:
-    """The largest power of two up to `most` dividing n."""
-    b = most
-    while n % b:
-        b //= 2
-    return b
 
 
 def applies(tokens: int, rank: int, k: int, n: int, backend: str | None = None) -> bool:
@@ -96,8 +90,8 @@ def lora_delta(
     T, Q, N = y.shape
     L, P, R, K = a.shape
     assert b.shape == (L, P, R, N) and x.shape == (T, K) and (1 if summed else P) == Q, (y.shape, a.shape, b.shape)
-    block_n = _pow2_divisor(N, MAX_BLOCK_N)
-    block_k = _pow2_divisor(K, MAX_BLOCK_K)
+    block_n = largest_pow2_divisor(N, MAX_BLOCK_N)
+    block_k = largest_pow2_divisor(K, MAX_BLOCK_K)
     kernel = functools.partial(_kernel, tokens=T, parts=P, summed=summed, block_k=block_k)
     out_spec = pl.BlockSpec((T, None, block_n), lambda q, j: (0, q, j))
     return pl.pallas_call(

@@ -48,11 +48,12 @@ FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("CAPSTAN_FP8_WEIGHT_ONLY_MAX_ROWS"
 # matmuls while this was written, not a kept benchmark; CAPSTAN_CPU_GEMV_MAX_ROWS moves the switch to remeasure)
 CPU_GEMV_MAX_ROWS = int(os.environ.get("CAPSTAN_CPU_GEMV_MAX_ROWS", "64"))
 # From this many rows the weight is upcast a tile of output rows at a time, once for all the step's rows, instead of
-# once per row (a 2-core timing of SmolLM2-135M's Q4_1 shapes at 4 / 16 / 64 rows, medians of 20 calls: 576 x 576
-# 0.116 / 0.271 / 1.033 ms per row against 0.064 / 0.104 / 0.241 in tiles of 64; the 49152-row Q8_0 head 3.9 / 16.9
-# / 50.4 against 3.9 / 6.9 / 14.0 in tiles of 768; below 8 rows the per-row loop is as fast or faster for the MLP's
-# shapes; end to end at 4 streams the tiles from 4 rows ran 106.7 against 167.1 tokens/s: XLA spreads one large
-# matrix-vector loop over both cores, not the tiles' small dots; RESULTS.md). CAPSTAN_CPU_TILED_MIN_ROWS moves it.
+# once per row (a one-off 2-core timing, not a kept benchmark, of SmolLM2-135M's Q4_1 shapes at 4 / 16 / 64 rows,
+# medians of 20: 576 x 576 0.116 / 0.271 / 1.033 ms per row against 0.064 / 0.104 / 0.241 in tiles of 64; the
+# 49152-row Q8_0 head 3.9 / 16.9 / 50.4 against 3.9 / 6.9 / 14.0 in tiles of 768; below 8 rows the per-row loop is as
+# fast or faster for the MLP's shapes; end to end at 4 streams the tiles from 4 rows ran 106.7 against 167.1
+# tokens/s: XLA spreads one large matrix-vector loop over both cores, not the tiles' small dots; RESULTS.md).
+# CAPSTAN_CPU_TILED_MIN_ROWS moves the switch.
 CPU_TILED_MIN_ROWS = int(os.environ.get("CAPSTAN_CPU_TILED_MIN_ROWS", "8"))
 
 
@@ -126,11 +127,10 @@ class QuantizedWeight(eqx.Module):
         return (self.weight.astype(jnp.float32) * self.scale).astype(dtype)
 
     def _unblocked(self, dtype) -> NamedArray:
-        w = self.weight.array.astype(dtype)
-        blocks = w.reshape(*w.shape[:-1], -1, self.block) * self.scale.array[..., None].astype(dtype)
-        if self.offset is not None:
-            blocks = blocks + self.offset.array[..., None].astype(dtype)
-        return hax.named(blocks.reshape(w.shape), self.weight.axes)
+        offset = None if self.offset is None else self.offset.array
+        return hax.named(
+            _dequantize_blocks(self.weight.array, self.scale.array, offset, self.block, dtype), self.weight.axes
+        )
 
     def __call__(self, x: NamedArray, axis) -> NamedArray:
         """x contracted with the weight over `axis` (what hax.dot(x, dense, axis=axis) computes)."""
@@ -210,13 +210,14 @@ def _cpu_tile(n: int) -> int:
     return 0
 
 
-def _upcast_tile(q: jax.Array, scale: jax.Array, offset: jax.Array | None, block: int) -> jax.Array:
-    """[tile, k] int8 values in blocks of `block` along k -> float32 (scale * q + offset)."""
-    n, k = q.shape
-    blocks = q.astype(jnp.float32).reshape(n, k // block, block) * scale[:, :, None]
+def _dequantize_blocks(
+    q: jax.Array, scale: jax.Array, offset: jax.Array | None, block: int, dtype=jnp.float32
+) -> jax.Array:
+    """Values in blocks of `block` along the last axis -> dtype (scale * q + offset; scale and offset count blocks)."""
+    blocks = q.astype(dtype).reshape(*q.shape[:-1], -1, block) * scale[..., None].astype(dtype)
     if offset is not None:
-        blocks = blocks + offset[:, :, None]
-    return blocks.reshape(n, k)
+        blocks = blocks + offset[..., None].astype(dtype)
+    return blocks.reshape(q.shape)
 
 
 def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray | None:
@@ -241,7 +242,7 @@ def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
         scale, offset = w.scale.rearrange(m.out_axes).array.reshape(m.n), None
 
     def upcast(q):
-        return _upcast_tile(q, scale, offset, w.block) if w.block else q.astype(jnp.float32)
+        return _dequantize_blocks(q, scale, offset, w.block) if w.block else q.astype(jnp.float32)
 
     def matrix_vector(row):  # [1, k] -> [1, n]
         # tied to this row: in a decode scan (or the rows' loop) XLA would otherwise hoist the upcast out of the
@@ -259,7 +260,7 @@ def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
             # tied to the rows as matrix_vector is: the tile's float copy stays small (cache-resident), never whole
             part, rows = jax.lax.optimization_barrier((part, xs))
             q_t, scale_t, *rest = part
-            return rows @ _upcast_tile(q_t, scale_t, rest[0] if rest else None, w.block).T  # [rows, tile]
+            return rows @ _dequantize_blocks(q_t, scale_t, rest[0] if rest else None, w.block).T  # [rows, tile]
 
         y = jax.lax.map(one_tile, parts)  # [tiles, rows, tile]
         return jnp.moveaxis(y, 0, 1).reshape(m.rows, m.n)
