@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve multiturn hosttransfer lora loragather lorakernel lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve multiturn hosttransfer lora loragather lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -94,18 +94,12 @@ for part in $parts; do
     lora) python3 benchmarks/lora.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --adapters 8 --rank 16 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
         --single-stream-tokens 256 --json "$OUT/lora-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
-    # the one-stream runs again with each token's own adapter gathered (models/lora.py) instead of every slot's
-    loragather) CAPSTAN_LORA_KERNEL_MAX_TOKENS=0 CAPSTAN_LORA_GATHER_MAX_TOKENS=16 python3 benchmarks/lora.py \
+    # one stream by each way models/lora.py has for a decode step: each token's own slot gathered and contracted as
+    # products summed (XLA fuses them) or by einsum's matmuls, and every slot's rank space (the large steps' way)
+    loragather) for way in products:16 einsum:16 products:0; do echo "== CAPSTAN_LORA_GATHER_WAY:MAX_TOKENS=$way"
+        CAPSTAN_LORA_GATHER_WAY=${way%:*} CAPSTAN_LORA_GATHER_MAX_TOKENS=${way#*:} python3 benchmarks/lora.py \
         --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 --single-stream-tokens 256 \
-        --json "$OUT/lora-gather-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
-    # the fused LoRA kernel (kernels/gpu_lora.py, off by default until this has run; 16 here) compiled by Triton against
-    # the dense way (its tests), then one stream with it and with it off (the dense way over every slot), same call
-    lorakernel) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py 2>&1 \
-        | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30
-      for kernel in 16 0; do echo "== CAPSTAN_LORA_KERNEL_MAX_TOKENS=$kernel"
-        CAPSTAN_LORA_KERNEL_MAX_TOKENS=$kernel python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch \
-        --adapters 8 --rank 16 --single-stream-tokens 256 --json "$OUT/lora-kernel$kernel-llama-3.2-1b.json" 2>&1 \
-        | grep --line-buffered -v Warning; done ;;
+        --json "$OUT/lora-gather-${way%:*}${way#*:}-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning; done ;;
     # issue 32: Capstan's LoRA engine against transformers' float32 logits of the merged checkpoints (and peft's own,
     # where installed), teacher-forced on Capstan's greedy tokens, for every golden checkpoint
     lorapeft) python3 benchmarks/lora_transformers_parity.py 2>&1 | grep --line-buffered -v Warning ;;

@@ -9,8 +9,8 @@ enabling LoRA costs rows without one); then one stream of each kind.
 
 python benchmarks/lora.py --shape tiny --requests 16 --prompt-len 16 --output-len 16 --single-stream-tokens 16  # CPU
 bash benchmarks/gpu_suite.sh lora                                                                       # H100
-CAPSTAN_LORA_KERNEL_MAX_TOKENS=0 CAPSTAN_LORA_GATHER_MAX_TOKENS=1 python benchmarks/lora.py --no-batch  # gathered
-bash benchmarks/gpu_suite.sh lorakernel   # one stream with the fused kernel (kernels/gpu_lora.py) and without"""
+CAPSTAN_LORA_GATHER_MAX_TOKENS=0 python benchmarks/lora.py --no-batch   # one stream, every slot's rank space
+bash benchmarks/gpu_suite.sh loragather   # one stream by each way of models/lora.py, same call"""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from throughput import run  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
-from capstan.runtime.kernels import gpu_lora  # noqa: E402
 from capstan.runtime.lora.request import LoRARequest  # noqa: E402
 from capstan.runtime.models import lora as lora_layers  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
@@ -126,7 +125,7 @@ def main(argv=None) -> dict:
     spread = [loras[i % len(loras)] for i in range(a.requests)]
     figures: dict = {"shape": a.shape, "dtype": dtype, "device": str(jax.devices()[0].device_kind)}
     figures["gather_max_tokens"] = lora_layers.GATHER_MAX_TOKENS  # CAPSTAN_LORA_GATHER_MAX_TOKENS
-    figures["kernel_max_tokens"] = gpu_lora.MAX_TOKENS  # CAPSTAN_LORA_KERNEL_MAX_TOKENS (the fused kernel, on a GPU)
+    figures["gather_way"] = lora_layers.GATHER_WAY  # CAPSTAN_LORA_GATHER_WAY
     figures.update(requests=a.requests, adapters=a.adapters, rank=a.rank, max_loras=a.max_loras or a.adapters)
     batch_runs = (("base", False, None), ("lora", True, spread), ("lora_engine_base_rows", True, None))
     for label, lora, adapters in batch_runs if a.batch else ():

@@ -176,16 +176,39 @@ def test_gathering_each_tokens_slot_equals_every_slots_rank_space(adapters, monk
     )
 
 
-def test_the_fused_kernel_for_decode_steps_equals_every_slots_rank_space(adapters, monkeypatch):
-    """CAPSTAN_LORA_KERNEL_MAX_TOKENS: decode steps through gpu_lora's kernel (Pallas' interpreter here) give what
-    the dense way gives, for base rows and three adapters in one batch."""
-    from capstan.runtime.kernels import gpu_lora
+def test_gathered_steps_contracted_by_einsum_equal_every_slots_rank_space(adapters, monkeypatch):
+    """CAPSTAN_LORA_GATHER_WAY=einsum: the gathered weights contracted by XLA's matmuls instead of products summed."""
+    from capstan.runtime.models import lora
 
-    def through_the_kernel():
-        monkeypatch.setattr(gpu_lora, "INTERPRET", True)
-        monkeypatch.setattr(gpu_lora, "MAX_TOKENS", 16)  # off by default until measured on a GPU
+    def gathered_by_einsum():
+        monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20)
+        monkeypatch.setattr(lora, "GATHER_WAY", "einsum")
 
-    _same_as_the_dense_way(adapters, through_the_kernel, "fused kernel vs dense", max_loras=4)
+    _same_as_the_dense_way(adapters, gathered_by_einsum, "gathered by einsum vs dense", max_loras=4)
+
+
+def test_products_summed_equal_einsum_for_every_spec_the_layers_use():
+    """_products is einsum's contraction written as a broadcast product and a sum: same values for the specs
+    LayerAdapters gathers with (shrink and expand of q/k/v, o, gate/up and down), axes in einsum's order."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from capstan.runtime.models.lora import _gathered, _products
+
+    rng = np.random.default_rng(0)
+    sizes = dict(t=3, l=4, e=8, p=3, r=2, k=2, q=3, d=4, g=2, i=6)
+    for spec in (
+        "te,lpre->tlpr",
+        "tlpr,lprkqd->tkqd",
+        "tkgd,lrkgd->tlr",
+        "tlr,lre->te",
+        "tlpr,lpri->tpi",
+        "ti,lri->tlr",
+    ):
+        for s in (spec, _gathered(spec, 1)):
+            ins = s.split("->")[0].split(",")
+            p, q = (jnp.asarray(rng.normal(size=[sizes[c] for c in sub]), jnp.float32) for sub in ins)
+            np.testing.assert_allclose(_products(s, p, q), jnp.einsum(s, p, q), rtol=1e-5, atol=1e-5, err_msg=s)
 
 
 def test_two_slots_for_six_adapters_swap_without_changing_any_output(adapters):

@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
 
-from ..kernels import gpu_lora
-from ..parallel.mesh import model_parallel_size
 from .config import ModelConfig
 
 # the projections a block has (Hugging Face's module names, ModelConfig.linear_shapes), q/k/v and gate/up in the order
@@ -135,10 +133,13 @@ write_slot_fn = jax.jit(_write_slot)
 
 
 # Steps of at most this many tokens gather each token's own slot's A and B instead of computing every slot's rank
-# space (CAPSTAN_LORA_GATHER_MAX_TOKENS; 0, the default: never). Both are exact; which is faster for a decode step of a
-# few rows (one stream) is a GPU measurement (benchmarks/lora.py). The gathered weights grow with the tokens, so large
-# steps always take the dense way.
+# space (CAPSTAN_LORA_GATHER_MAX_TOKENS; 0: never). Both are exact; the gathered weights grow with the tokens, so
+# large steps always take the dense way.
 GATHER_MAX_TOKENS = int(os.environ.get("CAPSTAN_LORA_GATHER_MAX_TOKENS", "0"))
+# How gathered steps contract (CAPSTAN_LORA_GATHER_WAY): "products" as broadcast products summed in float32, which XLA
+# fuses with the gather (and the expand with the add into y) instead of launching matmul kernels: a one-stream decode
+# step is bound by kernel launches, not by these few bytes; "einsum": XLA's matmuls on the gathered weights.
+GATHER_WAY = os.environ.get("CAPSTAN_LORA_GATHER_WAY", "products")
 
 
 def _gathered(spec: str, operand: int) -> str:
@@ -147,6 +148,23 @@ def _gathered(spec: str, operand: int) -> str:
     parts = inputs.split(",")
     parts = [p.replace("l", "t") if k == operand else p.replace("l", "") for k, p in enumerate(parts)]
     return ",".join(parts) + "->" + out.replace("l", "")
+
+
+def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
+    """jnp.einsum(spec, p, q) as a broadcast product summed over the contracted letters, in float32: elementwise work
+    XLA fuses with its neighbours (a gather, an add), never a matmul kernel of its own."""
+    (sp, sq), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    letters = list(dict.fromkeys(sp + sq))
+
+    def spread(x: jax.Array, sub: str) -> jax.Array:  # x's axes in `letters` order, size 1 where it has none
+        present = [c for c in letters if c in sub]
+        x = jnp.transpose(x.astype(jnp.float32), [sub.index(c) for c in present])
+        return x.reshape([x.shape[present.index(c)] if c in sub else 1 for c in letters])
+
+    summed = spread(p, sp) * spread(q, sq)
+    summed = summed.sum(axis=tuple(i for i, c in enumerate(letters) if c not in out))
+    kept = [c for c in letters if c in out]
+    return jnp.transpose(summed, [kept.index(c) for c in out])
 
 
 class LayerAdapters(eqx.Module):
@@ -160,32 +178,19 @@ class LayerAdapters(eqx.Module):
         T, L = self.slots.shape[0], a.shape[0]
         if T <= GATHER_MAX_TOKENS:
             s = jnp.maximum(self.slots, 0)
-            h = jnp.einsum(_gathered(shrink, 1), x, a[s])  # [T, ..., R]
+            contract = _products if GATHER_WAY == "products" else jnp.einsum
+            h = contract(_gathered(shrink, 1), x, a[s])  # [T, ..., R]
             h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * (h.ndim - 1))
-            return jnp.einsum(_gathered(expand, 1), h, b[s])
+            return contract(_gathered(expand, 1), h, b[s])
         h = jnp.einsum(shrink, x, a)  # [T, L, ..., R]: every slot's rank space
         rows = (self.slots[:, None] == jnp.arange(L)[None, :]).astype(h.dtype)  # one-hot; a row of zeros for -1
         h = h * rows.reshape((T, L) + (1,) * (h.ndim - 2))
         return jnp.einsum(expand, h, b)
 
-    def _fused(self, y: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array, summed: bool) -> jax.Array | None:
-        """y [T, Q, N] plus the delta in one kernel (gpu_lora: a GPU step of few tokens on one device), or None.
-        a [L, P, R, K], b [L, P, R, N]; summed: the P parts add into one output (Q = 1), else part p is output p."""
-        T, R = self.slots.shape[0], a.shape[2]
-        if model_parallel_size() != 1 or not gpu_lora.applies(T, R, x.shape[1], y.shape[2]):
-            return None
-        return gpu_lora.lora_delta(y, x, a, b, self.slots, summed=summed, interpret=gpu_lora.INTERPRET or None)
-
     def qkv(self, x: NamedArray, qkv: NamedArray, token: str, ax) -> NamedArray:
         """qkv [token, KVHeads, QKV, HeadSize] plus the q, k and v deltas for x [token, Embed]."""
         w = self.weights
         xs = x.rearrange((token, ax.Embed)).array
-        axes = (qkv.resolve_axis(token), ax.KVHeads, ax.QKV, ax.HeadSize)
-        ys = qkv.rearrange(axes).array
-        L, _, R = w.qkv_b.shape[:3]
-        fused = self._fused(ys.reshape(ys.shape[0], 1, -1), xs, w.qkv_a, w.qkv_b.reshape(L, 3, R, -1), True)
-        if fused is not None:
-            return hax.named(fused.reshape(ys.shape), axes)
         delta = self._delta(xs, w.qkv_a, w.qkv_b, "te,lpre->tlpr", "tlpr,lprkqd->tkqd").astype(qkv.dtype)
         return qkv + hax.named(delta, (qkv.resolve_axis(token), ax.KVHeads, ax.QKV, ax.HeadSize))
 
@@ -193,9 +198,6 @@ class LayerAdapters(eqx.Module):
         """o_proj's y [token, Embed] plus the delta for x [token, KVHeads, QPerKV, HeadSize]."""
         w = self.weights
         xs = x.rearrange((token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array
-        fused = self._down_like(xs.reshape(xs.shape[0], -1), y, w.o_a, w.o_b, token, ax)
-        if fused is not None:
-            return fused
         delta = self._delta(xs, w.o_a, w.o_b, "tkgd,lrkgd->tlr", "tlr,lre->te").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
 
@@ -203,10 +205,6 @@ class LayerAdapters(eqx.Module):
         """The fused gate/up y [token, GateUp, Mlp] plus both deltas for x [token, Embed]."""
         w = self.weights
         xs = x.rearrange((token, ax.Embed)).array
-        axes = (y.resolve_axis(token), ax.GateUp, ax.Mlp)
-        fused = self._fused(y.rearrange(axes).array, xs, w.gate_up_a, w.gate_up_b, False)
-        if fused is not None:
-            return hax.named(fused, axes)
         delta = self._delta(xs, w.gate_up_a, w.gate_up_b, "te,lpre->tlpr", "tlpr,lpri->tpi").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.GateUp, ax.Mlp))
 
@@ -214,17 +212,5 @@ class LayerAdapters(eqx.Module):
         """down_proj's y [token, Embed] plus the delta for x [token, Mlp]."""
         w = self.weights
         xs = x.rearrange((token, ax.Mlp)).array
-        fused = self._down_like(xs, y, w.down_a, w.down_b, token, ax)
-        if fused is not None:
-            return fused
         delta = self._delta(xs, w.down_a, w.down_b, "ti,lri->tlr", "tlr,lre->te").astype(y.dtype)
         return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
-
-    def _down_like(self, xs: jax.Array, y: NamedArray, a: jax.Array, b: jax.Array, token: str, ax) -> NamedArray | None:
-        """o_proj's or down_proj's y [token, Embed] plus the delta through the kernel (None where it does not apply):
-        x flattened to [T, K], A [L, R, ...] to one part [L, 1, R, K], B [L, R, Embed] likewise."""
-        axes = (y.resolve_axis(token), ax.Embed)
-        ys = y.rearrange(axes).array
-        L, R = a.shape[:2]
-        fused = self._fused(ys[:, None], xs, a.reshape(L, 1, R, -1), b.reshape(L, 1, R, -1), True)
-        return None if fused is None else hax.named(fused[:, 0], axes)
