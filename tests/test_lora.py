@@ -149,11 +149,15 @@ def test_speculative_decoding_with_adapters_keeps_the_outputs(adapters):
     assert_same(only_base, expected[: len(PROMPTS)], "a base-only batch on the LoRA engine")
 
 
-def _same_as_the_dense_way(adapters, patch, label: str, max_loras: int) -> None:
+def _same_as_the_dense_way(adapters, monkeypatch, patch, label: str, max_loras: int) -> None:
     """Base rows and three adapters in one batch, generated the dense way, then again after patch() (which switches
     the way the deltas are computed; monkeypatch undoes it): the same outputs."""
     import jax
 
+    from capstan.runtime.models import lora
+
+    monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 0)  # every step the dense way (decode steps gather by default)
+    jax.clear_caches()
     pairs = [(i, a) for a in (None, *adapters[:3]) for i in range(len(PROMPTS))]
     prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
     llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=max_loras, max_lora_rank=8, **ENGINE)
@@ -172,7 +176,11 @@ def test_gathering_each_tokens_slot_equals_every_slots_rank_space(adapters, monk
     from capstan.runtime.models import lora
 
     _same_as_the_dense_way(
-        adapters, lambda: monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20), "gathered vs dense", max_loras=3
+        adapters,
+        monkeypatch,
+        lambda: monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20),
+        "gathered vs dense",
+        max_loras=3,
     )
 
 
@@ -184,7 +192,7 @@ def test_gathered_steps_contracted_by_einsum_equal_every_slots_rank_space(adapte
         monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20)
         monkeypatch.setattr(lora, "GATHER_WAY", "einsum")
 
-    _same_as_the_dense_way(adapters, gathered_by_einsum, "gathered by einsum vs dense", max_loras=4)
+    _same_as_the_dense_way(adapters, monkeypatch, gathered_by_einsum, "gathered by einsum vs dense", max_loras=4)
 
 
 @pytest.mark.parametrize("unrolled_max", [0, 32])
