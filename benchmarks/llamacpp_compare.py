@@ -1,25 +1,36 @@
-"""Capstan against llama.cpp on CPU, on the same GGUF, both through the OpenAI API on 127.0.0.1, in one run:
+"""Capstan against llama.cpp on CPU, on the same GGUF, all through the OpenAI API on 127.0.0.1, in one run:
 
-    python benchmarks/llamacpp_compare.py                     # builds llama.cpp's server once (cached), then measures
+    python benchmarks/llamacpp_compare.py                     # Capstan and llama-server (built once, cached)
     python benchmarks/llamacpp_compare.py --streams 1 4 16 --rounds 3
+    python benchmarks/llamacpp_compare.py --servers capstan llama-server llama-cpp-python --streams 1 4 16 --rounds 3
 
-llama.cpp: its own server (`llama-server`), built once from the llama.cpp that llama-cpp-python's source package
-vendors (LLAMACPP_PYTHON_VERSION, from PyPI: `pip download`, then CMake and a C++ compiler), cached under
-~/.cache/capstan/llamacpp (not in CI); --llama-server PATH takes a binary built elsewhere, and --llamacpp-python
-PYTHON runs llama-cpp-python's own server instead (`python -m llama_cpp.server`, one request at a time). It runs
-with --threads threads (default: every core) and as many slots as the largest stream count (continuous batching),
-each slot --max-model-len tokens of context.
+Servers (--servers, measured in the order given):
+- capstan: `capstan serve` with its defaults for this machine, but --max-num-seqs as the largest stream count,
+  --max-model-len and a 256-token step budget; its compilation cache (~/.cache/capstan/xla) makes later starts fast.
+- llama-server: llama.cpp's own server, with --threads threads (default: every core) and as many slots as the
+  largest stream count (continuous batching), each slot --max-model-len tokens of context. --llama-server PATH takes
+  a binary built elsewhere; by default it is built once into CACHE/<version>/build, statically linked.
+- llama-cpp-python: `python -m llama_cpp.server --n_ctx <max-model-len> --n_threads/--n_threads_batch <threads>`,
+  which serves one request at a time (a lock around its one context; the others wait). --llamacpp-python PYTHON takes
+  an interpreter where llama-cpp-python is installed; by default it is set up once under CACHE/<version>: libllama and
+  ggml built shared (`cmake --build build-shared --target llama`), then `python3.11 -m venv venv` and
+  `CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" venv/bin/pip install "llama_cpp_python[server] @ file://<sdist>"`
+  (the package's Python code with no compiled library; the server's dependencies from PyPI), run with
+  LLAMA_CPP_LIB_PATH=build-shared/bin so it loads that libllama.
 
-Capstan: `capstan serve` with its defaults for this machine, but --max-num-seqs as the largest stream count,
---max-model-len and a 256-token step budget; its compilation cache (~/.cache/capstan/xla) makes later starts fast.
+Both llama.cpp builds come from the llama.cpp that llama-cpp-python's source package (LLAMACPP_PYTHON_VERSION,
+`pip download`ed from PyPI once) vendors, configured with the same CMAKE_FLAGS (Release, -DGGML_NATIVE=ON, no curl,
+tests or examples; CMake and a C++ compiler needed), cached under CACHE = ~/.cache/capstan/llamacpp (not in CI).
 
 The servers run one after the other (never sharing the cores), each measured at every --streams count: a round
 sends that many requests at once and counts output tokens over the round's whole time (prefill included); the
 median of --rounds rounds is reported, with the server processes' CPU seconds per output token (all threads; the
 steadier figure when other work shares the machine) and the load average (/proc/loadavg) before and after. Every
-request asks for --max-tokens tokens at temperature 0 with EOS banned through logit_bias, so both servers make the
-same number of tokens; other sampling fields are each server's defaults (Capstan applies the model's generation
-config, SmolLM2's repetition_penalty 1.1; llama-server's repeat penalty is off by default).
+request asks for --max-tokens tokens at temperature 0 with EOS banned through logit_bias, so every server makes the
+same number of tokens (each request's usage.completion_tokens is checked against --max-tokens; llama-cpp-python
+applies logit_bias with a logits processor in Python); other sampling fields are each server's defaults (Capstan
+applies the model's generation config, SmolLM2's repetition_penalty 1.1; llama-server's repeat penalty is off by
+default; llama-cpp-python's server defaults repeat_penalty to 1.1).
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from serve import WORDS  # noqa: E402  (the load generator's prompt words)
 EOS_BANNED = {"2": -100}  # SmolLM2's <|im_end|> / EOS id: every request runs to max_tokens
 START_TIMEOUT = 1200  # seconds: Capstan's first warm-up compiles on a busy 2-core machine
 LLAMACPP_PYTHON_VERSION = "0.3.36"  # the llama-cpp-python source package whose vendored llama.cpp we build
+SERVERS = ("capstan", "llama-server", "llama-cpp-python")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "capstan" / "llamacpp"
 
 
@@ -56,24 +68,18 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def llama_server(version: str = LLAMACPP_PYTHON_VERSION) -> Path:
-    """llama.cpp's server binary, built on first use from llama-cpp-python's source package (its vendored
-    llama.cpp) into CACHE/<version>/ and found there afterwards."""
-    root = CACHE / version
-    binary = root / "build" / "bin" / "llama-server"
-    if binary.is_file():
-        return binary
+# One set of CMake flags for both builds, so llama-server and llama-cpp-python run the same llama.cpp code paths.
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]  # fmt: skip
+
+
+def llamacpp_source(version: str) -> Path:
+    """CACHE/<version>/src: the llama.cpp vendored in llama-cpp-python's source package (downloaded from PyPI once)."""
     if shutil.which("cmake") is None:
         raise SystemExit("building llama.cpp needs cmake (pip install cmake) and a C++ compiler (apt-get install g++)")
+    root = CACHE / version
     root.mkdir(parents=True, exist_ok=True)
-    sdist = root / f"llama_cpp_python-{version}.tar.gz"
-    if not sdist.is_file():
-        log(f"downloading llama-cpp-python {version}'s source package from PyPI")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(root),
-             f"llama-cpp-python=={version}"],
-            check=True,
-        )  # fmt: skip
+    sdist = llamacpp_python_sdist(version)
     source = root / "src"
     if not (source / "CMakeLists.txt").is_file():
         with tarfile.open(sdist) as tar:
@@ -82,17 +88,71 @@ def llama_server(version: str = LLAMACPP_PYTHON_VERSION) -> Path:
             for m in members:
                 m.name = m.name[len(prefix) :]
             tar.extractall(source, members=[m for m in members if m.name], filter="data")
-    log(f"building llama-server in {root / 'build'} (several minutes on 2 cores)")
+    return source
+
+
+def llamacpp_python_sdist(version: str) -> Path:
+    root = CACHE / version
+    sdist = root / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        log(f"downloading llama-cpp-python {version}'s source package from PyPI")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(root),
+             f"llama-cpp-python=={version}"],
+            check=True,
+        )  # fmt: skip
+    return sdist
+
+
+def cmake_build(source: Path, build: Path, target: str, shared: bool) -> None:
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    linking = f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}"
+    server = f"-DLLAMA_BUILD_SERVER={'OFF' if shared else 'ON'}"
     subprocess.run(
-        ["cmake", "-S", str(source), "-B", str(root / "build"), *generator, "-DCMAKE_BUILD_TYPE=Release",
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-         "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"],
-        check=True,
-    )  # fmt: skip
+        ["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_FLAGS, server, linking], check=True
+    )
     jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", jobs], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", jobs], check=True)
+
+
+def llama_server(version: str = LLAMACPP_PYTHON_VERSION) -> Path:
+    """llama.cpp's server binary, built on first use from llama-cpp-python's source package (its vendored
+    llama.cpp) into CACHE/<version>/build (statically linked) and found there afterwards."""
+    binary = CACHE / version / "build" / "bin" / "llama-server"
+    if not binary.is_file():
+        source = llamacpp_source(version)
+        log(f"building llama-server in {binary.parent.parent} (several minutes on 2 cores)")
+        cmake_build(source, binary.parent.parent, "llama-server", shared=False)
     return binary
+
+
+def llamacpp_python(version: str = LLAMACPP_PYTHON_VERSION) -> tuple[Path, dict[str, str]]:
+    """An interpreter with llama-cpp-python <version> and its server's dependencies, and the environment it needs,
+    set up on first use under CACHE/<version> and found there afterwards:
+    libllama and ggml built shared (CMAKE_FLAGS, target llama) into build-shared/bin, a venv (python3.11 -m venv)
+    with the package from the same source package installed with LLAMA_BUILD=OFF (its Python code only; it finds
+    the compiled libraries through LLAMA_CPP_LIB_PATH=build-shared/bin) and the [server] extra from PyPI."""
+    root = CACHE / version
+    libraries = root / "build-shared" / "bin"
+    python = root / "venv" / "bin" / "python"
+    installed = root / "venv" / "llama-cpp-python-installed"  # written last: a cut-off set-up is redone
+    if not (libraries / "libllama.so").is_file():
+        source = llamacpp_source(version)
+        log(f"building libllama (shared) in {libraries.parent} (minutes on 2 cores)")
+        cmake_build(source, libraries.parent, "llama", shared=True)
+    if not installed.is_file():
+        interpreter = shutil.which("python3.11") or sys.executable
+        # cwd: `python -m` puts the working directory first on sys.path, and this repository's operator/ would
+        # shadow the standard library's operator module
+        subprocess.run([interpreter, "-m", "venv", str(root / "venv")], check=True, cwd=root)
+        log(f"installing llama-cpp-python {version} (Python code only) and its server's dependencies")
+        env = {**os.environ, "CMAKE_ARGS": "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"}
+        requirement = f"llama_cpp_python[server] @ {llamacpp_python_sdist(version).as_uri()}"
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--no-cache-dir", requirement], check=True, env=env, cwd=root
+        )
+        installed.write_text(version + "\n")
+    return python, {"LLAMA_CPP_LIB_PATH": str(libraries)}
 
 
 def free_port() -> int:
@@ -161,12 +221,19 @@ def wait_until(url: str, path: str, process: subprocess.Popen, name: str, args) 
     raise TimeoutError(f"{url}{path} not ready in {START_TIMEOUT} s")
 
 
-def run_server(name: str, command: list[str], port: int, ready_path: str, args, env: dict | None = None) -> dict:
+def run_server(
+    name: str, command: list[str], port: int, ready_path: str, args, env: dict | None = None, cwd: Path | None = None
+) -> dict:
     url = f"http://127.0.0.1:{port}"
     logfile = open(args.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed below, after the process
     started = time.monotonic()
     process = subprocess.Popen(
-        command, start_new_session=True, stdout=logfile, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        command,
+        start_new_session=True,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
     try:
         wait_until(url, ready_path, process, name, args)
@@ -180,13 +247,78 @@ def run_server(name: str, command: list[str], port: int, ready_path: str, args, 
         logfile.close()
 
 
+# A server's command line (less host and port), readiness path, extra environment and working directory.
+ServerCommand = tuple[list[str], str, dict[str, str], Path | None]
+
+
+def server_commands(args: argparse.Namespace, gguf: str) -> dict[str, ServerCommand]:
+    """Each chosen server's ServerCommand; any llama.cpp build happens here, before anything is measured."""
+    slots = max(args.streams)
+    commands: dict[str, ServerCommand] = {}
+    for name in args.servers:
+        if name == "capstan":
+            command = [sys.executable, "-m", "capstan.runtime.cli", "serve", gguf, "--served-model-name", "bench",
+                       "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(slots),
+                       "--max-num-batched-tokens", "256", *args.capstan_arg]  # fmt: skip
+            commands[name] = (command, "/ready", {}, None)
+        elif name == "llama-server":
+            binary = Path(args.llama_server) if args.llama_server else llama_server()
+            command = [str(binary), "--model", gguf, "--alias", "bench", "--threads", str(args.threads),
+                       "--threads-batch", str(args.threads), "--parallel", str(slots),
+                       "--ctx-size", str(args.max_model_len * slots), "--no-webui"]  # fmt: skip
+            commands[name] = (command, "/health", {}, None)
+        else:
+            given = args.llamacpp_python  # a path, made absolute for the other working directory, or a name on PATH
+            python = (Path(given).absolute() if os.sep in given else Path(given)) if given else None
+            python, env = (python, {}) if python else llamacpp_python()
+            if args.llamacpp_pythonpath:
+                env["PYTHONPATH"] = os.pathsep.join(map(os.path.abspath, args.llamacpp_pythonpath.split(os.pathsep)))
+            CACHE.mkdir(parents=True, exist_ok=True)
+            command = [str(python), "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "bench",
+                       "--n_ctx", str(args.max_model_len), "--n_threads", str(args.threads),
+                       "--n_threads_batch", str(args.threads)]  # fmt: skip
+            commands[name] = (command, "/v1/models", env, CACHE)  # not this repository: see llamacpp_python()
+    return commands
+
+
+def print_table(results: dict[str, dict], gguf: str, args: argparse.Namespace) -> None:
+    names = list(results)
+    ratios = [n for n in names if n != "capstan"] if "capstan" in results else []
+    print(
+        f"\n{gguf}, {args.max_tokens} tokens out, prompts of {args.prompt_words} words, median of {args.rounds} rounds"
+    )
+    label = {"capstan": "Capstan"}
+    header = ["streams", *(f"{label.get(n, n)} tokens/s" for n in names), *(f"Capstan / {n}" for n in ratios)]
+    header.append(f"CPU ms/token ({' / '.join(label.get(n, n) for n in names)})")
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join("---:" for _ in header) + " |")
+    for streams in args.streams:
+        row = [str(streams), *(f"{results[n]['streams'][streams]['tok_s']:.1f}" for n in names)]
+        ours = results["capstan"]["streams"][streams]["tok_s"] if ratios else 0.0
+        row += [f"{ours / results[n]['streams'][streams]['tok_s']:.2f}" for n in ratios]
+        row.append(" / ".join(f"{results[n]['streams'][streams]['cpu_ms']:.1f}" for n in names))
+        print("| " + " | ".join(row) + " |")
+    during = "; ".join(f"during {n}: {results[n]['load'][0]} -> {results[n]['load'][1]}" for n in names)
+    print(f"load average (1, 5, 15 min) {during}")
+
+
 def main() -> None:
     from capstan.runtime.config import installed_smollm2
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", default=None, help="the model (default: the installed SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        choices=SERVERS,
+        default=None,
+        help="which servers to measure, in this order (default: capstan llama-server; capstan llama-cpp-python "
+        "with --llamacpp-python)",
+    )
     parser.add_argument("--llama-server", default=None, help="a llama-server binary (default: built once, cached)")
-    parser.add_argument("--llamacpp-python", default=None, help="run llama-cpp-python's server with this interpreter")
+    parser.add_argument(
+        "--llamacpp-python", default=None, help="an interpreter with llama-cpp-python (default: a venv set up once)"
+    )
     parser.add_argument("--llamacpp-pythonpath", default="", help="extra PYTHONPATH for that interpreter")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -197,49 +329,18 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="where the servers' logs go")
     parser.add_argument("--capstan-arg", action="append", default=[], help="an extra `capstan serve` argument")
     args = parser.parse_args()
-    gguf = args.gguf or str(installed_smollm2())
-    slots = max(args.streams)
+    if args.servers is None:
+        args.servers = ["capstan", "llama-cpp-python" if args.llamacpp_python else "llama-server"]
+    gguf = str(Path(args.gguf).absolute()) if args.gguf else str(installed_smollm2())
     started = time.monotonic()
-    if args.llamacpp_python:
-        llamacpp = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "bench",
-                    "--n_ctx", str(args.max_model_len), "--n_threads", str(args.threads),
-                    "--n_threads_batch", str(args.threads)]  # fmt: skip
-        ready, llamacpp_name = "/v1/models", "llama-cpp-python"
-    else:
-        binary = Path(args.llama_server) if args.llama_server else llama_server()
-        llamacpp = [str(binary), "--model", gguf, "--alias", "bench", "--threads", str(args.threads),
-                    "--threads-batch", str(args.threads), "--parallel", str(slots),
-                    "--ctx-size", str(args.max_model_len * slots), "--no-webui"]  # fmt: skip
-        ready, llamacpp_name = "/health", "llama-server"
+    commands = server_commands(args, gguf)
     print(f"load average at start: {load_average()}", flush=True)
-    capstan = [sys.executable, "-m", "capstan.runtime.cli", "serve", gguf, "--served-model-name", "bench",
-               "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(slots),
-               "--max-num-batched-tokens", "256", *args.capstan_arg]  # fmt: skip
     results = {}
-    port = free_port()
-    results["capstan"] = run_server(
-        "capstan", [*capstan, "--host", "127.0.0.1", "--port", str(port)], port, "/ready", args
-    )
-    port = free_port()
-    env = {"PYTHONPATH": args.llamacpp_pythonpath} if args.llamacpp_pythonpath else None
-    command = [*llamacpp, "--host", "127.0.0.1", "--port", str(port)]
-    results[llamacpp_name] = run_server(llamacpp_name, command, port, ready, args, env)
-    ours, theirs = results["capstan"], results[llamacpp_name]
-    print(
-        f"\n{gguf}, {args.max_tokens} tokens out, prompts of {args.prompt_words} words, median of {args.rounds} rounds"
-    )
-    print(
-        f"| streams | Capstan tokens/s | {llamacpp_name} tokens/s | Capstan / {llamacpp_name} | CPU ms/token (Capstan / {llamacpp_name}) |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    for streams in args.streams:
-        a, b = ours["streams"][streams], theirs["streams"][streams]
-        print(
-            f"| {streams} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | {a['tok_s'] / b['tok_s']:.2f} | "
-            f"{a['cpu_ms']:.1f} / {b['cpu_ms']:.1f} |"
-        )
-    print(f"load average (1, 5, 15 min) during Capstan: {ours['load'][0]} -> {ours['load'][1]}; "
-          f"during {llamacpp_name}: {theirs['load'][0]} -> {theirs['load'][1]}")  # fmt: skip
+    for name, (command, ready, env, cwd) in commands.items():
+        port = free_port()
+        command = [*command, "--host", "127.0.0.1", "--port", str(port)]
+        results[name] = run_server(name, command, port, ready, args, env, cwd)
+    print_table(results, gguf, args)
     print(f"took {time.monotonic() - started:.0f} s in all", flush=True)
 
 
