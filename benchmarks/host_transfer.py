@@ -80,7 +80,7 @@ def main() -> int:
     pinned = SingleDeviceSharding(dev, memory_kind="pinned_host")
     page, nbytes = page_bytes(args.shape)
     print(f"{dev.device_kind}: {args.shape}, one page {nbytes / 2**20:.2f} MiB ({page}), median of {args.repeats}")
-    tier = np.zeros((args.tier_pages, *page), np.uint16)  # bf16's bytes, as host_tier.py keeps them
+    tier = np.zeros((args.tier_pages, *page), np.uint16)  # bf16 bytes, as the first host_tier.py kept them (numpy)
     rng = np.random.default_rng(0)
     for n in args.pages:
         data = rng.integers(0, 2**16, (n, *page), dtype=np.uint16)

@@ -160,7 +160,7 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
 def tier_sample(tier, most: int = 1024) -> dict:
     """Copies of the tier's most recently used pages by hash (break-even's fillers evict them later)."""
     recent = list(tier._slot_of.items())[-most:]
-    return {h: tier.pages[slot].copy() for h, slot in recent}
+    return {h: np.asarray(page) for (h, _), page in zip(recent, tier.read([slot for _, slot in recent]), strict=True)}
 
 
 def compare_pages(sample: dict, reference: LLMEngine) -> dict:

@@ -12,7 +12,7 @@ from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.step import step_fn
 from capstan.runtime.kv import host_offload
 from capstan.runtime.kv.cache import KVCache
-from capstan.runtime.kv.host_offload import HostOffload, gather_pages, scatter_pages
+from capstan.runtime.kv.host_offload import HostOffload, gather_page_list, gather_pages, scatter_page_list
 from capstan.runtime.kv.host_tier import HostTier
 from capstan.runtime.kv.page_pool import page_hash
 from capstan.runtime.sampling.sampling_params import SamplingParams
@@ -58,17 +58,18 @@ def recomputed():
 
 def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recomputed):
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: no copy compiles while serving
-    compiled = step_fn._cache_size(), gather_pages._cache_size(), scatter_pages._cache_size()
+    compiled = step_fn._cache_size(), gather_page_list._cache_size(), scatter_page_list._cache_size()
     assert conversations(llm, PARAMS) == recomputed
     s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
     assert s.kv_offload_hit_tokens > 100 and s.kv_offload_bytes_to_device > 0 and s.kv_offload_bytes_to_host > 0
     assert s.kv_offload_hit_tokens <= s.kv_offload_queried_tokens
     assert s.kv_offload_failed_loads == 0
     assert s.preemptions > 0  # the batch outgrew the pool: preempted sequences came back through the tier too
-    assert (step_fn._cache_size(), gather_pages._cache_size(), scatter_pages._cache_size()) == compiled
+    assert (step_fn._cache_size(), gather_page_list._cache_size(), scatter_page_list._cache_size()) == compiled
     # bounded: the tier's slots were all allocated up front, within the size asked for
     assert tier.page_bytes == PAGE_BYTES and s.kv_offload_pages_total == 64
-    assert tier.pages.nbytes <= TIER_GIB * (1 << 30) and s.kv_offload_pages_used <= s.kv_offload_pages_total
+    assert tier.capacity * tier.page_bytes <= TIER_GIB * (1 << 30) and tier.num_held <= tier.capacity
+    assert s.kv_offload_pages_used <= s.kv_offload_pages_total
     assert tier.evictions > 0  # it filled, and made room by LRU
     scraped = ServerMetrics(llm.engine).render().decode()  # what /metrics serves
     assert f"capstan_kv_offload_hit_tokens_total {float(s.kv_offload_hit_tokens)}" in scraped
@@ -93,15 +94,15 @@ def test_fp8_pages_go_to_host_memory_and_back_as_stored():
 def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed, monkeypatch):
     """Every page copied back holds, bit for bit, the bytes the tier was given for its hash, and those are the bytes
     its device page held when it was named in the prefix cache (nothing wrote a named page, no gather read a page's
-    next owner's bytes). Staging buffers start 64-byte aligned, the ones the CPU client aliases (issue 33's bug)."""
+    next owner's bytes)."""
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     engine = llm.engine
     offload, scheduler, pool = engine.scheduler.offload, engine.scheduler, engine.pool
-    for bucket in (1, 2, 4, 8, 16, 32, 64):
-        offload._staging[bucket].append(
-            aligned_empty((bucket, *offload.tier.pages.shape[1:]), offload.tier.pages.dtype)
-        )
-    real_gather, real_scatter = host_offload.gather_pages, host_offload.scatter_pages
+    real_gather, real_gather_list, real_scatter = (
+        host_offload.gather_pages,
+        host_offload.gather_page_list,
+        host_offload.scatter_page_list,
+    )
     axis = offload.page_axis
     named: dict[int, tuple[bytes, object]] = {}  # page -> (its hash, its bytes when named: a device array)
     unread: dict[int, bytes] = {}  # named while a dispatch queued after it held the cache: read when it returns
@@ -140,18 +141,17 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
         real_flush(kv)
 
     def gather(kv, pages, page_axis):
-        out = real_gather(kv, pages, page_axis=page_axis)
+        out = real_gather_list(kv, pages, page_axis=page_axis)
         for i, page in enumerate(pages.tolist()):
             if evicted.get(page) is not None and named.get(page, (None,))[0] == evicted[page]:
                 np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(named[page][1])[0])
                 checked["evicted"] += 1
         return out
 
-    def write_to_tier(data, slots):  # (copy thread)
-        host = np.asarray(data)
-        for i, slot in enumerate(slots):
-            in_tier[offload.tier._reserved[slot]] = host[i].copy()
-        return real_write(data, slots)
+    def commit(slots, on_host):
+        for slot, page in zip(slots, on_host, strict=True):
+            in_tier[offload.tier._reserved[slot]] = np.asarray(page)
+        return real_commit(slots, on_host)
 
     def poll(read_kv):
         loading.update(
@@ -165,7 +165,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
             loading.clear()
 
     def scatter(kv, pages, data, page_axis):
-        out = real_scatter(kv, pages, data, page_axis=page_axis)
+        out = real_scatter(kv, pages, data, page_axis=page_axis)  # data: one array per page
         for page in pages.tolist():
             if page in loading:
                 named[page] = (loading[page], page_of(out, page))
@@ -173,14 +173,14 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
                 checked["restored"] += 1
         return out
 
-    real_flush, real_write, real_poll = offload.flush, offload._write_to_tier, scheduler.poll_host_tier
+    real_flush, real_commit, real_poll = offload.flush, offload.tier.commit, scheduler.poll_host_tier
     monkeypatch.setattr(pool, "register", register)
     monkeypatch.setattr(engine.multi_step, "settle", settle)
     monkeypatch.setattr(offload, "flush", flush)
-    monkeypatch.setattr(offload, "_write_to_tier", write_to_tier)
+    monkeypatch.setattr(offload.tier, "commit", commit)
     monkeypatch.setattr(scheduler, "poll_host_tier", poll)
-    monkeypatch.setattr(host_offload, "gather_pages", gather)
-    monkeypatch.setattr(host_offload, "scatter_pages", scatter)
+    monkeypatch.setattr(host_offload, "gather_page_list", gather)
+    monkeypatch.setattr(host_offload, "scatter_page_list", scatter)
     assert conversations(llm, PARAMS) == recomputed
     assert checked["evicted"] > 50 and checked["restored"] > 20, checked
 
@@ -225,45 +225,34 @@ def test_aborts_while_pages_are_copied_back_leak_nothing():
     engine.pool.check_all_free()
 
 
-def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
-    """An uninitialized array whose data starts on an alignment-byte boundary."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+def test_loads_that_land_before_the_engine_polls_each_write_their_own_pages():
+    """Two loads land before the engine polls (it was busy, e.g. in a multi-step decode dispatch): each device page
+    gets its own slot's bytes, and every slot is unpinned after."""
+    import jax
 
-
-@pytest.mark.parametrize("aligned", [True, False])
-def test_a_load_that_lands_before_the_one_before_is_written_keeps_its_own_bytes(aligned):
-    """Two loads land before the engine polls (it was busy, e.g. in a multi-step decode dispatch), so the second
-    stages through the buffer the first one used. On CPU, device_put of a 64-byte-aligned numpy array aliases it
-    (may_alias=False is not honoured for numpy arrays): reusing that buffer rewrote the first load's staged pages
-    before the scatter read them (issue 33's divergence). aligned: the staging buffer is one the CPU client aliases."""
     kv = KVCache.allocate(num_layers=2, num_pages=8, page_size=4, kv_heads=2, head_dim=16, dtype=np.float32)
     offload = HostOffload(kv, 4 * KVCache.bytes_per_page(2, 4, 2, 16, np.float32) / (1 << 30))
-    page_shape = offload.tier.pages.shape[1:]
-    if aligned:
-        offload._staging[1].append(aligned_empty((1, *page_shape), np.float32))
     hashes = [page_hash(None, [i]) for i in range(2)]
     slots = offload.tier.reserve(hashes)
-    pages = np.stack([np.full(page_shape, i + 1.0, np.float32) for i in range(2)])
-    offload.tier.commit(slots, pages)
-    for key, slot in enumerate(slots):  # each lands before the next starts: one staging buffer serves both
+    pages = np.stack([np.full(offload.page_shape, i + 1.0, np.float32) for i in range(2)])
+    offload.tier.commit(slots, [jax.device_put(p, offload._on_host) for p in pages])
+    for key, slot in enumerate(slots):
         offload.start_load(key, [3 + key], [slot])
-        offload._to_device[key].future.result(timeout=30)
+    jax.block_until_ready([load.staged for load in offload._to_device.values()])
+    assert offload.landed
     kv, ended = offload.poll(lambda: kv)
     assert ended == [(0, True), (1, True)] and kv is not None
     restored = np.asarray(gather_pages(kv, np.array([3, 4], np.int32), page_axis=offload.page_axis))
     np.testing.assert_array_equal(restored, pages)  # each device page holds its own slot's bytes
-    assert offload.tier.num_pinned == 0
+    assert offload.tier.num_pinned == 0 and not offload.busy
 
 
 def test_the_tier_keeps_its_size_and_evicts_least_recently_used():
-    tier = HostTier((2, 3), np.float32, capacity_pages=3)
+    tier = HostTier(page_bytes=24, capacity_pages=3)
     hashes = [page_hash(None, [i]) for i in range(5)]
     slots = tier.reserve(hashes[:3])
     assert tier.match(hashes[:1]) == []  # in flight: not findable yet
-    tier.commit(slots, np.arange(18, dtype=np.float32).reshape(3, 2, 3))
+    tier.commit(slots, list(np.arange(18, dtype=np.float32).reshape(3, 2, 3)))
     assert tier.match(hashes[:3]) == slots and tier.holds(hashes[2])
     assert tier.match([hashes[0]]) == [slots[0]]  # hashes[0] is now the most recent; hashes[1] the least
     [slot] = tier.reserve([hashes[3]])
@@ -272,14 +261,14 @@ def test_the_tier_keeps_its_size_and_evicts_least_recently_used():
     assert not tier.holds(hashes[3]) and tier.num_used == 2
     np.testing.assert_array_equal(tier.read([slots[2]])[0], np.arange(12, 18).reshape(2, 3))
     assert tier.match([hashes[1], hashes[2]]) == []  # a run stops at its first miss
-    assert tier.pages.nbytes == 3 * 2 * 3 * 4
+    assert tier.num_held == 2  # the evicted page and the abandoned copy left nothing behind
 
 
 def test_a_slot_being_copied_back_is_not_evicted_until_the_copy_has_read_it():
-    tier = HostTier((2,), np.float32, capacity_pages=2)
+    tier = HostTier(page_bytes=8, capacity_pages=2)
     hashes = [page_hash(None, [i]) for i in range(4)]
     slots = tier.reserve(hashes[:2])
-    tier.commit(slots, np.array([[1, 1], [2, 2]], np.float32))
+    tier.commit(slots, list(np.array([[1, 1], [2, 2]], np.float32)))
     tier.pin([slots[0]])  # the least recently used, but a load reads it
     [slot] = tier.reserve([hashes[2]])
     assert slot == slots[1] and tier.holds(hashes[0]) and not tier.holds(hashes[1])

@@ -113,6 +113,11 @@ class LLMEngine:
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         if config.kv_offloading_size:  # evicted prefix pages go to host memory, and come back on a hit
+            if self.parallel.kv_sharding() is None:
+                # pages loaded from host memory arrive committed to the device, and so is every cache their scatter
+                # writes: the cache starts committed, so the steps compile once, at warm-up
+                device = next(iter(self.kv.k[0].devices()))
+                self.kv = jax.device_put(self.kv, jax.sharding.SingleDeviceSharding(device))
             self.scheduler.attach_host_tier(HostOffload(self.kv, config.kv_offloading_size, context=self._precision))
         rows = BatchSizes(
             max_num_seqs=config.max_num_seqs,

@@ -2,34 +2,35 @@
 
 Pages the device pool evicts are copied here under the same chained page hash (page_pool.page_hash), so a prefix
 that comes back after its device pages were reused is copied to the device again instead of recomputed. The tier
-is a fixed number of slots in arrays allocated once (its bytes are bounded by construction), least recently used
-first out. A slot whose copy from the device is still in flight is reserved: no lookup finds it and no eviction
-takes it until it is committed, and a copy that fails gives it back. A slot being read for a copy back to the device
-is pinned: eviction passes it by until the read is done, so its bytes are never overwritten mid-copy. The bytes are
-written and read by the copy threads (host_offload.py), the bookkeeping only by the engine's thread.
+is a fixed number of slots, each holding at most one page (its bytes are bounded by construction: slots x page
+bytes), least recently used first out. A slot holds its page as whatever the copier gave it (host_offload.py: a JAX
+array in the device's pinned host memory, copied there by the device); a freed slot drops it. A slot whose copy from
+the device is not yet committed is reserved: no lookup finds it and no eviction takes it until it is committed, and
+a copy that fails gives it back. A slot being read for a copy back to the device is pinned: eviction passes it by
+until the load is done. Only the engine's thread calls it.
 
 The key is the page hash alone: it chains every token before the page, so the same tokens give the same key on
 every tier and on the gateway (which hashes prompts itself). An adapter (multi-LoRA) must join the chain as the
 first page's parent, in page_pool.page_hash, so that two adapters' pages never share a key on either tier. A slot
-holds the cache's stored bytes, whatever its dtype (an FP8 cache's pages stay FP8 here). Pure host code: no JAX."""
+holds the cache's stored bytes, whatever its dtype (an FP8 cache's pages stay FP8 here). Bookkeeping only: it never
+looks inside a page."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-
-import numpy as np
+from typing import Any
 
 from .page_pool import PageHash
 
 
 class HostTier:
-    def __init__(self, page_shape: tuple[int, ...], dtype, capacity_pages: int):
-        """page_shape: one page's K/V of every layer as the device gathers it; capacity_pages >= 1."""
+    def __init__(self, page_bytes: int, capacity_pages: int):
+        """page_bytes: one page's K/V of every layer as stored; capacity_pages >= 1."""
         assert capacity_pages >= 1, "a tier of no pages is no tier (EngineConfig refuses it)"
         self.capacity = capacity_pages
-        self.pages = np.empty((capacity_pages, *page_shape), dtype)  # untouched slots cost no resident memory
-        self._bytes = _raw(self.pages)  # copies go through bytes: numpy releases the GIL for those, whatever the dtype
+        self.page_bytes = page_bytes
+        self._pages: list[Any] = [None] * capacity_pages  # slot -> its page (None: free)
         self._free: collections.deque[int] = collections.deque(range(capacity_pages))
         self._slot_of: collections.OrderedDict[PageHash, int] = collections.OrderedDict()  # committed; LRU first
         self._reserved: dict[int, PageHash] = {}  # slot -> hash of a copy in flight
@@ -42,8 +43,9 @@ class HostTier:
         return size_bytes // page_bytes
 
     @property
-    def page_bytes(self) -> int:
-        return self.pages[0].nbytes
+    def num_held(self) -> int:
+        """Slots holding a page (committed, or written and about to be): at most capacity, so bytes are bounded."""
+        return sum(p is not None for p in self._pages)
 
     @property
     def num_used(self) -> int:
@@ -72,20 +74,15 @@ class HostTier:
         for h, slot in self._slot_of.items():
             if not self._pins[slot]:
                 del self._slot_of[h]
+                self._pages[slot] = None  # its bytes go with it
                 self._free.append(slot)
                 self.evictions += 1
                 return
 
-    def write(self, slots: Sequence[int], data: np.ndarray) -> None:
-        """data[i] becomes the bytes of reserved slot slots[i] (a copy thread's half of a commit)."""
-        raw = _raw(np.ascontiguousarray(data))
-        for i, slot in enumerate(slots):  # row by row: contiguous copies, no index array's temporary
-            self._bytes[slot] = raw[i]
-
-    def commit(self, slots: Sequence[int], data: np.ndarray | None = None) -> None:
-        """The copies have arrived (written here, or data[i] for slots[i]); the pages become findable."""
-        if data is not None:
-            self.write(slots, data)
+    def commit(self, slots: Sequence[int], pages: Sequence[Any]) -> None:
+        """pages[i] is reserved slot slots[i]'s page; the pages become findable."""
+        for slot, page in zip(slots, pages, strict=True):
+            self._pages[slot] = page
         for slot in slots:
             h = self._reserved.pop(slot)
             self._in_flight.discard(h)
@@ -95,6 +92,7 @@ class HostTier:
         """The copies failed: their slots go back, and their pages are recomputed when asked for."""
         for slot in slots:
             self._in_flight.discard(self._reserved.pop(slot))
+            self._pages[slot] = None
             self._free.append(slot)
 
     def match(self, hashes: Sequence[PageHash]) -> list[int]:
@@ -122,16 +120,6 @@ class HostTier:
     def num_pinned(self) -> int:
         return len(self._pins)
 
-    def read(self, slots: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
-        """These slots' pages, copied (into out's first rows when given); pin them first if a reserve may run
-        meanwhile."""
-        out = np.empty((len(slots), *self.pages.shape[1:]), self.pages.dtype) if out is None else out
-        np.take(
-            self._bytes, np.asarray(slots, np.int64), axis=0, out=_raw(out)[: len(slots)], mode="clip"
-        )  # raise: buffered
-        return out
-
-
-def _raw(a: np.ndarray) -> np.ndarray:
-    """a's bytes, one row per page (a C-contiguous array of any dtype: bfloat16 and FP8 included)."""
-    return a.reshape(a.shape[0], -1).view(np.uint8)
+    def read(self, slots: Sequence[int]) -> list[Any]:
+        """These slots' pages; pin them first if a reserve may run before their load is done."""
+        return [self._pages[slot] for slot in slots]
