@@ -12,7 +12,7 @@ from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.step import step_fn
 from capstan.runtime.kv import host_offload
 from capstan.runtime.kv.cache import KVCache
-from capstan.runtime.kv.host_offload import HostOffload, gather_page_list, gather_pages, scatter_page_list
+from capstan.runtime.kv.host_offload import HostOffload, gather_pages, scatter_rows
 from capstan.runtime.kv.host_tier import HostTier
 from capstan.runtime.kv.page_pool import page_hash
 from capstan.runtime.sampling.sampling_params import SamplingParams
@@ -58,17 +58,17 @@ def recomputed():
 
 def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recomputed):
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: no copy compiles while serving
-    compiled = step_fn._cache_size(), gather_page_list._cache_size(), scatter_page_list._cache_size()
+    compiled = step_fn._cache_size(), gather_pages._cache_size(), scatter_rows._cache_size()
     assert conversations(llm, PARAMS) == recomputed
     s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
     assert s.kv_offload_hit_tokens > 100 and s.kv_offload_bytes_to_device > 0 and s.kv_offload_bytes_to_host > 0
     assert s.kv_offload_hit_tokens <= s.kv_offload_queried_tokens
     assert s.kv_offload_failed_loads == 0
     assert s.preemptions > 0  # the batch outgrew the pool: preempted sequences came back through the tier too
-    assert (step_fn._cache_size(), gather_page_list._cache_size(), scatter_page_list._cache_size()) == compiled
+    assert (step_fn._cache_size(), gather_pages._cache_size(), scatter_rows._cache_size()) == compiled
     # bounded: the tier's slots were all allocated up front, within the size asked for
     assert tier.page_bytes == PAGE_BYTES and s.kv_offload_pages_total == 64
-    assert tier.capacity * tier.page_bytes <= TIER_GIB * (1 << 30) and tier.num_held <= tier.capacity
+    assert tier.capacity * tier.page_bytes <= TIER_GIB * (1 << 30) and tier.num_held <= tier.num_chunks
     assert s.kv_offload_pages_used <= s.kv_offload_pages_total
     assert tier.evictions > 0  # it filled, and made room by LRU
     scraped = ServerMetrics(llm.engine).render().decode()  # what /metrics serves
@@ -98,11 +98,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     engine = llm.engine
     offload, scheduler, pool = engine.scheduler.offload, engine.scheduler, engine.pool
-    real_gather, real_gather_list, real_scatter = (
-        host_offload.gather_pages,
-        host_offload.gather_page_list,
-        host_offload.scatter_page_list,
-    )
+    real_gather, real_scatter = host_offload.gather_pages, host_offload.scatter_rows
     axis = offload.page_axis
     named: dict[int, tuple[bytes, object]] = {}  # page -> (its hash, its bytes when named: a device array)
     unread: dict[int, bytes] = {}  # named while a dispatch queued after it held the cache: read when it returns
@@ -141,7 +137,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
         real_flush(kv)
 
     def gather(kv, pages, page_axis):
-        out = real_gather_list(kv, pages, page_axis=page_axis)
+        out = real_gather(kv, pages, page_axis=page_axis)
         for i, page in enumerate(pages.tolist()):
             if evicted.get(page) is not None and named.get(page, (None,))[0] == evicted[page]:
                 np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(named[page][1])[0])
@@ -149,8 +145,9 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
         return out
 
     def commit(slots, on_host):
-        for slot, page in zip(slots, on_host, strict=True):
-            in_tier[offload.tier._reserved[slot]] = np.asarray(page)
+        tier = offload.tier
+        for row, h in enumerate(tier._hashes[slots[0] // tier.chunk_pages]):
+            in_tier[h] = np.asarray(on_host)[row]
         return real_commit(slots, on_host)
 
     def poll(read_kv):
@@ -164,8 +161,8 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
         finally:
             loading.clear()
 
-    def scatter(kv, pages, data, page_axis):
-        out = real_scatter(kv, pages, data, page_axis=page_axis)  # data: one array per page
+    def scatter(kv, pages, chunk, rows, page_axis):
+        out = real_scatter(kv, pages, chunk, rows, page_axis=page_axis)
         for page in pages.tolist():
             if page in loading:
                 named[page] = (loading[page], page_of(out, page))
@@ -179,8 +176,8 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     monkeypatch.setattr(offload, "flush", flush)
     monkeypatch.setattr(offload.tier, "commit", commit)
     monkeypatch.setattr(scheduler, "poll_host_tier", poll)
-    monkeypatch.setattr(host_offload, "gather_page_list", gather)
-    monkeypatch.setattr(host_offload, "scatter_page_list", scatter)
+    monkeypatch.setattr(host_offload, "gather_pages", gather)
+    monkeypatch.setattr(host_offload, "scatter_rows", scatter)
     assert conversations(llm, PARAMS) == recomputed
     assert checked["evicted"] > 50 and checked["restored"] > 20, checked
 
@@ -232,10 +229,13 @@ def test_loads_that_land_before_the_engine_polls_each_write_their_own_pages():
 
     kv = KVCache.allocate(num_layers=2, num_pages=8, page_size=4, kv_heads=2, head_dim=16, dtype=np.float32)
     offload = HostOffload(kv, 4 * KVCache.bytes_per_page(2, 4, 2, 16, np.float32) / (1 << 30))
-    hashes = [page_hash(None, [i]) for i in range(2)]
-    slots = offload.tier.reserve(hashes)
+    assert offload.chunk_pages == 1  # a tier of 4 pages
     pages = np.stack([np.full(offload.page_shape, i + 1.0, np.float32) for i in range(2)])
-    offload.tier.commit(slots, [jax.device_put(p, offload._on_host) for p in pages])
+    slots = []
+    for i in range(2):
+        [slot] = offload.tier.reserve([page_hash(None, [i])])
+        offload.tier.commit([slot], jax.device_put(pages[i : i + 1], offload._on_host))
+        slots.append(slot)
     for key, slot in enumerate(slots):
         offload.start_load(key, [3 + key], [slot])
     jax.block_until_ready([load.staged for load in offload._to_device.values()])
@@ -247,36 +247,44 @@ def test_loads_that_land_before_the_engine_polls_each_write_their_own_pages():
     assert offload.tier.num_pinned == 0 and not offload.busy
 
 
-def test_the_tier_keeps_its_size_and_evicts_least_recently_used():
-    tier = HostTier(page_bytes=24, capacity_pages=3)
-    hashes = [page_hash(None, [i]) for i in range(5)]
-    slots = tier.reserve(hashes[:3])
-    assert tier.match(hashes[:1]) == []  # in flight: not findable yet
-    tier.commit(slots, list(np.arange(18, dtype=np.float32).reshape(3, 2, 3)))
-    assert tier.match(hashes[:3]) == slots and tier.holds(hashes[2])
-    assert tier.match([hashes[0]]) == [slots[0]]  # hashes[0] is now the most recent; hashes[1] the least
-    [slot] = tier.reserve([hashes[3]])
-    assert slot == slots[1] and not tier.holds(hashes[1]) and tier.evictions == 1
-    tier.abandon([slot])  # a failed copy gives its slot back
-    assert not tier.holds(hashes[3]) and tier.num_used == 2
-    np.testing.assert_array_equal(tier.read([slots[2]])[0], np.arange(12, 18).reshape(2, 3))
-    assert tier.match([hashes[1], hashes[2]]) == []  # a run stops at its first miss
-    assert tier.num_held == 2  # the evicted page and the abandoned copy left nothing behind
+def test_the_tier_keeps_its_size_and_evicts_least_recently_used_chunks():
+    tier = HostTier(page_bytes=24, capacity_pages=6, chunk_pages=2)  # 3 chunks of 2 pages
+    h = [page_hash(None, [i]) for i in range(6)]
+    a = tier.reserve(h[0:2])
+    assert a is not None and tier.match(h[:1]) == []  # in flight: not findable yet
+    tier.commit(a, "A")
+    b, c = tier.reserve(h[2:4]), tier.reserve([h[4]])
+    assert b is not None and c is not None
+    tier.commit(b, "B")
+    tier.commit(c, "C")
+    assert tier.match(h[:4]) == a + b and tier.holds(h[4])  # A and B are now more recent than C
+    assert tier.match([h[0]]) == [a[0]]  # A the most recent, C the least
+    d = tier.reserve([h[5]])
+    assert d == c and not tier.holds(h[4]) and tier.evictions == 1  # C's chunk, page and bytes, went
+    tier.abandon(d)  # a failed copy gives its chunk back
+    assert not tier.holds(h[5]) and tier.num_used == 4 and tier.num_held == 2
+    assert tier.read([a[1]]) == [(a[1] // 2, "A", 1)]
+    assert tier.match([h[4], h[0]]) == []  # a run stops at its first miss
+    tier.commit(tier.reserve(h[4:6]), "E")  # the free chunk; then every chunk is full:
+    assert tier.reserve([h[0]]) is not None and not tier.holds(h[2])  # B, least recent, goes with both its pages
+    assert tier.evictions == 3 and tier.num_held == 2
 
 
-def test_a_slot_being_copied_back_is_not_evicted_until_the_copy_has_read_it():
+def test_a_chunk_being_copied_back_is_not_evicted_until_the_load_is_done():
     tier = HostTier(page_bytes=8, capacity_pages=2)
-    hashes = [page_hash(None, [i]) for i in range(4)]
-    slots = tier.reserve(hashes[:2])
-    tier.commit(slots, list(np.array([[1, 1], [2, 2]], np.float32)))
-    tier.pin([slots[0]])  # the least recently used, but a load reads it
-    [slot] = tier.reserve([hashes[2]])
-    assert slot == slots[1] and tier.holds(hashes[0]) and not tier.holds(hashes[1])
-    assert tier.reserve([hashes[3]]) == [None]  # every other slot in flight or pinned: the page is not kept
-    np.testing.assert_array_equal(tier.read([slots[0]]), [[1, 1]])
-    tier.unpin([slots[0]])
-    tier.abandon([slot])
-    assert tier.reserve([hashes[3]]) == [slot]  # (the free slot first; the unpinned one is evictable again)
+    h = [page_hash(None, [i]) for i in range(4)]
+    a, b = tier.reserve([h[0]]), tier.reserve([h[1]])
+    assert a is not None and b is not None
+    tier.commit(a, "A")
+    tier.commit(b, "B")
+    tier.pin(a)  # the least recently used, but a load reads it
+    c = tier.reserve([h[2]])
+    assert c == b and tier.holds(h[0]) and not tier.holds(h[1])
+    assert tier.reserve([h[3]]) is None  # every other chunk in flight or pinned: the page is not kept
+    assert tier.read(a) == [(0, "A", 0)]
+    tier.unpin(a)
+    tier.abandon(c)
+    assert tier.reserve([h[3]]) == c  # (the free chunk first; the unpinned one is evictable again)
 
 
 @pytest.mark.parametrize(

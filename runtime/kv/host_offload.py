@@ -1,24 +1,24 @@
 """HostOffload: copies K/V pages between the device cache and the host tier (host_tier.py), never waiting on one.
 
-The tier's pages live in the device's pinned host memory as JAX arrays (memory kind "pinned_host"), one per page, so
-both ways are DMA transfers the runtime runs asynchronously, at the link's speed (H100: 44-51 GB/s against 5-9 for
-a numpy device_put and 3.5-4.8 for gathering numpy slots, benchmarks/host_transfer.py), and no thread of ours
-touches the bytes.
+The tier's pages live in the device's pinned host memory as JAX arrays (memory kind "pinned_host"), one per copy of
+up to CHUNK_PAGES pages (the tier's chunks), so both ways are large DMA transfers the runtime runs asynchronously, at
+the link's speed (H100: 44-51 GB/s against 5-9 for a numpy device_put and 3.5-4.8 for gathering numpy slots,
+benchmarks/host_transfer.py; one array per page cost ~0.5 ms of host time a page), and no thread of ours touches
+the bytes.
 
 Device -> host: a page the pool evicts is only named then (PagePool.on_evict); its copy is queued (`flush`) when the
 engine next reads its cache to run anything on it, so the gather is ordered before any write into the page's next
-owner: one jitted gather splits the evicted pages into one array each, and `device_put` to pinned host memory starts
-their copies. The tier takes them at once (a load of a page still on its way waits for it on the device's stream).
+owner: one jitted gather takes up to a chunk of evicted pages, and `device_put` to pinned host memory starts its copy.
+The tier takes it at once (a load of a chunk still on its way waits for it on the device's stream).
 
 Host -> device: a prefix that misses on the device and hits in the tier gets fresh device pages and a load: the
-tier's slots are pinned (no eviction drops them meanwhile) and `device_put` starts their copies to the device. Its
-sequence waits while the batch steps on; the first poll after every copy of a load is ready (`is_ready`: the engine
-never blocks on one) writes the pages into the cache with one jitted scatter (a device-local copy, ordered before the
-next step) and admits the sequence with them computed. A load that fails or has not landed by LOAD_DEADLINE_S is
+tier's chunks are pinned (no eviction drops them meanwhile) and `device_put` starts a copy of each chunk the load
+reads to the device. Its sequence waits while the batch steps on; the first poll after every copy of a load is
+ready (`is_ready`: the engine never blocks on one) writes its pages into the cache, one jitted scatter of the rows it
+needs per chunk (a device-local copy, ordered before the next step), and admits the sequence with them computed. A load that fails or has not landed by LOAD_DEADLINE_S is
 dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
 
-Copies move at most MAX_PAGES_PER_COPY pages a dispatch, padded to a power of two (a handful of compiled shapes,
-all compiled at warm-up). Tensor parallelism: the pages keep the cache's split by KV head, on the host too, so each
+Every gather and scatter has the chunk's shape (one compiled shape each way, compiled at warm-up). Tensor parallelism: the pages keep the cache's split by KV head, on the host too, so each
 device copies its own heads' bytes. On a CPU device the host memory is the device's: the same code runs there.
 `timings` splits the engine thread's time by phase (the benchmark prints them)."""
 
@@ -46,7 +46,7 @@ from .host_tier import HostTier
 from .page_pool import PageHash
 
 log = logging.getLogger("capstan.kv")
-MAX_PAGES_PER_COPY = 64  # pages per gather or scatter dispatch (larger copies are split)
+CHUNK_PAGES = 16  # pages a copy to the host moves at most (8B: 32 MiB); a small tier's chunks are 1/16 of it
 LOAD_DEADLINE_S = 5.0  # a host-to-device copy not landed by then is dropped: its pages are recomputed
 HOST_MEMORY = "pinned_host"  # where the tier's pages live: the DMA engines read and write it directly
 GIB = 1 << 30
@@ -66,13 +66,6 @@ def gather_pages(kv: KVCache, pages: jax.Array, page_axis: int) -> jax.Array:
     return jnp.stack([jnp.moveaxis(jnp.take(a, pages, axis=page_axis), page_axis, 0) for a in _arrays(kv)], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("page_axis",))
-def gather_page_list(kv: KVCache, pages: jax.Array, page_axis: int) -> tuple[jax.Array, ...]:
-    """gather_pages, one array per page (each its own copy to the host and its own tier slot)."""
-    data = gather_pages(kv, pages, page_axis=page_axis)
-    return tuple(data[i] for i in range(len(pages)))
-
-
 def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: int) -> KVCache:
     """gather_pages' inverse; pages past the pool (padding) are dropped."""
     written = iter(
@@ -90,22 +83,20 @@ def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: in
 scatter_pages = jax.jit(_scatter_pages, donate_argnums=(0,), static_argnames=("page_axis",))
 
 
-def _scatter_page_list(kv: KVCache, pages: jax.Array, data: tuple[jax.Array, ...], page_axis: int) -> KVCache:
-    return _scatter_pages(kv, pages, jnp.stack(data), page_axis)
+def _scatter_rows(kv: KVCache, pages: jax.Array, chunk: jax.Array, rows: jax.Array, page_axis: int) -> KVCache:
+    """chunk's rows `rows` into the cache's pages `pages` (pages past the pool: dropped)."""
+    return _scatter_pages(kv, pages, chunk[rows], page_axis)
 
 
-scatter_page_list = jax.jit(_scatter_page_list, donate_argnums=(0,), static_argnames=("page_axis",))
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+scatter_rows = jax.jit(_scatter_rows, donate_argnums=(0,), static_argnames=("page_axis",))
 
 
 @dataclasses.dataclass
 class _ToDevice:
-    parts: list[np.ndarray]  # device pages of each part, padded with the pool's size (the scatter drops those)
+    # per chunk read: its device pages (padded with the pool's size: the scatter drops those), its rows for them
+    parts: list[tuple[np.ndarray, np.ndarray]]
     slots: list[int]  # pinned in the tier until the load ends
-    staged: list[jax.Array] | None  # the pages on their way to the device, one array each (None: failed to start)
+    staged: list[jax.Array] | None  # each chunk on its way to the device (None: failed to start)
     started: float
 
 
@@ -138,28 +129,30 @@ class HostOffload(Generic[LoadKey]):
                 f"kv_offloading_size: {size_gib} GiB holds no K/V page ({page_bytes} bytes each); "
                 f"give at least {page_bytes / GIB:.6f} GiB"
             )
-        self.tier = HostTier(page_bytes, capacity)
+        # a chunk is at most 1/16 of the tier: eviction, a chunk at a time, stays fine-grained in a small tier
+        self.chunk_pages = min(CHUNK_PAGES, max(1, capacity // 16))
+        self.tier = HostTier(page_bytes, capacity, self.chunk_pages)
         self._on_host, self._on_device = self._page_shardings(kv)
         self._evicted: list[tuple[int, PageHash]] = []  # named by the pool, not yet gathered
         self._to_device: dict[LoadKey, _ToDevice] = {}
         self.bytes_to_host = self.bytes_to_device = 0
         self.pages_to_host = self.pages_to_device = 0
-        self.failed_loads = 0
+        self.failed_loads = self.skipped_to_host = 0
         self.load_seconds = 0.0  # from each load's start until its pages were written
         self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds by phase
         self.load_phases: collections.deque = collections.deque(maxlen=4096)  # s from start until written
 
     def _page_shardings(self, kv: KVCache):
-        """One page's placement in host memory and on the device: the cache's split (by KV head) without its page
-        axis, arrays first."""
+        """A chunk's placement in host memory and on the device: the cache's split (by KV head) with the page axis
+        first, arrays second."""
         sharding = kv.k[0].sharding
         if not isinstance(sharding, NamedSharding):  # one device
             device = next(iter(sharding.device_set))
             return SingleDeviceSharding(device, memory_kind=HOST_MEMORY), SingleDeviceSharding(device)
         spec = [*sharding.spec, *[None] * (kv.k[0].ndim - len(sharding.spec))]
         del spec[self.page_axis]
-        on_host = NamedSharding(sharding.mesh, P(None, *spec), memory_kind=HOST_MEMORY)
-        return on_host, NamedSharding(sharding.mesh, P(None, *spec))
+        on_host = NamedSharding(sharding.mesh, P(None, None, *spec), memory_kind=HOST_MEMORY)
+        return on_host, NamedSharding(sharding.mesh, P(None, None, *spec))
 
     @property
     def busy(self) -> bool:
@@ -194,29 +187,25 @@ class HostOffload(Generic[LoadKey]):
         t = time.perf_counter()
         evicted, self._evicted = self._evicted, []
         evicted = [(p, h) for p, h in evicted if not self.tier.holds(h)]
-        for start in range(0, len(evicted), MAX_PAGES_PER_COPY):
-            part = evicted[start : start + MAX_PAGES_PER_COPY]
-            kept = [
-                (p, slot)
-                for (p, _), slot in zip(part, self.tier.reserve([h for _, h in part]), strict=True)
-                if slot is not None
-            ]
-            if not kept:
+        for start in range(0, len(evicted), self.chunk_pages):
+            part = evicted[start : start + self.chunk_pages]
+            slots = self.tier.reserve([h for _, h in part])
+            if slots is None:  # every chunk is pinned by a load: these pages are recomputed when asked for
+                self.skipped_to_host += len(part)
                 continue
-            pages = np.zeros(_bucket(len(kept)), np.int32)
-            pages[: len(kept)] = [p for p, _ in kept]
-            slots = [slot for _, slot in kept]
+            pages = np.zeros(self.chunk_pages, np.int32)  # rows past the part: page 0's bytes, never read
+            pages[: len(part)] = [p for p, _ in part]
             try:
                 with self._context():
-                    gathered = gather_page_list(kv, pages, page_axis=self.page_axis)[: len(kept)]
-                on_host = jax.device_put(list(gathered), self._on_host)
+                    gathered = gather_pages(kv, pages, page_axis=self.page_axis)
+                on_host = jax.device_put(gathered, self._on_host)
             except Exception:  # noqa: BLE001 - a failed copy only loses its pages from the tier
-                log.exception("a K/V copy to host memory failed; its %d pages are not kept", len(slots))
+                log.exception("a K/V copy to host memory failed; its %d pages are not kept", len(part))
                 self.tier.abandon(slots)
                 continue
-            self.tier.commit(slots, on_host)  # a load that reads one before it has landed waits for it on the device
-            self.pages_to_host += len(slots)
-            self.bytes_to_host += len(slots) * self.tier.page_bytes
+            self.tier.commit(slots, on_host)  # a load that reads it before it has landed waits for it on the device
+            self.pages_to_host += len(part)
+            self.bytes_to_host += len(part) * self.tier.page_bytes
         self.timings["step_thread_flush"] += time.perf_counter() - t
 
     # ---- host -> device ------------------------------------------------------------------------------------
@@ -227,15 +216,19 @@ class HostOffload(Generic[LoadKey]):
     def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> None:
         """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written."""
         t = time.perf_counter()
-        parts, slots = [], list(slots)
-        for start in range(0, len(pages), MAX_PAGES_PER_COPY):
-            n = min(MAX_PAGES_PER_COPY, len(pages) - start)
-            padded = np.full(_bucket(n), self.num_pages, np.int32)  # past the pool: the scatter drops them
-            padded[:n] = pages[start : start + n]
-            parts.append(padded)
+        slots = list(slots)
         self.tier.pin(slots)
+        chunks: dict[int, tuple[jax.Array, list[tuple[int, int]]]] = {}  # chunk -> its copy, (device page, row)s
+        for page, (chunk, data, row) in zip(pages, self.tier.read(slots), strict=True):
+            chunks.setdefault(chunk, (data, []))[1].append((page, row))
+        parts = []
+        for _, wanted in chunks.values():
+            dest = np.full(self.chunk_pages, self.num_pages, np.int32)  # past the pool: the scatter drops them
+            rows = np.zeros(self.chunk_pages, np.int32)
+            dest[: len(wanted)], rows[: len(wanted)] = zip(*wanted, strict=True)
+            parts.append((dest, rows))
         try:
-            staged = jax.device_put(self.tier.read(slots), self._on_device)
+            staged = jax.device_put([data for data, _ in chunks.values()], self._on_device)
         except Exception:  # noqa: BLE001 - the poll reports it failed: recompute instead
             log.exception("a K/V copy from host memory failed to start; its pages are recomputed")
             staged = None
@@ -268,12 +261,8 @@ class HostOffload(Generic[LoadKey]):
             kv = read_kv() if kv is None else kv
             assert load.staged is not None
             with self._context():
-                at = 0
-                for pages in load.parts:
-                    part = load.staged[at : at + len(pages)]
-                    at += len(part)
-                    part = part + [part[-1]] * (len(pages) - len(part))  # padding rows: dropped by the scatter
-                    kv = scatter_page_list(kv, pages, tuple(part), page_axis=self.page_axis)
+                for (dest, rows), chunk in zip(load.parts, load.staged, strict=True):
+                    kv = scatter_rows(kv, dest, chunk, rows, page_axis=self.page_axis)
             now = time.monotonic()
             self.pages_to_device += len(load.slots)
             self.bytes_to_device += len(load.slots) * self.tier.page_bytes
@@ -290,6 +279,7 @@ class HostOffload(Generic[LoadKey]):
             written = np.asarray(self.load_phases)
             out["load_written_p50_ms"] = round(float(np.percentile(written, 50)) * 1000, 2)
             out["load_written_p99_ms"] = round(float(np.percentile(written, 99)) * 1000, 2)
+        out["skipped_to_host_pages"] = self.skipped_to_host
         return out
 
     def warmup(self, kv: KVCache) -> KVCache:
@@ -300,13 +290,8 @@ class HostOffload(Generic[LoadKey]):
         return kv
 
     def _warmup(self, kv: KVCache) -> KVCache:
-        n = 1
-        while n <= MAX_PAGES_PER_COPY:
-            pages = np.full(n, self.num_pages, np.int32)
-            on_host = jax.device_put(
-                list(gather_page_list(kv, np.zeros(n, np.int32), page_axis=self.page_axis)), self._on_host
-            )
-            staged = jax.device_put(on_host, self._on_device)
-            kv = scatter_page_list(kv, pages, tuple(staged), page_axis=self.page_axis)
-            n *= 2
-        return kv
+        pages = np.zeros(self.chunk_pages, np.int32)
+        on_host = jax.device_put(gather_pages(kv, pages, page_axis=self.page_axis), self._on_host)
+        staged = jax.device_put(on_host, self._on_device)
+        past = np.full(self.chunk_pages, self.num_pages, np.int32)
+        return scatter_rows(kv, past, staged, pages, page_axis=self.page_axis)
