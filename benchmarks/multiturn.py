@@ -160,7 +160,8 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
 def tier_sample(tier, most: int = 1024) -> dict:
     """Copies of the tier's most recently used pages by hash (break-even's fillers evict them later)."""
     recent = list(tier._slot_of.items())[-most:]
-    return {h: np.asarray(page) for (h, _), page in zip(recent, tier.read([slot for _, slot in recent]), strict=True)}
+    chunks = tier.read([slot for _, slot in recent])  # (chunk, its copy, row) of each
+    return {h: np.asarray(data)[row] for (h, _), (_, data, row) in zip(recent, chunks, strict=True)}
 
 
 def compare_pages(sample: dict, reference: LLMEngine) -> dict:
