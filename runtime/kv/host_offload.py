@@ -60,12 +60,10 @@ def _page_axis(kv: KVCache) -> int:
     return 0 if layout_of(kv.v[0]) == PAGES_INTERLEAVED else 1
 
 
-def _gather_pages(kv: KVCache, pages: jax.Array, page_axis: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("page_axis",))
+def gather_pages(kv: KVCache, pages: jax.Array, page_axis: int) -> jax.Array:
     """[len(pages), arrays, ...]: each page's K/V of every layer, as stored (dtype and layout)."""
     return jnp.stack([jnp.moveaxis(jnp.take(a, pages, axis=page_axis), page_axis, 0) for a in _arrays(kv)], axis=1)
-
-
-gather_pages = jax.jit(_gather_pages, static_argnames=("page_axis",))
 
 
 def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: int) -> KVCache:
@@ -85,10 +83,10 @@ def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: in
 def _gather_to(on_host) -> Callable:
     """gather_pages compiled to leave its result in host memory: the copy out is part of the program, dispatched
     (asynchronously) as any step is, where a device_put of the result afterwards held the engine's thread."""
-    return jax.jit(_gather_pages, static_argnames=("page_axis",), out_shardings=on_host)
+    return jax.jit(gather_pages.__wrapped__, static_argnames=("page_axis",), out_shardings=on_host)
 
 
-def gather_to_host(kv: KVCache, pages: jax.Array | np.ndarray, page_axis: int, on_host) -> jax.Array:
+def gather_to_host(kv: KVCache, pages: jax.Array, page_axis: int, on_host) -> jax.Array:
     """gather_pages' result, placed by on_host (a host memory kind)."""
     return _gather_to(on_host)(kv, pages, page_axis=page_axis)
 
