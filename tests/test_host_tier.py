@@ -58,15 +58,14 @@ def recomputed():
 
 def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recomputed):
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: no copy compiles while serving
-    gather = host_offload._gather_to(llm.engine.scheduler.offload._on_host)
-    compiled = step_fn._cache_size(), gather._cache_size(), scatter_rows._cache_size()
+    compiled = step_fn._cache_size(), gather_pages._cache_size(), scatter_rows._cache_size()
     assert conversations(llm, PARAMS) == recomputed
     s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
     assert s.kv_offload_hit_tokens > 100 and s.kv_offload_bytes_to_device > 0 and s.kv_offload_bytes_to_host > 0
     assert s.kv_offload_hit_tokens <= s.kv_offload_queried_tokens
     assert s.kv_offload_failed_loads == 0
     assert s.preemptions > 0  # the batch outgrew the pool: preempted sequences came back through the tier too
-    assert (step_fn._cache_size(), gather._cache_size(), scatter_rows._cache_size()) == compiled
+    assert (step_fn._cache_size(), gather_pages._cache_size(), scatter_rows._cache_size()) == compiled
     # bounded: the tier's slots were all allocated up front, within the size asked for
     assert tier.page_bytes == PAGE_BYTES and s.kv_offload_pages_total == 64
     assert tier.capacity * tier.page_bytes <= TIER_GIB * (1 << 30) and tier.num_held <= tier.num_chunks
@@ -100,7 +99,6 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     engine = llm.engine
     offload, scheduler, pool = engine.scheduler.offload, engine.scheduler, engine.pool
     real_gather, real_scatter = host_offload.gather_pages, host_offload.scatter_rows
-    real_gather_to_host = host_offload.gather_to_host
     axis = offload.page_axis
     named: dict[int, tuple[bytes, object]] = {}  # page -> (its hash, its bytes when named: a device array)
     unread: dict[int, bytes] = {}  # named while a dispatch queued after it held the cache: read when it returns
@@ -138,8 +136,8 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
         evicted.update(offload._evicted)
         real_flush(kv)
 
-    def gather(kv, pages, page_axis, on_host):
-        out = real_gather_to_host(kv, pages, page_axis, on_host)
+    def gather(kv, pages, page_axis):
+        out = real_gather(kv, pages, page_axis=page_axis)
         for i, page in enumerate(pages.tolist()):
             if evicted.get(page) is not None and named.get(page, (None,))[0] == evicted[page]:
                 np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(named[page][1])[0])
@@ -178,7 +176,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     monkeypatch.setattr(offload, "flush", flush)
     monkeypatch.setattr(offload.tier, "commit", commit)
     monkeypatch.setattr(scheduler, "poll_host_tier", poll)
-    monkeypatch.setattr(host_offload, "gather_to_host", gather)
+    monkeypatch.setattr(host_offload, "gather_pages", gather)
     monkeypatch.setattr(host_offload, "scatter_rows", scatter)
     assert conversations(llm, PARAMS) == recomputed
     assert checked["evicted"] > 50 and checked["restored"] > 20, checked

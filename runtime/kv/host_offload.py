@@ -8,8 +8,8 @@ the bytes.
 
 Device -> host: a page the pool evicts is only named then (PagePool.on_evict); its copy is queued (`flush`) when the
 engine next reads its cache to run anything on it, so the gather is ordered before any write into the page's next
-owner: one jitted gather takes up to a chunk of evicted pages and leaves them in pinned host memory (its output's
-memory kind: the copy is part of the dispatched program). The tier takes it at once (a load of a chunk still on its way waits for it on the device's stream).
+owner: one jitted gather takes up to a chunk of evicted pages, and `device_put` to pinned host memory starts its copy.
+The tier takes it at once (a load of a chunk still on its way waits for it on the device's stream).
 
 Host -> device: a prefix that misses on the device and hits in the tier gets fresh device pages and a load: the
 tier's chunks are pinned (no eviction drops them meanwhile) and `device_put` starts a copy of each chunk the load
@@ -77,18 +77,6 @@ def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: in
     k = tuple(next(written) for _ in kv.k)
     v = tuple(next(written) if a.size else a for a in kv.v)
     return KVCache(k, v, kv.page_size)
-
-
-@functools.cache
-def _gather_to(on_host) -> Callable:
-    """gather_pages compiled to leave its result in host memory: the copy out is part of the program, dispatched
-    (asynchronously) as any step is, where a device_put of the result afterwards held the engine's thread."""
-    return jax.jit(gather_pages.__wrapped__, static_argnames=("page_axis",), out_shardings=on_host)
-
-
-def gather_to_host(kv: KVCache, pages: jax.Array, page_axis: int, on_host) -> jax.Array:
-    """gather_pages' result, placed by on_host (a host memory kind)."""
-    return _gather_to(on_host)(kv, pages, page_axis=page_axis)
 
 
 # The cache is donated: the scatter updates the pages in place, as every step does.
@@ -209,7 +197,8 @@ class HostOffload(Generic[LoadKey]):
             pages[: len(part)] = [p for p, _ in part]
             try:
                 with self._context():
-                    on_host = gather_to_host(kv, pages, self.page_axis, self._on_host)
+                    gathered = gather_pages(kv, pages, page_axis=self.page_axis)
+                on_host = jax.device_put(gathered, self._on_host)
             except Exception:  # noqa: BLE001 - a failed copy only loses its pages from the tier
                 log.exception("a K/V copy to host memory failed; its %d pages are not kept", len(part))
                 self.tier.abandon(slots)
@@ -302,7 +291,7 @@ class HostOffload(Generic[LoadKey]):
 
     def _warmup(self, kv: KVCache) -> KVCache:
         pages = np.zeros(self.chunk_pages, np.int32)
-        on_host = gather_to_host(kv, pages, self.page_axis, self._on_host)
+        on_host = jax.device_put(gather_pages(kv, pages, page_axis=self.page_axis), self._on_host)
         staged = jax.device_put(on_host, self._on_device)
         past = np.full(self.chunk_pages, self.num_pages, np.int32)
         return scatter_rows(kv, past, staged, pages, page_axis=self.page_axis)
