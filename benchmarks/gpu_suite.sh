@@ -96,11 +96,11 @@ for part in $parts; do
         --single-stream-tokens 256 --json "$OUT/lora-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
     # one stream by each way models/lora.py has for a decode step: each token's own slot gathered and contracted as
     # products summed (XLA fuses them) or by einsum's matmuls, and every slot's rank space (the large steps' way)
-    loragather) for way in products:16:32 products:16:0 einsum:16:0 products:0:0; do
-        IFS=: read -r gway gmax unroll <<< "$way"; echo "== CAPSTAN_LORA_GATHER_WAY:MAX_TOKENS:UNROLLED_MAX=$way"
-        CAPSTAN_LORA_GATHER_WAY=$gway CAPSTAN_LORA_GATHER_MAX_TOKENS=$gmax CAPSTAN_LORA_UNROLLED_MAX=$unroll \
+    loragather) for way in products:16 einsum:16 products:0; do
+        IFS=: read -r gway gmax <<< "$way"; echo "== CAPSTAN_LORA_GATHER_WAY:MAX_TOKENS=$way"
+        CAPSTAN_LORA_GATHER_WAY=$gway CAPSTAN_LORA_GATHER_MAX_TOKENS=$gmax \
         python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 --single-stream-tokens 256 \
-        --json "$OUT/lora-gather-$gway$gmax-$unroll-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning; done ;;
+        --json "$OUT/lora-gather-$gway$gmax-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning; done ;;
     # issue 32: Capstan's LoRA engine against transformers' float32 logits of the merged checkpoints (and peft's own,
     # where installed), teacher-forced on Capstan's greedy tokens, for every golden checkpoint
     lorapeft) python3 benchmarks/lora_transformers_parity.py 2>&1 | grep --line-buffered -v Warning ;;

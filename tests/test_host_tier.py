@@ -287,6 +287,20 @@ def test_a_chunk_being_copied_back_is_not_evicted_until_the_load_is_done():
     assert tier.reserve([h[3]]) == c  # (the free chunk first; the unpinned one is evictable again)
 
 
+def test_evicting_a_chunk_keeps_a_page_a_later_copy_holds():
+    tier = HostTier(page_bytes=8, capacity_pages=2)
+    h = [page_hash(None, [i]) for i in range(3)]
+    a = tier.reserve([h[0]])
+    assert a is not None
+    tier.commit(a, "A")
+    b = tier.reserve([h[0]])  # the same page copied again (a caller that did not ask `holds`)
+    assert b is not None
+    tier.commit(b, "B")
+    assert tier.match([h[0]]) == b
+    tier.reserve([h[1]])  # evicts A, the least recently used chunk
+    assert tier.match([h[0]]) == b and tier.read(b) == [(b[0], "B", 0)]
+
+
 @pytest.mark.parametrize(
     "size, message",
     [

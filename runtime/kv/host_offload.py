@@ -185,8 +185,12 @@ class HostOffload(Generic[LoadKey]):
         if not self._evicted:
             return
         t = time.perf_counter()
-        evicted, self._evicted = self._evicted, []
-        evicted = [(p, h) for p, h in evicted if not self.tier.holds(h)]
+        named_pages, self._evicted = self._evicted, []
+        evicted, named = [], set()  # a hash named twice since the last flush is copied once (its first page)
+        for p, h in named_pages:
+            if h not in named and not self.tier.holds(h):
+                named.add(h)
+                evicted.append((p, h))
         for start in range(0, len(evicted), self.chunk_pages):
             part = evicted[start : start + self.chunk_pages]
             slots = self.tier.reserve([h for _, h in part])

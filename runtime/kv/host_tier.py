@@ -78,8 +78,9 @@ class HostTier:
         for chunk in self._lru:
             if not self._pins[chunk]:
                 del self._lru[chunk]
-                for h in self._hashes[chunk]:
-                    del self._slot_of[h]
+                for row, h in enumerate(self._hashes[chunk]):
+                    if self._slot_of.get(h) == chunk * self.chunk_pages + row:  # (a later copy may hold it now)
+                        del self._slot_of[h]
                 self.evictions += len(self._hashes[chunk])
                 self._release(chunk)
                 return

@@ -12,7 +12,6 @@ slots * R columns per projection (8 x 16 = 128: a few per cent of a 1B model's m
 
 from __future__ import annotations
 
-import functools
 import os
 
 import equinox as eqx
@@ -134,14 +133,13 @@ write_slot_fn = jax.jit(_write_slot)
 
 
 # Steps of at most this many tokens gather each token's own slot's A and B instead of computing every slot's rank
-# space (CAPSTAN_LORA_GATHER_MAX_TOKENS; 0: never; 16 by default: one stream 1.21x the base against 1.40x, H100). Both are exact; the gathered weights grow with the tokens, so
-# large steps always take the dense way.
+# space (CAPSTAN_LORA_GATHER_MAX_TOKENS; 0: never; 16 by default: one stream 1.20x the base's time a token against
+# 1.40x, H100). Both are exact; the gathered weights grow with the tokens, so large steps always take the dense way.
 GATHER_MAX_TOKENS = int(os.environ.get("CAPSTAN_LORA_GATHER_MAX_TOKENS", "16"))
 # How gathered steps contract (CAPSTAN_LORA_GATHER_WAY): "products" as broadcast products summed in float32, which XLA
 # fuses with the gather (and the expand with the add into y) instead of launching matmul kernels: a one-stream decode
 # step is bound by kernel launches, not by these few bytes; "einsum": XLA's matmuls on the gathered weights.
 GATHER_WAY = os.environ.get("CAPSTAN_LORA_GATHER_WAY", "products")
-UNROLLED_MAX = int(os.environ.get("CAPSTAN_LORA_UNROLLED_MAX", "32"))  # products: sums this short unrolled
 
 
 def _gathered(spec: str, operand: int) -> str:
@@ -163,21 +161,9 @@ def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
         x = jnp.transpose(x.astype(jnp.float32), [sub.index(c) for c in present])
         return x.reshape([x.shape[present.index(c)] if c in sub else 1 for c in letters])
 
-    p, q = spread(p, sp), spread(q, sq)
-    contracted = [i for i, c in enumerate(letters) if c not in out]
-    if len(contracted) == 1 and max(p.shape[contracted[0]], q.shape[contracted[0]]) <= UNROLLED_MAX:
-        # a rank-sized sum (the expand) as that many multiply-adds: elementwise, so XLA can fuse it into the add
-        # into y and beyond, where a reduction would be a kernel of its own
-        i = contracted[0]
-        terms = (
-            jax.lax.index_in_dim(p, j if p.shape[i] > 1 else 0, i, keepdims=False)
-            * jax.lax.index_in_dim(q, j if q.shape[i] > 1 else 0, i, keepdims=False)
-            for j in range(max(p.shape[i], q.shape[i]))
-        )
-        summed = functools.reduce(jnp.add, terms)
-    else:
-        summed = (p * q).sum(axis=tuple(contracted))
-    kept = [c for c in letters if c in out]  # the contracted letter left the axes either way
+    summed = spread(p, sp) * spread(q, sq)
+    summed = summed.sum(axis=tuple(i for i, c in enumerate(letters) if c not in out))
+    kept = [c for c in letters if c in out]
     return jnp.transpose(summed, [kept.index(c) for c in out])
 
 
