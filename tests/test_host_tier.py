@@ -78,6 +78,17 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
+def test_loads_staged_on_the_device_first_give_the_same_tokens(recomputed, monkeypatch):
+    """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready,
+    instead of one scatter that reads the chunk from host memory itself."""
+    monkeypatch.setattr(host_offload, "LOAD_WAY", "staged")
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
+    assert conversations(llm, PARAMS) == recomputed
+    s = llm.engine.stats()
+    assert s.kv_offload_hit_tokens > 100 and s.kv_offload_failed_loads == 0
+    llm.engine.pool.check_all_free()
+
+
 def test_fp8_pages_go_to_host_memory_and_back_as_stored():
     """--kv-cache-dtype fp8: the tier copies the pages' e4m3 bytes (a quarter of float32's), and returning turns
     give the tokens that recomputing their FP8 pages gives."""
@@ -161,14 +172,17 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
         finally:
             loading.clear()
 
-    def scatter(kv, pages, chunk, rows, page_axis):
-        out = real_scatter(kv, pages, chunk, rows, page_axis=page_axis)
-        for page in pages.tolist():
-            if page in loading:
-                named[page] = (loading[page], page_of(out, page))
-                np.testing.assert_array_equal(np.asarray(named[page][1])[0], in_tier[loading[page]])
-                checked["restored"] += 1
-        return out
+    def scatter_by(real_scatter):  # either load way's scatter (LOAD_WAY)
+        def scatter(kv, pages, chunk, rows, page_axis):
+            out = real_scatter(kv, pages, chunk, rows, page_axis=page_axis)
+            for page in pages.tolist():
+                if page in loading:
+                    named[page] = (loading[page], page_of(out, page))
+                    np.testing.assert_array_equal(np.asarray(named[page][1])[0], in_tier[loading[page]])
+                    checked["restored"] += 1
+            return out
+
+        return scatter
 
     real_flush, real_commit, real_poll = offload.flush, offload.tier.commit, scheduler.poll_host_tier
     monkeypatch.setattr(pool, "register", register)
@@ -177,7 +191,8 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     monkeypatch.setattr(offload.tier, "commit", commit)
     monkeypatch.setattr(scheduler, "poll_host_tier", poll)
     monkeypatch.setattr(host_offload, "gather_pages", gather)
-    monkeypatch.setattr(host_offload, "scatter_rows", scatter)
+    monkeypatch.setattr(host_offload, "scatter_rows", scatter_by(real_scatter))
+    monkeypatch.setattr(host_offload, "scatter_rows_from_host", scatter_by(host_offload.scatter_rows_from_host))
     assert conversations(llm, PARAMS) == recomputed
     assert checked["evicted"] > 50 and checked["restored"] > 20, checked
 

@@ -8,27 +8,35 @@ the bytes.
 
 Device -> host: a page the pool evicts is only named then (PagePool.on_evict); its copy is queued (`flush`) when the
 engine next reads its cache to run anything on it, so the gather is ordered before any write into the page's next
-owner: one jitted gather takes up to a chunk of evicted pages, and `device_put` to pinned host memory starts its copy.
-The tier takes it at once (a load of a chunk still on its way waits for it on the device's stream).
+owner: one jitted gather takes up to a chunk of evicted pages, and `device_put` to pinned host memory, on a thread of
+its own (it waits on the host for the gather, which waits for the steps queued before it), copies them out. The
+chunk stays reserved (no lookup finds it) until the engine commits the finished copy on its next poll or lookup.
 
 Host -> device: a prefix that misses on the device and hits in the tier gets fresh device pages and a load: the
-tier's chunks are pinned (no eviction drops them meanwhile) and `device_put` starts a copy of each chunk the load
-reads to the device. Its sequence waits while the batch steps on; the first poll after every copy of a load is
-ready (`is_ready`: the engine never blocks on one) writes its pages into the cache, one jitted scatter of the rows it
-needs per chunk (a device-local copy, ordered before the next step), and admits the sequence with them computed. A load that fails or has not landed by LOAD_DEADLINE_S is
-dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
+tier's chunks are pinned (no eviction drops them meanwhile) and its sequence waits while the batch steps on. The next
+poll writes its pages into the cache with one jitted scatter per chunk that reads the chunk from host memory itself
+(LOAD_WAY "direct": the copy is part of a program ordered before the next step, with nothing to wait for first), and
+admits the sequence with them computed. (LOAD_WAY "staged": `device_put` starts a copy of each chunk, and the first
+poll after all are `is_ready` scatters them on the device.) A load that fails or has not been written by
+LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
 
-Every gather and scatter has the chunk's shape (one compiled shape each way, compiled at warm-up). Tensor parallelism: the pages keep the cache's split by KV head, on the host too, so each
-device copies its own heads' bytes. On a CPU device the host memory is the device's: the same code runs there.
+Pinned host memory: the runtime pins it as its pool grows (cudaHostAlloc, seconds for a few GiB, stalling the steps:
+H100, returning turns' p99 1.9-3.6 s), so warm-up takes the tier's whole size once and gives it back to the pool.
+
+Every gather and scatter has the chunk's shape (one compiled shape each way, compiled at warm-up). Tensor
+parallelism: the pages keep the cache's split by KV head, on the host too, so each device copies its own heads'
+bytes. On a CPU device the host memory is the device's: the same code runs there.
 `timings` splits the engine thread's time by phase (the benchmark prints them)."""
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
@@ -50,6 +58,14 @@ CHUNK_PAGES = 16  # pages a copy to the host moves at most (8B: 32 MiB); a small
 LOAD_DEADLINE_S = 5.0  # a host-to-device copy not landed by then is dropped: its pages are recomputed
 HOST_MEMORY = "pinned_host"  # where the tier's pages live: the DMA engines read and write it directly
 GIB = 1 << 30
+# The copy to pinned host memory is started on a thread of its own (CAPSTAN_KV_OFFLOAD_PUT_THREAD=1, the default):
+# device_put waits on the host for the gathered pages, so on the engine's thread it held every step behind the copy.
+PUT_THREAD = os.environ.get("CAPSTAN_KV_OFFLOAD_PUT_THREAD", "1") == "1"
+# How a load reaches the device (CAPSTAN_KV_OFFLOAD_LOAD_WAY): "direct": the scatter that writes its pages reads the
+# chunk from host memory itself, dispatched on the next poll; "staged": device_put first, the scatter once is_ready.
+LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "direct")
+# Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
+PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
 
 
 def _arrays(kv: KVCache) -> list[jax.Array]:
@@ -89,6 +105,16 @@ def _scatter_rows(kv: KVCache, pages: jax.Array, chunk: jax.Array, rows: jax.Arr
 
 
 scatter_rows = jax.jit(_scatter_rows, donate_argnums=(0,), static_argnames=("page_axis",))
+
+
+def _scatter_rows_from_host(
+    kv: KVCache, pages: jax.Array, chunk: jax.Array, rows: jax.Array, page_axis: int
+) -> KVCache:
+    """_scatter_rows of a chunk in host memory: the program copies it to the device itself, ordered with the steps."""
+    return _scatter_rows(kv, pages, jax.device_put(chunk, jax.memory.Space.Device), rows, page_axis)
+
+
+scatter_rows_from_host = jax.jit(_scatter_rows_from_host, donate_argnums=(0,), static_argnames=("page_axis",))
 
 
 @dataclasses.dataclass
@@ -134,6 +160,11 @@ class HostOffload(Generic[LoadKey]):
         self.tier = HostTier(page_bytes, capacity, self.chunk_pages)
         self._on_host, self._on_device = self._page_shardings(kv)
         self._evicted: list[tuple[int, PageHash]] = []  # named by the pool, not yet gathered
+        # copies to the host on their way: (the chunk's slots, its pages, the copy); committed in order once done
+        self._puts: collections.deque[tuple[list[int], int, concurrent.futures.Future]] = collections.deque()
+        self._put_thread = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-to-host") if PUT_THREAD else None
+        )
         self._to_device: dict[LoadKey, _ToDevice] = {}
         self.bytes_to_host = self.bytes_to_device = 0
         self.pages_to_host = self.pages_to_device = 0
@@ -156,12 +187,15 @@ class HostOffload(Generic[LoadKey]):
 
     @property
     def busy(self) -> bool:
-        """Loads wait to be written (the engine polls while this is true); evicted pages not gathered yet are not
-        counted: the next read of the cache, which comes before any write, queues them."""
-        return bool(self._to_device)
+        """Loads wait to be written or copies to the host to be committed (the engine polls while this is true);
+        evicted pages not gathered yet are not counted: the next read of the cache, which comes before any write,
+        queues them."""
+        return bool(self._to_device or self._puts)
 
     @staticmethod
     def _ready(load: _ToDevice) -> bool:
+        if LOAD_WAY == "direct":  # the scatter reads host memory: nothing to wait for first
+            return load.staged is not None
         return load.staged is not None and all(a.is_ready() for a in load.staged)  # type: ignore[attr-defined]
 
     @property
@@ -199,22 +233,46 @@ class HostOffload(Generic[LoadKey]):
                 continue
             pages = np.zeros(self.chunk_pages, np.int32)  # rows past the part: page 0's bytes, never read
             pages[: len(part)] = [p for p, _ in part]
+            g = time.perf_counter()
             try:
                 with self._context():
                     gathered = gather_pages(kv, pages, page_axis=self.page_axis)
-                on_host = jax.device_put(gathered, self._on_host)
+                self.timings["step_thread_flush_gather"] += time.perf_counter() - g
             except Exception:  # noqa: BLE001 - a failed copy only loses its pages from the tier
                 log.exception("a K/V copy to host memory failed; its %d pages are not kept", len(part))
                 self.tier.abandon(slots)
                 continue
-            self.tier.commit(slots, on_host)  # a load that reads it before it has landed waits for it on the device
-            self.pages_to_host += len(part)
-            self.bytes_to_host += len(part) * self.tier.page_bytes
+            put = functools.partial(jax.device_put, gathered, self._on_host)
+            if self._put_thread is not None:
+                self._puts.append((slots, len(part), self._put_thread.submit(put)))
+            else:
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                try:
+                    done.set_result(put())
+                except Exception as e:  # noqa: BLE001 - committed as failed below
+                    done.set_exception(e)
+                self._puts.append((slots, len(part), done))
         self.timings["step_thread_flush"] += time.perf_counter() - t
+        self._commit_puts()
+
+    def _commit_puts(self) -> None:
+        """Commits the copies to the host that are done, in the order they started (the tier finds them then)."""
+        while self._puts and self._puts[0][2].done():
+            slots, count, put = self._puts.popleft()
+            try:
+                on_host = put.result()
+            except Exception:  # noqa: BLE001 - a failed copy only loses its pages from the tier
+                log.exception("a K/V copy to host memory failed; its %d pages are not kept", count)
+                self.tier.abandon(slots)
+                continue
+            self.tier.commit(slots, on_host)  # a load that reads it before it has landed waits for it on the device
+            self.pages_to_host += count
+            self.bytes_to_host += count * self.tier.page_bytes
 
     # ---- host -> device ------------------------------------------------------------------------------------
     def match(self, hashes: Sequence[PageHash]) -> list[int]:
         """The tier's slots of the longest run of hashes it holds (marked most recently used)."""
+        self._commit_puts()
         return self.tier.match(hashes)
 
     def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> None:
@@ -232,7 +290,8 @@ class HostOffload(Generic[LoadKey]):
             dest[: len(wanted)], rows[: len(wanted)] = zip(*wanted, strict=True)
             parts.append((dest, rows))
         try:
-            staged = jax.device_put([data for data, _ in chunks.values()], self._on_device)
+            chunk_copies = [data for data, _ in chunks.values()]
+            staged = chunk_copies if LOAD_WAY == "direct" else jax.device_put(chunk_copies, self._on_device)
         except Exception:  # noqa: BLE001 - the poll reports it failed: recompute instead
             log.exception("a K/V copy from host memory failed to start; its pages are recomputed")
             staged = None
@@ -250,6 +309,7 @@ class HostOffload(Generic[LoadKey]):
         the cache was not read, so a queued decode dispatch was not waited for), and (key, loaded) for each load that
         ended (False: failed or late, so its pages are to be recomputed)."""
         t = time.perf_counter()
+        self._commit_puts()
         kv: KVCache | None = None
         ended: list[tuple[LoadKey, bool]] = []
         for key, load in list(self._to_device.items()):
@@ -262,11 +322,14 @@ class HostOffload(Generic[LoadKey]):
                 self.failed_loads += 1
                 ended.append((key, False))
                 continue
+            r = time.perf_counter()
             kv = read_kv() if kv is None else kv
+            self.timings["step_thread_poll_read_kv"] += time.perf_counter() - r
             assert load.staged is not None
             with self._context():
+                scatter = scatter_rows_from_host if LOAD_WAY == "direct" else scatter_rows
                 for (dest, rows), chunk in zip(load.parts, load.staged, strict=True):
-                    kv = scatter_rows(kv, dest, chunk, rows, page_axis=self.page_axis)
+                    kv = scatter(kv, dest, chunk, rows, page_axis=self.page_axis)
             now = time.monotonic()
             self.pages_to_device += len(load.slots)
             self.bytes_to_device += len(load.slots) * self.tier.page_bytes
@@ -286,6 +349,16 @@ class HostOffload(Generic[LoadKey]):
         out["skipped_to_host_pages"] = self.skipped_to_host
         return out
 
+    def _grow_pinned_pool(self, chunk: jax.Array) -> None:
+        """Takes the tier's bytes of pinned host memory from the runtime once, then gives them back to its pool:
+        the runtime pins host memory as its pool grows (cudaHostAlloc, seconds a few GiB, stalling the device's
+        work), so a tier filling while serving would stall the steps each time the pool grew."""
+        t = time.perf_counter()
+        held = [jax.device_put(chunk, self._on_host) for _ in range(self.tier.num_chunks)]
+        jax.block_until_ready(held)
+        del held  # (the pool keeps the memory pinned for the tier's copies)
+        self.timings["warmup_pinned_pool"] = time.perf_counter() - t
+
     def warmup(self, kv: KVCache) -> KVCache:
         """Compiles every copy shape (a scatter of pages past the pool writes nothing)."""
         with self._context():
@@ -295,7 +368,12 @@ class HostOffload(Generic[LoadKey]):
 
     def _warmup(self, kv: KVCache) -> KVCache:
         pages = np.zeros(self.chunk_pages, np.int32)
-        on_host = jax.device_put(gather_pages(kv, pages, page_axis=self.page_axis), self._on_host)
-        staged = jax.device_put(on_host, self._on_device)
+        gathered = gather_pages(kv, pages, page_axis=self.page_axis)
+        on_host = jax.device_put(gathered, self._on_host)
+        if PREALLOCATE and jax.default_backend() != "cpu":
+            self._grow_pinned_pool(gathered)
         past = np.full(self.chunk_pages, self.num_pages, np.int32)
+        if LOAD_WAY == "direct":
+            return scatter_rows_from_host(kv, past, on_host, pages, page_axis=self.page_axis)
+        staged = jax.device_put(on_host, self._on_device)
         return scatter_rows(kv, past, staged, pages, page_axis=self.page_axis)
