@@ -334,3 +334,22 @@ def test_a_tier_too_small_for_one_page_is_refused():
         LLM(MODEL, kv_offloading_size=1e-9, warmup=False, **SMALL_POOL)
     with pytest.raises(ValueError, match="needs prefix caching"):
         LLM(MODEL, kv_offloading_size=TIER_GIB, enable_prefix_caching=False, warmup=False, **SMALL_POOL)
+
+
+def test_the_pinned_pool_is_taken_at_warm_up_and_a_refusal_names_the_flag(monkeypatch):
+    """Warm-up takes the tier's pinned memory once (on GPUs; called directly here); a runtime that refuses it fails
+    the start with the flag named, not a stack trace mid-serving."""
+    import jax
+
+    kv = KVCache.allocate(num_layers=2, num_pages=8, page_size=4, kv_heads=2, head_dim=16, dtype=np.float32)
+    offload = HostOffload(kv, 4 * KVCache.bytes_per_page(2, 4, 2, 16, np.float32) / (1 << 30))
+    chunk = gather_pages(kv, np.zeros(offload.chunk_pages, np.int32), page_axis=offload.page_axis)
+    offload._grow_pinned_pool(chunk)
+    assert offload.timings["warmup_pinned_pool"] > 0
+
+    def refuse(*_a, **_k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of pinned host memory")
+
+    monkeypatch.setattr(jax, "device_put", refuse)
+    with pytest.raises(ValueError, match=r"kv_offloading_size: 0\.0 GiB of pinned host memory could not be allocated"):
+        offload._grow_pinned_pool(chunk)

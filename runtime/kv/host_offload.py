@@ -354,8 +354,15 @@ class HostOffload(Generic[LoadKey]):
         the runtime pins host memory as its pool grows (cudaHostAlloc, seconds a few GiB, stalling the device's
         work), so a tier filling while serving would stall the steps each time the pool grew."""
         t = time.perf_counter()
-        held = [jax.device_put(chunk, self._on_host) for _ in range(self.tier.num_chunks)]
-        jax.block_until_ready(held)
+        try:
+            held = [jax.device_put(chunk, self._on_host) for _ in range(self.tier.num_chunks)]
+            jax.block_until_ready(held)
+        except Exception as e:  # (XlaRuntimeError: the runtime's pinned pool has a limit, and so has the host)
+            size = self.tier.capacity * self.tier.page_bytes / GIB
+            raise ValueError(
+                f"kv_offloading_size: {size:.1f} GiB of pinned host memory could not be allocated ({e}); "
+                "give a smaller size"
+            ) from e
         del held  # (the pool keeps the memory pinned for the tier's copies)
         self.timings["warmup_pinned_pool"] = time.perf_counter() - t
 
