@@ -58,9 +58,6 @@ CHUNK_PAGES = 16  # pages a copy to the host moves at most (8B: 32 MiB); a small
 LOAD_DEADLINE_S = 5.0  # a host-to-device copy not landed by then is dropped: its pages are recomputed
 HOST_MEMORY = "pinned_host"  # where the tier's pages live: the DMA engines read and write it directly
 GIB = 1 << 30
-# The copy to pinned host memory is started on a thread of its own (CAPSTAN_KV_OFFLOAD_PUT_THREAD=1, the default):
-# device_put waits on the host for the gathered pages, so on the engine's thread it held every step behind the copy.
-PUT_THREAD = os.environ.get("CAPSTAN_KV_OFFLOAD_PUT_THREAD", "1") == "1"
 # How a load reaches the device (CAPSTAN_KV_OFFLOAD_LOAD_WAY): "direct": the scatter that writes its pages reads the
 # chunk from host memory itself, dispatched on the next poll; "staged": device_put first, the scatter once is_ready.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "direct")
@@ -162,9 +159,9 @@ class HostOffload(Generic[LoadKey]):
         self._evicted: list[tuple[int, PageHash]] = []  # named by the pool, not yet gathered
         # copies to the host on their way: (the chunk's slots, its pages, the copy); committed in order once done
         self._puts: collections.deque[tuple[list[int], int, concurrent.futures.Future]] = collections.deque()
-        self._put_thread = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-to-host") if PUT_THREAD else None
-        )
+        # device_put to pinned host memory waits on the host for the gather: off the engine's thread
+        self._put_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-to-host")
+        self._direct = LOAD_WAY == "direct"  # (read once: one tier's loads all go one way)
         self._to_device: dict[LoadKey, _ToDevice] = {}
         self.bytes_to_host = self.bytes_to_device = 0
         self.pages_to_host = self.pages_to_device = 0
@@ -192,9 +189,8 @@ class HostOffload(Generic[LoadKey]):
         queues them."""
         return bool(self._to_device or self._puts)
 
-    @staticmethod
-    def _ready(load: _ToDevice) -> bool:
-        if LOAD_WAY == "direct":  # the scatter reads host memory: nothing to wait for first
+    def _ready(self, load: _ToDevice) -> bool:
+        if self._direct:  # the scatter reads host memory: nothing to wait for first
             return load.staged is not None
         return load.staged is not None and all(a.is_ready() for a in load.staged)  # type: ignore[attr-defined]
 
@@ -242,16 +238,7 @@ class HostOffload(Generic[LoadKey]):
                 log.exception("a K/V copy to host memory failed; its %d pages are not kept", len(part))
                 self.tier.abandon(slots)
                 continue
-            put = functools.partial(jax.device_put, gathered, self._on_host)
-            if self._put_thread is not None:
-                self._puts.append((slots, len(part), self._put_thread.submit(put)))
-            else:
-                done: concurrent.futures.Future = concurrent.futures.Future()
-                try:
-                    done.set_result(put())
-                except Exception as e:  # noqa: BLE001 - committed as failed below
-                    done.set_exception(e)
-                self._puts.append((slots, len(part), done))
+            self._puts.append((slots, len(part), self._put_thread.submit(jax.device_put, gathered, self._on_host)))
         self.timings["step_thread_flush"] += time.perf_counter() - t
         self._commit_puts()
 
@@ -291,7 +278,7 @@ class HostOffload(Generic[LoadKey]):
             parts.append((dest, rows))
         try:
             chunk_copies = [data for data, _ in chunks.values()]
-            staged = chunk_copies if LOAD_WAY == "direct" else jax.device_put(chunk_copies, self._on_device)
+            staged = chunk_copies if self._direct else jax.device_put(chunk_copies, self._on_device)
         except Exception:  # noqa: BLE001 - the poll reports it failed: recompute instead
             log.exception("a K/V copy from host memory failed to start; its pages are recomputed")
             staged = None
@@ -327,7 +314,7 @@ class HostOffload(Generic[LoadKey]):
             self.timings["step_thread_poll_read_kv"] += time.perf_counter() - r
             assert load.staged is not None
             with self._context():
-                scatter = scatter_rows_from_host if LOAD_WAY == "direct" else scatter_rows
+                scatter = scatter_rows_from_host if self._direct else scatter_rows
                 for (dest, rows), chunk in zip(load.parts, load.staged, strict=True):
                     kv = scatter(kv, dest, chunk, rows, page_axis=self.page_axis)
             now = time.monotonic()
@@ -380,7 +367,7 @@ class HostOffload(Generic[LoadKey]):
         if PREALLOCATE and jax.default_backend() != "cpu":
             self._grow_pinned_pool(gathered)
         past = np.full(self.chunk_pages, self.num_pages, np.int32)
-        if LOAD_WAY == "direct":
+        if self._direct:
             return scatter_rows_from_host(kv, past, on_host, pages, page_axis=self.page_axis)
         staged = jax.device_put(on_host, self._on_device)
         return scatter_rows(kv, past, staged, pages, page_axis=self.page_axis)
