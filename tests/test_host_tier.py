@@ -58,14 +58,15 @@ def recomputed():
 
 def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recomputed):
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: no copy compiles while serving
-    compiled = step_fn._cache_size(), gather_pages._cache_size(), scatter_rows._cache_size()
+    copies = (gather_pages, scatter_rows, host_offload.scatter_rows_from_host)
+    compiled = step_fn._cache_size(), *(f._cache_size() for f in copies)
     assert conversations(llm, PARAMS) == recomputed
     s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
     assert s.kv_offload_hit_tokens > 100 and s.kv_offload_bytes_to_device > 0 and s.kv_offload_bytes_to_host > 0
     assert s.kv_offload_hit_tokens <= s.kv_offload_queried_tokens
     assert s.kv_offload_failed_loads == 0
     assert s.preemptions > 0  # the batch outgrew the pool: preempted sequences came back through the tier too
-    assert (step_fn._cache_size(), gather_pages._cache_size(), scatter_rows._cache_size()) == compiled
+    assert (step_fn._cache_size(), *(f._cache_size() for f in copies)) == compiled
     # bounded: the tier's slots were all allocated up front, within the size asked for
     assert tier.page_bytes == PAGE_BYTES and s.kv_offload_pages_total == 64
     assert tier.capacity * tier.page_bytes <= TIER_GIB * (1 << 30) and tier.num_held <= tier.num_chunks
