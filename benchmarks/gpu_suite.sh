@@ -124,8 +124,9 @@ for part in $parts; do
     # the output tokens/s there, 8B shape, bf16 against FP8 pages
     fp8kvcap) python3 benchmarks/kv_capacity.py --shape llama-3-8b --context 4096 --output-len 64 --kv-cache-dtypes auto fp8 \
         --max-num-seqs 256 --json "$OUT/fp8kv-capacity-llama-3-8b.json" 2>&1 | grep --line-buffered -v Warning ;;
-    # Qwen3-0.6B against Llama-3.2-1B on the mixed workload (sampled), bf16 and FP8 pages, all in one call
-    fp8kvmixed) for shape in qwen3-0.6b llama-3.2-1b; do for kv in auto fp8; do echo "--- $shape mixed --kv-cache-dtype $kv"
+    # Qwen3-0.6B against Llama-3.2-1B on the mixed workload (sampled), bf16 and FP8 pages (FP8MIXED_SHAPES, FP8MIXED_KV:
+    # a part of them per call: the four runs take more than one call's 600 s)
+    fp8kvmixed) for shape in ${FP8MIXED_SHAPES:-qwen3-0.6b llama-3.2-1b}; do for kv in ${FP8MIXED_KV:-auto fp8}; do echo "--- $shape mixed --kv-cache-dtype $kv"
         python3 benchmarks/throughput.py --shape $shape --workload mixed --kv-cache-dtype $kv --requests 256 --prompt-len 256 \
           --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --json "$OUT/fp8kv-mixed-$shape-$kv.json" 2>&1 | grep --line-buffered -E "kv_|output_tokens|compile|Error"; done; done ;;

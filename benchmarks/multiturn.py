@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import sys
 import time
@@ -62,9 +63,82 @@ def engine_for(model, a, num_pages: int, tier_gib: float) -> LLMEngine:
     return engine
 
 
+class Phases:
+    """Where a returning turn's TTFT goes (--phases): sent -> its load started -> pages written -> first scheduled
+    -> first token, and the engine steps' wall times (each request's times by its id)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.marks: dict[str, dict[str, float]] = collections.defaultdict(dict)
+        self.steps: list[float] = []
+        self.step_of: dict[str, dict[str, int]] = collections.defaultdict(dict)  # the engine step of each mark
+        self.kinds: dict[str, list[float]] = collections.defaultdict(list)  # step wall times by what the step did
+        sched, offload = engine.scheduler, engine.scheduler.offload
+        real_schedule, real_step = sched.schedule, engine.step
+
+        def schedule():
+            chunks = real_schedule()
+            now = time.perf_counter()
+            for c in chunks:
+                self.marks[c.seq.request_id].setdefault("scheduled", now)
+            return chunks
+
+        def step():
+            t, ahead, loads = time.perf_counter(), engine.multi_step.ahead is not None, len(sched.loading)
+            try:
+                return real_step()
+            finally:
+                self.steps.append(time.perf_counter() - t)
+                kind = "continue" if ahead else "scheduled"
+                self.kinds[f"{kind}{'+loading' if loads or sched.loading else ''}"].append(self.steps[-1])
+
+        sched.schedule, engine.step = schedule, step
+        if offload is not None:
+            real_start, real_poll = offload.start_load, sched.poll_host_tier
+
+            def start_load(key, pages, slots):
+                self.marks[key.request_id].setdefault("load_started", time.perf_counter())
+                self.step_of[key.request_id].setdefault("load_started", len(self.steps))
+                return real_start(key, pages, slots)
+
+            def poll(read_kv):
+                before = set(sched.loading)
+                out = real_poll(read_kv)
+                now = time.perf_counter()
+                for seq in before - set(sched.loading):
+                    self.marks[seq.request_id].setdefault("written", now)
+                    self.step_of[seq.request_id].setdefault("written", len(self.steps))
+                return out
+
+            offload.start_load, sched.poll_host_tier = start_load, poll
+
+    def report(self, sent: dict[str, float], first: dict[str, float]) -> dict:
+        """p50 ms of each phase over the requests that have both its ends."""
+        order = ["sent", "load_started", "written", "scheduled", "first_token"]
+        gaps: dict[str, list[float]] = collections.defaultdict(list)
+        for rid, t0 in sent.items():
+            m = {"sent": t0, **self.marks.get(rid, {}), **({"first_token": first[rid]} if rid in first else {})}
+            seen = [k for k in order if k in m]
+            for x, y in itertools.pairwise(seen):
+                gaps[f"{x}->{y}"].append(m[y] - m[x])
+        out = {k: [len(v), round(float(np.percentile(v, 50)) * 1000, 2)] for k, v in gaps.items()}
+        out["step_ms_p50_p90_max"] = (
+            [round(float(np.percentile(self.steps, q)) * 1000, 2) for q in (50, 90, 100)] if self.steps else []
+        )
+        between = [m["written"] - m["load_started"] for m in self.step_of.values() if len(m) == 2]
+        if between:
+            out["steps_load_started_to_written_p50_p90_max"] = [int(np.percentile(between, q)) for q in (50, 90, 100)]
+        out["step_ms_p50_by_kind"] = {
+            k: [len(v), round(float(np.percentile(v, 50)) * 1000, 2)] for k, v in self.kinds.items()
+        }
+        return out
+
+
 def conversations(engine: LLMEngine, a, vocab: int) -> dict:
     """Runs every conversation's turns; returns TTFTs by first/returning turn, throughput and the tier's stats."""
     rng = np.random.default_rng(a.seed)
+    phases = Phases(engine) if a.phases else None
+    sent_at: dict[str, float] = {}  # returning turns' ids -> sent (phases)
+    first_at: dict[str, float] = {}
 
     def words(n: int) -> list[int]:
         return [int(t) for t in rng.integers(100, vocab, size=n)]
@@ -87,12 +161,15 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
             rid = f"c{c}-t{turn[c]}"
             engine.add_request(rid, history[c], params)
             inflight[rid], answers[rid] = (c, time.perf_counter()), []
+            if turn[c] > 0:
+                sent_at[rid] = inflight[rid][1]
             prompt_tokens += len(history[c])
         for out in engine.step():
             c, sent = inflight[out.request_id]
             got = out.outputs[0].token_ids if out.outputs else []
             if got and not answers[out.request_id]:
                 ttft["first" if turn[c] == 0 else "returning"].append(time.perf_counter() - sent)
+                first_at[out.request_id] = time.perf_counter()
             answers[out.request_id] += got
             if out.finished:
                 del inflight[out.request_id]
@@ -124,6 +201,7 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
         failed_loads=s.kv_offload_failed_loads,
         saved_seconds_estimate=s.kv_offload_saved_seconds,
         timing=timing,
+        **({"phases": phases.report(sent_at, first_at)} if phases else {}),
         answers=[answers[k] for k in sorted(answers)],
     )
 
@@ -234,6 +312,7 @@ def main() -> None:
         default=True,
         help="also run a device pool that evicts nothing, the tier's answers' reference",
     )
+    ap.add_argument("--phases", action="store_true", help="where returning turns' TTFT goes, phase by phase")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.dtype = a.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")

@@ -12,7 +12,7 @@ from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.step import step_fn
 from capstan.runtime.kv import host_offload
 from capstan.runtime.kv.cache import KVCache
-from capstan.runtime.kv.host_offload import HostOffload, gather_pages, scatter_rows
+from capstan.runtime.kv.host_offload import HostOffload, gather_pages, scatter_chunks
 from capstan.runtime.kv.host_tier import HostTier
 from capstan.runtime.kv.page_pool import page_hash
 from capstan.runtime.sampling.sampling_params import SamplingParams
@@ -58,7 +58,7 @@ def recomputed():
 
 def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recomputed):
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: no copy compiles while serving
-    copies = (gather_pages, scatter_rows, host_offload.scatter_rows_from_host)
+    copies = (gather_pages, scatter_chunks)
     compiled = step_fn._cache_size(), *(f._cache_size() for f in copies)
     assert conversations(llm, PARAMS) == recomputed
     s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
@@ -110,7 +110,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     engine = llm.engine
     offload, scheduler, pool = engine.scheduler.offload, engine.scheduler, engine.pool
-    real_gather, real_scatter = host_offload.gather_pages, host_offload.scatter_rows
+    real_gather, real_scatter = host_offload.gather_pages, host_offload.scatter_chunks
     axis = offload.page_axis
     named: dict[int, tuple[bytes, object]] = {}  # page -> (its hash, its bytes when named: a device array)
     unread: dict[int, bytes] = {}  # named while a dispatch queued after it held the cache: read when it returns
@@ -173,17 +173,14 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
         finally:
             loading.clear()
 
-    def scatter_by(real_scatter):  # either load way's scatter (LOAD_WAY)
-        def scatter(kv, pages, chunk, rows, page_axis):
-            out = real_scatter(kv, pages, chunk, rows, page_axis=page_axis)
-            for page in pages.tolist():
-                if page in loading:
-                    named[page] = (loading[page], page_of(out, page))
-                    np.testing.assert_array_equal(np.asarray(named[page][1])[0], in_tier[loading[page]])
-                    checked["restored"] += 1
-            return out
-
-        return scatter
+    def scatter(kv, pages, chunks, rows, page_axis, from_host):  # either load way's (LOAD_WAY)
+        out = real_scatter(kv, pages, chunks, rows, page_axis=page_axis, from_host=from_host)
+        for page in pages.reshape(-1).tolist():
+            if page in loading:
+                named[page] = (loading[page], page_of(out, page))
+                np.testing.assert_array_equal(np.asarray(named[page][1])[0], in_tier[loading[page]])
+                checked["restored"] += 1
+        return out
 
     real_flush, real_commit, real_poll = offload.flush, offload.tier.commit, scheduler.poll_host_tier
     monkeypatch.setattr(pool, "register", register)
@@ -192,8 +189,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     monkeypatch.setattr(offload.tier, "commit", commit)
     monkeypatch.setattr(scheduler, "poll_host_tier", poll)
     monkeypatch.setattr(host_offload, "gather_pages", gather)
-    monkeypatch.setattr(host_offload, "scatter_rows", scatter_by(real_scatter))
-    monkeypatch.setattr(host_offload, "scatter_rows_from_host", scatter_by(host_offload.scatter_rows_from_host))
+    monkeypatch.setattr(host_offload, "scatter_chunks", scatter)
     assert conversations(llm, PARAMS) == recomputed
     assert checked["evicted"] > 50 and checked["restored"] > 20, checked
 

@@ -220,7 +220,9 @@ class MultiStepDecoder:
         """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""
         e = self.engine
         k = e.config.decode_steps
-        if k <= 1 or e.scheduler.admissible_waiting() and len(chunks) < e.builder.S:  # admit waiting requests first
+        # admit waiting requests first; a sequence whose pages come back from the host tier is written at the next
+        # step's poll, so single steps until then (a 16-step run made it wait a whole run: ~60 ms on the 1B shape)
+        if k <= 1 or (e.scheduler.admissible_waiting() or e.scheduler.loading) and len(chunks) < e.builder.S:
             return None
         # the grammar pipeline applies no penalties: a batch with both takes single steps
         grammars = any(c.seq.constraint is not None for c in chunks)
