@@ -91,7 +91,7 @@ class Phases:
                 kind = "continue" if ahead else "scheduled"
                 self.kinds[f"{kind}{'+loading' if loads or sched.loading else ''}"].append(self.steps[-1])
 
-        sched.schedule, engine.step = schedule, step
+        sched.schedule, engine.step = schedule, step  # type: ignore[method-assign]
         if offload is not None:
             real_start, real_poll = offload.start_load, sched.poll_host_tier
 
@@ -109,7 +109,7 @@ class Phases:
                     self.step_of[seq.request_id].setdefault("written", len(self.steps))
                 return out
 
-            offload.start_load, sched.poll_host_tier = start_load, poll
+            offload.start_load, sched.poll_host_tier = start_load, poll  # type: ignore[method-assign]
 
     def report(self, sent: dict[str, float], first: dict[str, float]) -> dict:
         """p50 ms of each phase over the requests that have both its ends."""
@@ -120,7 +120,7 @@ class Phases:
             seen = [k for k in order if k in m]
             for x, y in itertools.pairwise(seen):
                 gaps[f"{x}->{y}"].append(m[y] - m[x])
-        out = {k: [len(v), round(float(np.percentile(v, 50)) * 1000, 2)] for k, v in gaps.items()}
+        out: dict[str, Any] = {k: [len(v), round(float(np.percentile(v, 50)) * 1000, 2)] for k, v in gaps.items()}
         out["step_ms_p50_p90_max"] = (
             [round(float(np.percentile(self.steps, q)) * 1000, 2) for q in (50, 90, 100)] if self.steps else []
         )

@@ -313,6 +313,7 @@ class HostOffload(Generic[LoadKey]):
                 self.failed_loads += 1
                 ended.append((key, False))
                 continue
+            assert load.staged is not None
             for (dest, rows), chunk in zip(load.parts, load.staged, strict=True):
                 parts.append((dest, rows, chunk))
             self.pages_to_device += len(load.slots)
