@@ -194,6 +194,26 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     assert checked["evicted"] > 50 and checked["restored"] > 20, checked
 
 
+def test_the_batch_takes_single_steps_while_a_load_waits_to_be_written(recomputed, monkeypatch):
+    """A load is written at the next step's poll: no multi-step run starts while one is pending (a run of
+    decode_steps would hold the returning turn for all its steps), yet runs go on between loads."""
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
+    engine = llm.engine
+    real_plan, plans = engine.multi_step.plan, {"while_loading": 0, "runs": 0}
+
+    def plan(chunks):
+        active = real_plan(chunks)
+        if engine.scheduler.loading:
+            plans["while_loading"] += 1
+            assert active is None, "a multi-step run started while a load waited"
+        plans["runs"] += active is not None
+        return active
+
+    monkeypatch.setattr(engine.multi_step, "plan", plan)
+    assert conversations(llm, PARAMS) == recomputed
+    assert plans["while_loading"] > 0 and plans["runs"] > 0, plans
+
+
 def test_late_copies_fall_back_to_recompute(recomputed, monkeypatch):
     monkeypatch.setattr(host_offload, "LOAD_DEADLINE_S", -1.0)  # every copy back is late
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
@@ -257,6 +277,39 @@ def test_loads_that_land_before_the_engine_polls_each_write_their_own_pages():
     restored = np.asarray(gather_pages(kv, np.array([3, 4], np.int32), page_axis=offload.page_axis))
     np.testing.assert_array_equal(restored, pages)  # each device page holds its own slot's bytes
     assert offload.tier.num_pinned == 0 and not offload.busy
+
+
+def test_a_poll_writes_its_loads_in_a_few_calls_of_a_power_of_two_of_chunks(monkeypatch):
+    """Eleven loads land before a poll: it writes them in three scatter calls (8, 2 and 1 chunks: each count is
+    compiled at warm-up), not one call per chunk, and every device page gets its own slot's bytes."""
+    import jax
+
+    kv = KVCache.allocate(num_layers=2, num_pages=16, page_size=4, kv_heads=2, head_dim=16, dtype=np.float32)
+    kv = jax.device_put(kv, jax.devices()[0])  # committed, as the engine's cache is
+    page_bytes = KVCache.bytes_per_page(2, 4, 2, 16, np.float32)
+    offload = HostOffload(kv, 16 * page_bytes / (1 << 30))
+    assert offload.chunk_pages == 1 and offload.max_call_chunks == host_offload.MAX_CALL_CHUNKS
+    kv = offload.warmup(kv)
+    pages = np.stack([np.full(offload.page_shape, i + 1.0, np.float32) for i in range(11)])
+    for i in range(11):
+        [slot] = offload.tier.reserve([page_hash(None, [i])])
+        offload.tier.commit([slot], jax.device_put(pages[i : i + 1], offload._on_host))
+        offload.start_load(i, [i + 2], [slot])
+    calls, real = [], host_offload.scatter_chunks
+
+    def scatter(kv, pages, chunks, rows, page_axis, from_host):
+        calls.append(len(chunks))
+        return real(kv, pages, chunks, rows, page_axis=page_axis, from_host=from_host)
+
+    monkeypatch.setattr(host_offload, "scatter_chunks", scatter)
+    compiled = real._cache_size()
+    kv, ended = offload.poll(lambda: kv)
+    assert calls == [8, 2, 1] and len(ended) == 11 and real._cache_size() == compiled  # all compiled at warm-up
+    restored = np.asarray(gather_pages(kv, np.arange(2, 13, dtype=np.int32), page_axis=offload.page_axis))
+    np.testing.assert_array_equal(restored, pages)
+    # a call's chunk bytes stay within MAX_CALL_BYTES: fewer chunks a call, still a power of two
+    monkeypatch.setattr(host_offload, "MAX_CALL_BYTES", 5 * page_bytes)
+    assert HostOffload(kv, 16 * page_bytes / (1 << 30)).max_call_chunks == 4
 
 
 def test_the_tier_keeps_its_size_and_evicts_least_recently_used_chunks():
