@@ -28,14 +28,18 @@ PAGE_BYTES = 2 * 3 * 2 * 16 * 4 * 4  # K and V, 3 layers, 2 KV heads of 16, 4 to
 TIER_GIB = 64 * PAGE_BYTES / (1 << 30)  # more than the pool's 48 pages, less than the conversations' ~100
 
 
-def conversations(llm: LLM, params: list[SamplingParams], turns: int = 3, seed: int = 0) -> list[list[int]]:
+def conversations(
+    llm: LLM, params: list[SamplingParams], turns: int = 3, seed: int = 0, loras=None, shared: bool = False
+) -> list[list[int]]:
     """Each turn of each conversation resends its whole history plus a new user message (in one batch per turn);
-    returns every turn's output tokens."""
+    returns every turn's output tokens. loras: each conversation's adapter; shared: all begin with one history."""
     rng = np.random.default_rng(seed)
     histories = [rng.integers(10, 500, size=40).tolist() for _ in params]
+    if shared:
+        histories = [list(histories[0]) for _ in params]
     outputs = []
     for _ in range(turns):
-        outs = llm.generate(histories, params, use_tqdm=False)
+        outs = llm.generate(histories, params, use_tqdm=False, lora_request=loras)
         for i, o in enumerate(outs):
             outputs.append(o.outputs[0].token_ids)
             histories[i] = histories[i] + o.outputs[0].token_ids + rng.integers(10, 500, size=8).tolist()
@@ -212,6 +216,79 @@ def test_the_batch_takes_single_steps_while_a_load_waits_to_be_written(recompute
     monkeypatch.setattr(engine.multi_step, "plan", plan)
     assert conversations(llm, PARAMS) == recomputed
     assert plans["while_loading"] > 0 and plans["runs"] > 0, plans
+
+
+def test_pages_come_back_only_to_the_adapter_that_computed_them(tmp_path):
+    """Multi-LoRA: conversations that begin with the same history under two adapters and the base model evict and
+    restore pages of the same tokens; each gets its own adapter's K/V back (the adapter is in the page's key), so every
+    turn is what recompute gives."""
+    from lora_adapters import write_adapter
+
+    from capstan import LoRARequest
+
+    base = GOLDEN / "llama-s11"
+    a = [LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp_path / f"a{i}", base, seed=20 + i, rank=4))) for i in (0, 1)]
+    loras = [a[0], a[1], None, a[0]]
+    opts = dict(SMALL_POOL, enable_lora=True, max_loras=2, max_lora_rank=8, warmup=False)
+    # the reference caches nothing, so a page shared across adapters (in either tier) would change a turn
+    recomputed = conversations(
+        LLM(MODEL, enable_prefix_caching=False, **opts), PARAMS, turns=5, loras=loras, shared=True
+    )
+    assert len({tuple(recomputed[i]) for i in (0, 1, 2)}) == 3  # three different functions of the same history
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **opts)
+    assert conversations(llm, PARAMS, turns=5, loras=loras, shared=True) == recomputed
+    s = llm.engine.stats()
+    assert s.kv_offload_hit_tokens > 100 and s.kv_offload_failed_loads == 0
+    llm.engine.pool.check_all_free()
+
+
+SPLIT_RUN = """
+import json, sys
+import numpy as np
+from test_host_tier import MODEL, PARAMS, SMALL_POOL, TIER_GIB, conversations
+from capstan.runtime.engine.llm import LLM
+recomputed = conversations(LLM(MODEL, tensor_parallel_size=2, warmup=False, **SMALL_POOL), PARAMS)
+llm = LLM(MODEL, tensor_parallel_size=2, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
+got = conversations(llm, PARAMS)
+offload = llm.engine.scheduler.offload
+chunk = next(d for d in offload.tier._data if d is not None)
+print(json.dumps(dict(
+    same=got == recomputed,
+    hits=llm.engine.stats().kv_offload_hit_tokens,
+    shape=list(chunk.shape),
+    shard_shapes=[list(sh.data.shape) for sh in chunk.addressable_shards],
+    memory=chunk.sharding.memory_kind,
+)))
+"""
+
+
+def test_split_over_two_devices_each_device_keeps_its_own_heads_in_host_memory():
+    """Tensor parallelism (two CPU devices, in a process of its own): llama-s11's two KV heads one per device; the
+    tier's chunks keep that split in host memory (each device's shard holds its own head), and every turn is what
+    recompute on the same split gives."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", SPLIT_RUN],
+        env=env,
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["same"] and got["hits"] > 100, got
+    heads = [
+        i for i, (whole, part) in enumerate(zip(got["shape"], got["shard_shapes"][0], strict=True)) if whole != part
+    ]
+    assert len(got["shard_shapes"]) == 2 and len(heads) == 1, got  # split along one axis: the KV heads
+    assert got["shape"][heads[0]] == 2 and got["shard_shapes"][0][heads[0]] == 1, got
 
 
 def test_late_copies_fall_back_to_recompute(recomputed, monkeypatch):
