@@ -120,16 +120,18 @@ class Phases:
             seen = [k for k in order if k in m]
             for x, y in itertools.pairwise(seen):
                 gaps[f"{x}->{y}"].append(m[y] - m[x])
-        out: dict[str, Any] = {k: [len(v), round(float(np.percentile(v, 50)) * 1000, 2)] for k, v in gaps.items()}
+
+        def p50(xs: list[float]) -> list:  # [count, p50 ms]
+            return [len(xs), round(float(np.percentile(xs, 50)) * 1000, 2)]
+
+        out: dict[str, Any] = {k: p50(v) for k, v in gaps.items()}
         out["step_ms_p50_p90_max"] = (
             [round(float(np.percentile(self.steps, q)) * 1000, 2) for q in (50, 90, 100)] if self.steps else []
         )
         between = [m["written"] - m["load_started"] for m in self.step_of.values() if len(m) == 2]
         if between:
             out["steps_load_started_to_written_p50_p90_max"] = [int(np.percentile(between, q)) for q in (50, 90, 100)]
-        out["step_ms_p50_by_kind"] = {
-            k: [len(v), round(float(np.percentile(v, 50)) * 1000, 2)] for k, v in self.kinds.items()
-        }
+        out["step_ms_p50_by_kind"] = {k: p50(v) for k, v in self.kinds.items()}
         return out
 
 
@@ -168,8 +170,8 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
             c, sent = inflight[out.request_id]
             got = out.outputs[0].token_ids if out.outputs else []
             if got and not answers[out.request_id]:
-                ttft["first" if turn[c] == 0 else "returning"].append(time.perf_counter() - sent)
                 first_at[out.request_id] = time.perf_counter()
+                ttft["first" if turn[c] == 0 else "returning"].append(first_at[out.request_id] - sent)
             answers[out.request_id] += got
             if out.finished:
                 del inflight[out.request_id]

@@ -314,8 +314,7 @@ class HostOffload(Generic[LoadKey]):
                 ended.append((key, False))
                 continue
             assert load.staged is not None
-            for (dest, rows), chunk in zip(load.parts, load.staged, strict=True):
-                parts.append((dest, rows, chunk))
+            parts += [(dest, rows, chunk) for (dest, rows), chunk in zip(load.parts, load.staged, strict=True)]
             self.pages_to_device += len(load.slots)
             self.bytes_to_device += len(load.slots) * self.tier.page_bytes
             written.append(load)
@@ -336,7 +335,7 @@ class HostOffload(Generic[LoadKey]):
         """Scatters the parts (device pages, their chunk's rows, the chunk) in calls of a power of two of them."""
         with self._context():
             while parts:
-                n = 1 << min(len(parts).bit_length() - 1, self.max_call_chunks.bit_length() - 1)
+                n = min(1 << (len(parts).bit_length() - 1), self.max_call_chunks)  # (max_call_chunks: a power of 2)
                 call, parts = parts[:n], parts[n:]
                 dest, rows = np.stack([d for d, _, _ in call]), np.stack([r for _, r, _ in call])
                 chunks = tuple(c for _, _, c in call)
