@@ -106,7 +106,7 @@ def _scatter_chunks(
 
 
 # One call writes up to a power of two of chunks (each count compiled at warm-up): a load reads ~10 chunks and a
-# poll writes several loads, and one call per chunk cost ~0.4 ms of the engine thread each (1B shape, H100: polls of
+# poll writes several loads, and one call per chunk cost ~0.6 ms of the engine thread each (1B shape, H100: polls of
 # ~50 ms with the steps waiting behind them). The cache is donated: written in place, as every step writes it.
 scatter_chunks = jax.jit(_scatter_chunks, donate_argnums=(0,), static_argnames=("page_axis", "from_host"))
 MAX_CALL_BYTES = 256 << 20  # chunk bytes one scatter call copies at most (its transient device memory, twice that)
