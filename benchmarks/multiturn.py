@@ -38,6 +38,7 @@ from shapes import shape_config  # noqa: E402
 from capstan.runtime.attention import PAGES_INTERLEAVED, layout_of  # noqa: E402
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
+from capstan.runtime.kv import host_offload  # noqa: E402
 from capstan.runtime.kv.cache import KVCache  # noqa: E402
 from capstan.runtime.kv.host_offload import gather_pages  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
@@ -72,6 +73,7 @@ class Phases:
         self.steps: list[float] = []
         self.step_of: dict[str, dict[str, int]] = collections.defaultdict(dict)  # the engine step of each mark
         self.kinds: dict[str, list[float]] = collections.defaultdict(list)  # step wall times by what the step did
+        self.first_chunk_whole: dict[str, bool] = {}  # by request id
         sched, offload = engine.scheduler, engine.scheduler.offload
         real_schedule, real_step = sched.schedule, engine.step
 
@@ -79,7 +81,11 @@ class Phases:
             chunks = real_schedule()
             now = time.perf_counter()
             for c in chunks:
-                self.marks[c.seq.request_id].setdefault("scheduled", now)
+                if "scheduled" not in self.marks[c.seq.request_id]:
+                    self.marks[c.seq.request_id]["scheduled"] = now
+                    self.step_of[c.seq.request_id]["scheduled"] = len(self.steps)
+                    # its first chunk took all the prompt it had left, or the step's budget ran out first
+                    self.first_chunk_whole[c.seq.request_id] = c.samples
             return chunks
 
         def step():
@@ -128,9 +134,13 @@ class Phases:
         out["step_ms_p50_p90_max"] = (
             [round(float(np.percentile(self.steps, q)) * 1000, 2) for q in (50, 90, 100)] if self.steps else []
         )
-        between = [m["written"] - m["load_started"] for m in self.step_of.values() if len(m) == 2]
-        if between:
-            out["steps_load_started_to_written_p50_p90_max"] = [int(np.percentile(between, q)) for q in (50, 90, 100)]
+        for x, y in (("load_started", "written"), ("scheduled", "first_token")):  # engine steps between the two
+            between = [m[y] - m[x] for rid, m in self.step_of.items() if rid in sent and x in m and y in m]
+            if between:
+                out[f"steps_{x}_to_{y}_p50_p90_max"] = [int(np.percentile(between, q)) for q in (50, 90, 100)]
+        whole = [w for rid, w in self.first_chunk_whole.items() if rid in sent]
+        if whole:  # returning turns whose first chunk took the rest of their prompt, of all
+            out["first_chunk_whole"] = [sum(whole), len(whole)]
         out["step_ms_p50_by_kind"] = {k: p50(v) for k, v in self.kinds.items()}
         return out
 
@@ -171,6 +181,8 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
             got = out.outputs[0].token_ids if out.outputs else []
             if got and not answers[out.request_id]:
                 first_at[out.request_id] = time.perf_counter()
+                if phases:  # the step that just returned (a mark during step k has index k)
+                    phases.step_of[out.request_id]["first_token"] = len(phases.steps) - 1
                 ttft["first" if turn[c] == 0 else "returning"].append(first_at[out.request_id] - sent)
             answers[out.request_id] += got
             if out.finished:
@@ -315,6 +327,11 @@ def main() -> None:
         help="also run a device pool that evicts nothing, the tier's answers' reference",
     )
     ap.add_argument("--phases", action="store_true", help="where returning turns' TTFT goes, phase by phase")
+    ap.add_argument(
+        "--also-staged",
+        action="store_true",
+        help="also a tier run whose loads are staged (see LOAD_WAY in host_offload)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.dtype = a.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -334,10 +351,13 @@ def main() -> None:
     model = random_model(cfg, a.dtype)
     results: dict[str, Any] = {}
     runs = [("recompute", num_pages, 0.0), ("host_tier", num_pages, tier_gib)]
+    if a.also_staged:
+        runs.append(("host_tier_staged", num_pages, tier_gib))
     if a.reference:
         runs.append(("cached", working_set + need, 0.0))
-    sample = {}
+    sample, way = {}, host_offload.LOAD_WAY
     for name, pages, gib in runs:
+        host_offload.LOAD_WAY = "staged" if name == "host_tier_staged" else way  # read when the tier is made
         engine = engine_for(model, a, pages, gib)
         results[name] = conversations(engine, a, cfg.vocab_size)
         if name == "host_tier":
@@ -361,13 +381,16 @@ def main() -> None:
             "host_tier_vs_recompute": agreement(answers["host_tier"], answers["recompute"]),
         }
         print("greedy answers", json.dumps(results["answers"]))
-    r, h = results["recompute"], results["host_tier"]
-    print(
-        f"returning turns' TTFT p50 {r['ttft_returning_p50_ms']:.1f} -> {h['ttft_returning_p50_ms']:.1f} ms "
-        f"({r['ttft_returning_p50_ms'] / h['ttft_returning_p50_ms']:.2f}x lower), p99 {r['ttft_returning_p99_ms']:.1f}"
-        f" -> {h['ttft_returning_p99_ms']:.1f} ms; total tokens/s {r['total_tokens_per_s']:.0f} -> "
-        f"{h['total_tokens_per_s']:.0f}; greedy answers identical: {same}"
-    )
+    r = results["recompute"]
+    for name in [n for n, _, _ in runs if n.startswith("host_tier")]:
+        h = results[name]
+        print(
+            f"{name}: returning turns' TTFT p50 {r['ttft_returning_p50_ms']:.1f} -> {h['ttft_returning_p50_ms']:.1f} ms "
+            f"({r['ttft_returning_p50_ms'] / h['ttft_returning_p50_ms']:.2f}x lower), p99 "
+            f"{r['ttft_returning_p99_ms']:.1f} -> {h['ttft_returning_p99_ms']:.1f} ms; total tokens/s "
+            f"{r['total_tokens_per_s']:.0f} -> {h['total_tokens_per_s']:.0f}; greedy answers identical: "
+            f"{answers['recompute'] == answers[name]}"
+        )
     for row in results.get("break_even", []):
         print("break-even", json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
     if a.json:

@@ -9,6 +9,7 @@ from golden import GOLDEN
 
 from capstan.runtime.cli import main
 from capstan.runtime.engine.llm import LLM
+from capstan.runtime.engine.multi_step import decode_steps_fn
 from capstan.runtime.engine.step import step_fn
 from capstan.runtime.kv import host_offload
 from capstan.runtime.kv.cache import KVCache
@@ -61,8 +62,10 @@ def recomputed():
 
 
 def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recomputed):
-    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: no copy compiles while serving
-    copies = (gather_pages, scatter_chunks)
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: nothing compiles while serving
+    # (the tier commits the cache to its device: a run's later dispatches, fed its committed outputs, once compiled
+    # a second program mid-serving, a 2-4 s stall on an H100)
+    copies = (gather_pages, scatter_chunks, decode_steps_fn)
     compiled = step_fn._cache_size(), *(f._cache_size() for f in copies)
     assert conversations(llm, PARAMS) == recomputed
     s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
@@ -90,7 +93,8 @@ def test_loads_staged_on_the_device_first_give_the_same_tokens(recomputed, monke
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     assert conversations(llm, PARAMS) == recomputed
     s = llm.engine.stats()
-    assert s.kv_offload_hit_tokens > 100 and s.kv_offload_failed_loads == 0
+    # (how many: as many as the copies to the host finished before their turns came back, a matter of timing here)
+    assert s.kv_offload_hit_tokens > 0 and s.kv_offload_failed_loads == 0
     llm.engine.pool.check_all_free()
 
 
@@ -246,6 +250,7 @@ SPLIT_RUN = """
 import json
 from test_host_tier import MODEL, PARAMS, SMALL_POOL, TIER_GIB, conversations
 from capstan.runtime.engine.llm import LLM
+from capstan.runtime.engine.multi_step import decode_steps_fn
 recomputed = conversations(LLM(MODEL, tensor_parallel_size=2, warmup=False, **SMALL_POOL), PARAMS)
 llm = LLM(MODEL, tensor_parallel_size=2, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
 got = conversations(llm, PARAMS)
