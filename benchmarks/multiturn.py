@@ -145,9 +145,20 @@ class Phases:
         return out
 
 
+COMPILES: list[float] = []  # backend compiles' seconds while conversations run (warm-up should leave none)
+_SERVING = [False]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **_: (
+        COMPILES.append(seconds) if _SERVING[0] and event == "/jax/core/compile/backend_compile_duration" else None
+    )
+)
+
+
 def conversations(engine: LLMEngine, a, vocab: int) -> dict:
     """Runs every conversation's turns; returns TTFTs by first/returning turn, throughput and the tier's stats."""
     rng = np.random.default_rng(a.seed)
+    COMPILES.clear()
+    _SERVING[0] = True
     phases = Phases(engine) if a.phases else None
     sent_at: dict[str, float] = {}  # returning turns' ids -> sent (phases)
     first_at: dict[str, float] = {}
@@ -193,6 +204,7 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
                 if turn[c] < a.turns:
                     queue.append(c)
     wall = time.perf_counter() - start
+    _SERVING[0] = False
     s, offload = engine.stats(), engine.scheduler.offload
     timing = offload.timing_summary() if offload is not None else {}
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else float("nan")  # noqa: E731
@@ -215,6 +227,7 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
         failed_loads=s.kv_offload_failed_loads,
         saved_seconds_estimate=s.kv_offload_saved_seconds,
         timing=timing,
+        compiles_while_serving=[len(COMPILES), round(sum(COMPILES), 3)],
         **({"phases": phases.report(sent_at, first_at)} if phases else {}),
         answers=[answers[k] for k in sorted(answers)],
     )
@@ -328,6 +341,9 @@ def main() -> None:
     )
     ap.add_argument("--phases", action="store_true", help="where returning turns' TTFT goes, phase by phase")
     ap.add_argument(
+        "--also-eager", action="store_true", help="also a tier run whose loads are eager (see LOAD_WAY in host_offload)"
+    )
+    ap.add_argument(
         "--also-staged",
         action="store_true",
         help="also a tier run whose loads are staged (see LOAD_WAY in host_offload)",
@@ -353,11 +369,14 @@ def main() -> None:
     runs = [("recompute", num_pages, 0.0), ("host_tier", num_pages, tier_gib)]
     if a.also_staged:
         runs.append(("host_tier_staged", num_pages, tier_gib))
+    if a.also_eager:
+        runs.append(("host_tier_eager", num_pages, tier_gib))
     if a.reference:
         runs.append(("cached", working_set + need, 0.0))
     sample, way = {}, host_offload.LOAD_WAY
     for name, pages, gib in runs:
-        host_offload.LOAD_WAY = "staged" if name == "host_tier_staged" else way  # read when the tier is made
+        host_offload.LOAD_WAY = name.removeprefix("host_tier_") if name.startswith("host_tier_") else way  # (read
+        # when the tier is made)
         engine = engine_for(model, a, pages, gib)
         results[name] = conversations(engine, a, cfg.vocab_size)
         if name == "host_tier":

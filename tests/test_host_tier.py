@@ -86,10 +86,12 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-def test_loads_staged_on_the_device_first_give_the_same_tokens(recomputed, monkeypatch):
-    """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready,
-    instead of one scatter that reads the chunk from host memory itself."""
-    monkeypatch.setattr(host_offload, "LOAD_WAY", "staged")
+@pytest.mark.parametrize("way", ["staged", "eager"])
+def test_loads_copied_to_the_device_first_give_the_same_tokens(recomputed, monkeypatch, way):
+    """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; eager:
+    the scatter at the next poll, landed or not (the device orders it after the copy); instead of one scatter that
+    reads the chunk from host memory itself."""
+    monkeypatch.setattr(host_offload, "LOAD_WAY", way)
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     assert conversations(llm, PARAMS) == recomputed
     s = llm.engine.stats()

@@ -61,7 +61,10 @@ HOST_MEMORY = "pinned_host"  # where the tier's pages live: the DMA engines read
 GIB = 1 << 30
 # How a load reaches the device (CAPSTAN_KV_OFFLOAD_LOAD_WAY): "direct": the scatter that writes its pages reads the
 # chunk from host memory itself, dispatched on the next poll; "staged": device_put first, the scatter once is_ready.
+# "eager": device_put starts a copy of each chunk, and the next poll scatters them whether or not they have landed (the
+# device orders the scatter after the copies).
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "direct")
+LOAD_WAYS = ("direct", "staged", "eager")
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
 
@@ -163,7 +166,10 @@ class HostOffload(Generic[LoadKey]):
         self._puts: collections.deque[tuple[list[int], int, concurrent.futures.Future]] = collections.deque()
         # device_put to pinned host memory waits on the host for the gather: off the engine's thread
         self._put_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-to-host")
+        if LOAD_WAY not in LOAD_WAYS:
+            raise ValueError(f"CAPSTAN_KV_OFFLOAD_LOAD_WAY: {LOAD_WAY!r} is not one of {', '.join(LOAD_WAYS)}")
         self._direct = LOAD_WAY == "direct"  # (read once: one tier's loads all go one way)
+        self._wait_ready = LOAD_WAY == "staged"  # eager: the scatter waits for the copies on the device instead
         self._to_device: dict[LoadKey, _ToDevice] = {}
         self.bytes_to_host = self.bytes_to_device = 0
         self.pages_to_host = self.pages_to_device = 0
@@ -192,7 +198,7 @@ class HostOffload(Generic[LoadKey]):
         return bool(self._to_device or self._puts)
 
     def _ready(self, load: _ToDevice) -> bool:
-        if self._direct:  # the scatter reads host memory: nothing to wait for first
+        if not self._wait_ready:  # the scatter reads host memory, or waits for the copies on the device
             return load.staged is not None
         return load.staged is not None and all(a.is_ready() for a in load.staged)  # type: ignore[attr-defined]
 
