@@ -147,11 +147,14 @@ class Phases:
 
 COMPILES: list[float] = []  # backend compiles' seconds while conversations run (warm-up should leave none)
 _SERVING = [False]
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, seconds, **_: (
-        COMPILES.append(seconds) if _SERVING[0] and event == "/jax/core/compile/backend_compile_duration" else None
-    )
-)
+
+
+def _count_compile(event: str, seconds: float, **_) -> None:
+    if _SERVING[0] and event == "/jax/core/compile/backend_compile_duration":
+        COMPILES.append(seconds)
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)  # type: ignore[arg-type]
 
 
 def conversations(engine: LLMEngine, a, vocab: int) -> dict:
