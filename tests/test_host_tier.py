@@ -86,11 +86,11 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-@pytest.mark.parametrize("way", ["staged", "eager"])
-def test_loads_copied_to_the_device_first_give_the_same_tokens(recomputed, monkeypatch, way):
-    """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; eager:
-    the scatter at the next poll, landed or not (the device orders it after the copy); instead of one scatter that
-    reads the chunk from host memory itself."""
+@pytest.mark.parametrize("way", ["staged", "direct"])
+def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
+    """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; direct:
+    one scatter that reads the chunk from host memory itself; instead of eager's scatter of the device_put copies at
+    the next poll, landed or not (the device orders it after the copy)."""
     monkeypatch.setattr(host_offload, "LOAD_WAY", way)
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     assert conversations(llm, PARAMS) == recomputed
