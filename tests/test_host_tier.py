@@ -252,7 +252,6 @@ SPLIT_RUN = """
 import json
 from test_host_tier import MODEL, PARAMS, SMALL_POOL, TIER_GIB, conversations
 from capstan.runtime.engine.llm import LLM
-from capstan.runtime.engine.multi_step import decode_steps_fn
 recomputed = conversations(LLM(MODEL, tensor_parallel_size=2, warmup=False, **SMALL_POOL), PARAMS)
 llm = LLM(MODEL, tensor_parallel_size=2, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
 got = conversations(llm, PARAMS)
