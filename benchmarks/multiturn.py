@@ -382,6 +382,12 @@ def main() -> None:
         # when the tier is made)
         engine = engine_for(model, a, pages, gib)
         results[name] = conversations(engine, a, cfg.vocab_size)
+        x = results[name]  # (printed as each run ends: a call cut short still shows the runs it finished)
+        print(
+            f"{name} ran: returning TTFT p50 {x['ttft_returning_p50_ms']:.1f} p99 {x['ttft_returning_p99_ms']:.1f} ms, "
+            f"{x['total_tokens_per_s']:.0f} tokens/s, compiles while serving {x['compiles_while_serving']}",
+            flush=True,
+        )
         if name == "host_tier":
             settle(engine)
             assert engine.scheduler.offload is not None  # the host_tier run's engine has one
