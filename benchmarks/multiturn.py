@@ -344,12 +344,11 @@ def main() -> None:
     )
     ap.add_argument("--phases", action="store_true", help="where returning turns' TTFT goes, phase by phase")
     ap.add_argument(
-        "--also-eager", action="store_true", help="also a tier run whose loads are eager (see LOAD_WAY in host_offload)"
-    )
-    ap.add_argument(
-        "--also-staged",
-        action="store_true",
-        help="also a tier run whose loads are staged (see LOAD_WAY in host_offload)",
+        "--also-way",
+        action="append",
+        default=[],
+        choices=host_offload.LOAD_WAYS,
+        help="also a tier run whose loads go this way (LOAD_WAY in host_offload; repeatable)",
     )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -370,16 +369,13 @@ def main() -> None:
     model = random_model(cfg, a.dtype)
     results: dict[str, Any] = {}
     runs = [("recompute", num_pages, 0.0), ("host_tier", num_pages, tier_gib)]
-    if a.also_staged:
-        runs.append(("host_tier_staged", num_pages, tier_gib))
-    if a.also_eager:
-        runs.append(("host_tier_eager", num_pages, tier_gib))
+    runs += [(f"host_tier_{way}", num_pages, tier_gib) for way in a.also_way]
     if a.reference:
         runs.append(("cached", working_set + need, 0.0))
-    sample, way = {}, host_offload.LOAD_WAY
+    sample, default_way = {}, host_offload.LOAD_WAY
     for name, pages, gib in runs:
-        host_offload.LOAD_WAY = name.removeprefix("host_tier_") if name.startswith("host_tier_") else way  # (read
-        # when the tier is made)
+        # read when the tier is made: host_tier_<way> runs go that way, the others the default
+        host_offload.LOAD_WAY = name.removeprefix("host_tier_") if name.startswith("host_tier_") else default_way
         engine = engine_for(model, a, pages, gib)
         results[name] = conversations(engine, a, cfg.vocab_size)
         x = results[name]  # (printed as each run ends: a call cut short still shows the runs it finished)
