@@ -106,11 +106,11 @@ class Phases:
                 self.step_of[key.request_id].setdefault("load_started", len(self.steps))
                 return real_start(key, pages, slots)
 
-            def poll(read_kv):
-                before = set(sched.loading)
+            def poll(read_kv):  # (LOAD_WAY same-step writes a load after the schedule that admitted it)
+                before = set(sched.loading) | set(sched.writing)
                 out = real_poll(read_kv)
                 now = time.perf_counter()
-                for seq in before - set(sched.loading):
+                for seq in before - set(sched.loading) - set(sched.writing):
                     self.marks[seq.request_id].setdefault("written", now)
                     self.step_of[seq.request_id].setdefault("written", len(self.steps))
                 return out

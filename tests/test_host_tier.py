@@ -86,14 +86,16 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-@pytest.mark.parametrize("way", ["staged", "direct"])
+@pytest.mark.parametrize("way", ["staged", "direct", "same-step"])
 def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; direct:
-    one scatter that reads the chunk from host memory itself; instead of eager's scatter of the device_put copies at
+    one scatter that reads the chunk from host memory itself; same-step: eager's copies, written before the step of
+    the schedule that starts them, which admits the sequence; instead of eager's scatter of the device_put copies at
     the next poll, landed or not (the device orders it after the copy)."""
     monkeypatch.setattr(host_offload, "LOAD_WAY", way)
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     assert conversations(llm, PARAMS) == recomputed
+    assert not llm.engine.scheduler.loading and not llm.engine.scheduler.writing
     s = llm.engine.stats()
     # (how many: as many as the copies to the host finished before their turns came back, a matter of timing here)
     assert s.kv_offload_hit_tokens > 0 and s.kv_offload_failed_loads == 0
@@ -113,10 +115,12 @@ def test_fp8_pages_go_to_host_memory_and_back_as_stored():
     llm.engine.pool.check_all_free()
 
 
-def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed, monkeypatch):
+@pytest.mark.parametrize("way", ["eager", "same-step"])
+def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed, monkeypatch, way):
     """Every page copied back holds, bit for bit, the bytes the tier was given for its hash, and those are the bytes
     its device page held when it was named in the prefix cache (nothing wrote a named page, no gather read a page's
     next owner's bytes)."""
+    monkeypatch.setattr(host_offload, "LOAD_WAY", way)
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     engine = llm.engine
     offload, scheduler, pool = engine.scheduler.offload, engine.scheduler, engine.pool
@@ -177,6 +181,11 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
             (page, h)
             for seq, (hashes, _) in scheduler.loading.items()
             for page, h in zip(seq.pages[len(seq.pages) - len(hashes) :], hashes, strict=True)
+        )
+        loading.update(  # admitted already: the pages after its device hit (its prompt's pages follow them)
+            (page, h)
+            for seq, hashes in scheduler.writing.items()
+            for page, h in zip(seq.pages[len(seq.page_hashes) :], hashes, strict=False)
         )
         try:
             return real_poll(read_kv)

@@ -385,6 +385,10 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         for seq, error in self.scheduler.take_failed():
             self.fail(seq.request_id, error)
+        if self.scheduler.writing:  # admitted with pages a load copies back: written before the step reads them
+            kv = self.scheduler.poll_host_tier(lambda: self.kv)
+            if kv is not None:
+                self.kv = kv
         chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
             if self.scheduler.loading:  # only copies back are left: wait (GIL released) until one lands, not spin

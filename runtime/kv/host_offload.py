@@ -17,7 +17,10 @@ tier's chunks are pinned (no eviction drops them meanwhile) and its sequence wai
 poll writes its pages into the cache with jitted scatters (each a power of two of chunks, every load the poll
 finishes together) and admits the sequence with them computed. LOAD_WAY "eager" (the default): the load's start
 `device_put`s each chunk it reads to the device, so the DMA runs while the step under way computes, and the poll's
-scatter takes those arrays, landed or not (the device orders it after their copies; the host never waits). "direct":
+scatter takes those arrays, landed or not (the device orders it after their copies; the host never waits).
+"same-step": `device_put` as eager, and the scatter follows in the same engine step, before its dispatch, so the
+sequence is admitted in the schedule that started its load (the step's program waits on the device for the copy
+instead of the sequence waiting a step on the host). "direct":
 the scatter reads the chunks from host memory itself (the copy is part of a program ordered before the next step, so
 the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against eager's 140). "staged": `device_put`
 as eager, and the first poll after all are `is_ready` scatters them. A load that fails or has not been written by
@@ -63,10 +66,11 @@ HOST_MEMORY = "pinned_host"  # where the tier's pages live: the DMA engines read
 GIB = 1 << 30
 # How a load reaches the device (CAPSTAN_KV_OFFLOAD_LOAD_WAY): "eager": device_put starts a copy of each chunk, and
 # the next poll scatters them whether or not they have landed (the device orders the scatter after the copies);
-# "direct": the scatter, dispatched on the next poll, reads the chunks from host memory itself; "staged": device_put
-# first, the scatter once every copy is_ready.
+# "same-step": device_put as eager, the scatter before the very step that admits the sequence; "direct": the scatter,
+# dispatched on the next poll, reads the chunks from host memory itself; "staged": device_put first, the scatter once
+# every copy is_ready.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "eager")
-LOAD_WAYS = ("direct", "staged", "eager")
+LOAD_WAYS = ("direct", "staged", "eager", "same-step")
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
 
@@ -172,6 +176,8 @@ class HostOffload(Generic[LoadKey]):
             raise ValueError(f"CAPSTAN_KV_OFFLOAD_LOAD_WAY: {LOAD_WAY!r} is not one of {', '.join(LOAD_WAYS)}")
         self._direct = LOAD_WAY == "direct"  # (read once: one tier's loads all go one way)
         self._wait_ready = LOAD_WAY == "staged"  # eager: the scatter waits for the copies on the device instead
+        # the scheduler admits a sequence in the schedule that starts its load; the engine writes it before the step
+        self.at_once = LOAD_WAY == "same-step"
         self._to_device: dict[LoadKey, _ToDevice] = {}
         self.bytes_to_host = self.bytes_to_device = 0
         self.pages_to_host = self.pages_to_device = 0
@@ -272,8 +278,9 @@ class HostOffload(Generic[LoadKey]):
         self._commit_puts()
         return self.tier.match(hashes)
 
-    def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> None:
-        """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written."""
+    def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> bool:
+        """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written.
+        False: the copy failed to start (the poll reports it failed; `at_once`: cancel it and recompute)."""
         t = time.perf_counter()
         slots = list(slots)
         self.tier.pin(slots)
@@ -294,6 +301,7 @@ class HostOffload(Generic[LoadKey]):
             staged = None
         self._to_device[key] = _ToDevice(parts, slots, staged, time.monotonic())
         self.timings["step_thread_start_load"] += time.perf_counter() - t
+        return staged is not None
 
     def cancel(self, key: LoadKey) -> None:
         """The waiting sequence is gone (aborted): its pages are never written."""
@@ -312,7 +320,8 @@ class HostOffload(Generic[LoadKey]):
         parts: list[tuple[np.ndarray, np.ndarray, jax.Array]] = []  # every written load's (pages, rows, chunk)
         written: list[_ToDevice] = []
         for key, load in list(self._to_device.items()):
-            failed = load.staged is None or time.monotonic() - load.started > LOAD_DEADLINE_S  # dropped, whatever
+            # dropped, whatever (a load written at once is written in the step it started: it is never late)
+            failed = load.staged is None or not self.at_once and time.monotonic() - load.started > LOAD_DEADLINE_S
             if not failed and not self._ready(load):
                 continue
             del self._to_device[key]

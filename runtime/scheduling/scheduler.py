@@ -8,8 +8,10 @@ recomputed later (the prefix cache usually makes that cheap).
 With a host-memory tier under the prefix cache (kv/host_offload.py), a fresh sequence whose prefix goes on past
 its device hit in pages that the tier holds gets device pages for them and waits in `loading` while they are
 copied back; the next poll after they land admits it at the front of the queue with them computed (or, if the copy
-failed or was late, with them to recompute). A preempted sequence comes back as a fresh one: its pages, evicted
-meanwhile, are copied back the same way."""
+failed or was late, with them to recompute). With a tier that writes loads at once (LOAD_WAY "same-step") the
+sequence is admitted in the schedule that starts its load instead, in `writing` until the engine writes the pages,
+before the step that computes on them; they are named in the prefix cache only once written. A preempted sequence
+comes back as a fresh one: its pages, evicted meanwhile, are copied back the same way."""
 
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ class Scheduler:
         # waiting for these pages to come back from host memory, since when
         self.loading: dict[Sequence, tuple[list[PageHash], float]] = {}
         self.restored: dict[Sequence, int] = {}  # back in the queue after a load: tokens the host tier supplied
+        # admitted in this schedule with pages its load writes before the step (a tier's `at_once`): their hashes
+        self.writing: dict[Sequence, list[PageHash]] = {}
         self.host_queried_tokens = 0  # prompt tokens the device tier did not have, looked up in the host tier
         self.host_hit_tokens = 0
         self.host_saved_seconds = 0.0  # estimated: restored tokens at the measured prefill cost, less the waits
@@ -128,8 +132,10 @@ class Scheduler:
                     seq.pages, seq.page_hashes = self.pool.lookup(seq.token_ids, seq.hash_root)
                     seq.num_computed = len(seq.pages) * self.pool.page_size
                     if self.offload is not None and self._load_from_host(seq):
-                        self.waiting.popleft()
-                        continue
+                        restored = self._write_at_once(seq, budget)
+                        if restored is None:  # it waits in `loading` for a poll to write its pages
+                            self.waiting.popleft()
+                            continue
                 n = min(seq.num_uncomputed, budget)
                 admitted = self._reserve(seq, n, preempt=False)
             except Exception as e:  # noqa: BLE001 - this request's own fault: the engine fails it alone
@@ -139,7 +145,7 @@ class Scheduler:
                 continue
             if not admitted:
                 if fresh:
-                    self._free(seq)
+                    self._free(seq)  # (a load started for it is cancelled: its pages go back unwritten)
                 for waiter in list(self.restored):  # while the front waits for pages, no waiter holds any
                     self._free(waiter)  # (their restored pages stay cached, unreferenced, until evicted)
                 break
@@ -204,31 +210,60 @@ class Scheduler:
         if count == 0:
             return False
         pages = self.pool.allocate(count)
-        self.offload.start_load(seq, pages, slots[:count])
+        if not self.offload.start_load(seq, pages, slots[:count]) and self.offload.at_once:
+            self.offload.cancel(seq)  # (loads that wait report the failure at the poll: the same recompute)
+            self.pool.release(pages)
+            return False
         seq.pages.extend(pages)
         self.loading[seq] = (hashes[:count], time.monotonic())
         return True
 
+    def _write_at_once(self, seq: Sequence, budget: int) -> int | None:
+        """With a tier that writes loads at once, and pages free for seq's next chunk: its load (just started) is
+        written before this schedule's step, so it counts those pages computed now and waits in `writing`; the tokens
+        they hold. None: it waits in `loading` (admitted once a poll wrote them, the room for its chunk found then)."""
+        assert self.offload is not None, "called only with a host tier"
+        if not self.offload.at_once:
+            return None
+        hashes, _ = self.loading[seq]
+        page = self.pool.page_size
+        computed = (len(seq.page_hashes) + len(hashes)) * page
+        chunk_end = computed + min(seq.num_tokens - computed, budget)
+        if -(-chunk_end // page) - len(seq.pages) > self.pool.num_free:  # no room to admit it in this schedule
+            return None
+        del self.loading[seq]
+        self.writing[seq] = hashes
+        seq.num_computed = computed
+        return len(hashes) * page
+
     def poll_host_tier(self, read_kv):
-        """Finishes the copies between the tiers that are ready (the engine calls this before each step): returns
-        the cache with restored pages written (None: no load landed, the cache was not read), and puts their
-        sequences at the front of the queue."""
+        """Finishes the copies between the tiers that are ready (the engine calls this before each step, and after a
+        schedule that left sequences `writing`): returns the cache with restored pages written (None: no load
+        landed, the cache was not read), and puts the sequences that waited for theirs at the front of the queue."""
         assert self.offload is not None, "called only with a host tier"
         kv, ended = self.offload.poll(read_kv)
         for seq, loaded in reversed(ended):
+            if seq in self.writing:  # admitted already: its pages are named now that they are written
+                assert loaded, "a load written at once started (else it was cancelled) and is never late"
+                self._name_loaded(seq, self.writing.pop(seq), time.monotonic())
+                continue
             hashes, started = self.loading.pop(seq)
             if loaded:
-                first = len(seq.page_hashes)
-                for k, h in enumerate(hashes):
-                    self.pool.register(seq.pages[first + k], h)
-                seq.page_hashes.extend(hashes)
+                self._name_loaded(seq, hashes, started)
                 seq.num_computed = len(seq.page_hashes) * self.pool.page_size
-                if self.prefill_seconds_per_token:  # (not measured yet: no estimate)
-                    recompute = len(hashes) * self.pool.page_size * self.prefill_seconds_per_token
-                    self.host_saved_seconds += recompute - (time.monotonic() - started)
             self.restored[seq] = len(hashes) * self.pool.page_size if loaded else 0
             self.waiting.appendleft(seq)
         return kv
+
+    def _name_loaded(self, seq: Sequence, hashes: list[PageHash], started: float) -> None:
+        """The pages after seq's device hit hold what hashes name: the prefix cache can share them."""
+        first = len(seq.page_hashes)
+        for k, h in enumerate(hashes):
+            self.pool.register(seq.pages[first + k], h)
+        seq.page_hashes.extend(hashes)
+        if self.prefill_seconds_per_token:  # (not measured yet: no estimate)
+            recompute = len(hashes) * self.pool.page_size * self.prefill_seconds_per_token
+            self.host_saved_seconds += recompute - (time.monotonic() - started)
 
     def host_tier_stats(self) -> dict:
         """EngineStats' kv_offload_* fields (zeros without a tier)."""
@@ -290,6 +325,9 @@ class Scheduler:
             self.lora.release(seq.lora_slot)
             seq.lora_slot = -1
         self.restored.pop(seq, None)
+        if self.writing.pop(seq, None) is not None:  # its pages were never written: they go back unnamed
+            assert self.offload is not None, "sequences load only from a host tier"
+            self.offload.cancel(seq)
         seq.pages, seq.page_hashes, seq.num_computed, seq.num_draft_computed = [], [], 0, 0
 
     def register_full_pages(self, seq: Sequence) -> None:
