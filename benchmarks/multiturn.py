@@ -403,6 +403,11 @@ def main() -> None:
             "host_tier_vs_cached": agreement(answers["host_tier"], answers["cached"]),
             "recompute_vs_cached": agreement(answers["recompute"], answers["cached"]),
             "host_tier_vs_recompute": agreement(answers["host_tier"], answers["recompute"]),
+            **{
+                f"{n}_vs_cached": agreement(answers[n], answers["cached"])
+                for n in answers
+                if n.startswith("host_tier_")
+            },
         }
         print("greedy answers", json.dumps(results["answers"]))
     r = results["recompute"]
