@@ -13,7 +13,7 @@ from capstan.runtime.engine.multi_step import decode_steps_fn
 from capstan.runtime.engine.step import step_fn
 from capstan.runtime.kv import host_offload
 from capstan.runtime.kv.cache import KVCache
-from capstan.runtime.kv.host_offload import HostOffload, gather_pages, scatter_chunks
+from capstan.runtime.kv.host_offload import HostOffload, gather_chunks, gather_pages, scatter_chunks
 from capstan.runtime.kv.host_tier import HostTier
 from capstan.runtime.kv.page_pool import page_hash
 from capstan.runtime.sampling.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: nothing compiles while serving
     # (the tier commits the cache to its device: a run's later dispatches, fed its committed outputs, once compiled
     # a second program mid-serving, a 2.2-4.5 s stall on an H100)
-    copies = (gather_pages, scatter_chunks, decode_steps_fn)
+    copies = (gather_chunks, scatter_chunks, decode_steps_fn)
     compiled = step_fn._cache_size(), *(f._cache_size() for f in copies)
     assert conversations(llm, PARAMS) == recomputed
     s, tier = llm.engine.stats(), llm.engine.scheduler.offload.tier
@@ -124,7 +124,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     engine = llm.engine
     offload, scheduler, pool = engine.scheduler.offload, engine.scheduler, engine.pool
-    real_gather, real_scatter = host_offload.gather_pages, host_offload.scatter_chunks
+    real_gather, real_scatter = host_offload.gather_chunks, host_offload.scatter_chunks
     axis = offload.page_axis
     named: dict[int, tuple[bytes, object]] = {}  # page -> (its hash, its bytes when named: a device array)
     unread: dict[int, bytes] = {}  # named while a dispatch queued after it held the cache: read when it returns
@@ -134,7 +134,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     checked = {"evicted": 0, "restored": 0}
 
     def page_of(kv, page):
-        return real_gather(kv, np.array([page], np.int32), page_axis=axis)
+        return gather_pages(kv, np.array([page], np.int32), page_axis=axis)
 
     def read_unread():
         for page, h in unread.items():
@@ -162,12 +162,13 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
         evicted.update(offload._evicted)
         real_flush(kv)
 
-    def gather(kv, pages, page_axis):
+    def gather(kv, pages, page_axis):  # a flush's chunks: pages [chunks, chunk_pages]
         out = real_gather(kv, pages, page_axis=page_axis)
-        for i, page in enumerate(pages.tolist()):
-            if evicted.get(page) is not None and named.get(page, (None,))[0] == evicted[page]:
-                np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(named[page][1])[0])
-                checked["evicted"] += 1
+        for chunk, chunk_pages in zip(out, pages.tolist(), strict=True):
+            for i, page in enumerate(chunk_pages):
+                if evicted.get(page) is not None and named.get(page, (None,))[0] == evicted[page]:
+                    np.testing.assert_array_equal(np.asarray(chunk[i]), np.asarray(named[page][1])[0])
+                    checked["evicted"] += 1
         return out
 
     def commit(slots, on_host):
@@ -207,7 +208,7 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
     monkeypatch.setattr(offload, "flush", flush)
     monkeypatch.setattr(offload.tier, "commit", commit)
     monkeypatch.setattr(scheduler, "poll_host_tier", poll)
-    monkeypatch.setattr(host_offload, "gather_pages", gather)
+    monkeypatch.setattr(host_offload, "gather_chunks", gather)
     monkeypatch.setattr(host_offload, "scatter_chunks", scatter)
     assert conversations(llm, PARAMS) == recomputed
     assert checked["evicted"] > 50 and checked["restored"] > 20, checked

@@ -8,9 +8,10 @@ the bytes.
 
 Device -> host: a page the pool evicts is only named then (PagePool.on_evict); its copy is queued (`flush`) when the
 engine next reads its cache to run anything on it, so the gather is ordered before any write into the page's next
-owner: one jitted gather takes up to a chunk of evicted pages, and `device_put` to pinned host memory, on a thread of
-its own (it waits on the host for the gather, which waits for the steps queued before it), copies them out. The
-chunk stays reserved (no lookup finds it) until the engine commits the finished copy on its next poll or lookup.
+owner: one jitted gather takes a power of two of chunks of evicted pages (a chunk's pages to each output array), and
+`device_put` to pinned host memory, on a thread of its own (it waits on the host for the gather, which waits for the
+steps queued before it), copies them out. A chunk stays reserved (no lookup finds it) until the engine commits the
+finished copy on its next poll or lookup.
 
 Host -> device: a prefix that misses on the device and hits in the tier gets fresh device pages and a load: the
 tier's chunks are pinned (no eviction drops them meanwhile) and its sequence waits while the batch steps on. The next
@@ -87,6 +88,14 @@ def _page_axis(kv: KVCache) -> int:
 def gather_pages(kv: KVCache, pages: jax.Array, page_axis: int) -> jax.Array:
     """[len(pages), arrays, ...]: each page's K/V of every layer, as stored (dtype and layout)."""
     return jnp.stack([jnp.moveaxis(jnp.take(a, pages, axis=page_axis), page_axis, 0) for a in _arrays(kv)], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("page_axis",))
+def gather_chunks(kv: KVCache, pages: jax.Array, page_axis: int) -> tuple[jax.Array, ...]:
+    """pages [chunks, chunk_pages]: one array of gather_pages' per chunk, from one program (one dispatch for a flush's
+    chunks: one a chunk cost ~0.15 ms of the engine's thread each, 1B shape, H100, ~11 chunks a returning turn)."""
+    everything = gather_pages(kv, pages.reshape(-1), page_axis=page_axis)
+    return tuple(jnp.split(everything, pages.shape[0]))
 
 
 def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: int) -> KVCache:
@@ -168,8 +177,10 @@ class HostOffload(Generic[LoadKey]):
         self.max_call_chunks = 1 << max(0, fit.bit_length() - 1)
         self._on_host, self._on_device = self._page_shardings(kv)
         self._evicted: list[tuple[int, PageHash]] = []  # named by the pool, not yet gathered
-        # copies to the host on their way: (the chunk's slots, its pages, the copy); committed in order once done
-        self._puts: collections.deque[tuple[list[int], int, concurrent.futures.Future]] = collections.deque()
+        # copies to the host on their way: ((each chunk's slots, its page count), the copy of them all); committed in
+        # order once done
+        self._puts: collections.deque[tuple[list[tuple[list[int], int]], concurrent.futures.Future]]
+        self._puts = collections.deque()
         # device_put to pinned host memory waits on the host for the gather: off the engine's thread
         self._put_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-to-host")
         if LOAD_WAY not in LOAD_WAYS:
@@ -237,6 +248,7 @@ class HostOffload(Generic[LoadKey]):
             if h not in named and not self.tier.holds(h):
                 named.add(h)
                 evicted.append((p, h))
+        chunks: list[tuple[list[int], int, np.ndarray]] = []  # (slots, page count, the device pages to gather)
         for start in range(0, len(evicted), self.chunk_pages):
             part = evicted[start : start + self.chunk_pages]
             slots = self.tier.reserve([h for _, h in part])
@@ -245,32 +257,40 @@ class HostOffload(Generic[LoadKey]):
                 continue
             pages = np.zeros(self.chunk_pages, np.int32)  # rows past the part: page 0's bytes, never read
             pages[: len(part)] = [p for p, _ in part]
+            chunks.append((slots, len(part), pages))
+        while chunks:  # a power of two of chunks a gather (each count compiled at warm-up)
+            n = min(1 << (len(chunks).bit_length() - 1), self.max_call_chunks)
+            call, chunks = chunks[:n], chunks[n:]
             g = time.perf_counter()
             try:
                 with self._context():
-                    gathered = gather_pages(kv, pages, page_axis=self.page_axis)
+                    gathered = gather_chunks(kv, np.stack([p for _, _, p in call]), page_axis=self.page_axis)
                 self.timings["step_thread_flush_gather"] += time.perf_counter() - g
             except Exception:  # noqa: BLE001 - a failed copy only loses its pages from the tier
-                log.exception("a K/V copy to host memory failed; its %d pages are not kept", len(part))
-                self.tier.abandon(slots)
+                log.exception("a K/V copy to host memory failed; its %d pages are not kept", sum(c for _, c, _ in call))
+                for slots, _, _ in call:
+                    self.tier.abandon(slots)
                 continue
-            self._puts.append((slots, len(part), self._put_thread.submit(jax.device_put, gathered, self._on_host)))
+            put = self._put_thread.submit(jax.device_put, list(gathered), self._on_host)
+            self._puts.append(([(slots, count) for slots, count, _ in call], put))
         self.timings["step_thread_flush"] += time.perf_counter() - t
         self._commit_puts()
 
     def _commit_puts(self) -> None:
         """Commits the copies to the host that are done, in the order they started (the tier finds them then)."""
-        while self._puts and self._puts[0][2].done():
-            slots, count, put = self._puts.popleft()
+        while self._puts and self._puts[0][1].done():
+            chunks, put = self._puts.popleft()
             try:
-                on_host = put.result()
+                copies = put.result()
             except Exception:  # noqa: BLE001 - a failed copy only loses its pages from the tier
-                log.exception("a K/V copy to host memory failed; its %d pages are not kept", count)
-                self.tier.abandon(slots)
+                log.exception("a K/V copy to host memory failed; its %d pages are not kept", sum(c for _, c in chunks))
+                for slots, _ in chunks:
+                    self.tier.abandon(slots)
                 continue
-            self.tier.commit(slots, on_host)  # a load that reads it before it has landed waits for it on the device
-            self.pages_to_host += count
-            self.bytes_to_host += count * self.tier.page_bytes
+            for (slots, count), on_host in zip(chunks, copies, strict=True):
+                self.tier.commit(slots, on_host)  # a load reading it before it has landed waits for it on the device
+                self.pages_to_host += count
+                self.bytes_to_host += count * self.tier.page_bytes
 
     # ---- host -> device ------------------------------------------------------------------------------------
     def match(self, hashes: Sequence[PageHash]) -> list[int]:
@@ -395,7 +415,10 @@ class HostOffload(Generic[LoadKey]):
 
     def _warmup(self, kv: KVCache) -> KVCache:
         pages = np.zeros(self.chunk_pages, np.int32)
-        gathered = gather_pages(kv, pages, page_axis=self.page_axis)
+        n = 1
+        while n <= self.max_call_chunks:  # every gather flush makes
+            [gathered, *_] = gather_chunks(kv, np.zeros((n, self.chunk_pages), np.int32), page_axis=self.page_axis)
+            n *= 2
         on_host = jax.device_put(gathered, self._on_host)
         if PREALLOCATE and jax.default_backend() != "cpu":
             self._grow_pinned_pool(gathered)

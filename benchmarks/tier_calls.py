@@ -1,0 +1,95 @@
+"""The engine thread's host time for the host tier's calls (issue 33): what a returning turn's load costs the step
+loop before the step that admits it is dispatched, call by call, on a shape's K/V cache (random bytes):
+
+    python benchmarks/tier_calls.py --shape llama-3.2-1b        # on the GPU (seconds)
+    python benchmarks/tier_calls.py --shape tiny --pages 64     # CPU (runs; the figures mean little)
+
+Each figure is the median over --repeats of the time the call takes to return (its device work is waited for outside
+the timing), ms: device_put of N chunks in pinned host memory to the device in one call; a flush's gathers of N
+chunks of evicted pages, one call a chunk against gather_chunks' one call; a poll's scatter of N chunks."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import shape_config  # noqa: E402
+
+from capstan.runtime.kv import host_offload  # noqa: E402
+from capstan.runtime.kv.cache import KVCache  # noqa: E402
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median ms until fn returns (what it dispatched is waited for after each timing)."""
+    jax.block_until_ready(fn())  # the first call compiles
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+        jax.block_until_ready(out)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--pages", type=int, default=4096, help="device pool pages")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[1, 11, 44])
+    ap.add_argument("--repeats", type=int, default=20)
+    a = ap.parse_args()
+    cfg = shape_config(a.shape)
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    kv = KVCache.allocate(cfg.num_layers, a.pages, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
+    kv = jax.device_put(kv, jax.devices()[0])
+    offload: host_offload.HostOffload[int] = host_offload.HostOffload(kv, 2.0)
+    kv = offload.warmup(kv)
+    cp, axis = offload.chunk_pages, offload.page_axis
+    chunk = host_offload.gather_pages(kv, np.arange(cp, dtype=np.int32), page_axis=axis)
+    on_host = jax.device_put(chunk, offload._on_host)
+    print(f"{a.shape} {dtype} on {jax.devices()[0].device_kind}: chunks of {cp} pages, {chunk.nbytes >> 20} MiB each")
+    rng = np.random.default_rng(0)
+    for n in a.chunks:
+        hosts = [jax.device_put(on_host, offload._on_host) for _ in range(n)]  # n arrays, as n tier chunks are
+        pages = [rng.integers(0, a.pages, cp).astype(np.int32) for _ in range(n)]
+
+        def put(hosts=hosts):
+            return jax.device_put(hosts, offload._on_device)
+
+        def gather_each(pages=pages):  # as flush called it before gather_chunks: a call a chunk
+            return [host_offload.gather_pages(kv, p, page_axis=axis) for p in pages]
+
+        row = {"device_put_one_call": timed(put, a.repeats), "gather_a_call_a_chunk": timed(gather_each, a.repeats)}
+
+        def gather_chunks(pages=pages):  # as flush calls it: a power of two of chunks a call
+            out, left = [], pages
+            while left:
+                k = min(1 << (len(left).bit_length() - 1), offload.max_call_chunks)
+                out += host_offload.gather_chunks(kv, np.stack(left[:k]), page_axis=axis)
+                left = left[k:]
+            return out
+
+        row["gather_chunks"] = timed(gather_chunks, a.repeats)
+        on_device = jax.device_put(hosts, offload._on_device)
+        past = np.full(cp, a.pages, np.int32)  # pages past the pool: the scatter writes nothing (kv stays valid)
+        rows = np.arange(cp, dtype=np.int32)
+
+        def scatter(on_device=on_device, past=past, rows=rows):
+            nonlocal kv
+            kv = offload._write(kv, [(past, rows, c) for c in on_device])
+            return kv
+
+        row["scatter"] = timed(scatter, a.repeats)
+        print(f"{n} chunks, ms:", {k: round(v, 3) for k, v in row.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
