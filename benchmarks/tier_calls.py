@@ -6,7 +6,8 @@ loop before the step that admits it is dispatched, call by call, on a shape's K/
 
 Each figure is the median over --repeats of the time the call takes to return (its device work is waited for outside
 the timing), ms: device_put of N chunks in pinned host memory to the device in one call; a flush's gathers of N
-chunks of evicted pages, one call a chunk against gather_chunks' one call; a poll's scatter of N chunks."""
+chunks of evicted pages, one call a chunk against gather_chunks' one call; a poll's scatter of N chunks; the
+device_put then the scatter at once (as LOAD_WAY same-step does), returned and done (copy and scatter on the device)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,27 @@ def main() -> None:
             return kv
 
         row["scatter"] = timed(scatter, a.repeats)
+
+        def put_then_scatter(hosts=hosts, past=past, rows=rows):  # the copies still in flight: does the host wait?
+            nonlocal kv
+            kv = offload._write(kv, [(past, rows, c) for c in jax.device_put(hosts, offload._on_device)])
+            return kv
+
+        row["put_then_scatter"] = timed(put_then_scatter, a.repeats)
+        row["put_then_scatter_done"] = timed(lambda: jax.block_until_ready(put_then_scatter()), a.repeats)
+
+        def flush_then_scatter(pages=pages, on_device=on_device, past=past, rows=rows):  # a same-step schedule's calls
+            nonlocal kv
+            gathered = list(host_offload.gather_chunks(kv, np.stack(pages[: offload.max_call_chunks]), page_axis=axis))
+            copy_out = offload._put_thread.submit(jax.device_put, gathered, offload._on_host)  # as flush does
+            kv = offload._write(kv, [(past, rows, c) for c in on_device])
+            return kv, copy_out
+
+        def flush_then_scatter_returned():
+            kv_out, copy_out = flush_then_scatter()
+            return kv_out
+
+        row["flush_then_scatter"] = timed(flush_then_scatter_returned, a.repeats)
         print(f"{n} chunks, ms:", {k: round(v, 3) for k, v in row.items()}, flush=True)
 
 

@@ -86,12 +86,12 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-@pytest.mark.parametrize("way", ["staged", "direct", "same-step"])
+@pytest.mark.parametrize("way", ["staged", "direct", "eager"])
 def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; direct:
-    one scatter that reads the chunk from host memory itself; same-step: eager's copies, written before the step of
-    the schedule that starts them, which admits the sequence; instead of eager's scatter of the device_put copies at
-    the next poll, landed or not (the device orders it after the copy)."""
+    one scatter that reads the chunk from host memory itself; eager: the device_put copies scattered at the next poll,
+    landed or not (the device orders it after the copy); instead of same-step's scatter of eager's copies before the
+    step of the schedule that starts them, which admits the sequence."""
     monkeypatch.setattr(host_offload, "LOAD_WAY", way)
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     assert conversations(llm, PARAMS) == recomputed
@@ -306,11 +306,26 @@ def test_split_over_two_devices_each_device_keeps_its_own_heads_in_host_memory()
 
 
 def test_late_copies_fall_back_to_recompute(recomputed, monkeypatch):
+    monkeypatch.setattr(host_offload, "LOAD_WAY", "eager")  # (same-step writes a load in the step it starts)
     monkeypatch.setattr(host_offload, "LOAD_DEADLINE_S", -1.0)  # every copy back is late
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     assert conversations(llm, PARAMS) == recomputed
     s = llm.engine.stats()
     assert s.kv_offload_failed_loads > 0 and s.kv_offload_hit_tokens == 0
+    llm.engine.pool.check_all_free()
+
+
+def test_copies_that_fail_to_start_are_recomputed_in_the_same_step(recomputed):
+    """same-step: a load whose device_put raises is cancelled in the schedule that started it (its pages go back
+    unwritten and unnamed) and the sequence is admitted to recompute them: the same tokens, nothing leaked."""
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
+    offload = llm.engine.scheduler.offload
+    assert offload.at_once
+    offload._on_device = "not a sharding"  # every copy to the device fails to start
+    assert conversations(llm, PARAMS) == recomputed
+    s = llm.engine.stats()
+    assert s.kv_offload_hit_tokens == 0 and offload.tier.num_pinned == 0 and not llm.engine.scheduler.writing
+    assert s.kv_offload_failed_loads > 0  # loads were tried
     llm.engine.pool.check_all_free()
 
 
