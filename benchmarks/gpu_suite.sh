@@ -65,7 +65,7 @@ for part in $parts; do
           --output-len 128 --max-num-seqs 32 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --break-even 128 512 2048 ${MULTITURN_ARGS:-} --json "$OUT/multiturn-$shape.json" 2>&1 | grep --line-buffered -v Warning; done ;;
     # issue 33: the engine thread's host time for the tier's calls (device_put, gathers, scatters), 1B and 8B
-    tiercalls) for shape in llama-3.2-1b llama-3-8b; do python3 benchmarks/tier_calls.py --shape $shape \
+    tiercalls) for shape in ${TIERCALLS_SHAPES:-llama-3.2-1b llama-3-8b}; do python3 benchmarks/tier_calls.py --shape $shape \
         2>&1 | grep --line-buffered -v Warning; done ;;
     # issue 33: K/V pages host <-> device by each way JAX offers (numpy, pinned_host memory), 1B and 8B page sizes
     hosttransfer) for shape in llama-3.2-1b llama-3-8b; do python3 benchmarks/host_transfer.py --shape $shape --pages 8 64 256 \
