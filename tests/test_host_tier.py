@@ -86,16 +86,20 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-@pytest.mark.parametrize("way", ["staged", "direct", "eager"])
+@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival"])
 def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; direct:
     one scatter that reads the chunk from host memory itself; eager: the device_put copies scattered at the next poll,
-    landed or not (the device orders it after the copy); instead of same-step's scatter of eager's copies before the
-    step of the schedule that starts them, which admits the sequence."""
+    landed or not (the device orders it after the copy); arrival: same-step's, with copies started as the sequence
+    arrives and taken by its load; instead of same-step's scatter of eager's copies before the step of the schedule
+    that starts them, which admits the sequence."""
     monkeypatch.setattr(host_offload, "LOAD_WAY", way)
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     assert conversations(llm, PARAMS) == recomputed
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.writing
+    offload = llm.engine.scheduler.offload
+    assert not offload._prefetched and offload._prefetched_bytes == 0 and offload.tier.num_pinned == 0
+    assert (offload.prefetched_chunks_used > 0) == (way == "arrival")
     s = llm.engine.stats()
     # (how many: as many as the copies to the host finished before their turns came back, a matter of timing here)
     assert s.kv_offload_hit_tokens > 0 and s.kv_offload_failed_loads == 0
@@ -115,7 +119,7 @@ def test_fp8_pages_go_to_host_memory_and_back_as_stored():
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("way", ["eager", "same-step"])
+@pytest.mark.parametrize("way", ["eager", "same-step", "arrival"])
 def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed, monkeypatch, way):
     """Every page copied back holds, bit for bit, the bytes the tier was given for its hash, and those are the bytes
     its device page held when it was named in the prefix cache (nothing wrote a named page, no gather read a page's
@@ -329,7 +333,9 @@ def test_copies_that_fail_to_start_are_recomputed_in_the_same_step(recomputed):
     llm.engine.pool.check_all_free()
 
 
-def test_aborts_while_pages_are_copied_back_leak_nothing():
+@pytest.mark.parametrize("way", ["same-step", "arrival"])
+def test_aborts_while_pages_are_copied_back_leak_nothing(monkeypatch, way):
+    monkeypatch.setattr(host_offload, "LOAD_WAY", way)  # arrival: waiting sequences hold copies started for them
     llm = LLM(MODEL, kv_offloading_size=8 * TIER_GIB, warmup=False, **SMALL_POOL)  # room for every prompt's pages
     engine, rng = llm.engine, np.random.default_rng(5)
     prompts = [rng.integers(10, 500, size=int(rng.integers(20, 120))).tolist() for _ in range(12)]
@@ -342,8 +348,8 @@ def test_aborts_while_pages_are_copied_back_leak_nothing():
         steps = 0
         while engine.has_unfinished() and steps < 2000:
             engine.step()
-            for seq in list(engine.scheduler.loading):  # its copy is in flight: abort it now
-                if rng.random() < 0.5:
+            for seq in [*engine.scheduler.loading, *engine.scheduler.waiting]:  # its copy may be in flight: abort it
+                if rng.random() < 0.3:
                     engine.abort(seq.request_id)
                     aborted += 1
             steps += 1
@@ -356,6 +362,7 @@ def test_aborts_while_pages_are_copied_back_leak_nothing():
         time.sleep(0.005)
     assert not offload.busy and not engine.scheduler.loading
     assert offload.tier.num_pinned == 0  # every load's slots were given back, the aborted ones' too
+    assert not offload._prefetched and offload._prefetched_bytes == 0
     assert offload.tier.num_used == len(offload.tier._slot_of)  # no slot stays reserved
     engine.pool.check_all_free()
 

@@ -22,7 +22,9 @@ those arrays, landed or not (the device orders it after their copies; the host n
 default): `device_put` as eager, and the scatter follows in the same engine step, before its dispatch, so the
 sequence is admitted in the schedule that started its load (the step's program waits on the device for the copy
 instead of the sequence waiting a step on the host; H100, 1B shape: returning turns' TTFT p50 84.4 ms against
-eager's 97.8). "direct":
+eager's 97.8). "arrival": same-step, and a sequence's copies start when it arrives (`prefetch`, within
+PREFETCH_MAX_BYTES of device memory), so they overlap the dispatch under way; its load at admission takes them.
+"direct":
 the scatter reads the chunks from host memory itself (the copy is part of a program ordered before the next step, so
 the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against eager's 140). "staged": `device_put`
 as eager, and the first poll after all are `is_ready` scatters them. A load that fails or has not been written by
@@ -72,7 +74,8 @@ GIB = 1 << 30
 # dispatched on the next poll, reads the chunks from host memory itself; "staged": device_put first, the scatter once
 # every copy is_ready.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "same-step")
-LOAD_WAYS = ("direct", "staged", "eager", "same-step")
+LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
+PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
 
@@ -189,7 +192,12 @@ class HostOffload(Generic[LoadKey]):
         self._direct = LOAD_WAY == "direct"  # (read once: one tier's loads all go one way)
         self._wait_ready = LOAD_WAY == "staged"  # eager: the scatter waits for the copies on the device instead
         # the scheduler admits a sequence in the schedule that starts its load; the engine writes it before the step
-        self.at_once = LOAD_WAY == "same-step"
+        self.at_once = LOAD_WAY in ("same-step", "arrival")
+        self.prefetches = LOAD_WAY == "arrival"  # the scheduler calls `prefetch` as sequences arrive
+        # copies started at arrival: key -> (its pinned slots, chunk -> its copy on the device, bytes)
+        self._prefetched: dict[LoadKey, tuple[list[int], dict[int, jax.Array], int]] = {}
+        self._prefetched_bytes = 0
+        self.prefetched_chunks_used = 0
         self._to_device: dict[LoadKey, _ToDevice] = {}
         self.bytes_to_host = self.bytes_to_device = 0
         self.pages_to_host = self.pages_to_device = 0
@@ -299,6 +307,39 @@ class HostOffload(Generic[LoadKey]):
         self._commit_puts()
         return self.tier.match(hashes)
 
+    def prefetch(self, key: LoadKey, slots: Sequence[int]) -> None:
+        """key's load will read these slots: their chunks start copying to the device now, if they fit in
+        PREFETCH_MAX_BYTES (pinned until the load takes them or `drop_prefetch`)."""
+        if key in self._prefetched or not slots:
+            return
+        chunk_ids = list(dict.fromkeys(slot // self.chunk_pages for slot in slots))
+        size = len(chunk_ids) * self.chunk_pages * self.tier.page_bytes
+        if self._prefetched_bytes + size > PREFETCH_MAX_BYTES:
+            return
+        t = time.perf_counter()
+        slots = list(slots)
+        self.tier.pin(slots)
+        data = {chunk: copy for chunk, copy, _ in self.tier.read([c * self.chunk_pages for c in chunk_ids])}
+        try:
+            copies = jax.device_put([data[c] for c in chunk_ids], self._on_device)
+        except Exception:  # noqa: BLE001 - its load copies them itself
+            log.exception("a K/V copy from host memory failed to start; its load tries again")
+            self.tier.unpin(slots)
+            return
+        self._prefetched[key] = (slots, dict(zip(chunk_ids, copies, strict=True)), size)
+        self._prefetched_bytes += size
+        self.timings["step_thread_prefetch"] += time.perf_counter() - t
+
+    def drop_prefetch(self, key: LoadKey) -> dict[int, jax.Array]:
+        """key's copies started at arrival (chunk -> copy; none: empty), given up: their slots unpinned."""
+        found = self._prefetched.pop(key, None)
+        if found is None:
+            return {}
+        slots, copies, size = found
+        self.tier.unpin(slots)
+        self._prefetched_bytes -= size
+        return copies
+
     def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> bool:
         """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written.
         False: the copy failed to start (the poll reports it failed; `at_once`: cancel it and recompute)."""
@@ -314,9 +355,16 @@ class HostOffload(Generic[LoadKey]):
             rows = np.zeros(self.chunk_pages, np.int32)
             dest[: len(wanted)], rows[: len(wanted)] = zip(*wanted, strict=True)
             parts.append((dest, rows))
+        ready = self.drop_prefetch(key)  # (its slots are pinned by this load now)
         try:
-            chunk_copies = [data for data, _ in chunks.values()]
-            staged = chunk_copies if self._direct else jax.device_put(chunk_copies, self._on_device)
+            if self._direct:
+                staged = [data for data, _ in chunks.values()]
+            else:
+                missing = [c for c in chunks if c not in ready]
+                copies = jax.device_put([chunks[c][0] for c in missing], self._on_device) if missing else []
+                put = dict(zip(missing, copies, strict=True))
+                staged = [ready[c] if c in ready else put[c] for c in chunks]
+                self.prefetched_chunks_used += len(chunks) - len(missing)
         except Exception:  # noqa: BLE001 - the poll reports it failed: recompute instead
             log.exception("a K/V copy from host memory failed to start; its pages are recomputed")
             staged = None

@@ -106,6 +106,10 @@ class PagePool:
             self.ref_count[page] += 1
         return pages, hashes
 
+    def holds(self, h: PageHash) -> bool:
+        """A page named h is cached (a lookup would find it; nothing is referenced)."""
+        return h in self._page_of
+
     def register(self, page: int, h: PageHash) -> None:
         """Names a page that now holds a full page of computed tokens, so later prefixes can find it."""
         if not self.enable_prefix_caching or h in self._page_of or page in self._hash_of:

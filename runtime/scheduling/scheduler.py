@@ -77,6 +77,26 @@ class Scheduler:
             self.waiting.appendleft(seq)
         else:
             self.waiting.append(seq)
+        if self.offload is not None and self.offload.prefetches and seq.params.prompt_logprobs is None:
+            self._prefetch(seq)
+
+    def _prefetch(self, seq: Sequence) -> None:
+        """Starts copying to the device the tier's pages that would follow seq's device hit if it were admitted now
+        (LOAD_WAY "arrival"): the copies overlap the dispatch under way, and its load at admission takes them."""
+        assert self.offload is not None, "called only with a host tier"
+        if not self.pool.enable_prefix_caching or seq.pages:
+            return
+        page, parent = self.pool.page_size, seq.hash_root
+        slots: list[int] = []
+        for k in range((seq.num_tokens - 1) // page):
+            parent = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
+            if not slots and self.pool.holds(parent):
+                continue  # (on the device: the load starts after the device hit)
+            found = self.offload.match([parent])
+            if not found:
+                break
+            slots += found
+        self.offload.prefetch(seq, slots)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -136,6 +156,8 @@ class Scheduler:
                         if restored is None:  # it waits in `loading` for a poll to write its pages
                             self.waiting.popleft()
                             continue
+                    if self.offload is not None:
+                        self.offload.drop_prefetch(seq)  # copies started at arrival that its load did not take
                 n = min(seq.num_uncomputed, budget)
                 admitted = self._reserve(seq, n, preempt=False)
             except Exception as e:  # noqa: BLE001 - this request's own fault: the engine fails it alone
@@ -312,6 +334,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if self.offload is not None:
+                self.offload.drop_prefetch(seq)
         elif seq in self.loading:  # its copy is dropped before it writes: the pages go back unwritten
             del self.loading[seq]
             assert self.offload is not None, "sequences load only from a host tier"
