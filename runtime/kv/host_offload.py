@@ -438,6 +438,7 @@ class HostOffload(Generic[LoadKey]):
             out["load_written_p50_ms"] = round(float(np.percentile(written, 50)) * 1000, 2)
             out["load_written_p99_ms"] = round(float(np.percentile(written, 99)) * 1000, 2)
         out["skipped_to_host_pages"] = self.skipped_to_host
+        out["prefetched_chunks_used"] = self.prefetched_chunks_used
         return out
 
     def _grow_pinned_pool(self, chunk: jax.Array) -> None:
