@@ -86,17 +86,13 @@ class Scheduler:
         assert self.offload is not None, "called only with a host tier"
         if not self.pool.enable_prefix_caching or seq.pages:
             return
-        page, parent = self.pool.page_size, seq.hash_root
-        slots: list[int] = []
-        for k in range((seq.num_tokens - 1) // page):
-            parent = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
-            if not slots and self.pool.holds(parent):
-                continue  # (on the device: the load starts after the device hit)
-            found = self.offload.match([parent])
-            if not found:
+        page, first, parent = self.pool.page_size, 0, seq.hash_root
+        while first < (seq.num_tokens - 1) // page:  # past the device hit (as a lookup would find it now)
+            h = page_hash(parent, seq.token_ids[first * page : (first + 1) * page])
+            if not self.pool.holds(h):
                 break
-            slots += found
-        self.offload.prefetch(seq, slots)
+            first, parent = first + 1, h
+        self.offload.prefetch(seq, self._host_run(seq, first, parent)[1])
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -217,17 +213,8 @@ class Scheduler:
         """Starts copying back the full pages after seq's device hit that the host tier holds (one token is always
         left to compute); True: seq waits in `loading` for them."""
         assert self.offload is not None, "called only with a host tier"
-        page = self.pool.page_size
-        hashes: list[PageHash] = []
-        slots: list[int] = []
         parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
-        for k in range(len(seq.pages), (seq.num_tokens - 1) // page):
-            parent = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
-            found = self.offload.match([parent])
-            if not found:
-                break
-            hashes.append(parent)
-            slots += found
+        hashes, slots = self._host_run(seq, len(seq.pages), parent)
         count = min(len(slots), self.pool.num_free)
         if count == 0:
             return False
@@ -239,6 +226,22 @@ class Scheduler:
         seq.pages.extend(pages)
         self.loading[seq] = (hashes[:count], time.monotonic())
         return True
+
+    def _host_run(self, seq: Sequence, first: int, parent: PageHash | None) -> tuple[list[PageHash], list[int]]:
+        """The hashes and host tier slots of seq's full pages from page `first` on (parent: the hash before it) that
+        the tier holds one after another (one token is always left to compute)."""
+        assert self.offload is not None, "called only with a host tier"
+        page = self.pool.page_size
+        hashes: list[PageHash] = []
+        slots: list[int] = []
+        for k in range(first, (seq.num_tokens - 1) // page):
+            parent = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
+            found = self.offload.match([parent])
+            if not found:
+                break
+            hashes.append(parent)
+            slots += found
+        return hashes, slots
 
     def _write_at_once(self, seq: Sequence, budget: int) -> int | None:
         """With a tier that writes loads at once, and pages free for seq's next chunk: its load (just started) is
