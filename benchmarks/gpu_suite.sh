@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve multiturn tiercalls hosttransfer lora loragather lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -192,6 +192,15 @@ for part in $parts; do
         --single-stream-tokens 256 --client-processes 4 8 --api-server-count ${API_SERVERS:-1} ${SERVE_ARGS:+--server-args "$SERVE_ARGS"} \
         --json "$OUT/online-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning
       cp /tmp/capstan-online-server-*.log "$OUT/" 2>/dev/null ;;
+    # issue 31: --data-parallel-size through the server, each run "DP:API_SERVERS:CLIENT_PROCESSES" (DP_RUNS), the
+    # same DP_REQUESTS requests of 256 -> 256 token ids; each load prints the server's CPU by role, the host's busy
+    # cores and each GPU's busy share (benchmarks/proc_usage.py)
+    dp) for run in ${DP_RUNS:-1:6:8 2:12:16}; do IFS=: read -r dp apis clients <<< "$run"; echo "--- DP=$dp, $apis frontends, $clients client processes"
+        python3 benchmarks/online.py --shape llama-3.2-1b --requests ${DP_REQUESTS:-2048} --prompt-len 256 --output-len 256 \
+          --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --max-model-len 2048 --single-stream-tokens 0 \
+          --client-processes $clients --api-server-count $apis --phases online --workloads '' \
+          --server-args "--data-parallel-size $dp ${DP_ARGS:-}" --json "$OUT/dp-$dp-$apis-$clients.json" 2>&1 \
+          | grep --line-buffered -v Warning; done ;;
     peer) python3 benchmarks/peer_transformers.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --single-tokens 256 --json "$OUT/transformers-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning | tail -25 ;;
     peer8b) python3 benchmarks/peer_transformers.py --shape llama-3-8b --phases single --single-tokens 256 \

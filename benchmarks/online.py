@@ -35,6 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import serve  # noqa: E402  (the load client: benchmarks/serve.py)
+from proc_usage import Usage  # noqa: E402
 
 WARMUP_REQUESTS = 8
 SINGLE_STREAMS = 3  # one stream's figure: the median of this many requests, one after another
@@ -167,9 +168,11 @@ def load(
     processes: int = 1,
     sequential: bool = False,
     timeout: float = 600.0,
+    sid: int | None = None,
 ) -> dict:
     """Sends the prompts (all at once, or one after another) from `processes` client processes started together;
-    serve.summarize of all of them, with each process's CPU share."""
+    serve.summarize of all of them, with each process's CPU share, and the server's (session sid) and the host's CPU
+    and the GPUs' busy share while they ran (proc_usage.py)."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no state of this one (nor JAX) is inherited
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     jobs = [
@@ -190,8 +193,9 @@ def load(
     try:
         for _ in procs:
             ready.get(timeout=120)
-        go.set()
-        parts = [results.get(timeout=timeout * (len(prompts) if sequential else 1) + 120) for _ in procs]
+        with Usage(sid) as usage:
+            go.set()
+            parts = [results.get(timeout=timeout * (len(prompts) if sequential else 1) + 120) for _ in procs]
     finally:
         for p in procs:
             p.join(10)
@@ -204,6 +208,8 @@ def load(
         "client_processes": processes,
         "client_cpu_percent": [part["cpu_percent"] for part in parts],
         "ms_per_token": [1000 * r.e2e / r.output_tokens for r in done if r.ok],
+        "usage": usage.result,
+        "usage_line": usage.line(),
     }
 
 
@@ -307,7 +313,7 @@ def prompt_sets(a: argparse.Namespace, id_limit: int, id_low: int = 0) -> dict[s
 
 def online(server: Server, sets: dict, a: argparse.Namespace) -> dict:
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    go = dict(url=server.url, model=model, timeout=a.request_timeout)
+    go = dict(url=server.url, model=model, timeout=a.request_timeout, sid=server.proc.pid if server.proc else None)
     figures: dict = {"server_ready_s": server.ready_s}
     load(prompts=sets["warmup"], max_tokens=4, **go)
     load(prompts=sets["warmup"], max_tokens=4, stream=False, **go)
@@ -346,7 +352,7 @@ def _say(key: str, s: dict) -> None:
     failed = f", {s['requests'] - s['successes']} FAILED: {s['first_error']}" if s["successes"] < s["requests"] else ""
     print(
         f"{key}: {s['output_tokens_per_s'] or 0:.1f} output tok/s, client CPU "
-        f"{'/'.join(f'{c:.0f}%' for c in s['client_cpu_percent'])}{failed}",
+        f"{'/'.join(f'{c:.0f}%' for c in s['client_cpu_percent'])}{failed}\n  {s['usage_line']}",
         flush=True,
     )
 
