@@ -20,6 +20,7 @@ from ..config import EngineConfig
 from ..lora.request import LoRAError, LoRARequest
 from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from ..tokenizer import Tokenizer
+from .core_loads import CoreLoads
 from .core_messages import (
     Abort,
     Add,
@@ -88,12 +89,10 @@ class EngineCoreClient(FrontendEngine):
         cores = len(core_pids)
         self.inputs: InputProcessor | None = None  # once a core has loaded the model and said its limits
         self._eos_token_ids: frozenset[int] = frozenset()
-        self._stats = [NO_STATS] * cores
-        self._sent = [0] * cores  # requests sent to each core since its last stats
+        self._loads = CoreLoads(cores, NO_STATS, frontend)  # also each open request's core (generation, embeddings)
         self._ready = [False] * cores
         self._dead: str | None = None  # why a core stopped (the pod restarts as a whole)
         self._open: dict[str, OpenRequest] = {}  # each open generation request's prompt and text
-        self._core_of: dict[str, int] = {}  # each open request's core (generation and embeddings)
         self._reader: asyncio.Task | None = None
         self._pidfds: list[int] = []
         self._loras: list[dict[str, LoRARequest] | None] = [None] * cores  # each core's adapters, by name
@@ -151,9 +150,9 @@ class EngineCoreClient(FrontendEngine):
 
     def stats(self) -> EngineStats:
         """The cores' stats (sent with every step's outputs), added up."""
-        if len(self._stats) == 1:
-            return self._stats[0]
-        return add_stats(self._stats)
+        if len(self._loads.stats) == 1:
+            return self._loads.stats[0]
+        return add_stats(self._loads.stats)
 
     @property
     def vocab_size(self) -> int:
@@ -191,19 +190,15 @@ class EngineCoreClient(FrontendEngine):
         return lambda: self._send(request_id, data)
 
     def _send(self, request_id: str, data: bytes) -> None:
-        """To the core with the least load: its running and waiting requests, and what was sent it since."""
-        core = min(
-            range(len(self._outboxes)), key=lambda c: self._stats[c].running + self._stats[c].waiting + self._sent[c]
-        )
-        self._sent[core] += 1
-        self._core_of[request_id] = core
+        """To the core with the least load (core_loads.py)."""
+        core = self._loads.pick(request_id)
         self._outboxes[core].send(data)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
-        core = self._core_of.get(request_id)
+        core = self._loads.core_of(request_id)
         if index is None:
             self._open.pop(request_id, None)
-            self._core_of.pop(request_id, None)
+            self._loads.done(request_id)
         if core is not None and self.is_alive():
             self._outboxes[core].send(encode(Abort(request_id, index)))
 
@@ -264,7 +259,7 @@ class EngineCoreClient(FrontendEngine):
         while True:
             message = decode_from_core(await self._inbox.recv())
             if isinstance(message, Outputs):
-                self._stats[message.core], self._sent[message.core] = message.stats, 0
+                self._loads.stats[message.core] = message.stats
                 self._take_outputs(message)
             elif isinstance(message, Loaded):  # every core loads the same model with the same flags
                 self.config = message.config  # as resolved there (num_pages, max_model_len, max_num_seqs)
@@ -290,7 +285,7 @@ class EngineCoreClient(FrontendEngine):
             stopped = request.text.apply(out)
             if out.finished:
                 del self._open[out.request_id]
-                self._core_of.pop(out.request_id, None)
+                self._loads.done(out.request_id)
                 if stopped and not finished_in_core:  # every choice has ended here: the core stops them all
                     self.abort(out.request_id)
             else:
@@ -298,11 +293,11 @@ class EngineCoreClient(FrontendEngine):
                     self.abort(out.request_id, index)
             self._deliver(out.request_id, out)
         for outs in message.embeddings:
-            self._core_of.pop(outs[0].request_id, None)
+            self._loads.done(outs[0].request_id)
             self._deliver(outs[0].request_id, outs)
         for f in message.failures:
             self._open.pop(f.request_id, None)
-            self._core_of.pop(f.request_id, None)
+            self._loads.done(f.request_id)
             error = (
                 InvalidRequestError(f.message, f.param)
                 if f.kind == "invalid"
