@@ -10,7 +10,8 @@ enabling LoRA costs rows without one); then one stream of each kind.
 python benchmarks/lora.py --shape tiny --requests 16 --prompt-len 16 --output-len 16 --single-stream-tokens 16  # CPU
 bash benchmarks/gpu_suite.sh lora                                                                       # H100
 CAPSTAN_LORA_GATHER_MAX_TOKENS=0 python benchmarks/lora.py --no-batch   # one stream, every slot's rank space
-bash benchmarks/gpu_suite.sh loragather   # one stream by each way of models/lora.py, same call"""
+bash benchmarks/gpu_suite.sh loragather   # one stream by each way of models/lora.py, same call
+bash benchmarks/gpu_suite.sh loratrace    # one stream's kernels with an adapter and without"""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--single-stream-tokens", type=int, default=256, help="0: no one-stream runs")
     ap.add_argument("--batch", action=argparse.BooleanOptionalAction, default=True, help="the 256-request runs")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--trace", help="also a Perfetto trace of one stream of 32 tokens per kind here (DIR/base, DIR/lora)")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
@@ -147,6 +149,10 @@ def main(argv=None) -> dict:
             run(single, prompts[:1], warm, loras=pick)
             runs = sorted(1000 * run(single, [p], one, loras=pick)["seconds"] / a.single_stream_tokens for p in streams)
             figures[f"{label}_single_stream_ms_per_token"] = runs[1]  # the median of three streams
+            if a.trace:  # kernel by kernel: benchmarks/trace_summary.py DIR/label
+                short = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0, detokenize=False)
+                with jax.profiler.trace(f"{a.trace}/{label}", create_perfetto_trace=True):
+                    run(single, [streams[0]], short, loras=pick)
             del single
         figures["single_stream_lora_vs_base"] = (
             figures["lora_single_stream_ms_per_token"] / figures["base_single_stream_ms_per_token"]
