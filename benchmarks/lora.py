@@ -81,7 +81,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--single-stream-tokens", type=int, default=256, help="0: no one-stream runs")
     ap.add_argument("--batch", action=argparse.BooleanOptionalAction, default=True, help="the 256-request runs")
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--trace", help="also a Perfetto trace of one stream of 32 tokens per kind here (DIR/base, DIR/lora)")
+    ap.add_argument(
+        "--trace", help="also a Perfetto trace of one stream of 32 tokens per kind here (DIR/base, DIR/lora)"
+    )
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
