@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -103,6 +103,11 @@ for part in $parts; do
     loratrace) python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 --trace /tmp/loratrace 2>&1 \
         | grep --line-buffered -E "single|Error"
       for kind in base lora; do echo "--- $kind"; python3 benchmarks/trace_summary.py /tmp/loratrace/$kind --top 45; done ;;
+    # one stream with each CAPSTAN_LORA_FOLD (the shrinks read by the base weights' own matmuls; "-": none)
+    lorafold) for fold in ${LORA_FOLDS:-- qkv,out gate_up,down all}; do echo "== CAPSTAN_LORA_FOLD=$fold"
+        CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \
+          --trace /tmp/lorafold-$fold --json "$OUT/lora-fold-$fold.json" 2>&1 | grep --line-buffered -E "single|Error"
+        python3 benchmarks/trace_summary.py /tmp/lorafold-$fold/lora --top ${LORA_TOP:-30} | head -${LORA_TOP:-30}; done ;;
     loragather) for way in products:16 einsum:16 products:0; do
         IFS=: read -r gway gmax <<< "$way"; echo "== CAPSTAN_LORA_GATHER_WAY:MAX_TOKENS=$way"
         CAPSTAN_LORA_GATHER_WAY=$gway CAPSTAN_LORA_GATHER_MAX_TOKENS=$gmax \

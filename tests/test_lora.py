@@ -195,6 +195,17 @@ def test_gathered_steps_contracted_by_einsum_equal_every_slots_rank_space(adapte
     _same_as_the_dense_way(adapters, monkeypatch, gathered_by_einsum, "gathered by einsum vs dense", max_loras=4)
 
 
+def test_shrinks_folded_into_the_base_matmul_equal_every_slots_rank_space(adapters, monkeypatch):
+    """CAPSTAN_LORA_FOLD: every slot's A read by the base weight's own matmul, the token's slot picked after it."""
+    from capstan.runtime.models import lora
+
+    def folded():
+        monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20)
+        monkeypatch.setattr(lora, "FOLD", frozenset(lora.SPECS))
+
+    _same_as_the_dense_way(adapters, monkeypatch, folded, "shrinks folded vs dense", max_loras=4)
+
+
 def test_products_summed_equal_einsum_for_every_spec_the_layers_use():
     """_products is einsum's contraction written as a broadcast product and a sum: same values for the specs
     LayerAdapters gathers with (shrink and expand of q/k/v, o, gate/up and down), axes in einsum's order."""

@@ -86,9 +86,10 @@ class Attention(eqx.Module):
     ):
         """k_cache, v_cache: this layer's [KVHeads, pages, page_size, HeadSize]; lora: the step's adapters (None:
         the base model); returns (y, k_cache, v_cache)."""
-        qkv = linear(x, self.qkv_proj, axis=ax.Embed)
-        if lora is not None:
-            qkv = lora.qkv(x, qkv, Token.name, ax)
+        if lora is None:
+            qkv = linear(x, self.qkv_proj, axis=ax.Embed)
+        else:
+            qkv = lora.project("qkv", x, self.qkv_proj, ax.Embed, Token.name, ax)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         gemma = cfg.family == "gemma3"
@@ -135,9 +136,11 @@ class Attention(eqx.Module):
                 v_scale=self.v_scale,
             )
         out = hax.named(out, (qkv.resolve_axis(Token.name), ax.KVHeads, ax.QPerKV, ax.HeadSize))
-        y = linear(out, self.o_proj, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
-        if lora is not None:
-            y = lora.out(out, y, Token.name, ax)
+        o_axes = (ax.KVHeads, ax.QPerKV, ax.HeadSize)
+        if lora is None:
+            y = linear(out, self.o_proj, axis=o_axes)
+        else:
+            y = lora.project("out", out, self.o_proj, o_axes, Token.name, ax)
         return y, k_cache, v_cache
 
 
@@ -146,14 +149,16 @@ class GatedMLP(eqx.Module):
     down_proj: NamedArray | QuantizedWeight  # [Embed, Mlp]
 
     def __call__(self, x: NamedArray, cfg: ModelConfig, ax: ModelAxes, lora: LayerAdapters | None = None) -> NamedArray:
-        gate_up = linear(x, self.gate_up_proj, axis=ax.Embed)
-        if lora is not None:
-            gate_up = lora.gate_up(x, gate_up, Token.name, ax)
+        if lora is None:
+            gate_up = linear(x, self.gate_up_proj, axis=ax.Embed)
+        else:
+            gate_up = lora.project("gate_up", x, self.gate_up_proj, ax.Embed, Token.name, ax)
         gate, up = gate_up[ax.GateUp.name, 0], gate_up[ax.GateUp.name, 1]
         act = hax.nn.gelu(gate, approximate=True) if cfg.activation == "gelu_pytorch_tanh" else hax.nn.silu(gate)
         h = act * up
-        y = linear(h, self.down_proj, axis=ax.Mlp)
-        return y if lora is None else lora.down(h, y, Token.name, ax)
+        if lora is None:
+            return linear(h, self.down_proj, axis=ax.Mlp)
+        return lora.project("down", h, self.down_proj, ax.Mlp, Token.name, ax)
 
 
 def embed(tokens: jax.Array, embedding: NamedArray, ax: ModelAxes) -> NamedArray:

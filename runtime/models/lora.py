@@ -22,6 +22,8 @@ import numpy as np
 from haliax import NamedArray
 
 from .config import ModelConfig
+from .quantization import QuantizedWeight, as_matrices
+from .quantization import linear as base_linear
 
 # the projections a block has (Hugging Face's module names, ModelConfig.linear_shapes), q/k/v and gate/up in the order
 # LoRALayer stacks them
@@ -167,6 +169,22 @@ def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.transpose(summed, [kept.index(c) for c in out])
 
 
+# Projections whose shrink rides in the base weight's own matmul in steps that gather (CAPSTAN_LORA_FOLD: a comma
+# list of qkv, out, gate_up, down, or "all"; empty: none): the dot reads [W; every slot's A] at once, so a decode step
+# launches one kernel fewer per projection (a one-stream step is bound by its kernels' count); the token's own slot's
+# R columns are then picked from every slot's. Dense (unquantized) weights on one device only.
+_FOLD = os.environ.get("CAPSTAN_LORA_FOLD", "")
+FOLD = frozenset(("qkv", "out", "gate_up", "down") if _FOLD == "all" else filter(None, _FOLD.split(",")))
+
+# Each projection's (A, B) fields of LoRALayer, the dense shrink and expand specs (over every slot, l)
+SPECS = {
+    "qkv": ("qkv_a", "qkv_b", "te,lpre->tlpr", "tlpr,lprkqd->tkqd"),
+    "out": ("o_a", "o_b", "tkgd,lrkgd->tlr", "tlr,lre->te"),
+    "gate_up": ("gate_up_a", "gate_up_b", "te,lpre->tlpr", "tlpr,lpri->tpi"),
+    "down": ("down_a", "down_b", "ti,lri->tlr", "tlr,lre->te"),
+}
+
+
 class LayerAdapters(eqx.Module):
     """What a block needs to add its adapters' deltas: its layer's slots and each token's slot [T] (-1: none)."""
 
@@ -186,6 +204,34 @@ class LayerAdapters(eqx.Module):
         rows = (self.slots[:, None] == jnp.arange(L)[None, :]).astype(h.dtype)  # one-hot; a row of zeros for -1
         h = h * rows.reshape((T, L) + (1,) * (h.ndim - 2))
         return jnp.einsum(expand, h, b)
+
+    def linear(self, kind: str, x: NamedArray, w, axis) -> NamedArray | None:
+        """x through the projection `kind` (SPECS) with its adapters' deltas, the shrink folded into the weight's
+        matmul (FOLD); None where it does not fold (the caller adds the delta to its own matmul's result)."""
+        T = self.slots.shape[0]
+        if kind not in FOLD or isinstance(w, QuantizedWeight) or T > GATHER_MAX_TOKENS:
+            return None
+        m = as_matrices(x, w, axis)
+        if m is None or m.rows != T:
+            return None
+        a_field, b_field, _, expand = SPECS[kind]
+        a, b = getattr(self.weights, a_field), getattr(self.weights, b_field)
+        ranks = a.shape[1 : len(expand.split(",")[0]) - 1]  # the slot's rank-space axes: (parts,) R
+        both = jnp.concatenate([w.array.reshape(m.n, m.k), a.reshape(-1, m.k).astype(w.dtype)])
+        y = jnp.dot(m.xs, both.T)  # [T, n + slots * parts * R]
+        base = m.result(y[:, : m.n])
+        h = y[:, m.n :].reshape(T, a.shape[0], *ranks)
+        s = jnp.maximum(self.slots, 0)
+        h = h[jnp.arange(T), s] * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * len(ranks))
+        contract = _products if GATHER_WAY == "products" else jnp.einsum
+        delta = contract(_gathered(expand, 1), h, b[s]).astype(base.dtype)
+        return base + hax.named(delta, base.axes)
+
+    def project(self, kind: str, x: NamedArray, w, axis, token: str, ax) -> NamedArray:
+        """x @ w plus the delta of each token's adapter: folded (linear) where it can be, else the base's matmul and
+        the delta apart."""
+        y = self.linear(kind, x, w, axis)
+        return y if y is not None else getattr(self, kind)(x, base_linear(x, w, axis=axis), token, ax)
 
     def qkv(self, x: NamedArray, qkv: NamedArray, token: str, ax) -> NamedArray:
         """qkv [token, KVHeads, QKV, HeadSize] plus the q, k and v deltas for x [token, Embed]."""

@@ -182,7 +182,7 @@ def flat_axis_name(names) -> str:
     return FLAT_JOIN.join(names)
 
 
-def _as_matrices(x: NamedArray, weight: NamedArray, axis) -> _Matrices | None:
+def as_matrices(x: NamedArray, weight: NamedArray, axis) -> _Matrices | None:
     """None for a weight split over devices, or contracted axes that are not the weight's last (its [out, in]
     layout), or flattened into its last (cpu_layout.py)."""
     if model_parallel_size() != 1:
@@ -231,7 +231,7 @@ def cpu_int8_matmul(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
     formats, a weight split over devices."""
     if not (jax.default_backend() == "cpu" and isinstance(w, QuantizedWeight) and w.method == "int8"):
         return None
-    m = _as_matrices(x, w.weight, axis)
+    m = as_matrices(x, w.weight, axis)
     if m is None:
         return None
     q = w.weight.array.reshape(m.n, m.k)
@@ -285,7 +285,7 @@ def _in_gemv_kernel(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> Nam
     [out, in] layout)."""
     weight, scale = (w.weight, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
     block = w.block if isinstance(w, QuantizedWeight) else 0
-    m = _as_matrices(x, weight, axis)
+    m = as_matrices(x, weight, axis)
     offset = w.offset if isinstance(w, QuantizedWeight) else None
     if m is None or offset is not None or not gpu_gemv.applies(m.rows, m.k, m.n, weight.dtype, block):
         return None
