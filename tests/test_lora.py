@@ -149,7 +149,7 @@ def test_speculative_decoding_with_adapters_keeps_the_outputs(adapters):
     assert_same(only_base, expected[: len(PROMPTS)], "a base-only batch on the LoRA engine")
 
 
-def _same_as_the_dense_way(adapters, monkeypatch, patch, label: str, max_loras: int) -> None:
+def _same_as_the_dense_way(adapters, monkeypatch, patch, label: str, max_loras: int, max_num_seqs: int = 8) -> None:
     """Base rows and three adapters in one batch, generated the dense way, then again after patch() (which switches
     the way the deltas are computed; monkeypatch undoes it): the same outputs."""
     import jax
@@ -160,7 +160,8 @@ def _same_as_the_dense_way(adapters, monkeypatch, patch, label: str, max_loras: 
     jax.clear_caches()
     pairs = [(i, a) for a in (None, *adapters[:3]) for i in range(len(PROMPTS))]
     prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
-    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=max_loras, max_lora_rank=8, **ENGINE)
+    engine = {**ENGINE, "max_num_seqs": max_num_seqs}
+    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=max_loras, max_lora_rank=8, **engine)
     dense = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
     patch()
     jax.clear_caches()  # the steps traced the dense way must be traced again
@@ -204,6 +205,8 @@ def test_shrinks_folded_into_the_base_matmul_equal_every_slots_rank_space(adapte
         monkeypatch.setattr(lora, "FOLD", frozenset(lora.SPECS))
 
     _same_as_the_dense_way(adapters, monkeypatch, folded, "shrinks folded vs dense", max_loras=4)
+    # one sequence at a time: decode steps of one token read only that token's slot's A
+    _same_as_the_dense_way(adapters, monkeypatch, folded, "one token's slot folded vs dense", max_loras=4, max_num_seqs=1)
 
 
 def test_products_summed_equal_einsum_for_every_spec_the_layers_use():

@@ -171,8 +171,9 @@ def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
 
 # Projections whose shrink rides in the base weight's own matmul in steps that gather (CAPSTAN_LORA_FOLD: a comma
 # list of qkv, out, gate_up, down, or "all"; empty: none): the dot reads [W; every slot's A] at once, so a decode step
-# launches one kernel fewer per projection (a one-stream step is bound by its kernels' count); the token's own slot's
-# R columns are then picked from every slot's. Dense (unquantized) weights on one device only.
+# launches one kernel fewer per projection (a one-stream step is bound by its kernels' count): a step of one token reads
+# its own slot's A, a larger one every slot's and picks each token's R columns after. Dense (unquantized) weights on
+# one device only.
 _FOLD = os.environ.get("CAPSTAN_LORA_FOLD", "")
 FOLD = frozenset(("qkv", "out", "gate_up", "down") if _FOLD == "all" else filter(None, _FOLD.split(",")))
 
@@ -217,12 +218,14 @@ class LayerAdapters(eqx.Module):
         a_field, b_field, _, expand = SPECS[kind]
         a, b = getattr(self.weights, a_field), getattr(self.weights, b_field)
         ranks = a.shape[1 : len(expand.split(",")[0]) - 1]  # the slot's rank-space axes: (parts,) R
-        both = jnp.concatenate([w.array.reshape(m.n, m.k), a.reshape(-1, m.k).astype(w.dtype)])
-        y = jnp.dot(m.xs, both.T)  # [T, n + slots * parts * R]
-        base = m.result(y[:, : m.n])
-        h = y[:, m.n :].reshape(T, a.shape[0], *ranks)
         s = jnp.maximum(self.slots, 0)
-        h = h[jnp.arange(T), s] * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * len(ranks))
+        # one token: only its own slot's A (fewer bytes than every slot's, which a mixed step needs)
+        extra = a[s[0]] if T == 1 else a
+        both = jnp.concatenate([w.array.reshape(m.n, m.k), extra.reshape(-1, m.k).astype(w.dtype)])
+        y = jnp.dot(m.xs, both.T)  # [T, n + (slots *) parts * R]
+        base = m.result(y[:, : m.n])
+        h = y[:, m.n :].reshape(T, *ranks) if T == 1 else y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), s]
+        h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * len(ranks))
         contract = _products if GATHER_WAY == "products" else jnp.einsum
         delta = contract(_gathered(expand, 1), h, b[s]).astype(base.dtype)
         return base + hax.named(delta, base.axes)
