@@ -206,7 +206,9 @@ def test_shrinks_folded_into_the_base_matmul_equal_every_slots_rank_space(adapte
 
     _same_as_the_dense_way(adapters, monkeypatch, folded, "shrinks folded vs dense", max_loras=4)
     # one sequence at a time: decode steps of one token read only that token's slot's A
-    _same_as_the_dense_way(adapters, monkeypatch, folded, "one token's slot folded vs dense", max_loras=4, max_num_seqs=1)
+    _same_as_the_dense_way(
+        adapters, monkeypatch, folded, "one token's slot folded vs dense", max_loras=4, max_num_seqs=1
+    )
 
 
 def test_products_summed_equal_einsum_for_every_spec_the_layers_use():
