@@ -171,9 +171,10 @@ def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
 
 # Projections whose shrink rides in the base weight's own matmul in steps that gather (CAPSTAN_LORA_FOLD: a comma
 # list of qkv, out, gate_up, down, or "all"; empty: none): the dot reads [W; every slot's A] at once, so a decode step
-# launches one kernel fewer per projection (a one-stream step is bound by its kernels' count): a step of one token reads
-# its own slot's A, a larger one every slot's and picks each token's R columns after. Dense (unquantized) weights on
-# one device only.
+# launches one kernel fewer per projection (a one-stream step is bound by its kernels' count); each token's R columns
+# are picked from every slot's after it. Dense (unquantized) weights on one device only. Off by default: on the H100
+# one stream took 1.180x the base's time a token against 1.195x unfolded (same call; the dots reading the extra
+# columns got slower by about what the four fewer kernels a layer saved), benchmarks/RESULTS.md.
 _FOLD = os.environ.get("CAPSTAN_LORA_FOLD", "")
 FOLD = frozenset(("qkv", "out", "gate_up", "down") if _FOLD == "all" else filter(None, _FOLD.split(",")))
 
@@ -218,13 +219,13 @@ class LayerAdapters(eqx.Module):
         a_field, b_field, _, expand = SPECS[kind]
         a, b = getattr(self.weights, a_field), getattr(self.weights, b_field)
         ranks = a.shape[1 : len(expand.split(",")[0]) - 1]  # the slot's rank-space axes: (parts,) R
-        s = jnp.maximum(self.slots, 0)
-        # one token: only its own slot's A (fewer bytes than every slot's, which a mixed step needs)
-        extra = a[s[0]] if T == 1 else a
-        both = jnp.concatenate([w.array.reshape(m.n, m.k), extra.reshape(-1, m.k).astype(w.dtype)])
-        y = jnp.dot(m.xs, both.T)  # [T, n + (slots *) parts * R]
+        # every slot's A, even for one token: XLA reads [W; A] in the dot's own fusion only when A is a whole array
+        # (with the token's slot sliced out first it copied W a step: one stream 2.2x the base's time, H100)
+        both = jnp.concatenate([w.array.reshape(m.n, m.k), a.reshape(-1, m.k).astype(w.dtype)])
+        y = jnp.dot(m.xs, both.T)  # [T, n + slots * parts * R]
         base = m.result(y[:, : m.n])
-        h = y[:, m.n :].reshape(T, *ranks) if T == 1 else y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), s]
+        s = jnp.maximum(self.slots, 0)
+        h = y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), s]
         h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * len(ranks))
         contract = _products if GATHER_WAY == "products" else jnp.einsum
         delta = contract(_gathered(expand, 1), h, b[s]).astype(base.dtype)
@@ -236,30 +237,32 @@ class LayerAdapters(eqx.Module):
         y = self.linear(kind, x, w, axis)
         return y if y is not None else getattr(self, kind)(x, base_linear(x, w, axis=axis), token, ax)
 
+    def _add(self, kind: str, x: NamedArray, x_axes: tuple, y: NamedArray, y_axes: tuple) -> NamedArray:
+        """y (the projection's base output, y_axes after the token) plus the delta for x (x_axes after the token)."""
+        a_field, b_field, shrink, expand = SPECS[kind]
+        token = y.axes[0]
+        xs = x.rearrange((token.name, *x_axes)).array
+        delta = self._delta(xs, getattr(self.weights, a_field), getattr(self.weights, b_field), shrink, expand)
+        return y + hax.named(delta.astype(y.dtype), (token, *y_axes))
+
     def qkv(self, x: NamedArray, qkv: NamedArray, token: str, ax) -> NamedArray:
         """qkv [token, KVHeads, QKV, HeadSize] plus the q, k and v deltas for x [token, Embed]."""
-        w = self.weights
-        xs = x.rearrange((token, ax.Embed)).array
-        delta = self._delta(xs, w.qkv_a, w.qkv_b, "te,lpre->tlpr", "tlpr,lprkqd->tkqd").astype(qkv.dtype)
-        return qkv + hax.named(delta, (qkv.resolve_axis(token), ax.KVHeads, ax.QKV, ax.HeadSize))
+        return self._add(
+            "qkv",
+            x,
+            (ax.Embed,),
+            qkv.rearrange((token, ax.KVHeads, ax.QKV, ax.HeadSize)),
+            (ax.KVHeads, ax.QKV, ax.HeadSize),
+        )
 
     def out(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
         """o_proj's y [token, Embed] plus the delta for x [token, KVHeads, QPerKV, HeadSize]."""
-        w = self.weights
-        xs = x.rearrange((token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array
-        delta = self._delta(xs, w.o_a, w.o_b, "tkgd,lrkgd->tlr", "tlr,lre->te").astype(y.dtype)
-        return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
+        return self._add("out", x, (ax.KVHeads, ax.QPerKV, ax.HeadSize), y.rearrange((token, ax.Embed)), (ax.Embed,))
 
     def gate_up(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
         """The fused gate/up y [token, GateUp, Mlp] plus both deltas for x [token, Embed]."""
-        w = self.weights
-        xs = x.rearrange((token, ax.Embed)).array
-        delta = self._delta(xs, w.gate_up_a, w.gate_up_b, "te,lpre->tlpr", "tlpr,lpri->tpi").astype(y.dtype)
-        return y + hax.named(delta, (y.resolve_axis(token), ax.GateUp, ax.Mlp))
+        return self._add("gate_up", x, (ax.Embed,), y.rearrange((token, ax.GateUp, ax.Mlp)), (ax.GateUp, ax.Mlp))
 
     def down(self, x: NamedArray, y: NamedArray, token: str, ax) -> NamedArray:
         """down_proj's y [token, Embed] plus the delta for x [token, Mlp]."""
-        w = self.weights
-        xs = x.rearrange((token, ax.Mlp)).array
-        delta = self._delta(xs, w.down_a, w.down_b, "ti,lri->tlr", "tlr,lre->te").astype(y.dtype)
-        return y + hax.named(delta, (y.resolve_axis(token), ax.Embed))
+        return self._add("down", x, (ax.Mlp,), y.rearrange((token, ax.Embed)), (ax.Embed,))
