@@ -104,11 +104,10 @@ for part in $parts; do
         | grep --line-buffered -E "single|Error"
       for kind in base lora; do echo "--- $kind"; python3 benchmarks/trace_summary.py /tmp/loratrace/$kind --top 45; done ;;
     # one stream with each CAPSTAN_LORA_FOLD (the shrinks read by the base weights' own matmuls; "-": none)
-    # (LORA_EXPAND=unrolled: CAPSTAN_LORA_EXPAND for every run)
-    lorafold) for fold in ${LORA_FOLDS:-- qkv,out gate_up,down all}; do echo "== CAPSTAN_LORA_FOLD=$fold CAPSTAN_LORA_EXPAND=${LORA_EXPAND:-}"
-        CAPSTAN_LORA_EXPAND=${LORA_EXPAND:-} CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \
-          --trace /tmp/lorafold-$fold${LORA_EXPAND:-} --json "$OUT/lora-fold-$fold${LORA_EXPAND:-}.json" 2>&1 | grep --line-buffered -E "single|Error"
-        python3 benchmarks/trace_summary.py /tmp/lorafold-$fold${LORA_EXPAND:-}/lora --top ${LORA_TOP:-30} | head -${LORA_TOP:-30}; done ;;
+    lorafold) for fold in ${LORA_FOLDS:-- qkv,out gate_up,down all}; do echo "== CAPSTAN_LORA_FOLD=$fold"
+        CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \
+          --trace /tmp/lorafold-$fold --json "$OUT/lora-fold-$fold.json" 2>&1 | grep --line-buffered -E "single|Error"
+        python3 benchmarks/trace_summary.py /tmp/lorafold-$fold/lora --top ${LORA_TOP:-30} | head -${LORA_TOP:-30}; done ;;
     loragather) for way in products:16 einsum:16 products:0; do
         IFS=: read -r gway gmax <<< "$way"; echo "== CAPSTAN_LORA_GATHER_WAY:MAX_TOKENS=$way"
         CAPSTAN_LORA_GATHER_WAY=$gway CAPSTAN_LORA_GATHER_MAX_TOKENS=$gmax \

@@ -152,15 +152,9 @@ def _gathered(spec: str, operand: int) -> str:
     return ",".join(parts) + "->" + out.replace("l", "")
 
 
-# CAPSTAN_LORA_EXPAND=unrolled: the expand's sum over the rank written as that many multiply-adds (no reduce op), so
-# XLA may fuse the expand into the delta's consumer (the residual add, silu x up) instead of a kernel of its own.
-EXPAND_UNROLLED = os.environ.get("CAPSTAN_LORA_EXPAND", "") == "unrolled"
-
-
-def _products(spec: str, p: jax.Array, q: jax.Array, unroll: bool = False) -> jax.Array:
+def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
     """jnp.einsum(spec, p, q) as a broadcast product summed over the contracted letters, in float32: elementwise work
-    XLA fuses with its neighbours (a gather, an add), never a matmul kernel of its own. unroll: the sum as a chain of
-    adds of slices (no reduce op at all)."""
+    XLA fuses with its neighbours (a gather, an add), never a matmul kernel of its own."""
     (sp, sq), out = spec.split("->")[0].split(","), spec.split("->")[1]
     letters = list(dict.fromkeys(sp + sq))
 
@@ -170,16 +164,7 @@ def _products(spec: str, p: jax.Array, q: jax.Array, unroll: bool = False) -> ja
         return x.reshape([x.shape[present.index(c)] if c in sub else 1 for c in letters])
 
     summed = spread(p, sp) * spread(q, sq)
-    contracted = [i for i, c in enumerate(letters) if c not in out]
-    if unroll:
-        kept_shape = [n for i, n in enumerate(summed.shape) if i not in contracted]
-        terms = jnp.moveaxis(summed, contracted, list(range(len(contracted)))).reshape(-1, *kept_shape)
-        total = terms[0]
-        for k in range(1, terms.shape[0]):
-            total = total + terms[k]
-        summed = total
-    else:
-        summed = summed.sum(axis=tuple(contracted))
+    summed = summed.sum(axis=tuple(i for i, c in enumerate(letters) if c not in out))
     kept = [c for c in letters if c in out]
     return jnp.transpose(summed, [kept.index(c) for c in out])
 
@@ -216,8 +201,6 @@ class LayerAdapters(eqx.Module):
             contract = _products if GATHER_WAY == "products" else jnp.einsum
             h = contract(_gathered(shrink, 1), x, a[s])  # [T, ..., R]
             h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * (h.ndim - 1))
-            if GATHER_WAY == "products":
-                return _products(_gathered(expand, 1), h, b[s], unroll=EXPAND_UNROLLED)
             return contract(_gathered(expand, 1), h, b[s])
         h = jnp.einsum(shrink, x, a)  # [T, L, ..., R]: every slot's rank space
         rows = (self.slots[:, None] == jnp.arange(L)[None, :]).astype(h.dtype)  # one-hot; a row of zeros for -1
@@ -244,10 +227,8 @@ class LayerAdapters(eqx.Module):
         s = jnp.maximum(self.slots, 0)
         h = y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), s]
         h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * len(ranks))
-        if GATHER_WAY == "products":
-            delta = _products(_gathered(expand, 1), h, b[s], unroll=EXPAND_UNROLLED).astype(base.dtype)
-        else:
-            delta = jnp.einsum(_gathered(expand, 1), h, b[s]).astype(base.dtype)
+        contract = _products if GATHER_WAY == "products" else jnp.einsum
+        delta = contract(_gathered(expand, 1), h, b[s]).astype(base.dtype)
         return base + hax.named(delta, base.axes)
 
     def project(self, kind: str, x: NamedArray, w, axis, token: str, ax) -> NamedArray:
