@@ -97,8 +97,6 @@ for part in $parts; do
     lora) python3 benchmarks/lora.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --adapters 8 --rank 16 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
         --single-stream-tokens 256 --json "$OUT/lora-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
-    # one stream by each way models/lora.py has for a decode step: each token's own slot gathered and contracted as
-    # products summed (XLA fuses them) or by einsum's matmuls, and every slot's rank space (the large steps' way)
     # one stream's kernels, base engine against one adapter (what the adapter's deltas launch, and their time)
     loratrace) python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 --trace /tmp/loratrace 2>&1 \
         | grep --line-buffered -E "single|Error"
@@ -108,6 +106,8 @@ for part in $parts; do
         CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \
           --trace /tmp/lorafold-$fold --json "$OUT/lora-fold-$fold.json" 2>&1 | grep --line-buffered -E "single|Error"
         python3 benchmarks/trace_summary.py /tmp/lorafold-$fold/lora --top ${LORA_TOP:-30} | head -${LORA_TOP:-30}; done ;;
+    # one stream by each way models/lora.py has for a decode step: each token's own slot gathered and contracted as
+    # products summed (XLA fuses them) or by einsum's matmuls, and every slot's rank space (the large steps' way)
     loragather) for way in products:16 einsum:16 products:0; do
         IFS=: read -r gway gmax <<< "$way"; echo "== CAPSTAN_LORA_GATHER_WAY:MAX_TOKENS=$way"
         CAPSTAN_LORA_GATHER_WAY=$gway CAPSTAN_LORA_GATHER_MAX_TOKENS=$gmax \

@@ -205,7 +205,7 @@ def test_shrinks_folded_into_the_base_matmul_equal_every_slots_rank_space(adapte
         monkeypatch.setattr(lora, "FOLD", frozenset(lora.SPECS))
 
     _same_as_the_dense_way(adapters, monkeypatch, folded, "shrinks folded vs dense", max_loras=4)
-    # one sequence at a time: decode steps of one token read only that token's slot's A
+    # one sequence at a time: decode steps of one token (every slot's A read, the token's picked)
     _same_as_the_dense_way(
         adapters, monkeypatch, folded, "one token's slot folded vs dense", max_loras=4, max_num_seqs=1
     )

@@ -197,17 +197,22 @@ class LayerAdapters(eqx.Module):
         """x @ A @ B of each token's own slot; shrink and expand are the dense specs (over every slot, l)."""
         T, L = self.slots.shape[0], a.shape[0]
         if T <= GATHER_MAX_TOKENS:
-            s = jnp.maximum(self.slots, 0)
             contract = _products if GATHER_WAY == "products" else jnp.einsum
-            h = contract(_gathered(shrink, 1), x, a[s])  # [T, ..., R]
-            h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * (h.ndim - 1))
-            return contract(_gathered(expand, 1), h, b[s])
+            return self._expand_own(contract(_gathered(shrink, 1), x, a[jnp.maximum(self.slots, 0)]), b, expand)
         h = jnp.einsum(shrink, x, a)  # [T, L, ..., R]: every slot's rank space
         rows = (self.slots[:, None] == jnp.arange(L)[None, :]).astype(h.dtype)  # one-hot; a row of zeros for -1
         h = h * rows.reshape((T, L) + (1,) * (h.ndim - 2))
         return jnp.einsum(expand, h, b)
 
-    def linear(self, kind: str, x: NamedArray, w, axis) -> NamedArray | None:
+    def _expand_own(self, h: jax.Array, b: jax.Array, expand: str) -> jax.Array:
+        """h [T, ..., R], each token's own slot's rank space, back through its slot's B (zeros for base rows)."""
+        T = self.slots.shape[0]
+        s = jnp.maximum(self.slots, 0)
+        h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * (h.ndim - 1))
+        contract = _products if GATHER_WAY == "products" else jnp.einsum
+        return contract(_gathered(expand, 1), h, b[s])
+
+    def _folded(self, kind: str, x: NamedArray, w, axis) -> NamedArray | None:
         """x through the projection `kind` (SPECS) with its adapters' deltas, the shrink folded into the weight's
         matmul (FOLD); None where it does not fold (the caller adds the delta to its own matmul's result)."""
         T = self.slots.shape[0]
@@ -224,17 +229,13 @@ class LayerAdapters(eqx.Module):
         both = jnp.concatenate([w.array.reshape(m.n, m.k), a.reshape(-1, m.k).astype(w.dtype)])
         y = jnp.dot(m.xs, both.T)  # [T, n + slots * parts * R]
         base = m.result(y[:, : m.n])
-        s = jnp.maximum(self.slots, 0)
-        h = y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), s]
-        h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * len(ranks))
-        contract = _products if GATHER_WAY == "products" else jnp.einsum
-        delta = contract(_gathered(expand, 1), h, b[s]).astype(base.dtype)
-        return base + hax.named(delta, base.axes)
+        h = y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), jnp.maximum(self.slots, 0)]
+        return base + hax.named(self._expand_own(h, b, expand).astype(base.dtype), base.axes)
 
     def project(self, kind: str, x: NamedArray, w, axis, token: str, ax) -> NamedArray:
         """x @ w plus the delta of each token's adapter: folded (linear) where it can be, else the base's matmul and
         the delta apart."""
-        y = self.linear(kind, x, w, axis)
+        y = self._folded(kind, x, w, axis)
         return y if y is not None else getattr(self, kind)(x, base_linear(x, w, axis=axis), token, ax)
 
     def _add(self, kind: str, x: NamedArray, x_axes: tuple, y: NamedArray, y_axes: tuple) -> NamedArray:
