@@ -6,8 +6,8 @@ choose core 0.
 Every frontend balances its own requests, so the cores' loads, sums of balanced parts, differ by at most about one
 request per frontend, however late the cores' stats come. Choosing by the stats plus "sent since the last stats"
 did not: a core busy in a long step reads its socket late, so every frontend saw only its own share of what waited
-there and sent that core more (of a burst of 2,048 requests one core of two got at least 1,286: 6 were answered
-queue_full past its 1,280; its GPU busy 63% against 39%; benchmarks/RESULTS.md). A core that serves slower keeps its requests open longer, so it
+there and sent that core more (of a burst of 2,048 requests from 16 frontends one core of two got at least 1,286:
+6 were answered queue_full past its 1,280; GPUs busy 63% and 37%; benchmarks/RESULTS.md). A core that serves slower keeps its requests open longer, so it
 is given fewer."""
 
 from __future__ import annotations
