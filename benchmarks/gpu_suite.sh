@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold loraexpand lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -106,14 +106,6 @@ for part in $parts; do
         CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \
           --trace /tmp/lorafold-$fold --json "$OUT/lora-fold-$fold.json" 2>&1 | grep --line-buffered -E "single|Error"
         python3 benchmarks/trace_summary.py /tmp/lorafold-$fold/lora --top ${LORA_TOP:-30} | head -${LORA_TOP:-30}; done ;;
-    # one stream by the gathered expand's form (LORA_EXPANDS="FLAT:UNROLL:FOLD ...", each a models/lora.py kind list
-    # or "-"), with one layer's kernels from a trace of each
-    loraexpand) for v in ${LORA_EXPANDS:--:-:- qkv:down:- qkv:qkv,down:- qkv:down:qkv}; do IFS=: read -r flat unroll fold <<< "$v"
-        echo "== CAPSTAN_LORA_EXPAND_FLAT=$flat CAPSTAN_LORA_EXPAND_UNROLL=$unroll CAPSTAN_LORA_FOLD=$fold"
-        CAPSTAN_LORA_EXPAND_FLAT=${flat#-} CAPSTAN_LORA_EXPAND_UNROLL=${unroll#-} CAPSTAN_LORA_FOLD=${fold#-} python3 \
-          benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 --trace /tmp/loraexpand-$v \
-          --json "$OUT/lora-expand-$v.json" 2>&1 | grep --line-buffered -E "single|Error"
-        python3 benchmarks/trace_summary.py /tmp/loraexpand-$v/lora --top 0 --sequence ${LORA_SEQ:-24} | grep -v "^ *[0-9.]* ms"; done ;;
     # one stream by each way models/lora.py has for a decode step: each token's own slot gathered and contracted as
     # products summed (XLA fuses them) or by einsum's matmuls, and every slot's rank space (the large steps' way)
     loragather) for way in products:16 einsum:16 products:0; do

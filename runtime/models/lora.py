@@ -178,17 +178,6 @@ def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
 _FOLD = os.environ.get("CAPSTAN_LORA_FOLD", "")
 FOLD = frozenset(("qkv", "out", "gate_up", "down") if _FOLD == "all" else filter(None, _FOLD.split(",")))
 
-
-# Projections whose gathered expand contracts the rank as one flattened axis against B's flattened output
-# (CAPSTAN_LORA_EXPAND_FLAT, comma list or "all"), and of those the ones summed as a chain of multiply-adds
-# (CAPSTAN_LORA_EXPAND_UNROLL): which XLA fuses into the delta's consumer on the H100 is measured, not assumed
-def _kinds(var: str) -> frozenset:
-    v = os.environ.get(var, "")
-    return frozenset(("qkv", "out", "gate_up", "down") if v == "all" else filter(None, v.split(",")))
-
-
-EXPAND_FLAT, EXPAND_UNROLL = _kinds("CAPSTAN_LORA_EXPAND_FLAT"), _kinds("CAPSTAN_LORA_EXPAND_UNROLL")
-
 # Each projection's (A, B) fields of LoRALayer, the dense shrink and expand specs (over every slot, l)
 SPECS = {
     "qkv": ("qkv_a", "qkv_b", "te,lpre->tlpr", "tlpr,lprkqd->tkqd"),
@@ -204,39 +193,24 @@ class LayerAdapters(eqx.Module):
     weights: LoRALayer
     slots: jax.Array
 
-    def _delta(self, x: jax.Array, a: jax.Array, b: jax.Array, shrink: str, expand: str, kind: str) -> jax.Array:
+    def _delta(self, x: jax.Array, a: jax.Array, b: jax.Array, shrink: str, expand: str) -> jax.Array:
         """x @ A @ B of each token's own slot; shrink and expand are the dense specs (over every slot, l)."""
         T, L = self.slots.shape[0], a.shape[0]
         if T <= GATHER_MAX_TOKENS:
             contract = _products if GATHER_WAY == "products" else jnp.einsum
-            return self._expand_own(contract(_gathered(shrink, 1), x, a[jnp.maximum(self.slots, 0)]), b, expand, kind)
+            return self._expand_own(contract(_gathered(shrink, 1), x, a[jnp.maximum(self.slots, 0)]), b, expand)
         h = jnp.einsum(shrink, x, a)  # [T, L, ..., R]: every slot's rank space
         rows = (self.slots[:, None] == jnp.arange(L)[None, :]).astype(h.dtype)  # one-hot; a row of zeros for -1
         h = h * rows.reshape((T, L) + (1,) * (h.ndim - 2))
         return jnp.einsum(expand, h, b)
 
-    def _expand_own(self, h: jax.Array, b: jax.Array, expand: str, kind: str = "") -> jax.Array:
+    def _expand_own(self, h: jax.Array, b: jax.Array, expand: str) -> jax.Array:
         """h [T, ..., R], each token's own slot's rank space, back through its slot's B (zeros for base rows)."""
         T = self.slots.shape[0]
         s = jnp.maximum(self.slots, 0)
         h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * (h.ndim - 1))
-        if GATHER_WAY != "products":
-            return jnp.einsum(_gathered(expand, 1), h, b[s])
-        (hs_spec, _), out = expand.split("->")[0].split(","), expand.split("->")[1]
-        if kind not in EXPAND_FLAT or any(c in out for c in hs_spec[2:]):  # gate/up keeps its part axis
-            return _products(_gathered(expand, 1), h, b[s])
-        # every rank axis contracted (q/k/v, o, down): [T, J] x [T, J, N] with N the output's axes flattened, the
-        # rank major in B as stored, so XLA sums it down the columns, in a loop its consumer (the add) can join
-        J = int(np.prod(h.shape[1:]))
-        bs = b[s].reshape(T, J, -1)
-        hs = h.reshape(T, J).astype(jnp.float32)
-        if kind in EXPAND_UNROLL:  # a chain of multiply-adds: no reduce op at all
-            delta = hs[:, 0, None] * bs[:, 0].astype(jnp.float32)
-            for j in range(1, J):
-                delta = delta + hs[:, j, None] * bs[:, j].astype(jnp.float32)
-        else:
-            delta = _products("tj,tjn->tn", hs, bs)
-        return delta.reshape(T, *b.shape[1 + h.ndim - 1 :])
+        contract = _products if GATHER_WAY == "products" else jnp.einsum
+        return contract(_gathered(expand, 1), h, b[s])
 
     def _folded(self, kind: str, x: NamedArray, w, axis) -> NamedArray | None:
         """x through the projection `kind` (SPECS) with its adapters' deltas, the shrink folded into the weight's
@@ -256,7 +230,7 @@ class LayerAdapters(eqx.Module):
         y = jnp.dot(m.xs, both.T)  # [T, n + slots * parts * R]
         base = m.result(y[:, : m.n])
         h = y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), jnp.maximum(self.slots, 0)]
-        return base + hax.named(self._expand_own(h, b, expand, kind).astype(base.dtype), base.axes)
+        return base + hax.named(self._expand_own(h, b, expand).astype(base.dtype), base.axes)
 
     def project(self, kind: str, x: NamedArray, w, axis, token: str, ax) -> NamedArray:
         """x @ w plus the delta of each token's adapter: folded (linear) where it can be, else the base's matmul and
@@ -269,7 +243,7 @@ class LayerAdapters(eqx.Module):
         a_field, b_field, shrink, expand = SPECS[kind]
         token = y.axes[0]
         xs = x.rearrange((token.name, *x_axes)).array
-        delta = self._delta(xs, getattr(self.weights, a_field), getattr(self.weights, b_field), shrink, expand, kind)
+        delta = self._delta(xs, getattr(self.weights, a_field), getattr(self.weights, b_field), shrink, expand)
         return y + hax.named(delta.astype(y.dtype), (token, *y_axes))
 
     def qkv(self, x: NamedArray, qkv: NamedArray, token: str, ax) -> NamedArray:
