@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold loraslots lorahlo lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -106,6 +106,16 @@ for part in $parts; do
         CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \
           --trace /tmp/lorafold-$fold --json "$OUT/lora-fold-$fold.json" 2>&1 | grep --line-buffered -E "single|Error"
         python3 benchmarks/trace_summary.py /tmp/lorafold-$fold/lora --top ${LORA_TOP:-30} | head -${LORA_TOP:-30}; done ;;
+    # one stream's optimized HLO and one layer's kernel sequence, base engine and LoRA engine (default ways)
+    lorahlo) XLA_FLAGS="--xla_dump_to=/tmp/lorahlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$ --xla_dump_hlo_module_re=.*decode.*" \
+        python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 --single-stream-tokens 64 \
+        --trace /tmp/lorahlotrace 2>&1 | grep --line-buffered -E "single|Error"
+      mkdir -p "$OUT/hlo"; ls -S /tmp/lorahlo/*after_optimizations.txt | head -4 | while read -r f; do gzip -c "$f" > "$OUT/hlo/$(basename "$f").gz"; done
+      for kind in base lora; do echo "--- $kind"; python3 benchmarks/trace_summary.py /tmp/lorahlotrace/$kind --sequence ${LORA_SEQ:-60}; done ;;
+    # one stream by device slots and fold (LORA_SLOTS="SLOTS:FOLD ...", FOLD "-" for none): --max-loras 1 is the default
+    loraslots) for sf in ${LORA_SLOTS:-1:- 1:all 8:all}; do slots=${sf%%:*}; fold=${sf#*:}; echo "== --max-loras $slots CAPSTAN_LORA_FOLD=$fold"
+        CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \
+          --max-loras $slots --json "$OUT/lora-slots$slots-fold$fold.json" 2>&1 | grep --line-buffered -E "single|Error"; done ;;
     # one stream by each way models/lora.py has for a decode step: each token's own slot gathered and contracted as
     # products summed (XLA fuses them) or by einsum's matmuls, and every slot's rank space (the large steps' way)
     loragather) for way in products:16 einsum:16 products:0; do

@@ -149,7 +149,9 @@ def main(argv=None) -> dict:
             single = engine_for(lora, 1, max(a.prompt_len, 16))
             pick = [loras[0]] if lora else None
             run(single, prompts[:1], warm, loras=pick)
-            runs = sorted(1000 * run(single, [p], one, loras=pick)["seconds"] / a.single_stream_tokens for p in streams)
+            results = [run(single, [p], one, loras=pick) for p in streams]
+            runs = sorted(1000 * r["seconds"] / a.single_stream_tokens for r in results)
+            figures[f"{label}_single_stream_tokens_digest"] = results[0]["tokens_digest"]
             figures[f"{label}_single_stream_ms_per_token"] = runs[1]  # the median of three streams
             if a.trace:  # kernel by kernel: benchmarks/trace_summary.py DIR/label
                 short = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0, detokenize=False)

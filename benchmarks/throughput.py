@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -133,6 +134,7 @@ def run(
         engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp, lora_request=loras[i] if loras else None)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     trace_step = -1
+    digest = hashlib.sha256()  # the generated ids in the order they came: runs of one config compare by it
     while engine.has_unfinished():
         tracing = bool(trace) and steps == trace_step
         if trace and tracing:  # one decode step's kernels, for benchmarks/trace_summary.py
@@ -143,6 +145,8 @@ def run(
         steps += 1
         peak_pages = max(peak_pages, engine.pool.num_used)
         out_tokens += sum(len(o.token_ids) for r in outs for o in r.outputs)
+        for o in (o for r in outs for o in r.outputs):
+            digest.update(np.asarray(o.token_ids, np.int64).tobytes())
         if (
             first_decode is None
             and not engine.scheduler.waiting
@@ -161,6 +165,7 @@ def run(
         "decode_phase_s": end - start - prefill_s,
         "steps": steps,
         "peak_kv_pages": peak_pages,
+        "tokens_digest": digest.hexdigest()[:12],
         **({f"timeline_{k}": v for k, v in timeline.report().items()} if timeline else {}),
     }
 
