@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold loraslots lorahlo lorastream lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold loraslots lorahlo lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -112,14 +112,6 @@ for part in $parts; do
         --trace /tmp/lorahlotrace 2>&1 | grep --line-buffered -E "single|Error"
       mkdir -p "$OUT/hlo"; ls -S /tmp/lorahlo/*after_optimizations.txt | head -4 | while read -r f; do gzip -c "$f" > "$OUT/hlo/$(basename "$f").gz"; done
       for kind in base lora; do echo "--- $kind"; python3 benchmarks/trace_summary.py /tmp/lorahlotrace/$kind --sequence ${LORA_SEQ:-60}; done ;;
-    # one stream with the deltas on a second CUDA stream (CAPSTAN_LORA_STREAM=1) against without, and with XLA's
-    # latency-hiding scheduler (LORA_STREAMS="STREAM:LHS ...", "-" for off), one layer's kernels traced for each
-    lorastream) for v in ${LORA_STREAMS:--:- 1:- 1:1}; do IFS=: read -r stream lhs <<< "$v"
-        flags=""; [ "$lhs" = 1 ] && flags="--xla_gpu_enable_latency_hiding_scheduler=true"
-        echo "== CAPSTAN_LORA_STREAM=$stream XLA_FLAGS=$flags"
-        XLA_FLAGS="$flags" CAPSTAN_LORA_STREAM=${stream#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch \
-          --adapters 8 --rank 16 --trace /tmp/lorastream-$stream-$lhs 2>&1 | grep --line-buffered -E "single|Error"
-        python3 benchmarks/trace_summary.py /tmp/lorastream-$stream-$lhs/lora --top 0 --sequence ${LORA_SEQ:-26} | grep -v "^ *[0-9.]* ms"; done ;;
     # one stream by device slots and fold (LORA_SLOTS="SLOTS:FOLD ...", FOLD "-" for none): --max-loras 1 is the default
     loraslots) for sf in ${LORA_SLOTS:-1:- 1:all 8:all}; do slots=${sf%%:*}; fold=${sf#*:}; echo "== --max-loras $slots CAPSTAN_LORA_FOLD=$fold"
         CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \

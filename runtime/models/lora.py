@@ -12,7 +12,6 @@ slots * R columns per projection (8 x 16 = 128: a few per cent of a 1B model's m
 
 from __future__ import annotations
 
-import functools
 import os
 
 import equinox as eqx
@@ -21,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
-from jax.experimental import compute_on as compute_on_module
 
 from .config import ModelConfig
 from .quantization import QuantizedWeight, as_matrices
@@ -189,31 +187,6 @@ SPECS = {
 }
 
 
-# CAPSTAN_LORA_STREAM=1 (GPU): a gathered step's deltas computed on a second CUDA stream (XLA's stream annotation),
-# so their small kernels run beside the base weights' matmuls instead of after them
-STREAM = os.environ.get("CAPSTAN_LORA_STREAM", "") == "1" and jax.default_backend() == "gpu"
-
-
-def _own_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, shrink: str, expand: str) -> jax.Array:
-    T = slots.shape[0]
-    s = jnp.maximum(slots, 0)
-    h = _products(_gathered(shrink, 1), x, a[s])
-    h = h * (slots >= 0).astype(h.dtype).reshape((T,) + (1,) * (h.ndim - 1))
-    return _products(_gathered(expand, 1), h, b[s])
-
-
-@functools.cache
-def _on_side_stream(shrink: str, expand: str):
-    """_own_delta for these specs as a computation on CUDA stream 1 (JAX 0.11's compute_on, or 0.10's compute_on2)."""
-    f = functools.partial(_own_delta, shrink=shrink, expand=expand)
-    put = getattr(compute_on_module, "compute_on2", compute_on_module.compute_on)
-    return put(f, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
-
-
-def _side_delta(x, a, b, slots, shrink: str, expand: str) -> jax.Array:
-    return _on_side_stream(shrink, expand)(x, a, b, slots)
-
-
 class LayerAdapters(eqx.Module):
     """What a block needs to add its adapters' deltas: its layer's slots and each token's slot [T] (-1: none)."""
 
@@ -270,11 +243,7 @@ class LayerAdapters(eqx.Module):
         a_field, b_field, shrink, expand = SPECS[kind]
         token = y.axes[0]
         xs = x.rearrange((token.name, *x_axes)).array
-        a, b = getattr(self.weights, a_field), getattr(self.weights, b_field)
-        if STREAM and self.slots.shape[0] <= GATHER_MAX_TOKENS and GATHER_WAY == "products":
-            delta = _side_delta(xs, a, b, self.slots, shrink=shrink, expand=expand)
-            return y + hax.named(delta.astype(y.dtype), (token, *y_axes))
-        delta = self._delta(xs, a, b, shrink, expand)
+        delta = self._delta(xs, getattr(self.weights, a_field), getattr(self.weights, b_field), shrink, expand)
         return y + hax.named(delta.astype(y.dtype), (token, *y_axes))
 
     def qkv(self, x: NamedArray, qkv: NamedArray, token: str, ax) -> NamedArray:
