@@ -211,6 +211,21 @@ def test_shrinks_folded_into_the_base_matmul_equal_every_slots_rank_space(adapte
     )
 
 
+def test_q_k_v_delta_inside_the_fused_decode_kernel_equals_every_slots_rank_space(adapters, monkeypatch):
+    """CAPSTAN_LORA_QKV_IN_KERNEL=1: decode steps through the fused decode kernel (interpreted here) add the q/k/v
+    delta inside it; base rows and three adapters give what the dense way gives with the delta added apart."""
+    from capstan.runtime import attention
+    from capstan.runtime.models import lora
+
+    monkeypatch.setattr(attention, "KERNELS_INTERPRETED_ON_CPU", True)
+
+    def in_kernel():
+        monkeypatch.setattr(lora, "GATHER_MAX_TOKENS", 1 << 20)
+        monkeypatch.setattr(lora, "QKV_IN_KERNEL", True)
+
+    _same_as_the_dense_way(adapters, monkeypatch, in_kernel, "q/k/v delta in the kernel vs dense", max_loras=4)
+
+
 def test_products_summed_equal_einsum_for_every_spec_the_layers_use():
     """_products is einsum's contraction written as a broadcast product and a sum: same values for the specs
     LayerAdapters gathers with (shrink and expand of q/k/v, o, gate/up and down), axes in einsum's order."""

@@ -202,11 +202,13 @@ def fused_decode(
     one_plus: bool,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    lora: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ):
     """qkv [T, KVH, G + 2, D] straight from the QKV matmul; returns (out [T, KVH, G, D], k_cache, v_cache):
     gpu_fused_decode's kernel, where decode_fuses says so. Under tensor parallelism each device runs it on its own
     KV heads (shard_map), as write_and_attend does: the norms and rope are per head, the pages are the device's.
-    k_scale, v_scale: an FP8 cache's (kv_quantization)."""
+    k_scale, v_scale: an FP8 cache's (kv_quantization). lora: the rows' q/k/v adapter delta for the kernel to add
+    (its fused_decode_attention argument; one device only)."""
     from ..kernels.gpu_fused_decode_attention import fused_decode_attention
 
     k_scale, v_scale = scales_for(k_cache.dtype, k_scale, v_scale)
@@ -227,8 +229,11 @@ def fused_decode(
             k_scale=k_scale,
             v_scale=v_scale,
             interpret=jax.default_backend() != "gpu",
+            lora=lora,
         )
 
+    if lora is not None and model_parallel_size() != 1:
+        raise ValueError("the fused decode kernel adds a LoRA delta on one device only")
     if model_parallel_size() == 1:
         return local(qkv, cos, sin, k_cache, v_cache, meta, q_norm, k_norm)
     heads, pages = P(None, MODEL_AXIS), P(MODEL_AXIS)

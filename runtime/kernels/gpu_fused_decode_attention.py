@@ -54,6 +54,8 @@ def _kernel(
     k_norm_ref,
     tables_ref,
     row_ref,
+    lora_h_ref,
+    lora_b_ref,
     k_ref,
     v_ref,
     o_ref,
@@ -78,7 +80,20 @@ def _kernel(
     pos = length - 1  # this token's position: the cache holds the sequence's positions before it
     rows = jax.lax.broadcasted_iota(jnp.int32, (block_h, D), 0)
     # the query heads, then the key on every row after them (its copies' results are never read)
-    x = qkv_ref[jnp.minimum(jnp.arange(block_h), groups)].astype(jnp.float32)  # [block_h, D]
+    heads = jnp.minimum(jnp.arange(block_h), groups)
+    x = qkv_ref[heads].astype(jnp.float32)  # [block_h, D]
+    v_row = qkv_ref[groups + 1]  # [D]
+    if lora_h_ref is not None:  # the row's adapter delta on q, k and v: its rank space through its slot's B
+        adapter = row_ref[2]
+        dx = jnp.zeros((block_h, D), jnp.float32)
+        dv = jnp.zeros((D,), jnp.float32)
+        for r in range(lora_h_ref.shape[0]):  # unrolled: every load issued at once
+            weight = lora_h_ref[r]
+            dx += weight * lora_b_ref[adapter, r, heads].astype(jnp.float32)
+            dv += weight * lora_b_ref[adapter, r, groups + 1].astype(jnp.float32)
+        # as the layers add it: the delta rounded to the model's dtype, then the sum rounded
+        x = (x + dx.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+        v_row = (v_row.astype(jnp.float32) + dv.astype(dtype).astype(jnp.float32)).astype(dtype)
     if q_norm_ref is not None:  # RMSNorm over each head (Qwen3, Gemma-3), in float32 as layers.rms_norm
         w = jnp.where(rows < groups, q_norm_ref[...][None, :], k_norm_ref[...][None, :]).astype(jnp.float32)
         normed = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / D + eps)
@@ -95,7 +110,7 @@ def _kernel(
     q = (x * cos + rotated * sin).astype(dtype)  # [block_h, D]: rotated query heads, then the rotated key
     # the key row and the value as their pages store them (FP8: divided by their scales)
     k_new = store(jnp.sum(jnp.where(rows == groups, q.astype(jnp.float32), 0.0), axis=0), k_ref.dtype, k_scale)
-    v_new = store(qkv_ref[groups + 1], v_ref.dtype, v_scale)  # [D]
+    v_new = store(v_row, v_ref.dtype, v_scale)  # [D]
     scale = scale * k_scale  # logits of stored keys
 
     def block(b, carry):
@@ -168,11 +183,14 @@ def fused_decode_attention(
     num_stages: int | None = None,
     pages_per_block: int | None = None,
     k_splits: int | None = None,
+    lora: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ):
     """qkv[S, KVH, G + 2, D]: row r's query heads, key and value before norms and rope (row r is sequence r's only
     token, at meta.positions[r]); cos, sin [S, D] float32; caches [KVH, pages, page_size, D] of one layer;
     q_norm, k_norm [D] or None; k_scale, v_scale: an FP8 cache's scales (kv_quantization). Returns (out [S, KVH, G, D], k_cache, v_cache with the step's K/V written at
-    meta.slot_mapping; INVALID_SLOT writes nothing). The tuning arguments default to the tables above."""
+    meta.slot_mapping; INVALID_SLOT writes nothing). The tuning arguments default to the tables above.
+    lora: (h [S, J] float32, b [slots, J, KVH, G + 2, D], slot [S]): qkv gets h @ b[slot] added first (models/lora.py's
+    q/k/v delta: the row's own rank space, zeros for a base row, through its slot's B), so no kernel of its own."""
     S, KVH, rows, D = qkv.shape
     G = rows - 2
     tables = meta.block_tables
@@ -185,7 +203,12 @@ def fused_decode_attention(
     pad = -tables.shape[1] % pages_per_block
     if pad:  # padded entries point at page 0 and lie past every length, so they are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
-    row = jnp.stack([jnp.where(meta.seq_lens > 0, meta.positions + 1, 0), meta.slot_mapping], axis=1)
+    row_parts = [jnp.where(meta.seq_lens > 0, meta.positions + 1, 0), meta.slot_mapping]
+    lora_h = lora_b = None
+    if lora is not None:
+        lora_h, lora_b, adapter = lora
+        row_parts += [adapter.astype(jnp.int32), jnp.zeros_like(adapter, jnp.int32)]  # (four: a power of two)
+    row = jnp.stack(row_parts, axis=1)
     block_h = max(16, 1 << G.bit_length())  # G query rows and the key's, a power of two, at least a dot's 16
     normalize = k_splits == 1
     precision = jax.lax.Precision.HIGHEST if qkv.dtype == jnp.float32 else None
@@ -207,7 +230,7 @@ def fused_decode_attention(
     stat_spec = pl.BlockSpec((None, None, None, block_h), lambda s, h, k: (k, s, h, 0))
     stats = [] if normalize else [stat_spec, stat_spec]
     stat_shapes = [] if normalize else [jax.ShapeDtypeStruct((k_splits, S, KVH, block_h), jnp.float32)] * 2
-    inputs = [qkv, cos, sin, q_norm, k_norm, tables, row, k_cache, v_cache]
+    inputs = [qkv, cos, sin, q_norm, k_norm, tables, row, lora_h, lora_b, k_cache, v_cache]
     present = [a for a in inputs if a is not None]  # the aliases count the inputs pallas_call is given
     first_out_cache = 1 + len(stats)
     aliases = {len(present) - 2: first_out_cache, len(present) - 1: first_out_cache + 1}  # the caches, in place
@@ -221,7 +244,11 @@ def fused_decode_attention(
             None if q_norm is None else norm_spec,
             None if k_norm is None else norm_spec,
             pl.BlockSpec((None, tables.shape[1]), lambda s, h, k: (s, 0)),
-            pl.BlockSpec((None, 2), lambda s, h, k: (s, 0)),
+            pl.BlockSpec((None, row.shape[1]), lambda s, h, k: (s, 0)),
+            None if lora_h is None else pl.BlockSpec((None, lora_h.shape[1]), lambda s, h, k: (s, 0)),
+            None
+            if lora_b is None
+            else pl.BlockSpec((*lora_b.shape[:2], None, *lora_b.shape[3:]), lambda s, h, k: (0, 0, h, 0, 0)),
             cache_spec,
             cache_spec,
         ],

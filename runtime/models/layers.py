@@ -86,16 +86,21 @@ class Attention(eqx.Module):
     ):
         """k_cache, v_cache: this layer's [KVHeads, pages, page_size, HeadSize]; lora: the step's adapters (None:
         the base model); returns (y, k_cache, v_cache)."""
-        if lora is None:
+        fuses = decode_fuses(
+            k_cache, v_cache, meta, head_dim=ax.HeadSize.size, window=window, softcap=cfg.attn_logit_softcapping
+        )
+        # the q/k/v delta added inside the fused kernel (LayerAdapters.qkv_in_kernel): no kernels of its own
+        in_kernel = None
+        if lora is not None and fuses and self.qkv_bias is None and model_parallel_size() == 1:
+            in_kernel = lora.qkv_in_kernel(x, Token.name, ax)
+        if lora is None or in_kernel is not None:
             qkv = linear(x, self.qkv_proj, axis=ax.Embed)
         else:
             qkv = lora.project("qkv", x, self.qkv_proj, ax.Embed, Token.name, ax)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         gemma = cfg.family == "gemma3"
-        if decode_fuses(
-            k_cache, v_cache, meta, head_dim=ax.HeadSize.size, window=window, softcap=cfg.attn_logit_softcapping
-        ):  # one kernel from here to attention's out
+        if fuses:  # one kernel from here to attention's out
             out, k_cache, v_cache = fused_decode(
                 qkv.rearrange((Token.name, ax.KVHeads, ax.QKV, ax.HeadSize)).array,
                 cos,
@@ -110,6 +115,7 @@ class Attention(eqx.Module):
                 one_plus=gemma,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                lora=in_kernel,
             )
         else:
             G = ax.QPerKV.size

@@ -178,6 +178,11 @@ def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
 _FOLD = os.environ.get("CAPSTAN_LORA_FOLD", "")
 FOLD = frozenset(("qkv", "out", "gate_up", "down") if _FOLD == "all" else filter(None, _FOLD.split(",")))
 
+# Decode steps through the fused decode kernel add the q/k/v delta inside it (CAPSTAN_LORA_QKV_IN_KERNEL=1): its
+# expand and its add are no kernels of their own (two of the seven small kernels an adapter adds to a one-stream
+# layer, benchmarks/RESULTS.md). Off until measured on the H100.
+QKV_IN_KERNEL = os.environ.get("CAPSTAN_LORA_QKV_IN_KERNEL", "") == "1"
+
 # Each projection's (A, B) fields of LoRALayer, the dense shrink and expand specs (over every slot, l)
 SPECS = {
     "qkv": ("qkv_a", "qkv_b", "te,lpre->tlpr", "tlpr,lprkqd->tkqd"),
@@ -231,6 +236,20 @@ class LayerAdapters(eqx.Module):
         base = m.result(y[:, : m.n])
         h = y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), jnp.maximum(self.slots, 0)]
         return base + hax.named(self._expand_own(h, b, expand).astype(base.dtype), base.axes)
+
+    def qkv_in_kernel(self, x: NamedArray, token: str, ax) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """For a step the fused decode kernel runs (QKV_IN_KERNEL, gathered steps): (h [T, 3R] float32, each token's
+        own rank space, zeros for base rows; every slot's B [slots, 3R, KVHeads, QKV, HeadSize]; each token's slot),
+        the kernel's `lora` argument. None: the caller adds the delta itself."""
+        T = self.slots.shape[0]
+        if not QKV_IN_KERNEL or T > GATHER_MAX_TOKENS or GATHER_WAY != "products":
+            return None
+        s = jnp.maximum(self.slots, 0)
+        xs = x.rearrange((token, ax.Embed)).array
+        h = _products(_gathered(SPECS["qkv"][2], 1), xs, self.weights.qkv_a[s])  # [T, 3, R]
+        h = h * (self.slots >= 0).astype(h.dtype)[:, None, None]
+        b = self.weights.qkv_b
+        return h.reshape(T, -1), b.reshape(b.shape[0], -1, *b.shape[3:]), s
 
     def project(self, kind: str, x: NamedArray, w, axis, token: str, ax) -> NamedArray:
         """x @ w plus the delta of each token's adapter: folded (linear) where it can be, else the base's matmul and
