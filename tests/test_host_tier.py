@@ -516,3 +516,13 @@ def test_the_pinned_pool_is_taken_at_warm_up_and_a_refusal_names_the_flag(monkey
     monkeypatch.setattr(jax, "device_put", refuse)
     with pytest.raises(ValueError, match=r"kv_offloading_size: 0\.0 GiB of pinned host memory could not be allocated"):
         offload._grow_pinned_pool(chunk)
+
+
+def test_chunk_pages_setting_takes_a_page_count_and_names_the_variable_otherwise():
+    from capstan.runtime.kv.host_offload import chunk_pages_setting
+
+    assert chunk_pages_setting(None) == chunk_pages_setting("") == 16
+    assert chunk_pages_setting("64") == 64
+    for bad in ("0", "-4", "8.5", "lots", "4097", str(2**63)):
+        with pytest.raises(ValueError, match="CAPSTAN_KV_OFFLOAD_CHUNK_PAGES"):
+            chunk_pages_setting(bad)

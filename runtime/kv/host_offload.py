@@ -64,7 +64,22 @@ from .host_tier import HostTier
 from .page_pool import PageHash
 
 log = logging.getLogger("capstan.kv")
+
+
 CHUNK_PAGES = 16  # pages a copy to the host moves at most (8B: 32 MiB); a small tier's chunks are 1/16 of it
+
+
+def chunk_pages_setting(value: str | None) -> int:
+    """CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: pages a chunk holds at most (CHUNK_PAGES by default: 8 MiB on the 1B shape, 32
+    MiB on the 8B; fewer, larger chunks mean fewer device_puts a load, each a host call of ~0.1 ms, and coarser
+    eviction)."""
+    if value is None or value == "":
+        return CHUNK_PAGES
+    if not value.isdigit() or not 1 <= int(value) <= 4096:
+        raise ValueError(f"CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: {value!r} is not a whole number of pages from 1 to 4096")
+    return int(value)
+
+
 LOAD_DEADLINE_S = 5.0  # a host-to-device copy not landed by then is dropped: its pages are recomputed
 HOST_MEMORY = "pinned_host"  # where the tier's pages live: the DMA engines read and write it directly
 GIB = 1 << 30
@@ -174,7 +189,8 @@ class HostOffload(Generic[LoadKey]):
                 f"give at least {page_bytes / GIB:.6f} GiB"
             )
         # a chunk is at most 1/16 of the tier: eviction, a chunk at a time, stays fine-grained in a small tier
-        self.chunk_pages = min(CHUNK_PAGES, max(1, capacity // 16))
+        most = chunk_pages_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_CHUNK_PAGES"))
+        self.chunk_pages = min(most, max(1, capacity // 16))
         self.tier = HostTier(page_bytes, capacity, self.chunk_pages)
         # chunks one scatter call writes at most: a power of two (each count is one compiled program)
         fit = min(MAX_CALL_CHUNKS, MAX_CALL_BYTES // (self.chunk_pages * page_bytes))
