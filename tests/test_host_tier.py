@@ -523,6 +523,6 @@ def test_chunk_pages_setting_takes_a_page_count_and_names_the_variable_otherwise
 
     assert chunk_pages_setting(None) == chunk_pages_setting("") == 16
     assert chunk_pages_setting("64") == 64
-    for bad in ("0", "-4", "8.5", "lots", "4097", str(2**63)):
+    for bad in ("0", "-4", "8.5", "lots", "4097", str(2**63), "\u00b2", " 16"):
         with pytest.raises(ValueError, match="CAPSTAN_KV_OFFLOAD_CHUNK_PAGES"):
             chunk_pages_setting(bad)

@@ -64,22 +64,7 @@ from .host_tier import HostTier
 from .page_pool import PageHash
 
 log = logging.getLogger("capstan.kv")
-
-
 CHUNK_PAGES = 16  # pages a copy to the host moves at most (8B: 32 MiB); a small tier's chunks are 1/16 of it
-
-
-def chunk_pages_setting(value: str | None) -> int:
-    """CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: pages a chunk holds at most (CHUNK_PAGES by default: 8 MiB on the 1B shape, 32
-    MiB on the 8B; fewer, larger chunks mean fewer device_puts a load, each a host call of ~0.1 ms, and coarser
-    eviction)."""
-    if value is None or value == "":
-        return CHUNK_PAGES
-    if not value.isdigit() or not 1 <= int(value) <= 4096:
-        raise ValueError(f"CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: {value!r} is not a whole number of pages from 1 to 4096")
-    return int(value)
-
-
 LOAD_DEADLINE_S = 5.0  # a host-to-device copy not landed by then is dropped: its pages are recomputed
 HOST_MEMORY = "pinned_host"  # where the tier's pages live: the DMA engines read and write it directly
 GIB = 1 << 30
@@ -93,6 +78,17 @@ LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
 PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
+
+
+def chunk_pages_setting(value: str | None) -> int:
+    """CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: pages a chunk holds at most (CHUNK_PAGES by default: 8 MiB on the 1B shape, 32
+    MiB on the 8B; fewer, larger chunks mean fewer device_puts a load, each a host call of ~0.1 ms, and coarser
+    eviction)."""
+    if value is None or value == "":
+        return CHUNK_PAGES
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 4096:
+        raise ValueError(f"CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: {value!r} is not a whole number of pages from 1 to 4096")
+    return int(value)
 
 
 def _arrays(kv: KVCache) -> list[jax.Array]:
