@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
             single = engine_for(lora, 1, max(a.prompt_len, 16))
             pick = [loras[0]] if lora else None
             run(single, prompts[:1], warm, loras=pick)
-            results = [run(single, [p], one, loras=pick) for p in streams]
+            results = [run(single, [p], one, loras=pick, digest=True) for p in streams]
             runs = sorted(1000 * r["seconds"] / a.single_stream_tokens for r in results)
             figures[f"{label}_single_stream_tokens_digest"] = results[0]["tokens_digest"]
             figures[f"{label}_single_stream_ms_per_token"] = runs[1]  # the median of three streams

@@ -126,15 +126,22 @@ class Timeline:
 
 
 def run(
-    engine: LLMEngine, prompts, params, timeline: Timeline | None = None, trace: str | None = None, loras=None
+    engine: LLMEngine,
+    prompts,
+    params,
+    timeline: Timeline | None = None,
+    trace: str | None = None,
+    loras=None,
+    digest: bool = False,
 ) -> dict:
-    """loras: a LoRARequest (or None) per prompt (benchmarks/lora.py)."""
+    """loras: a LoRARequest (or None) per prompt (benchmarks/lora.py); digest: also `tokens_digest`, a hash of the
+    generated ids in the order they came (host work in the timed loop, so only when asked)."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp, lora_request=loras[i] if loras else None)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     trace_step = -1
-    digest = hashlib.sha256()  # the generated ids in the order they came: runs of one config compare by it
+    ids = hashlib.sha256()
     while engine.has_unfinished():
         tracing = bool(trace) and steps == trace_step
         if trace and tracing:  # one decode step's kernels, for benchmarks/trace_summary.py
@@ -145,8 +152,8 @@ def run(
         steps += 1
         peak_pages = max(peak_pages, engine.pool.num_used)
         out_tokens += sum(len(o.token_ids) for r in outs for o in r.outputs)
-        for o in (o for r in outs for o in r.outputs):
-            digest.update(np.asarray(o.token_ids, np.int64).tobytes())
+        for o in (o for r in outs for o in r.outputs) if digest else ():
+            ids.update(np.asarray(o.token_ids, np.int64).tobytes())
         if (
             first_decode is None
             and not engine.scheduler.waiting
@@ -165,7 +172,7 @@ def run(
         "decode_phase_s": end - start - prefill_s,
         "steps": steps,
         "peak_kv_pages": peak_pages,
-        "tokens_digest": digest.hexdigest()[:12],
+        **({"tokens_digest": ids.hexdigest()[:12]} if digest else {}),
         **({f"timeline_{k}": v for k, v in timeline.report().items()} if timeline else {}),
     }
 

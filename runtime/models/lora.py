@@ -209,13 +209,14 @@ class LayerAdapters(eqx.Module):
         h = h * rows.reshape((T, L) + (1,) * (h.ndim - 2))
         return jnp.einsum(expand, h, b)
 
+    def _base_rows_zeroed(self, h: jax.Array) -> jax.Array:
+        """h [T, ...] with the rows of tokens that have no adapter (slot -1) zeroed."""
+        return h * (self.slots >= 0).astype(h.dtype).reshape((self.slots.shape[0],) + (1,) * (h.ndim - 1))
+
     def _expand_own(self, h: jax.Array, b: jax.Array, expand: str) -> jax.Array:
         """h [T, ..., R], each token's own slot's rank space, back through its slot's B (zeros for base rows)."""
-        T = self.slots.shape[0]
-        s = jnp.maximum(self.slots, 0)
-        h = h * (self.slots >= 0).astype(h.dtype).reshape((T,) + (1,) * (h.ndim - 1))
         contract = _products if GATHER_WAY == "products" else jnp.einsum
-        return contract(_gathered(expand, 1), h, b[s])
+        return contract(_gathered(expand, 1), self._base_rows_zeroed(h), b[jnp.maximum(self.slots, 0)])
 
     def _folded(self, kind: str, x: NamedArray, w, axis) -> NamedArray | None:
         """x through the projection `kind` (SPECS) with its adapters' deltas, the shrink folded into the weight's
@@ -246,8 +247,7 @@ class LayerAdapters(eqx.Module):
             return None
         s = jnp.maximum(self.slots, 0)
         xs = x.rearrange((token, ax.Embed)).array
-        h = _products(_gathered(SPECS["qkv"][2], 1), xs, self.weights.qkv_a[s])  # [T, 3, R]
-        h = h * (self.slots >= 0).astype(h.dtype)[:, None, None]
+        h = self._base_rows_zeroed(_products(_gathered(SPECS["qkv"][2], 1), xs, self.weights.qkv_a[s]))  # [T, 3, R]
         b = self.weights.qkv_b
         return h.reshape(T, -1), b.reshape(b.shape[0], -1, *b.shape[3:]), s
 
