@@ -226,6 +226,24 @@ def test_q_k_v_delta_inside_the_fused_decode_kernel_equals_every_slots_rank_spac
     _same_as_the_dense_way(adapters, monkeypatch, in_kernel, "q/k/v delta in the kernel vs dense", max_loras=4)
 
 
+def test_projections_stored_with_the_slots_a_rows_give_the_unfolded_outputs(adapters, monkeypatch):
+    """CAPSTAN_LORA_FOLD_STORED=1: each projection's weight holds every slot's A rows after its own, so one matmul
+    gives the base output and the rank spaces. Two slots for six adapters (slots rewritten in place as they swap) and
+    base rows give what the unfolded engine gives, in decode steps (each token's slot) and prefill (every slot's)."""
+    from capstan.runtime.models import lora
+
+    pairs = [(i, a) for a in (*adapters, None) for i in range(len(PROMPTS))]
+    prompts, loras = [PROMPTS[i] for i, _ in pairs], [a for _, a in pairs]
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setattr(lora, "FOLD_STORED", setting)
+        llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
+        assert lora.is_folded(llm.engine.model) == (setting == "1")
+        runs[setting] = outputs(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+        del llm
+    assert_same(runs["1"], runs["0"], "stored folded vs unfolded")
+
+
 def test_products_summed_equal_einsum_for_every_spec_the_layers_use():
     """_products is einsum's contraction written as a broadcast product and a sum: same values for the specs
     LayerAdapters gathers with (shrink and expand of q/k/v, o, gate/up and down), axes in einsum's order."""

@@ -22,7 +22,7 @@ from ..lora.request import LoRARequest
 from ..models.cpu_layout import cpu_int8_layout
 from ..models.decoder import DecoderModel
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
-from ..models.lora import LoRAStack, write_slot_fn
+from ..models.lora import LoRAStack, fold_weights, folds_stored, is_folded, write_folded_slot, write_slot_fn
 from ..parallel.tensor_parallel import TensorParallel
 from ..sampling.grammar import GrammarTokenizer
 from ..sampling.logprobs import position_logprobs, prompt_logprobs
@@ -77,6 +77,8 @@ class LLMEngine:
                 raise ValueError("enable_lora is not supported across several hosts yet")
             stack = LoRAStack.allocate(cfg, config.max_loras, config.max_lora_rank, self.dtype)
             self.model = dataclasses.replace(self.model, lora=self.parallel.replicated(stack))
+            if folds_stored(self.model, self.parallel.size):  # the shrinks ride in the projections' own matmuls
+                self.model = fold_weights(self.model)
         spec, draft = config.speculative_config, None
         if spec is not None and spec.method == "draft_model":  # loaded first: the KV budget counts its pages
             assert spec.model is not None, "SpeculativeConfig.validate: draft_model names its model"
@@ -167,7 +169,11 @@ class LLMEngine:
     def _write_lora_slot(self, slot: int, weights: SlotWeights) -> None:
         with self._precision():
             stack = write_slot_fn(self.model.lora, np.int32(slot), weights)
-        self.model = dataclasses.replace(self.model, lora=self.parallel.replicated(stack))
+            model = dataclasses.replace(self.model, lora=self.parallel.replicated(stack))
+            if is_folded(model):
+                self.kv  # noqa: B018 - a dispatch queued ahead takes the folded arrays before they are donated
+                model = write_folded_slot(model, slot, weights)
+        self.model = model
 
     # ---- LoRA adapters ------------------------------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest, weights: SlotWeights | None = None) -> None:

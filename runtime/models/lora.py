@@ -22,7 +22,8 @@ import numpy as np
 from haliax import NamedArray
 
 from .config import ModelConfig
-from .quantization import QuantizedWeight, as_matrices
+from .folded_weight import FoldedWeight
+from .quantization import QuantizedWeight, as_matrices, folded_matmul
 from .quantization import linear as base_linear
 
 # the projections a block has (Hugging Face's module names, ModelConfig.linear_shapes), q/k/v and gate/up in the order
@@ -134,6 +135,66 @@ def _write_slot(stack: LoRAStack, slot: jax.Array, weights: tuple[dict[str, jax.
 write_slot_fn = jax.jit(_write_slot)
 
 
+def _projections(model) -> list:
+    """Every block's four projection weights, in WEIGHTS's order, block after block."""
+    return [getattr(getattr(block, part), field) for block in model.layers for part, field in WEIGHTS.values()]
+
+
+def _contracted(kind: str, a: jax.Array) -> int:
+    """k of the projection `kind`: the size of A's axes that its shrink contracts (A [slots, ..., k's axes])."""
+    inputs, out = SPECS[kind][2].split("->")
+    return int(np.prod([n for n, c in zip(a.shape, inputs.split(",")[1], strict=True) if c not in out]))
+
+
+def folds_stored(model, devices: int) -> bool:
+    """Whether a LoRA engine's model (its slots allocated) stores its projections folded (FOLD_STORED): on one
+    device, every projection a dense weight with its contracted axes last."""
+    if FOLD_STORED == "0" or devices != 1 or model.lora is None:
+        return False
+    if FOLD_STORED == "auto" and (jax.default_backend() != "gpu" or model.lora.slots > FOLD_STORED_MAX_SLOTS):
+        return False
+    for i, w in enumerate(_projections(model)):
+        kind = list(WEIGHTS)[i % len(WEIGHTS)]
+        k = _contracted(kind, getattr(model.lora.layers[i // len(WEIGHTS)], SPECS[kind][0]))
+        if not isinstance(w, NamedArray) or k not in np.cumprod([ax.size for ax in reversed(w.axes)]):
+            return False  # quantized, or laid out for the CPU's loops (cpu_layout.py)
+    return True
+
+
+def fold_weights(model):
+    """The model with each projection stored with its layer's slots' A rows after its own (FoldedWeight)."""
+    folded = []
+    for i, w in enumerate(_projections(model)):
+        kind = list(WEIGHTS)[i % len(WEIGHTS)]
+        a = getattr(model.lora.layers[i // len(WEIGHTS)], SPECS[kind][0])
+        folded.append(FoldedWeight.fold(w, a.reshape(-1, _contracted(kind, a))))
+    return eqx.tree_at(_projections, model, folded)
+
+
+def _write_folded(folded: list[FoldedWeight], slot: jax.Array, weights: tuple[dict[str, jax.Array], ...]) -> list:
+    out = []
+    for i, w in enumerate(folded):
+        kind = list(WEIGHTS)[i % len(WEIGHTS)]
+        rows = weights[i // len(WEIGHTS)][SPECS[kind][0]]  # one slot's A, no slots axis
+        rows = rows.reshape(-1, w.matrix.shape[1])
+        out.append(w.with_rows(slot * rows.shape[0], rows))
+    return out
+
+
+# Donated: written in place (a copy would hold every projection twice); the engine settles dispatches queued ahead
+# first (they read the old arrays).
+_write_folded_fn = jax.jit(_write_folded, donate_argnums=0)
+
+
+def write_folded_slot(model, slot: int, weights: tuple[dict[str, jax.Array], ...]):
+    """The folded model (fold_weights) with one slot's A rows written; the old model's folded arrays are donated."""
+    return eqx.tree_at(_projections, model, _write_folded_fn(_projections(model), np.int32(slot), weights))
+
+
+def is_folded(model) -> bool:
+    return bool(model.layers) and isinstance(model.layers[0].attn.qkv_proj, FoldedWeight)
+
+
 # Steps of at most this many tokens gather each token's own slot's A and B instead of computing every slot's rank
 # space (CAPSTAN_LORA_GATHER_MAX_TOKENS; 0: never; 16 by default: one stream 1.20x the base's time a token against
 # 1.40x, H100). Both are exact; the gathered weights grow with the tokens, so large steps always take the dense way.
@@ -177,6 +238,21 @@ def _products(spec: str, p: jax.Array, q: jax.Array) -> jax.Array:
 # columns got slower by about what the four fewer kernels a layer saved), benchmarks/RESULTS.md.
 _FOLD = os.environ.get("CAPSTAN_LORA_FOLD", "")
 FOLD = frozenset(("qkv", "out", "gate_up", "down") if _FOLD == "all" else filter(None, _FOLD.split(",")))
+
+# The shrinks folded into weights stored with the slots' A rows (folded_weight.py; CAPSTAN_LORA_FOLD_STORED: "1" on,
+# "0" off, "auto": on a GPU): one plain matmul a projection, nothing concatenated in the step. On one device with
+# dense weights only. Linear layers alone, H100, one stream (benchmarks/lora_fold_layers.py): 1.103x the plain
+# layers' time with one slot, against 1.191x for the separate shrinks; with eight slots 1.272x (the wider matmuls
+# got slower), so "auto" folds up to FOLD_STORED_MAX_SLOTS slots.
+FOLD_STORED = os.environ.get("CAPSTAN_LORA_FOLD_STORED", "auto")
+FOLD_STORED_MAX_SLOTS = 2
+# Where each projection's weight is in a block, by SPECS's kind
+WEIGHTS = {
+    "qkv": ("attn", "qkv_proj"),
+    "out": ("attn", "o_proj"),
+    "gate_up": ("mlp", "gate_up_proj"),
+    "down": ("mlp", "down_proj"),
+}
 
 # Decode steps through the fused decode kernel add the q/k/v delta inside it (CAPSTAN_LORA_QKV_IN_KERNEL=1): its
 # expand and its add are no kernels of their own (two of the seven small kernels an adapter adds to a one-stream
@@ -222,6 +298,8 @@ class LayerAdapters(eqx.Module):
         """x through the projection `kind` (SPECS) with its adapters' deltas, the shrink folded into the weight's
         matmul (FOLD); None where it does not fold (the caller adds the delta to its own matmul's result)."""
         T = self.slots.shape[0]
+        if isinstance(w, FoldedWeight):
+            return self._stored(kind, x, w, axis)
         if kind not in FOLD or isinstance(w, QuantizedWeight) or T > GATHER_MAX_TOKENS:
             return None
         m = as_matrices(x, w, axis)
@@ -237,6 +315,20 @@ class LayerAdapters(eqx.Module):
         base = m.result(y[:, : m.n])
         h = y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), jnp.maximum(self.slots, 0)]
         return base + hax.named(self._expand_own(h, b, expand).astype(base.dtype), base.axes)
+
+    def _stored(self, kind: str, x: NamedArray, w: FoldedWeight, axis) -> NamedArray:
+        """x through a weight stored with every slot's A (FOLD_STORED): the base projection and every slot's rank
+        space from one matmul, then each token's own slot's (few tokens) or all of them masked (many) expanded."""
+        T, (_, b_field, _, expand) = self.slots.shape[0], SPECS[kind]
+        b = getattr(self.weights, b_field)
+        base, tail = folded_matmul(x, w, axis)
+        h = tail.reshape(T, b.shape[0], *b.shape[1 : len(expand.split(",")[0]) - 1])  # [T, slots, (parts,) R]
+        if T <= GATHER_MAX_TOKENS:
+            delta = self._expand_own(h[jnp.arange(T), jnp.maximum(self.slots, 0)], b, expand)
+        else:
+            rows = (self.slots[:, None] == jnp.arange(b.shape[0])[None, :]).astype(h.dtype)  # as _delta's dense way
+            delta = jnp.einsum(expand, h * rows.reshape((T, -1) + (1,) * (h.ndim - 2)), b)
+        return base + hax.named(delta.astype(base.dtype), base.axes)
 
     def qkv_in_kernel(self, x: NamedArray, token: str, ax) -> tuple[jax.Array, jax.Array, jax.Array] | None:
         """For a step the fused decode kernel runs (QKV_IN_KERNEL, gathered steps): (h [T, 3R] float32, each token's

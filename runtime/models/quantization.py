@@ -31,6 +31,7 @@ from ..arrays import HostOrDevice
 from ..kernels import gpu_gemv
 from ..parallel.mesh import model_parallel_size
 from .config import UnsupportedModelError
+from .folded_weight import FoldedWeight
 
 QUANTIZATIONS = ("fp8", "int8")
 NONE = "none"  # no quantization at load: a quantized GGUF's weights dequantized (CPUs serve them as INT8 otherwise)
@@ -150,6 +151,8 @@ class QuantizedWeight(eqx.Module):
 def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray:
     """A linear layer's matmul for a dense or a quantized weight; a decode step's through gpu_gemv's kernel where it
     applies (by default GGUF Q8_0 blocks); on CPUs an INT8 weight's without a float copy (cpu_int8_matmul)."""
+    if isinstance(w, FoldedWeight):  # a LoRA engine's weight with its slots' A rows: the base's columns alone
+        return folded_matmul(x, w, axis)[0]
     y = _in_gemv_kernel(x, w, axis)
     if y is None:
         y = cpu_int8_matmul(x, w, axis)
@@ -177,12 +180,21 @@ class _Matrices:
         )
 
 
+def folded_matmul(x: NamedArray, w: FoldedWeight, axis) -> tuple[NamedArray, jax.Array]:
+    """x through a FoldedWeight in one plain matmul: the projection (named as the weight's outputs after x's other
+    axes) and the extra columns, every slot's rank space [rows, extra]."""
+    m = as_matrices(x, w, axis)
+    assert m is not None, "weights are folded on one device only, with their contracted axes last"
+    y = m.xs @ w.matrix.T
+    return m.result(y[:, : w.n]), y[:, w.n :]
+
+
 def flat_axis_name(names) -> str:
     """The one axis a CPU weight's contracted axes are flattened into (cpu_layout.py), named after them."""
     return FLAT_JOIN.join(names)
 
 
-def as_matrices(x: NamedArray, weight: NamedArray, axis) -> _Matrices | None:
+def as_matrices(x: NamedArray, weight: NamedArray | FoldedWeight, axis) -> _Matrices | None:
     """None for a weight split over devices, or contracted axes that are not the weight's last (its [out, in]
     layout), or flattened into its last (cpu_layout.py)."""
     if model_parallel_size() != 1:
