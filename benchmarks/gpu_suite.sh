@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -124,6 +124,12 @@ for part in $parts; do
     # issue 32: the shrink folded into a weight stored with the slots' A rows, against the step's concatenation and
     # the separate shrink, on the 1B shape's linear layers alone
     lorafoldlayers) python3 benchmarks/lora_fold_layers.py --shape llama-3.2-1b --slots 1 8 --rank 16 2>&1 | grep -v Warning ;;
+    # issue 32 through HTTP: `capstan serve` with one rank-16 adapter (--max-loras 1), one stream on the base model
+    # and on the adapter, then the offline engine on the same flags; small loads (the batch figures are lora's)
+    loraserve) python3 benchmarks/online.py --shape llama-3.2-1b --lora-rank 16 --requests 16 --prompt-len 256 \
+        --output-len 64 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --max-model-len 2048 \
+        --single-stream-tokens 256 --client-processes 1 --workloads '' --json "$OUT/online-lora-llama-3.2-1b.json" 2>&1 \
+        | grep --line-buffered -v Warning ;;
     # one stream by device slots and fold (LORA_SLOTS="SLOTS:FOLD ...", FOLD "-" for none): --max-loras 1 is the default
     loraslots) for sf in ${LORA_SLOTS:-1:- 1:all 8:all}; do slots=${sf%%:*}; fold=${sf#*:}; echo "== --max-loras $slots CAPSTAN_LORA_FOLD=$fold"
         CAPSTAN_LORA_FOLD=${fold#-} python3 benchmarks/lora.py --shape llama-3.2-1b --no-batch --adapters 8 --rank 16 \

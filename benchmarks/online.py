@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import serve  # noqa: E402  (the load client: benchmarks/serve.py)
 from proc_usage import Usage  # noqa: E402
 
 WARMUP_REQUESTS = 8
+ADAPTER = "adapter0"  # --lora-rank's adapter, as benchmarks/lora.py names it
 SINGLE_STREAMS = 3  # one stream's figure: the median of this many requests, one after another
 
 
@@ -223,9 +225,9 @@ class FirstTokens:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params, lora_request=None) -> None:
         self.start = self.start or time.perf_counter()
-        self._engine.add_request(request_id, prompt, params)
+        self._engine.add_request(request_id, prompt, params, lora_request=lora_request)
 
     def step(self):
         outs = self._engine.step()
@@ -246,6 +248,7 @@ def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
 
     from capstan.runtime.cli import _engine_config, build_parser, persist_compilations
     from capstan.runtime.engine.engine import LLMEngine
+    from capstan.runtime.lora.request import LoRARequest
     from capstan.runtime.sampling.sampling_params import SamplingParams
 
     persist_compilations()  # the server's compilation cache: the same programs load instead of compiling
@@ -262,26 +265,32 @@ def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
         params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=detok)
         fig = run(engine, sets["offline-detok" if detok else "offline-nodetok"], params)
         fig["ttft_s"] = serve.percentiles(engine.take_ttft())
+        one = dataclasses.replace(params, max_tokens=a.single_stream_tokens)
         if a.single_stream_tokens:
-            one = dataclasses.replace(params, max_tokens=a.single_stream_tokens)
-            singles = []
-            for p in sets["single"]:
-                s = run(engine, [p], one)
-                ttft = engine.take_ttft()[0]
-                singles.append(
-                    (
-                        1000 * s["seconds"] / s["output_tokens"],
-                        1000 * (s["seconds"] - ttft) / max(1, s["output_tokens"] - 1),
-                    )
-                )
-            fig["single_stream_ms_per_token"] = sorted(singles)[len(singles) // 2][0]
-            fig["single_stream_tpot_ms"] = sorted(singles)[len(singles) // 2][1]
+            fig.update(single_streams(engine, sets["single"], one))
+        if a.single_stream_tokens and a.lora_rank and detok:  # the same streams on the adapter, as the server runs
+            figures["lora one stream, offline"] = single_streams(engine, sets["single"], one, LoRARequest(ADAPTER, 1, a.lora_path))
         figures[key] = fig
         print(
             f"{key}: {fig['output_tokens_per_s']:.1f} output tok/s, prefill phase {fig['prefill_phase_s']:.3f} s",
             flush=True,
         )
     return figures
+
+
+def single_streams(engine, prompts: list[list[int]], params, lora=None) -> dict:
+    """One request at a time: the median's ms a token (whole request) and after its first token."""
+    from throughput import run
+
+    singles = []
+    for p in prompts:
+        s = run(engine, [p], params, loras=[lora] if lora else None)
+        ttft = engine.take_ttft()[0]
+        singles.append(
+            (1000 * s["seconds"] / s["output_tokens"], 1000 * (s["seconds"] - ttft) / max(1, s["output_tokens"] - 1))
+        )
+    ms, tpot = sorted(singles)[len(singles) // 2]
+    return {"single_stream_ms_per_token": ms, "single_stream_tpot_ms": tpot}
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
@@ -321,6 +330,17 @@ def online(server: Server, sets: dict, a: argparse.Namespace) -> dict:
         one = load(prompts=sets["single-online"], max_tokens=a.single_stream_tokens, sequential=True, **go)
         figures["single_stream_ms_per_token"] = sorted(one["ms_per_token"])[len(one["ms_per_token"]) // 2]
         figures["single_stream_tpot_ms"] = 1000 * one["tpot_s"]["p50"] if one["tpot_s"]["p50"] else None
+        if a.lora_rank:  # the same streams on the adapter (request's model), the base's above on the same server
+            one = load(
+                prompts=sets["single-online"],
+                max_tokens=a.single_stream_tokens,
+                sequential=True,
+                **{**go, "model": ADAPTER},
+            )
+            figures["lora"] = {
+                "single_stream_ms_per_token": sorted(one["ms_per_token"])[len(one["ms_per_token"]) // 2],
+                "single_stream_tpot_ms": 1000 * one["tpot_s"]["p50"] if one["tpot_s"]["p50"] else None,
+            }
     for i, n in enumerate(a.client_processes):
         key = f"online stream, {n} client process{'es' if n > 1 else ''}"
         figures[key] = load(prompts=sets[f"stream-{i}"], max_tokens=a.output_len, processes=n, **go)
@@ -390,7 +410,11 @@ def table(report: dict) -> None:
         )
     singles = [
         (k, v)
-        for k, v in (("online stream", report.get("online", {})), *report.get("offline", {}).items())
+        for k, v in (
+            ("online stream", report.get("online", {})),
+            ("lora one stream, online", report.get("online", {}).get("lora")),
+            *report.get("offline", {}).items(),
+        )
         if isinstance(v, dict) and v.get("single_stream_ms_per_token")
     ]
     if singles:
@@ -444,6 +468,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--phases", nargs="+", choices=["online", "offline"], default=["online", "offline"])
     ap.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds for the server to load and compile")
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="serve a random PEFT adapter of this rank on all seven projections too (--enable-lora, one slot): one "
+        "stream on it beside the base's, online and offline (0: none)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     a = ap.parse_args(argv)
     unknown = set(filter(None, a.workloads.split(","))) - set(serve.WORKLOADS)
@@ -464,6 +495,15 @@ def main(argv: list[str] | None = None) -> dict:
         added = json.loads((ckpt / "tokenizer.json").read_text())["added_tokens"]
         sets = prompt_sets(a, id_limit=min(t["id"] for t in added))  # the BPE's own pieces, below its specials
     print(f"checkpoint {ckpt} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    lora_argv = []
+    if a.lora_rank:  # numpy only here: the server holds the accelerator alone while it runs
+        from lora import write_adapters
+
+        from capstan.runtime.models.config import ModelConfig
+
+        folder = Path(tempfile.mkdtemp(prefix="capstan-online-adapter-"))
+        a.lora_path = write_adapters(folder, ModelConfig.from_pretrained(ckpt), 1, a.lora_rank)[0].lora_path
+        lora_argv = ["--enable-lora", "--lora-modules", f"{ADAPTER}={a.lora_path}", "--max-lora-rank", str(a.lora_rank)]
     serve_argv = [
         str(ckpt),
         "--max-num-seqs",
@@ -474,6 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
         str(a.smallest_bucket),
         "--max-model-len",
         str(a.max_model_len),
+        *lora_argv,
         *shlex.split(a.server_args),
     ]
     report: dict = {

@@ -186,7 +186,7 @@ def _write_folded(folded: list[FoldedWeight], slot: jax.Array, weights: tuple[di
 _write_folded_fn = jax.jit(_write_folded, donate_argnums=0)
 
 
-def write_folded_slot(model, slot: int, weights: tuple[dict[str, jax.Array], ...]):
+def write_folded_slot(model, slot: int, weights: tuple[dict[str, np.ndarray], ...]):
     """The folded model (fold_weights) with one slot's A rows written; the old model's folded arrays are donated."""
     return eqx.tree_at(_projections, model, _write_folded_fn(_projections(model), np.int32(slot), weights))
 
