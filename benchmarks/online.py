@@ -269,7 +269,9 @@ def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
         if a.single_stream_tokens:
             fig.update(single_streams(engine, sets["single"], one))
         if a.single_stream_tokens and a.lora_rank and detok:  # the same streams on the adapter, as the server runs
-            figures["lora one stream, offline"] = single_streams(engine, sets["single"], one, LoRARequest(ADAPTER, 1, a.lora_path))
+            figures["lora one stream, offline"] = single_streams(
+                engine, sets["single"], one, LoRARequest(ADAPTER, 1, a.lora_path)
+            )
         figures[key] = fig
         print(
             f"{key}: {fig['output_tokens_per_s']:.1f} output tok/s, prefill phase {fig['prefill_phase_s']:.3f} s",
