@@ -257,7 +257,7 @@ def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
     engine = FirstTokens(LLMEngine(config))
     if config.warmup:
         engine.warmup()
-    figures = {"engine_ready_s": time.perf_counter() - t0}
+    figures: dict = {"engine_ready_s": time.perf_counter() - t0}
     run(engine, sets["warmup"], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
     engine.take_ttft()
     for detok in (True, False):
