@@ -241,9 +241,9 @@ FOLD = frozenset(("qkv", "out", "gate_up", "down") if _FOLD == "all" else filter
 
 # The shrinks folded into weights stored with the slots' A rows (folded_weight.py; CAPSTAN_LORA_FOLD_STORED: "1" on,
 # "0" off, "auto": on a GPU): one plain matmul a projection, nothing concatenated in the step. On one device with
-# dense weights only. Linear layers alone, H100, one stream (benchmarks/lora_fold_layers.py): 1.103x the plain
-# layers' time with one slot, against 1.191x for the separate shrinks; with eight slots 1.272x (the wider matmuls
-# got slower), so "auto" folds up to FOLD_STORED_MAX_SLOTS slots.
+# dense weights only. H100, one stream (benchmarks/RESULTS.md): one slot 1.107x the base's time a token against
+# 1.196x with the shrinks apart; eight slots 1.149x, but their 256-request batch with it is unmeasured, so "auto"
+# folds up to FOLD_STORED_MAX_SLOTS slots.
 FOLD_STORED = os.environ.get("CAPSTAN_LORA_FOLD_STORED", "auto")
 FOLD_STORED_MAX_SLOTS = 2
 # Where each projection's weight is in a block, by SPECS's kind
@@ -256,7 +256,8 @@ WEIGHTS = {
 
 # Decode steps through the fused decode kernel add the q/k/v delta inside it (CAPSTAN_LORA_QKV_IN_KERNEL=1): its
 # expand and its add are no kernels of their own (two of the seven small kernels an adapter adds to a one-stream
-# layer, benchmarks/RESULTS.md). Off until measured on the H100.
+# layer, benchmarks/RESULTS.md). Off: slower on the H100 (1.249x the base's time a token against 1.205x; the kernel
+# went from 4.8 to 9.7 us a layer, each of its programs summing the slot's B rows before its attention).
 QKV_IN_KERNEL = os.environ.get("CAPSTAN_LORA_QKV_IN_KERNEL", "") == "1"
 
 # Each projection's (A, B) fields of LoRALayer, the dense shrink and expand specs (over every slot, l)
