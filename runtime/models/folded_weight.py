@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import equinox as eqx
-import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
@@ -37,14 +36,6 @@ class FoldedWeight(eqx.Module):
     @property
     def dtype(self):
         return self.matrix.dtype
-
-    @property
-    def extra(self) -> int:
-        return self.matrix.shape[0] - self.n
-
-    def own(self) -> NamedArray:
-        """The weight alone, as the model held it (a copy: for tests and slow paths)."""
-        return hax.named(self.matrix[: self.n].reshape([a.size for a in self.axes]), self.axes)
 
     def with_rows(self, start: int | jax.Array, rows: jax.Array) -> FoldedWeight:
         """rows [r, k] written over the extra rows from `start` (counted after the weight's own)."""
