@@ -329,20 +329,22 @@ def online(server: Server, sets: dict, a: argparse.Namespace) -> dict:
     load(prompts=sets["warmup"], max_tokens=4, **go)
     load(prompts=sets["warmup"], max_tokens=4, stream=False, **go)
     if a.single_stream_tokens:
-        one = load(prompts=sets["single-online"], max_tokens=a.single_stream_tokens, sequential=True, **go)
-        figures["single_stream_ms_per_token"] = sorted(one["ms_per_token"])[len(one["ms_per_token"]) // 2]
-        figures["single_stream_tpot_ms"] = 1000 * one["tpot_s"]["p50"] if one["tpot_s"]["p50"] else None
-        if a.lora_rank:  # the same streams on the adapter (request's model), the base's above on the same server
+
+        def one_stream(model: str) -> dict:  # the prompts one after another: the median's figures
             one = load(
                 prompts=sets["single-online"],
                 max_tokens=a.single_stream_tokens,
                 sequential=True,
-                **{**go, "model": ADAPTER},
+                **{**go, "model": model},
             )
-            figures["lora"] = {
+            return {
                 "single_stream_ms_per_token": sorted(one["ms_per_token"])[len(one["ms_per_token"]) // 2],
                 "single_stream_tpot_ms": 1000 * one["tpot_s"]["p50"] if one["tpot_s"]["p50"] else None,
             }
+
+        figures.update(one_stream(model))
+        if a.lora_rank:  # the same streams on the adapter (request's model), the base's above on the same server
+            figures["lora"] = one_stream(ADAPTER)
     for i, n in enumerate(a.client_processes):
         key = f"online stream, {n} client process{'es' if n > 1 else ''}"
         figures[key] = load(prompts=sets[f"stream-{i}"], max_tokens=a.output_len, processes=n, **go)

@@ -12,6 +12,7 @@ slots * R columns per projection (8 x 16 = 128: a few per cent of a 1B model's m
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import equinox as eqx
@@ -146,6 +147,11 @@ def _contracted(kind: str, a: jax.Array) -> int:
     return int(np.prod([n for n, c in zip(a.shape, inputs.split(",")[1], strict=True) if c not in out]))
 
 
+def _with_kinds(weights: list, layers) -> zip:
+    """Each of _projections's weights with its layer's entry of `layers` (one per block) and its SPECS kind."""
+    return zip(weights, itertools.product(layers, WEIGHTS), strict=True)
+
+
 def folds_stored(model, devices: int) -> bool:
     """Whether a LoRA engine's model (its slots allocated) stores its projections folded (FOLD_STORED): on one
     device, every projection a dense weight with its contracted axes last."""
@@ -153,9 +159,8 @@ def folds_stored(model, devices: int) -> bool:
         return False
     if FOLD_STORED == "auto" and (jax.default_backend() != "gpu" or model.lora.slots > FOLD_STORED_MAX_SLOTS):
         return False
-    for i, w in enumerate(_projections(model)):
-        kind = list(WEIGHTS)[i % len(WEIGHTS)]
-        k = _contracted(kind, getattr(model.lora.layers[i // len(WEIGHTS)], SPECS[kind][0]))
+    for w, (layer, kind) in _with_kinds(_projections(model), model.lora.layers):
+        k = _contracted(kind, getattr(layer, SPECS[kind][0]))
         if not isinstance(w, NamedArray) or k not in np.cumprod([ax.size for ax in reversed(w.axes)]):
             return False  # quantized, or laid out for the CPU's loops (cpu_layout.py)
     return True
@@ -164,19 +169,16 @@ def folds_stored(model, devices: int) -> bool:
 def fold_weights(model):
     """The model with each projection stored with its layer's slots' A rows after its own (FoldedWeight)."""
     folded = []
-    for i, w in enumerate(_projections(model)):
-        kind = list(WEIGHTS)[i % len(WEIGHTS)]
-        a = getattr(model.lora.layers[i // len(WEIGHTS)], SPECS[kind][0])
+    for w, (layer, kind) in _with_kinds(_projections(model), model.lora.layers):
+        a = getattr(layer, SPECS[kind][0])
         folded.append(FoldedWeight.fold(w, a.reshape(-1, _contracted(kind, a))))
     return eqx.tree_at(_projections, model, folded)
 
 
 def _write_folded(folded: list[FoldedWeight], slot: jax.Array, weights: tuple[dict[str, jax.Array], ...]) -> list:
     out = []
-    for i, w in enumerate(folded):
-        kind = list(WEIGHTS)[i % len(WEIGHTS)]
-        rows = weights[i // len(WEIGHTS)][SPECS[kind][0]]  # one slot's A, no slots axis
-        rows = rows.reshape(-1, w.matrix.shape[1])
+    for w, (layer, kind) in _with_kinds(folded, weights):
+        rows = layer[SPECS[kind][0]].reshape(-1, w.matrix.shape[1])  # one slot's A (no slots axis) as rows
         out.append(w.with_rows(slot * rows.shape[0], rows))
     return out
 
@@ -277,14 +279,19 @@ class LayerAdapters(eqx.Module):
 
     def _delta(self, x: jax.Array, a: jax.Array, b: jax.Array, shrink: str, expand: str) -> jax.Array:
         """x @ A @ B of each token's own slot; shrink and expand are the dense specs (over every slot, l)."""
-        T, L = self.slots.shape[0], a.shape[0]
-        if T <= GATHER_MAX_TOKENS:
+        if self.slots.shape[0] <= GATHER_MAX_TOKENS:
             contract = _products if GATHER_WAY == "products" else jnp.einsum
             return self._expand_own(contract(_gathered(shrink, 1), x, a[jnp.maximum(self.slots, 0)]), b, expand)
-        h = jnp.einsum(shrink, x, a)  # [T, L, ..., R]: every slot's rank space
+        return self._expand_every(jnp.einsum(shrink, x, a), b, expand)
+
+    def _expand_every(self, h: jax.Array, b: jax.Array, expand: str) -> jax.Array:
+        """h [T, L, ..., R], every slot's rank space, back through each token's own slot's B (zeros for base rows):
+        its own slot picked (few tokens) or the others masked (many: two dense matmuls, no per-token weights)."""
+        T, L = self.slots.shape[0], h.shape[1]
+        if T <= GATHER_MAX_TOKENS:
+            return self._expand_own(h[jnp.arange(T), jnp.maximum(self.slots, 0)], b, expand)
         rows = (self.slots[:, None] == jnp.arange(L)[None, :]).astype(h.dtype)  # one-hot; a row of zeros for -1
-        h = h * rows.reshape((T, L) + (1,) * (h.ndim - 2))
-        return jnp.einsum(expand, h, b)
+        return jnp.einsum(expand, h * rows.reshape((T, L) + (1,) * (h.ndim - 2)), b)
 
     def _base_rows_zeroed(self, h: jax.Array) -> jax.Array:
         """h [T, ...] with the rows of tokens that have no adapter (slot -1) zeroed."""
@@ -297,38 +304,27 @@ class LayerAdapters(eqx.Module):
 
     def _folded(self, kind: str, x: NamedArray, w, axis) -> NamedArray | None:
         """x through the projection `kind` (SPECS) with its adapters' deltas, the shrink folded into the weight's
-        matmul (FOLD); None where it does not fold (the caller adds the delta to its own matmul's result)."""
+        matmul: a weight stored with every slot's A (FoldedWeight, FOLD_STORED), or [W; every slot's A] concatenated
+        in the step (FOLD, small steps); None where it does not fold (the caller adds the delta to its own matmul's
+        result)."""
         T = self.slots.shape[0]
-        if isinstance(w, FoldedWeight):
-            return self._stored(kind, x, w, axis)
-        if kind not in FOLD or isinstance(w, QuantizedWeight) or T > GATHER_MAX_TOKENS:
-            return None
-        m = as_matrices(x, w, axis)
-        if m is None or m.rows != T:
-            return None
         a_field, b_field, _, expand = SPECS[kind]
         a, b = getattr(self.weights, a_field), getattr(self.weights, b_field)
-        ranks = a.shape[1 : len(expand.split(",")[0]) - 1]  # the slot's rank-space axes: (parts,) R
-        # every slot's A, even for one token: XLA reads [W; A] in the dot's own fusion only when A is a whole array
-        # (with the token's slot sliced out first it copied W a step: one stream 2.2x the base's time, H100)
-        both = jnp.concatenate([w.array.reshape(m.n, m.k), a.reshape(-1, m.k).astype(w.dtype)])
-        y = jnp.dot(m.xs, both.T)  # [T, n + slots * parts * R]
-        base = m.result(y[:, : m.n])
-        h = y[:, m.n :].reshape(T, a.shape[0], *ranks)[jnp.arange(T), jnp.maximum(self.slots, 0)]
-        return base + hax.named(self._expand_own(h, b, expand).astype(base.dtype), base.axes)
-
-    def _stored(self, kind: str, x: NamedArray, w: FoldedWeight, axis) -> NamedArray:
-        """x through a weight stored with every slot's A (FOLD_STORED): the base projection and every slot's rank
-        space from one matmul, then each token's own slot's (few tokens) or all of them masked (many) expanded."""
-        T, (_, b_field, _, expand) = self.slots.shape[0], SPECS[kind]
-        b = getattr(self.weights, b_field)
-        base, tail = folded_matmul(x, w, axis)
-        h = tail.reshape(T, b.shape[0], *b.shape[1 : len(expand.split(",")[0]) - 1])  # [T, slots, (parts,) R]
-        if T <= GATHER_MAX_TOKENS:
-            delta = self._expand_own(h[jnp.arange(T), jnp.maximum(self.slots, 0)], b, expand)
+        if isinstance(w, FoldedWeight):
+            base, tail = folded_matmul(x, w, axis)
         else:
-            rows = (self.slots[:, None] == jnp.arange(b.shape[0])[None, :]).astype(h.dtype)  # as _delta's dense way
-            delta = jnp.einsum(expand, h * rows.reshape((T, -1) + (1,) * (h.ndim - 2)), b)
+            if kind not in FOLD or isinstance(w, QuantizedWeight) or T > GATHER_MAX_TOKENS:
+                return None
+            m = as_matrices(x, w, axis)
+            if m is None or m.rows != T:
+                return None
+            # every slot's A, even for one token: XLA reads [W; A] in the dot's own fusion only when A is a whole
+            # array (with the token's slot sliced out first it copied W a step: one stream 2.2x the base's time, H100)
+            both = jnp.concatenate([w.array.reshape(m.n, m.k), a.reshape(-1, m.k).astype(w.dtype)])
+            y = jnp.dot(m.xs, both.T)  # [T, n + slots * parts * R]
+            base, tail = m.result(y[:, : m.n]), y[:, m.n :]
+        ranks = a.shape[1 : len(expand.split(",")[0]) - 1]  # the slot's rank-space axes: (parts,) R
+        delta = self._expand_every(tail.reshape(T, a.shape[0], *ranks), b, expand)
         return base + hax.named(delta.astype(base.dtype), base.axes)
 
     def qkv_in_kernel(self, x: NamedArray, token: str, ax) -> tuple[jax.Array, jax.Array, jax.Array] | None:
