@@ -57,6 +57,7 @@ def engine_for(model, a, num_pages: int, tier_gib: float) -> LLMEngine:
             page_size=a.page_size,
             num_pages=num_pages,
             kv_offloading_size=tier_gib,
+            decode_steps_with_room=a.decode_steps_with_room,
         ),
         model=model,
     )
@@ -335,6 +336,12 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--smallest-bucket", type=int, default=16)
     ap.add_argument("--break-even", type=int, nargs="*", default=[], help="prefix lengths to time alone")
+    ap.add_argument(
+        "--decode-steps-with-room",
+        type=int,
+        default=None,
+        help="decode steps a dispatch takes while rows are free (EngineConfig's; default: its own)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--reference",

@@ -189,6 +189,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--smallest-bucket", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps)
+    ap.add_argument(
+        "--decode-steps-with-room",
+        type=int,
+        default=None,
+        help="decode steps a dispatch takes while rows are free (default: EngineConfig's)",
+    )
     ap.add_argument("--single-stream-tokens", type=int, default=0, help="also time one stream's decode")
     ap.add_argument(
         "--workload",
@@ -249,6 +255,7 @@ def main(argv=None) -> dict:
                 page_size=a.page_size,
                 smallest_token_bucket=a.smallest_bucket,
                 decode_steps=a.decode_steps,
+                decode_steps_with_room=a.decode_steps_with_room,
                 enable_prefix_caching=False,
                 tensor_parallel_size=a.tensor_parallel_size,
                 kv_cache_dtype=a.kv_cache_dtype,

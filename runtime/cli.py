@@ -95,6 +95,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="decode steps per device dispatch when every sequence is decoding",
     )
     parser.add_argument(
+        "--decode-steps-with-room",
+        type=int,
+        default=d.decode_steps_with_room,
+        help="decode steps per dispatch while fewer than --max-num-seqs sequences run, so an arriving request "
+        "waits at most two such dispatches (default: min(4, --decode-steps) on GPUs and TPUs, --decode-steps on CPU)",
+    )
+    parser.add_argument(
         "--decode-row-buckets",
         action=argparse.BooleanOptionalAction,
         default=d.decode_row_buckets,
@@ -228,6 +235,7 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
         max_waiting=getattr(args, "max_waiting", EngineConfig.max_waiting),
         tokenizer=args.tokenizer,
         decode_steps=args.decode_steps,
+        decode_steps_with_room=args.decode_steps_with_room,
         decode_row_buckets=args.decode_row_buckets,
         smallest_token_bucket=args.smallest_token_bucket,
         max_logprobs=args.max_logprobs,

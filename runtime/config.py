@@ -70,6 +70,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # what K/V pages store: the model's dtype, bfloat16, or fp8 (e4m3: twice the pages)
     enable_prefix_caching: bool = True
     decode_steps: int = 16  # decode steps per dispatch when every sequence is decoding (1: one step per dispatch)
+    # decode steps per dispatch while the batch has rows free, so a request arriving waits at most two such dispatches
+    # (the one under way and the one queued behind it); None: min(4, decode_steps) on GPUs/TPUs, decode_steps on CPU
+    decode_steps_with_room: int | None = None
     # decode steps run padded to a row bucket (1, 4, 16, ... max_num_seqs) instead of max_num_seqs; None: on CPU only
     decode_row_buckets: bool | None = None
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
@@ -109,6 +112,15 @@ class EngineConfig:
 
         return jax.default_backend() == "cpu"
 
+    def steps_with_room(self) -> int:
+        """Decode steps a dispatch takes while the batch has rows free: the flag, else min(4, decode_steps) off CPU
+        (on CPU a dispatch's host work is a larger share of it, and every step count is one more program to compile)."""
+        if self.decode_steps_with_room is not None:
+            return self.decode_steps_with_room
+        import jax
+
+        return self.decode_steps if jax.default_backend() == "cpu" else min(4, self.decode_steps)
+
     def validate(self) -> None:
         for name in (
             "max_num_seqs",
@@ -120,6 +132,11 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.decode_steps_with_room is not None and not 1 <= self.decode_steps_with_room <= self.decode_steps:
+            raise ValueError(
+                f"decode_steps_with_room must be between 1 and decode_steps ({self.decode_steps}), "
+                f"got {self.decode_steps_with_room}"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

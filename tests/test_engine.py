@@ -285,6 +285,58 @@ def test_a_full_batch_runs_on_while_requests_wait_and_admits_them_when_a_row_fre
     chained.engine.pool.check_all_free()
 
 
+def test_a_batch_with_rows_free_takes_shorter_dispatches_so_an_arrival_waits_at_most_two(monkeypatch):
+    """While fewer than max_num_seqs sequences run, a dispatch takes decode_steps_with_room steps: a request
+    arriving waits for the dispatch under way and the one queued behind it, 2 x 2 steps here rather than 2 x 16;
+    a full batch takes decode_steps. Tokens are the single-step engine's; nothing compiles after warm-up."""
+    import capstan.runtime.engine.multi_step as multi_step
+
+    flags = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=4)
+    chained = LLM(MODEL, decode_steps=16, decode_steps_with_room=2, **flags)
+    single = LLM(MODEL, decode_steps=1, **flags)
+    prompts = random_prompts(np.random.default_rng(12), 4, 1, 30)
+    params = [SamplingParams(max_tokens=90, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(4)]
+    reference = [o.outputs[0].token_ids for o in single.generate(prompts, params)]
+    real, dispatched = multi_step.decode_steps_fn, []
+    compiled = real._cache_size()
+
+    def spy(*args, num_steps, **kwargs):  # records each dispatch's rows and steps, runs the real program
+        dispatched.append((int(np.count_nonzero(args[3])), num_steps))
+        return real(*args, num_steps=num_steps, **kwargs)
+
+    monkeypatch.setattr(multi_step, "decode_steps_fn", spy)
+    engine, outputs = chained.engine, {f"r{i}": [] for i in range(4)}
+    waited = None  # r0's tokens from r2's arrival to r2's first token
+    for i in (0, 1):
+        engine.add_request(f"r{i}", prompts[i], params[i])
+    for _ in range(400):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs[out.request_id].extend(t for o in out.outputs for t in o.token_ids)
+        if "r2" not in engine.requests and len(outputs["r0"]) >= 8 and engine.multi_step.ahead is not None:
+            engine.add_request("r2", prompts[2], params[2])  # arrives while a dispatch is queued behind one
+            arrived_at = len(outputs["r0"])
+        if "r2" in engine.requests and outputs["r2"] and waited is None:
+            waited = len(outputs["r0"]) - arrived_at
+            engine.add_request("r3", prompts[3], params[3])  # fills the batch
+    assert not engine.has_unfinished()
+    assert [outputs[f"r{i}"] for i in range(4)] == reference
+    assert waited is not None and waited <= 2 * 2 + 1  # the two dispatches, then the step that admits it
+    assert (2, 2) in dispatched and (4, 16) in dispatched
+    assert {steps for rows, steps in dispatched if rows < 4} == {2}
+    assert real._cache_size() == compiled
+    engine.pool.check_all_free()
+
+
+@pytest.mark.parametrize("room", [0, 5])
+def test_decode_steps_with_room_out_of_range_is_refused_by_name(room):
+    from capstan.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"decode_steps_with_room must be between 1 and decode_steps \(4\)"):
+        EngineConfig(model=MODEL, decode_steps=4, decode_steps_with_room=room).validate()
+
+
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_decode_row_buckets_give_the_tokens_of_full_rows(decode_steps):
     """Steps of a few decodes run at their row bucket (1, 4, 16 here), not max_num_seqs rows: greedy and seeded

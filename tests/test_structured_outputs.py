@@ -121,9 +121,19 @@ def test_unconstrained_requests_in_the_same_batch_are_unchanged(llm):
     jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMAS["flat"])
 
 
-def test_the_decode_pipeline_matches_one_step_at_a_time(llm, monkeypatch):
+@pytest.mark.parametrize("room", [None, 3])
+def test_the_decode_pipeline_matches_one_step_at_a_time(llm, monkeypatch, room):
     """Batches with grammars decode several steps per engine step (forward, then sampling with masks computed
-    meanwhile); tokens, logprobs and finish reasons are those of stepping one token at a time."""
+    meanwhile); tokens, logprobs and finish reasons are those of stepping one token at a time, also when a batch
+    with rows free takes fewer steps (room=3: decode_steps_with_room)."""
+    if room is not None:
+        llm = LLM(
+            str(GOLDEN / "llama-s11"),
+            max_model_len=512,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            decode_steps_with_room=room,
+        )
     constrained = [
         StructuredOutput("json", SCHEMAS["refs"]),
         StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,4}"),
@@ -142,9 +152,10 @@ def test_the_decode_pipeline_matches_one_step_at_a_time(llm, monkeypatch):
     single = one_step.generate(prompts, params, use_tqdm=False)
     runs = []
     pipeline = llm.engine.multi_step._pipeline
-    monkeypatch.setattr(llm.engine.multi_step, "_pipeline", lambda *a: runs.append(1) or pipeline(*a))
+    monkeypatch.setattr(llm.engine.multi_step, "_pipeline", lambda *a: runs.append(a[2]) or pipeline(*a))
     piped = llm.generate(prompts, params, use_tqdm=False)
     assert len(runs) >= 2  # the batch did decode through the pipeline
+    assert room is None or room in runs  # a batch with rows free took the shorter pipeline
     for a, b in zip(single, piped, strict=True):
         (x,), (y,) = a.outputs, b.outputs
         assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)

@@ -21,6 +21,7 @@ after it)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import equinox as eqx
@@ -166,6 +167,7 @@ class Dispatch:
     inputs: Packed
     limits: list[int]  # the most steps each row may take in the run (its max_tokens, the context's end)
     offset: int
+    num_steps: int  # steps a dispatch of its run takes (MultiStepDecoder.steps_for)
     active: np.ndarray  # [S] each row writes K/V for its steps below this (its limit, or where it was found stopped)
     branches: Branches  # its program (scan_branches)
     out: SampleResult | None = None  # on the device
@@ -190,18 +192,17 @@ class MultiStepDecoder:
         """Compiles the scan and the pipeline's programs (its forward and every sampling branch set) for model (one
         of the engine's variants: LLMEngine.model_for)."""
         e = self.engine
-        k = e.config.decode_steps
         with e._precision():
             for S in e.builder.row_buckets:  # a free batch's scan runs at its row bucket
                 inputs = e.builder.build([], bucket=S, rows=S)
-                for branches in scans(jax.default_backend()):
+                for k, branches in itertools.product(self.step_counts(S), scans(jax.default_backend())):
                     e.kv, out, _ = decode_steps_fn(
                         model,
                         e.kv,
                         inputs,
                         np.zeros(S, np.int32),
                         np.int32(0),
-                        self._no_previous(S),
+                        self._no_previous(S, k),
                         self._block_tables([], S),
                         self._no_counts(S, branches),
                         num_steps=k,
@@ -216,10 +217,25 @@ class MultiStepDecoder:
                     decode_sample_fn(logits, inputs, e.builder.all_allowed, np.int32(0), branches=branches)
                 )
 
+    def steps_for(self, rows: int) -> int:
+        """Steps a dispatch of `rows` sequences takes: decode_steps for a full batch, fewer while rows are free, so
+        a request arriving meanwhile is admitted after at most two such dispatches (the one under way and the one
+        queued behind it) rather than two of decode_steps."""
+        e = self.engine
+        return e.config.decode_steps if rows >= e.builder.S else e.config.steps_with_room()
+
+    def step_counts(self, bucket: int) -> list[int]:
+        """The step counts a free batch's scan runs with at this row bucket (each compiled at warm-up)."""
+        e = self.engine
+        counts = {e.config.decode_steps} if bucket >= e.builder.S else set()
+        if e.builder.S > 1:  # a batch of fewer rows than max_num_seqs fits every bucket
+            counts.add(e.config.steps_with_room())
+        return sorted(counts)
+
     def plan(self, chunks: list[ScheduledChunk]) -> list[int] | None:
         """Steps each row may take in one multi-step dispatch, or None when this step must be a single one."""
         e = self.engine
-        k = e.config.decode_steps
+        k = self.steps_for(len(chunks))
         # admit waiting requests first; a sequence whose pages come back from the host tier is written at the next
         # step's poll, so single steps until then (a 16-step run made it wait a whole run: ~60 ms on the 1B shape)
         if k <= 1 or (e.scheduler.admissible_waiting() or e.scheduler.loading) and len(chunks) < e.builder.S:
@@ -250,6 +266,7 @@ class MultiStepDecoder:
     def decode(self, chunks: list[ScheduledChunk], active: list[int]) -> list[RequestOutput]:
         """Runs the planned steps (row r takes active[r]) and applies each row's tokens up to its stop."""
         e = self.engine
+        k = self.steps_for(len(chunks))  # as plan() chose
         steps = {id(c.seq): n for c, n in zip(chunks, active, strict=True)}
         constrained = any(c.seq.constraint is not None for c in chunks)
         S = e.builder.S if constrained else e.builder.rows_for(len(chunks))  # a free batch: its row bucket
@@ -260,12 +277,17 @@ class MultiStepDecoder:
         rows = np.zeros(S, np.int32)
         rows[: len(active)] = active
         if not constrained:
-            k = e.config.decode_steps
             limits = [
                 max(1, min(c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens)) for c in chunks
             ]
             d = Dispatch(
-                chunks, inputs, limits, 0, rows, scan_branches([c.seq.params for c in chunks], jax.default_backend())
+                chunks,
+                inputs,
+                limits,
+                0,
+                k,
+                rows,
+                scan_branches([c.seq.params for c in chunks], jax.default_backend()),
             )
             with e._precision():
                 e.kv, d.out, d.counts = decode_steps_fn(
@@ -274,7 +296,7 @@ class MultiStepDecoder:
                     inputs,
                     rows,
                     np.int32(0),
-                    self._no_previous(S),
+                    self._no_previous(S, k),
                     self._block_tables(chunks, S),
                     self._no_counts(S, d.branches),
                     num_steps=k,
@@ -283,7 +305,7 @@ class MultiStepDecoder:
             return self._apply(d)
         grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
         refused: dict[int, BaseException] = {}  # row -> why its grammar refused a token
-        out = self._pipeline(chunks, active, inputs, rows, grammar_end, refused)
+        out = self._pipeline(chunks, active, k, inputs, rows, grammar_end, refused)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
         for r, c in enumerate(chunks):
             seq = c.seq
@@ -325,7 +347,7 @@ class MultiStepDecoder:
         self.ahead = self._queue_next(d)
         out = e.fetch(d.out)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
-        k = e.config.decode_steps
+        k = d.num_steps
         for r, c in enumerate(d.chunks):
             seq = c.seq
             if seq.request_id not in e.requests or seq.finished:
@@ -348,7 +370,7 @@ class MultiStepDecoder:
         propose, and no waiting request could take a row; None when the run ends with d (the next step schedules
         afresh)."""
         e = self.engine
-        k = e.config.decode_steps
+        k = d.num_steps
         offset = d.offset + k
         live = [r for r, c in enumerate(d.chunks) if c.seq.request_id in e.requests and not c.seq.finished]
         # speculation proposes at every engine step (unless the batch is too large for it): a run queued ahead would
@@ -370,7 +392,7 @@ class MultiStepDecoder:
             if not e.scheduler.reserve_ahead(c.seq, c.start + steps - c.seq.num_computed):
                 return None  # no pages for it: the next step schedules afresh (it may preempt)
             active[r] = steps
-        nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, active, d.branches)
+        nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, k, active, d.branches)
         assert d.out is not None, "d is settled before the next dispatch is queued"
         kv, previous, tables, counts = e.kv, d.out.tokens, self._block_tables(d.chunks, len(d.active)), d.counts
         model = e.model_for(d.chunks)  # the run's variant: its rows' adapters stay in their slots while it runs
@@ -393,13 +415,12 @@ class MultiStepDecoder:
         nxt.future = self._thread.submit(call)
         return nxt
 
-    def _no_previous(self, rows: int) -> np.ndarray | jax.Array:
+    def _no_previous(self, rows: int, num_steps: int) -> np.ndarray | jax.Array:
         """Zeros for a run's first dispatch in place of the previous one's tokens, placed as those are (replicated on
         the tensor-parallel mesh): an unplaced array there made the queued dispatches a second program, compiled in
         the middle of the first run (8B shape, TP=2: 8 s of a 10 s decode phase); on one device a numpy array did the
         same (a dispatch queued ahead takes device arrays)."""
-        e = self.engine
-        zeros = np.zeros((e.config.decode_steps, rows), np.int32)
+        zeros = np.zeros((num_steps, rows), np.int32)
         return jax.device_put(zeros, self._outputs_sharding())
 
     def _outputs_sharding(self):
@@ -436,6 +457,7 @@ class MultiStepDecoder:
         self,
         chunks: list[ScheduledChunk],
         active: list[int],
+        num_steps: int,
         inputs,
         rows: np.ndarray,
         grammar_end: dict[int, int],
@@ -470,7 +492,7 @@ class MultiStepDecoder:
                         refused[r] = err
 
         with e._precision():
-            for j in range(e.config.decode_steps):
+            for j in range(num_steps):
                 e.kv, logits = decode_forward_fn(model, e.kv, inputs, previous, active_rows, np.int32(j))
                 if j:
                     advance(j - 1)  # the forward above is queued: this host work overlaps it
@@ -482,6 +504,6 @@ class MultiStepDecoder:
                     decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j), branches=branches)
                 )
                 previous = results[-1].tokens
-        advance(e.config.decode_steps - 1)
+        advance(num_steps - 1)
         host = e.fetch(results)
         return jax.tree.map(lambda *steps: np.stack(steps), *host)
