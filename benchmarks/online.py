@@ -464,7 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--server-args",
         default="",
-        help="more `capstan serve` flags, one string (the offline engine gets the engine flags among them too)",
+        help="more `capstan serve` flags, one string (the offline engine gets the engine flags among them too); "
+        "write --server-args=--flag when it is one flag with no value (argparse reads a lone --flag as an option)",
     )
     ap.add_argument("--workloads", default=",".join(serve.WORKLOADS), help="benchmarks/serve.py workloads ('' none)")
     ap.add_argument("--workload-scale", type=float, default=1.0, help="their request counts times this")
