@@ -5,6 +5,7 @@ a timeout; every process is killed on the way out."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,12 +35,14 @@ class Process:
         self.port = port
         self.url = f"http://{host}:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="capstan-gateway-test-", suffix=".log", delete=False)  # noqa: SIM115 - open until stop(): the gateway writes it
+        # its own temporary files (a server's sockets' folder), removed once it exits: a SIGKILL skips its cleanup
+        self.tmpdir = tempfile.mkdtemp(prefix="capstan-test-")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "capstan.runtime.cli", *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            env={**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": self.tmpdir},
         )
 
     def output(self) -> str:
@@ -63,6 +66,7 @@ class Process:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -71,6 +75,7 @@ class Process:
                 self.process.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
         os.unlink(self.log.name)
 
 

@@ -4,10 +4,12 @@ subprocess (for signals). Every wait has a timeout; every process is killed on t
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -111,9 +113,11 @@ class ServeProcess:
             *[f"--{k.replace('_', '-')}={v}" for k, v in engine_flags.items()],
             *flags,
         ]
+        # the server's own temporary files (its sockets' folder), removed on the way out: a SIGKILL skips its cleanup
+        self.tmpdir = tempfile.mkdtemp(prefix="capstan-test-serve-")
         self.process = subprocess.Popen(
             command,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "TMPDIR": self.tmpdir, **(env or {})},
             start_new_session=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -147,3 +151,4 @@ class ServeProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
         self._reader.join(timeout=5)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
