@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tiercalls hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -64,6 +64,13 @@ for part in $parts; do
         python3 benchmarks/multiturn.py --shape $shape $size --turns 5 --first-len 2048 --user-len 256 \
           --output-len 128 --max-num-seqs 32 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --break-even 128 512 2048 ${MULTITURN_ARGS:-} --json "$OUT/multiturn-$shape.json" 2>&1 | grep --line-buffered -v Warning; done ;;
+    # issue 33: whether the tier pays for preemption: a pool of half the pages the batch needs, with no prefix cache,
+    # with it (a preempted sequence's pages, until evicted), and with the tier (evicted ones back from host memory);
+    # same greedy tokens (tokens_digest) in all three
+    tierpreempt) for t in "" "--prefix-caching" "--kv-offloading-size ${TIERPREEMPT_GIB:-8}"; do echo "--- ${t:-no prefix cache}"
+        python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 512 --output-len 512 \
+          --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --num-pages ${TIERPREEMPT_PAGES:-8192} \
+          --digest $t 2>&1 | grep --line-buffered -E "output_tokens|phase_s|preempt|hit_tokens|bytes_to|digest|compile|Error"; done ;;
     # issue 33: the engine thread's host time for the tier's calls (device_put, gathers, scatters), 1B and 8B
     tiercalls) for shape in ${TIERCALLS_SHAPES:-llama-3.2-1b llama-3-8b}; do python3 benchmarks/tier_calls.py --shape $shape \
         2>&1 | grep --line-buffered -v Warning; done ;;

@@ -134,11 +134,13 @@ def run(
     loras=None,
     digest: bool = False,
 ) -> dict:
-    """loras: a LoRARequest (or None) per prompt (benchmarks/lora.py); digest: also `tokens_digest`, a hash of the
-    generated ids in the order they came (host work in the timed loop, so only when asked)."""
+    """loras: a LoRARequest (or None) per prompt (benchmarks/lora.py); digest: also `tokens_digest`, a hash of each
+    request's generated ids, request by request (host work in the timed loop, so only when asked)."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
-        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, sp, lora_request=loras[i] if loras else None)
+    rids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    generated: dict[str, list[int]] = {rid: [] for rid in rids}
+    for i, (rid, p, sp) in enumerate(zip(rids, prompts, per_prompt, strict=True)):
+        engine.add_request(rid, p, sp, lora_request=loras[i] if loras else None)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     trace_step = -1
     ids = hashlib.sha256()
@@ -152,8 +154,8 @@ def run(
         steps += 1
         peak_pages = max(peak_pages, engine.pool.num_used)
         out_tokens += sum(len(o.token_ids) for r in outs for o in r.outputs)
-        for o in (o for r in outs for o in r.outputs) if digest else ():
-            ids.update(np.asarray(o.token_ids, np.int64).tobytes())
+        for r in outs if digest else ():
+            generated[r.request_id].extend(t for o in r.outputs for t in o.token_ids)
         if (
             first_decode is None
             and not engine.scheduler.waiting
@@ -162,6 +164,8 @@ def run(
             first_decode = time.perf_counter()
             trace_step = steps + 2  # the third step of the decode phase: a run's dispatch queued ahead
     end = time.perf_counter()
+    for rid in rids if digest else ():  # in request order: the same whatever order steps finished them in
+        ids.update(np.asarray(generated[rid], np.int64).tobytes())
     prefill_s = (first_decode or end) - start
     return {
         "seconds": end - start,
@@ -231,6 +235,23 @@ def main(argv=None) -> dict:
         help="also split each step's time into building, the jitted call, waiting, and the host's work",
     )
     ap.add_argument("--trace", help="write a Perfetto trace of one decode-phase engine step here")
+    ap.add_argument(
+        "--digest", action="store_true", help="also a hash of every request's generated ids (same tokens, same hash)"
+    )
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: the engine's sizing)")
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="prefix caching on (off by default: random prompts share nothing); a preempted sequence's full pages "
+        "then stay cached until evicted",
+    )
+    ap.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=0.0,
+        help="GiB of host memory for evicted prefix-cache pages (implies --prefix-caching): a preempted sequence's "
+        "evicted pages come back from there instead of being recomputed (issue 33)",
+    )
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -256,7 +277,9 @@ def main(argv=None) -> dict:
                 smallest_token_bucket=a.smallest_bucket,
                 decode_steps=a.decode_steps,
                 decode_steps_with_room=a.decode_steps_with_room,
-                enable_prefix_caching=False,
+                num_pages=a.num_pages if max_num_seqs == a.max_num_seqs else None,
+                enable_prefix_caching=a.prefix_caching or a.kv_offloading_size > 0,
+                kv_offloading_size=a.kv_offloading_size if max_num_seqs == a.max_num_seqs else 0.0,
                 tensor_parallel_size=a.tensor_parallel_size,
                 kv_cache_dtype=a.kv_cache_dtype,
             ),
@@ -279,7 +302,10 @@ def main(argv=None) -> dict:
         constrained = dataclasses.replace(fixed, structured=StructuredOutput("json", UNBOUNDED_SCHEMA))
         cut = int(round(a.constrained_fraction * a.requests))
         params = [constrained] * cut + [fixed] * (a.requests - cut)
-    run(engine, prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    warm_rng = np.random.default_rng(1)  # not the run's prompts, nor its generator: no cache hits, same prompts
+    warm = [warm_rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(8)]
+    run(engine, warm, SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    before = engine.stats()
     figures = {
         "shape": a.shape,
         "dtype": dtype,
@@ -293,8 +319,15 @@ def main(argv=None) -> dict:
         "output_len": a.output_len,
         "weights_init_s": load_s,
         "compile_s": engine.compile_seconds,
-        **run(engine, prompts, params, Timeline(engine) if a.timeline else None, a.trace),
+        **run(engine, prompts, params, Timeline(engine) if a.timeline else None, a.trace, digest=a.digest),
     }
+    after = engine.stats()
+    if a.prefix_caching or a.kv_offloading_size > 0 or a.num_pages:  # what the pool's pressure did
+        figures["preemptions"] = after.preemptions - before.preemptions
+        figures["device_hit_tokens"] = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+        figures["host_hit_tokens"] = after.kv_offload_hit_tokens - before.kv_offload_hit_tokens
+        figures["bytes_to_host"] = after.kv_offload_bytes_to_host - before.kv_offload_bytes_to_host
+        figures["bytes_to_device"] = after.kv_offload_bytes_to_device - before.kv_offload_bytes_to_device
     if a.single_stream_tokens:
         one = SamplingParams(max_tokens=a.single_stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         del engine  # its KV pool; one stream gets an engine of one row so it pays for no padding rows
