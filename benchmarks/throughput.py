@@ -265,7 +265,8 @@ def main(argv=None) -> dict:
     mixed = a.workload == "mixed"
     max_len = (2 if mixed else 1) * (a.prompt_len + max(a.output_len, a.single_stream_tokens)) + 1
 
-    def engine_for(max_num_seqs: int, max_tokens: int) -> LLMEngine:
+    def engine_for(max_num_seqs: int, max_tokens: int, pool: bool = True) -> LLMEngine:
+        """pool: the batch's KV flags (--num-pages, --kv-offloading-size); the one-stream engine sizes its own."""
         e = LLMEngine(
             EngineConfig(
                 model=str(DEFAULT_MODEL),
@@ -277,9 +278,9 @@ def main(argv=None) -> dict:
                 smallest_token_bucket=a.smallest_bucket,
                 decode_steps=a.decode_steps,
                 decode_steps_with_room=a.decode_steps_with_room,
-                num_pages=a.num_pages if max_num_seqs == a.max_num_seqs else None,
+                num_pages=a.num_pages if pool else None,
                 enable_prefix_caching=a.prefix_caching or a.kv_offloading_size > 0,
-                kv_offloading_size=a.kv_offloading_size if max_num_seqs == a.max_num_seqs else 0.0,
+                kv_offloading_size=a.kv_offloading_size if pool else 0.0,
                 tensor_parallel_size=a.tensor_parallel_size,
                 kv_cache_dtype=a.kv_cache_dtype,
             ),
@@ -331,7 +332,7 @@ def main(argv=None) -> dict:
     if a.single_stream_tokens:
         one = SamplingParams(max_tokens=a.single_stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
         del engine  # its KV pool; one stream gets an engine of one row so it pays for no padding rows
-        single = engine_for(1, max(a.prompt_len, a.smallest_bucket))
+        single = engine_for(1, max(a.prompt_len, a.smallest_bucket), pool=False)
         run(single, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
         streams = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(3)]
         runs = sorted(1000 * run(single, [p], one)["seconds"] / a.single_stream_tokens for p in streams)
