@@ -528,6 +528,16 @@ def test_chunk_pages_setting_takes_a_page_count_and_names_the_variable_otherwise
             chunk_pages_setting(bad)
 
 
+def test_prefetch_bytes_setting_takes_mib_and_names_the_variable_otherwise():
+    from capstan.runtime.kv.host_offload import prefetch_bytes_setting
+
+    assert prefetch_bytes_setting(None) == prefetch_bytes_setting("") == 2 << 30
+    assert prefetch_bytes_setting("512") == 512 << 20
+    for bad in ("0", "-4", "1.5", "lots", str(2**63), "\u00b2", " 16"):
+        with pytest.raises(ValueError, match="CAPSTAN_KV_OFFLOAD_PREFETCH_MIB"):
+            prefetch_bytes_setting(bad)
+
+
 def test_a_sequence_whose_copies_have_not_landed_waits_while_those_behind_it_run(monkeypatch):
     """LOAD_WAY "landed": a returning sequence's copies start as it arrives, and it is admitted only once they have
     landed (no step waits on the device for them); a fresh request behind it is not held up meanwhile, and the

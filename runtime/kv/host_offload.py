@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
@@ -80,9 +81,22 @@ GIB = 1 << 30
 # every copy is_ready.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "same-step")
 LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival", "landed")
-PREFETCH_MAX_BYTES = 1 << 30  # device memory that copies started at arrival hold at most, together (8B: ~3 turns)
-# "landed": sequences whose copies run at once; the next starts as one lands (the runtime may spread copies over
-# several streams: started all at once, a wave's copies would all land together, at the end)
+
+
+def prefetch_bytes_setting(value: str | None) -> int:
+    """CAPSTAN_KV_OFFLOAD_PREFETCH_MIB: device memory the copies started at arrival hold at most, together, landed or
+    not (2 GiB by default: five returning 8B-shape turns of ~3,000 tokens; outside the KV pool's share)."""
+    if value is None or value == "":
+        return 2 << 30
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 1 << 20:
+        raise ValueError(f"CAPSTAN_KV_OFFLOAD_PREFETCH_MIB: {value!r} is not a whole number of MiB from 1 to 1048576")
+    return int(value) << 20
+
+
+PREFETCH_MAX_BYTES = prefetch_bytes_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_PREFETCH_MIB"))
+# "landed": sequences whose copies run at once; a thread starts the next as one lands (the runtime may spread copies
+# over several streams: started all at once, a wave's copies would all land together, at the end; started by the
+# engine's polls, one step apart, they left the link idle: 8B shape, a wave's last load started ~119 ms after it came)
 PREFETCH_IN_FLIGHT = 2
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
@@ -161,6 +175,7 @@ class _Prefetch:
     size: int  # device bytes its copies take
     since: float  # when it arrived
     copies: dict[int, jax.Array] | None = None  # chunk -> its copy on the device (None: queued, not started)
+    failed: bool = False  # its copies failed to start: its load copies them itself
 
 
 @dataclasses.dataclass
@@ -227,6 +242,10 @@ class HostOffload(Generic[LoadKey]):
         # copies started (or queued, "landed") at arrival, in arrival order
         self._prefetched: dict[LoadKey, _Prefetch] = {}
         self._prefetched_bytes = 0  # device bytes of the started ones
+        # "landed": waits for each started prefetch to land, then starts the next (the engine's thread and this one
+        # share _prefetched under the lock; the thread only reads the tier's pinned chunks)
+        self._prefetch_lock = threading.RLock()
+        self._prefetch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
         self.prefetched_chunks_used = 0
         self._to_device: dict[LoadKey, _ToDevice] = {}
         self.bytes_to_host = self.bytes_to_device = 0
@@ -341,35 +360,39 @@ class HostOffload(Generic[LoadKey]):
         """key's load will read these slots: their chunks start copying to the device now, if they fit in
         PREFETCH_MAX_BYTES ("landed": queued, started in arrival order as earlier ones land); pinned until the load
         takes them or `drop_prefetch`."""
-        if key in self._prefetched or not slots:
-            return
-        chunks = list(dict.fromkeys(slot // self.chunk_pages for slot in slots))
-        p = _Prefetch(list(slots), chunks, len(chunks) * self.chunk_pages * self.tier.page_bytes, time.monotonic())
-        if (
-            p.size > PREFETCH_MAX_BYTES
-            or not self.admits_landed
-            and self._prefetched_bytes + p.size > PREFETCH_MAX_BYTES
-        ):
-            return  # its load copies them itself
-        self.tier.pin(p.slots)
-        self._prefetched[key] = p
-        if self.admits_landed:
-            self._start_prefetches()
-        elif not self._start_copies(key, p):
-            self.drop_prefetch(key)
+        with self._prefetch_lock:
+            if key in self._prefetched or not slots:
+                return
+            chunks = list(dict.fromkeys(slot // self.chunk_pages for slot in slots))
+            size = len(chunks) * self.chunk_pages * self.tier.page_bytes
+            p = _Prefetch(list(slots), chunks, size, time.monotonic())
+            if (
+                size > PREFETCH_MAX_BYTES
+                or not self.admits_landed
+                and self._prefetched_bytes + size > PREFETCH_MAX_BYTES
+            ):
+                return  # its load copies them itself
+            self.tier.pin(p.slots)
+            self._prefetched[key] = p
+            if self.admits_landed:
+                self._start_prefetches()
+            elif self._start_copies(p) is None:
+                self.drop_prefetch(key)
 
-    def _start_copies(self, key: LoadKey, p: _Prefetch) -> bool:
+    def _start_copies(self, p: _Prefetch) -> list[jax.Array] | None:
+        """Starts p's copies to the device: them (None: failed to start)."""
         t = time.perf_counter()
         data = {chunk: copy for chunk, copy, _ in self.tier.read([c * self.chunk_pages for c in p.chunks])}
         try:
             copies = jax.device_put([data[c] for c in p.chunks], self._on_device)
         except Exception:  # noqa: BLE001 - its load copies them itself
             log.exception("a K/V copy from host memory failed to start; its load tries again")
-            return False
+            p.failed = True
+            return None
         p.copies = dict(zip(p.chunks, copies, strict=True))
         self._prefetched_bytes += p.size
-        self.timings["step_thread_prefetch"] += time.perf_counter() - t
-        return True
+        self.timings["prefetch_start"] += time.perf_counter() - t
+        return copies
 
     @staticmethod
     def _landed(copies: dict[int, jax.Array]) -> bool:
@@ -377,48 +400,59 @@ class HostOffload(Generic[LoadKey]):
 
     def _start_prefetches(self) -> None:
         """ "landed": starts queued copies in arrival order while fewer than PREFETCH_IN_FLIGHT are under way and
-        the started ones' bytes fit PREFETCH_MAX_BYTES."""
-        in_flight = 0
-        for key, p in list(self._prefetched.items()):
-            if p.copies is not None:
-                in_flight += not self._landed(p.copies)
-            elif in_flight >= PREFETCH_IN_FLIGHT or self._prefetched_bytes + p.size > PREFETCH_MAX_BYTES:
-                return
-            elif self._start_copies(key, p):
-                in_flight += 1
-            else:
-                self.drop_prefetch(key)
+        the started ones' bytes fit PREFETCH_MAX_BYTES; the thread waits for each to land and starts more then."""
+        with self._prefetch_lock:
+            in_flight = 0
+            for p in self._prefetched.values():
+                if p.failed:
+                    continue
+                if p.copies is not None:
+                    in_flight += not self._landed(p.copies)
+                elif in_flight >= PREFETCH_IN_FLIGHT or self._prefetched_bytes + p.size > PREFETCH_MAX_BYTES:
+                    return
+                elif (started := self._start_copies(p)) is not None:
+                    in_flight += 1
+                    self._prefetch_thread.submit(self._when_landed, started)
+
+    def _when_landed(self, copies: list[jax.Array]) -> None:
+        try:
+            jax.block_until_ready(copies)  # (a failed copy: its load's scatter fails and it is recomputed)
+        finally:
+            self._start_prefetches()
 
     def copying(self, key: LoadKey) -> bool:
         """ "landed": key's copies started at arrival have not all landed (or not started) yet, so it is not to be
         admitted; False after LOAD_DEADLINE_S (admitted, its step waits for them on the device)."""
-        p = self._prefetched.get(key) if self.admits_landed else None
-        if p is None or time.monotonic() - p.since > LOAD_DEADLINE_S:
+        if not self.admits_landed:
             return False
-        self._start_prefetches()
-        return p.copies is None or not self._landed(p.copies)
+        with self._prefetch_lock:
+            p = self._prefetched.get(key)
+            if p is None or p.failed or time.monotonic() - p.since > LOAD_DEADLINE_S:
+                return False
+            return p.copies is None or not self._landed(p.copies)
 
     def wait_prefetch(self, timeout_s: float) -> None:
         """Sleeps (the GIL released) until a copy started at arrival lands or timeout_s passes (nothing else to
         run: every waiting sequence waits for its copies)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._start_prefetches()
-            started = [p.copies for p in self._prefetched.values() if p.copies is not None]
-            if not started or any(self._landed(c) for c in started):
-                return
+            with self._prefetch_lock:
+                started = [p.copies for p in self._prefetched.values() if p.copies is not None]
+                if not started or any(self._landed(c) for c in started):
+                    return
             time.sleep(0.0005)
 
     def drop_prefetch(self, key: LoadKey) -> dict[int, jax.Array]:
         """key's copies started at arrival (chunk -> copy; none: empty), given up: their slots unpinned."""
-        p = self._prefetched.pop(key, None)
-        if p is None:
-            return {}
-        self.tier.unpin(p.slots)
-        if p.copies is None:
-            return {}
-        self._prefetched_bytes -= p.size
-        return p.copies
+        with self._prefetch_lock:
+            p = self._prefetched.pop(key, None)
+            if p is None:
+                return {}
+            self.tier.unpin(p.slots)
+            if p.copies is None:
+                return {}
+            self._prefetched_bytes -= p.size
+            return p.copies
 
     def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> bool:
         """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written.
@@ -466,8 +500,6 @@ class HostOffload(Generic[LoadKey]):
         ended (False: failed or late, so its pages are to be recomputed)."""
         t = time.perf_counter()
         self._commit_puts()
-        if self.admits_landed:
-            self._start_prefetches()
         kv: KVCache | None = None
         ended: list[tuple[LoadKey, bool]] = []
         parts: list[tuple[np.ndarray, np.ndarray, jax.Array]] = []  # every written load's (pages, rows, chunk)
