@@ -86,7 +86,7 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival", "landed"])
+@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival"])
 def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; direct:
     one scatter that reads the chunk from host memory itself; eager: the device_put copies scattered at the next poll,
@@ -99,7 +99,7 @@ def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.writing
     offload = llm.engine.scheduler.offload
     assert not offload._prefetched and offload._prefetched_bytes == 0 and offload.tier.num_pinned == 0
-    assert (offload.prefetched_chunks_used > 0) == (way in ("arrival", "landed"))
+    assert (offload.prefetched_chunks_used > 0) == (way == "arrival")
     s = llm.engine.stats()
     # (how many: as many as the copies to the host finished before their turns came back, a matter of timing here)
     assert s.kv_offload_hit_tokens > 0 and s.kv_offload_failed_loads == 0
@@ -119,7 +119,7 @@ def test_fp8_pages_go_to_host_memory_and_back_as_stored():
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("way", ["eager", "same-step", "arrival", "landed"])
+@pytest.mark.parametrize("way", ["eager", "same-step", "arrival"])
 def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed, monkeypatch, way):
     """Every page copied back holds, bit for bit, the bytes the tier was given for its hash, and those are the bytes
     its device page held when it was named in the prefix cache (nothing wrote a named page, no gather read a page's
@@ -333,7 +333,7 @@ def test_copies_that_fail_to_start_are_recomputed_in_the_same_step(recomputed):
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("way", ["same-step", "arrival", "landed"])
+@pytest.mark.parametrize("way", ["same-step", "arrival"])
 def test_aborts_while_pages_are_copied_back_leak_nothing(monkeypatch, way):
     monkeypatch.setattr(host_offload, "LOAD_WAY", way)  # arrival: waiting sequences hold copies started for them
     llm = LLM(MODEL, kv_offloading_size=8 * TIER_GIB, warmup=False, **SMALL_POOL)  # room for every prompt's pages
@@ -526,58 +526,3 @@ def test_chunk_pages_setting_takes_a_page_count_and_names_the_variable_otherwise
     for bad in ("0", "-4", "8.5", "lots", "4097", str(2**63), "\u00b2", " 16"):
         with pytest.raises(ValueError, match="CAPSTAN_KV_OFFLOAD_CHUNK_PAGES"):
             chunk_pages_setting(bad)
-
-
-def test_prefetch_bytes_setting_takes_mib_and_names_the_variable_otherwise():
-    from capstan.runtime.kv.host_offload import prefetch_bytes_setting
-
-    assert prefetch_bytes_setting(None) == prefetch_bytes_setting("") == 2 << 30
-    assert prefetch_bytes_setting("512") == 512 << 20
-    for bad in ("0", "-4", "1.5", "lots", str(2**63), "\u00b2", " 16"):
-        with pytest.raises(ValueError, match="CAPSTAN_KV_OFFLOAD_PREFETCH_MIB"):
-            prefetch_bytes_setting(bad)
-
-
-def test_a_sequence_whose_copies_have_not_landed_waits_while_those_behind_it_run(monkeypatch):
-    """LOAD_WAY "landed": a returning sequence's copies start as it arrives, and it is admitted only once they have
-    landed (no step waits on the device for them); a fresh request behind it is not held up meanwhile, and the
-    restored one's tokens are recompute's."""
-    monkeypatch.setattr(host_offload, "LOAD_WAY", "landed")
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(10, 500, size=100).tolist() for _ in range(6)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm = LLM(MODEL, kv_offloading_size=8 * TIER_GIB, warmup=False, **SMALL_POOL)
-    engine = llm.engine
-    offload = engine.scheduler.offload
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]  # the pool keeps ~2
-    deadline = time.monotonic() + 30
-    while offload._puts and time.monotonic() < deadline:  # the evicted pages' copies to the host are committed
-        time.sleep(0.005)
-        offload._commit_puts()
-    returning = prompts[0] + first[0] + [7, 8, 9]
-    fresh = rng.integers(10, 500, size=30).tolist()
-    reference = LLM(MODEL, warmup=False, **SMALL_POOL).generate([returning, fresh], greedy, use_tqdm=False)
-    landed = False
-    monkeypatch.setattr(offload, "_landed", lambda copies: landed)  # its copies are still on their way
-    engine.add_request("back", returning, greedy)
-    engine.add_request("new", fresh, greedy)
-    [back] = engine.requests["back"]
-    assert offload._prefetched[back].copies is not None  # started at arrival
-    outputs = {}
-    for _ in range(200):
-        for o in engine.step():  # (each output carries the tokens since the last)
-            outputs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
-        if not engine.requests.get("new"):
-            break
-    assert outputs.get("new") == reference[1].outputs[0].token_ids
-    assert back in engine.scheduler.waiting and not back.pages  # not admitted while its copies are on their way
-    landed = True
-    for _ in range(200):
-        for o in engine.step():  # (each output carries the tokens since the last)
-            outputs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
-        if not engine.has_unfinished():
-            break
-    assert outputs["back"] == reference[0].outputs[0].token_ids
-    assert offload.prefetched_chunks_used > 0 and engine.stats().kv_offload_hit_tokens > 0
-    assert not offload._prefetched and offload._prefetched_bytes == 0 and offload.tier.num_pinned == 0
-    engine.pool.check_all_free()

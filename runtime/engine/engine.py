@@ -400,8 +400,6 @@ class LLMEngine:
             if self.scheduler.loading:  # only copies back are left: wait (GIL released) until one lands, not spin
                 assert self.scheduler.offload is not None, "sequences load only from a host tier"
                 self.scheduler.offload.wait_landed(LOAD_WAIT_S)
-            elif self.scheduler.waiting and self.scheduler.offload is not None and self.scheduler.offload.busy:
-                self.scheduler.offload.wait_prefetch(LOAD_WAIT_S)  # ("landed": the waiting wait for their copies)
             elif self.loras is not None and self.scheduler.blocked_on_adapters():  # adapters being read: likewise
                 self.loras.wait_read(LOAD_WAIT_S)
             return []

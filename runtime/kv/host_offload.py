@@ -24,11 +24,6 @@ sequence is admitted in the schedule that started its load (the step's program w
 instead of the sequence waiting a step on the host; H100, 1B shape: returning turns' TTFT p50 84.4 ms against
 eager's 97.8). "arrival": same-step, and a sequence's copies start when it arrives (`prefetch`, within
 PREFETCH_MAX_BYTES of device memory), so they overlap the dispatch under way; its load at admission takes them.
-"landed": arrival's copies, started in arrival order at most PREFETCH_IN_FLIGHT sequences at a time, and a sequence
-is admitted only once its copies have landed (sequences behind it go first meanwhile), so a wave of returning turns
-is restored one after another, each prefilled while the next one's pages cross the link, instead of every step
-waiting on the device for the whole wave's copies (8B shape: a turn's ~360 MB take ~8 ms at ~45 GB/s; eight together
-~64 ms, then their prefill).
 "direct":
 the scatter reads the chunks from host memory itself (the copy is part of a program ordered before the next step, so
 the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against eager's 140). "staged": `device_put`
@@ -52,7 +47,6 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
@@ -80,24 +74,8 @@ GIB = 1 << 30
 # dispatched on the next poll, reads the chunks from host memory itself; "staged": device_put first, the scatter once
 # every copy is_ready.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "same-step")
-LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival", "landed")
-
-
-def prefetch_bytes_setting(value: str | None) -> int:
-    """CAPSTAN_KV_OFFLOAD_PREFETCH_MIB: device memory the copies started at arrival hold at most, together, landed or
-    not (2 GiB by default: five returning 8B-shape turns of ~3,000 tokens; outside the KV pool's share)."""
-    if value is None or value == "":
-        return 2 << 30
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 1 << 20:
-        raise ValueError(f"CAPSTAN_KV_OFFLOAD_PREFETCH_MIB: {value!r} is not a whole number of MiB from 1 to 1048576")
-    return int(value) << 20
-
-
-PREFETCH_MAX_BYTES = prefetch_bytes_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_PREFETCH_MIB"))
-# "landed": sequences whose copies run at once; a thread starts the next as one lands (the runtime may spread copies
-# over several streams: started all at once, a wave's copies would all land together, at the end; started by the
-# engine's polls, one step apart, they left the link idle: 8B shape, a wave's last load started ~119 ms after it came)
-PREFETCH_IN_FLIGHT = 2
+LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
+PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
 
@@ -169,16 +147,6 @@ MAX_CALL_CHUNKS = 32
 
 
 @dataclasses.dataclass
-class _Prefetch:
-    slots: list[int]  # pinned in the tier until its load takes them or they are dropped
-    chunks: list[int]  # the tier's chunks they are in, in order
-    size: int  # device bytes its copies take
-    since: float  # when it arrived
-    copies: dict[int, jax.Array] | None = None  # chunk -> its copy on the device (None: queued, not started)
-    failed: bool = False  # its copies failed to start: its load copies them itself
-
-
-@dataclasses.dataclass
 class _ToDevice:
     # per chunk read: its device pages (padded with the pool's size: the scatter drops those), its rows for them
     parts: list[tuple[np.ndarray, np.ndarray]]
@@ -236,16 +204,11 @@ class HostOffload(Generic[LoadKey]):
         self._direct = LOAD_WAY == "direct"  # (read once: one tier's loads all go one way)
         self._wait_ready = LOAD_WAY == "staged"  # eager: the scatter waits for the copies on the device instead
         # the scheduler admits a sequence in the schedule that starts its load; the engine writes it before the step
-        self.at_once = LOAD_WAY in ("same-step", "arrival", "landed")
-        self.prefetches = LOAD_WAY in ("arrival", "landed")  # the scheduler calls `prefetch` as sequences arrive
-        self.admits_landed = LOAD_WAY == "landed"  # ... and admits a sequence once its copies have landed
-        # copies started (or queued, "landed") at arrival, in arrival order
-        self._prefetched: dict[LoadKey, _Prefetch] = {}
-        self._prefetched_bytes = 0  # device bytes of the started ones
-        # "landed": waits for each started prefetch to land, then starts the next (the engine's thread and this one
-        # share _prefetched under the lock; the thread only reads the tier's pinned chunks)
-        self._prefetch_lock = threading.RLock()
-        self._prefetch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
+        self.at_once = LOAD_WAY in ("same-step", "arrival")
+        self.prefetches = LOAD_WAY == "arrival"  # the scheduler calls `prefetch` as sequences arrive
+        # copies started at arrival: key -> (its pinned slots, chunk -> its copy on the device, bytes)
+        self._prefetched: dict[LoadKey, tuple[list[int], dict[int, jax.Array], int]] = {}
+        self._prefetched_bytes = 0
         self.prefetched_chunks_used = 0
         self._to_device: dict[LoadKey, _ToDevice] = {}
         self.bytes_to_host = self.bytes_to_device = 0
@@ -272,7 +235,7 @@ class HostOffload(Generic[LoadKey]):
         """Loads wait to be written or copies to the host to be committed (the engine polls while this is true);
         evicted pages not gathered yet are not counted: the next read of the cache, which comes before any write,
         queues them."""
-        return bool(self._to_device or self._puts or self.admits_landed and self._prefetched)
+        return bool(self._to_device or self._puts)
 
     def _ready(self, load: _ToDevice) -> bool:
         if not self._wait_ready:  # the scatter reads host memory, or waits for the copies on the device
@@ -358,101 +321,36 @@ class HostOffload(Generic[LoadKey]):
 
     def prefetch(self, key: LoadKey, slots: Sequence[int]) -> None:
         """key's load will read these slots: their chunks start copying to the device now, if they fit in
-        PREFETCH_MAX_BYTES ("landed": queued, started in arrival order as earlier ones land); pinned until the load
-        takes them or `drop_prefetch`."""
-        with self._prefetch_lock:
-            if key in self._prefetched or not slots:
-                return
-            chunks = list(dict.fromkeys(slot // self.chunk_pages for slot in slots))
-            size = len(chunks) * self.chunk_pages * self.tier.page_bytes
-            p = _Prefetch(list(slots), chunks, size, time.monotonic())
-            if (
-                size > PREFETCH_MAX_BYTES
-                or not self.admits_landed
-                and self._prefetched_bytes + size > PREFETCH_MAX_BYTES
-            ):
-                return  # its load copies them itself
-            self.tier.pin(p.slots)
-            self._prefetched[key] = p
-            if self.admits_landed:
-                self._start_prefetches()
-            elif self._start_copies(p) is None:
-                self.drop_prefetch(key)
-
-    def _start_copies(self, p: _Prefetch) -> list[jax.Array] | None:
-        """Starts p's copies to the device: them (None: failed to start)."""
+        PREFETCH_MAX_BYTES (pinned until the load takes them or `drop_prefetch`)."""
+        if key in self._prefetched or not slots:
+            return
+        chunk_ids = list(dict.fromkeys(slot // self.chunk_pages for slot in slots))
+        size = len(chunk_ids) * self.chunk_pages * self.tier.page_bytes
+        if self._prefetched_bytes + size > PREFETCH_MAX_BYTES:
+            return
         t = time.perf_counter()
-        data = {chunk: copy for chunk, copy, _ in self.tier.read([c * self.chunk_pages for c in p.chunks])}
+        slots = list(slots)
+        self.tier.pin(slots)
+        data = {chunk: copy for chunk, copy, _ in self.tier.read([c * self.chunk_pages for c in chunk_ids])}
         try:
-            copies = jax.device_put([data[c] for c in p.chunks], self._on_device)
+            copies = jax.device_put([data[c] for c in chunk_ids], self._on_device)
         except Exception:  # noqa: BLE001 - its load copies them itself
             log.exception("a K/V copy from host memory failed to start; its load tries again")
-            p.failed = True
-            return None
-        p.copies = dict(zip(p.chunks, copies, strict=True))
-        self._prefetched_bytes += p.size
-        self.timings["prefetch_start"] += time.perf_counter() - t
-        return copies
-
-    @staticmethod
-    def _landed(copies: dict[int, jax.Array]) -> bool:
-        return all(c.is_ready() for c in copies.values())  # type: ignore[attr-defined]
-
-    def _start_prefetches(self) -> None:
-        """ "landed": starts queued copies in arrival order while fewer than PREFETCH_IN_FLIGHT are under way and
-        the started ones' bytes fit PREFETCH_MAX_BYTES; the thread waits for each to land and starts more then."""
-        with self._prefetch_lock:
-            in_flight = 0
-            for p in self._prefetched.values():
-                if p.failed:
-                    continue
-                if p.copies is not None:
-                    in_flight += not self._landed(p.copies)
-                elif in_flight >= PREFETCH_IN_FLIGHT or self._prefetched_bytes + p.size > PREFETCH_MAX_BYTES:
-                    return
-                elif (started := self._start_copies(p)) is not None:
-                    in_flight += 1
-                    self._prefetch_thread.submit(self._when_landed, started)
-
-    def _when_landed(self, copies: list[jax.Array]) -> None:
-        try:
-            jax.block_until_ready(copies)  # (a failed copy: its load's scatter fails and it is recomputed)
-        finally:
-            self._start_prefetches()
-
-    def copying(self, key: LoadKey) -> bool:
-        """ "landed": key's copies started at arrival have not all landed (or not started) yet, so it is not to be
-        admitted; False after LOAD_DEADLINE_S (admitted, its step waits for them on the device)."""
-        if not self.admits_landed:
-            return False
-        with self._prefetch_lock:
-            p = self._prefetched.get(key)
-            if p is None or p.failed or time.monotonic() - p.since > LOAD_DEADLINE_S:
-                return False
-            return p.copies is None or not self._landed(p.copies)
-
-    def wait_prefetch(self, timeout_s: float) -> None:
-        """Sleeps (the GIL released) until a copy started at arrival lands or timeout_s passes (nothing else to
-        run: every waiting sequence waits for its copies)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._prefetch_lock:
-                started = [p.copies for p in self._prefetched.values() if p.copies is not None]
-                if not started or any(self._landed(c) for c in started):
-                    return
-            time.sleep(0.0005)
+            self.tier.unpin(slots)
+            return
+        self._prefetched[key] = (slots, dict(zip(chunk_ids, copies, strict=True)), size)
+        self._prefetched_bytes += size
+        self.timings["step_thread_prefetch"] += time.perf_counter() - t
 
     def drop_prefetch(self, key: LoadKey) -> dict[int, jax.Array]:
         """key's copies started at arrival (chunk -> copy; none: empty), given up: their slots unpinned."""
-        with self._prefetch_lock:
-            p = self._prefetched.pop(key, None)
-            if p is None:
-                return {}
-            self.tier.unpin(p.slots)
-            if p.copies is None:
-                return {}
-            self._prefetched_bytes -= p.size
-            return p.copies
+        found = self._prefetched.pop(key, None)
+        if found is None:
+            return {}
+        slots, copies, size = found
+        self.tier.unpin(slots)
+        self._prefetched_bytes -= size
+        return copies
 
     def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> bool:
         """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written.

@@ -126,9 +126,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
             i += 1
-        # waiting for their LoRA adapter's slot or for their copies from the host tier to land ("landed"): the
-        # sequences behind them go first
-        deferred: list[Sequence] = []
+        deferred: list[Sequence] = []  # waiting for their LoRA adapter's slot: the sequences behind them go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.lora is not None and seq.lora_slot < 0 and self.lora is not None:
@@ -144,9 +142,6 @@ class Scheduler:
                     continue
                 seq.lora_slot = slot
             fresh = seq.num_computed == 0 and not seq.pages
-            if fresh and self.offload is not None and self.offload.copying(seq):  # admitted once they have landed
-                deferred.append(self.waiting.popleft())
-                continue
             restored = self.restored.get(seq)  # its pages were just copied back: admitted as a fresh one is
             try:
                 if fresh and seq.params.prompt_logprobs is None:  # cached prompt tokens would have no logprobs
@@ -188,7 +183,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        self.lora_blocked = {seq for seq in deferred if seq.lora is not None and seq.lora_slot < 0}
+        self.lora_blocked = set(deferred)
         return self._count_prefill(chunks) if self.offload is not None else chunks
 
     def take_failed(self) -> list[tuple[Sequence, BaseException]]:
