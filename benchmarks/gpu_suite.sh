@@ -66,9 +66,11 @@ for part in $parts; do
           --break-even 128 512 2048 ${MULTITURN_ARGS:-} --json "$OUT/multiturn-$shape.json" 2>&1 | grep --line-buffered -v Warning; done ;;
     # issue 33: whether the tier pays for preemption: a pool of half the pages the batch needs, with no prefix cache,
     # with it (a preempted sequence's pages, until evicted), and with the tier (evicted ones back from host memory);
-    # same greedy tokens (tokens_digest) in all three
-    tierpreempt) for t in "" "--prefix-caching" "--kv-offloading-size ${TIERPREEMPT_GIB:-8}"; do echo "--- ${t:-no prefix cache}"
-        python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 512 --output-len 512 \
+    # same greedy tokens (tokens_digest) in all three; then the tier again with loads that leave a free page per
+    # running sequence (CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM=1)
+    tierpreempt) for t in "" "--prefix-caching" "--kv-offloading-size ${TIERPREEMPT_GIB:-8}" "headroom"; do echo "--- ${t:-no prefix cache}"
+        h=0; [ "$t" = headroom ] && h=1 t="--kv-offloading-size ${TIERPREEMPT_GIB:-8}"
+        CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM=$h python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 512 --output-len 512 \
           --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --num-pages ${TIERPREEMPT_PAGES:-8192} \
           --digest $t 2>&1 | grep --line-buffered -E "output_tokens|phase_s|preempt|hit_tokens|bytes_to|digest|compile|Error"; done ;;
     # issue 33: the engine thread's host time for the tier's calls (device_put, gathers, scatters), 1B and 8B

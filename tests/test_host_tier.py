@@ -518,6 +518,35 @@ def test_the_pinned_pool_is_taken_at_warm_up_and_a_refusal_names_the_flag(monkey
         offload._grow_pinned_pool(chunk)
 
 
+def test_a_load_with_headroom_leaves_the_running_their_pages_and_the_same_tokens(recomputed, monkeypatch):
+    """CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM=1: a load takes pages only while one stays free per running sequence
+    (their next decode pages), and the tokens are recompute's."""
+    monkeypatch.setattr(host_offload, "RESTORE_HEADROOM", 1)
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
+    engine = llm.engine
+    offload, scheduler = engine.scheduler.offload, engine.scheduler
+    real_start, left = offload.start_load, []
+
+    def start_load(key, pages, slots):  # (called right after the load's pages were allocated)
+        left.append(engine.pool.num_free - len(scheduler.running))
+        return real_start(key, pages, slots)
+
+    monkeypatch.setattr(offload, "start_load", start_load)
+    assert conversations(llm, PARAMS) == recomputed
+    assert left and min(left) >= 0 and engine.stats().kv_offload_hit_tokens > 0
+    engine.pool.check_all_free()
+
+
+def test_restore_headroom_setting_takes_pages_and_names_the_variable_otherwise():
+    from capstan.runtime.kv.host_offload import restore_headroom_setting
+
+    assert restore_headroom_setting(None) == restore_headroom_setting("") == 0
+    assert restore_headroom_setting("2") == 2
+    for bad in ("-1", "1.5", "lots", "1025", str(2**63), "\u00b2", " 1"):
+        with pytest.raises(ValueError, match="CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM"):
+            restore_headroom_setting(bad)
+
+
 def test_chunk_pages_setting_takes_a_page_count_and_names_the_variable_otherwise():
     from capstan.runtime.kv.host_offload import chunk_pages_setting
 

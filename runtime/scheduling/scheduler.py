@@ -215,8 +215,8 @@ class Scheduler:
         assert self.offload is not None, "called only with a host tier"
         parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
         hashes, slots = self._host_run(seq, len(seq.pages), parent)
-        count = min(len(slots), self.pool.num_free)
-        if count == 0:
+        count = min(len(slots), self.pool.num_free - self.offload.restore_headroom * len(self.running))
+        if count <= 0:
             return False
         pages = self.pool.allocate(count)
         if not self.offload.start_load(seq, pages, slots[:count]) and self.offload.at_once:
