@@ -521,7 +521,7 @@ def test_the_pinned_pool_is_taken_at_warm_up_and_a_refusal_names_the_flag(monkey
 def test_a_load_with_headroom_leaves_the_running_their_pages_and_the_same_tokens(recomputed, monkeypatch):
     """CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM=1: a load takes pages only while one stays free per running sequence
     (their next decode pages), and the tokens are recompute's."""
-    monkeypatch.setattr(host_offload, "RESTORE_HEADROOM", 1)
+    monkeypatch.setenv("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM", "1")
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     engine = llm.engine
     offload, scheduler = engine.scheduler.offload, engine.scheduler

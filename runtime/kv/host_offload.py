@@ -94,9 +94,6 @@ def restore_headroom_setting(value: str | None) -> int:
     return int(value)
 
 
-RESTORE_HEADROOM = restore_headroom_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM"))
-
-
 def chunk_pages_setting(value: str | None) -> int:
     """CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: pages a chunk holds at most (CHUNK_PAGES by default: 8 MiB on the 1B shape, 32
     MiB on the 8B; fewer, larger chunks mean fewer device_puts a load, each a host call of ~0.1 ms, and coarser
@@ -222,7 +219,7 @@ class HostOffload(Generic[LoadKey]):
         self._wait_ready = LOAD_WAY == "staged"  # eager: the scatter waits for the copies on the device instead
         # the scheduler admits a sequence in the schedule that starts its load; the engine writes it before the step
         self.at_once = LOAD_WAY in ("same-step", "arrival")
-        self.restore_headroom = RESTORE_HEADROOM  # (read once, as LOAD_WAY)
+        self.restore_headroom = restore_headroom_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM"))
         self.prefetches = LOAD_WAY == "arrival"  # the scheduler calls `prefetch` as sequences arrive
         # copies started at arrival: key -> (its pinned slots, chunk -> its copy on the device, bytes)
         self._prefetched: dict[LoadKey, tuple[list[int], dict[int, jax.Array], int]] = {}
