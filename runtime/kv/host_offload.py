@@ -80,29 +80,28 @@ PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival (
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
 
 
+def _pages_setting(name: str, value: str | None, default: int, least: int, most: int) -> int:
+    """An environment variable's page count: default when unset or empty, else a whole number in [least, most]."""
+    if value is None or value == "":
+        return default
+    if not (value.isascii() and value.isdigit()) or not least <= int(value) <= most:
+        raise ValueError(f"{name}: {value!r} is not a whole number of pages from {least} to {most}")
+    return int(value)
+
+
 def restore_headroom_setting(value: str | None) -> int:
     """CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM: free pages a load leaves per running sequence (0, the default: it takes
     every free page it needs). A restored sequence takes all its pages at once, so under pressure the running ones
     are preempted for their next pages (H100, 1B shape, a pool of half the batch: 227 preemptions against 109
     without the tier, 0.84x the prefix cache alone; `bash benchmarks/gpu_suite.sh tierpreempt`)."""
-    if value is None or value == "":
-        return 0
-    if not (value.isascii() and value.isdigit()) or not 0 <= int(value) <= 1024:
-        raise ValueError(
-            f"CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM: {value!r} is not a whole number of pages from 0 to 1024"
-        )
-    return int(value)
+    return _pages_setting("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM", value, 0, 0, 1024)
 
 
 def chunk_pages_setting(value: str | None) -> int:
     """CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: pages a chunk holds at most (CHUNK_PAGES by default: 8 MiB on the 1B shape, 32
     MiB on the 8B; fewer, larger chunks mean fewer device_puts a load, each a host call of ~0.1 ms, and coarser
     eviction)."""
-    if value is None or value == "":
-        return CHUNK_PAGES
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 4096:
-        raise ValueError(f"CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: {value!r} is not a whole number of pages from 1 to 4096")
-    return int(value)
+    return _pages_setting("CAPSTAN_KV_OFFLOAD_CHUNK_PAGES", value, CHUNK_PAGES, 1, 4096)
 
 
 def _arrays(kv: KVCache) -> list[jax.Array]:
