@@ -24,6 +24,7 @@ import argparse
 import collections
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -357,6 +358,14 @@ def main() -> None:
         choices=host_offload.LOAD_WAYS,
         help="also a tier run whose loads go this way (LOAD_WAY in host_offload; repeatable)",
     )
+    ap.add_argument(
+        "--also-setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also a tier run with this environment variable set (e.g. CAPSTAN_KV_OFFLOAD_STEP_LOAD_PAGES=512; "
+        "repeatable; NAME=V1,V2: one run each)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.dtype = a.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -375,15 +384,32 @@ def main() -> None:
     )
     model = random_model(cfg, a.dtype)
     results: dict[str, Any] = {}
-    runs = [("recompute", num_pages, 0.0), ("host_tier", num_pages, tier_gib)]
-    runs += [(f"host_tier_{way}", num_pages, tier_gib) for way in a.also_way]
+    default_way = host_offload.LOAD_WAY
+    # (name, device pool pages, tier GiB, the tier's LOAD_WAY, environment variables set while its engine is made)
+    runs: list[tuple[str, int, float, str, dict[str, str]]] = [
+        ("recompute", num_pages, 0.0, default_way, {}),
+        ("host_tier", num_pages, tier_gib, default_way, {}),
+    ]
+    runs += [(f"host_tier_{way}", num_pages, tier_gib, way, {}) for way in a.also_way]
+    for setting in a.also_setting:
+        key, _, values = setting.partition("=")
+        short = key.removeprefix("CAPSTAN_KV_OFFLOAD_").lower()
+        runs += [(f"host_tier_{short}={v}", num_pages, tier_gib, default_way, {key: v}) for v in values.split(",")]
     if a.reference:
-        runs.append(("cached", working_set + need, 0.0))
-    sample, default_way = {}, host_offload.LOAD_WAY
-    for name, pages, gib in runs:
-        # read when the tier is made: host_tier_<way> runs go that way, the others the default
-        host_offload.LOAD_WAY = name.removeprefix("host_tier_") if name.startswith("host_tier_") else default_way
-        engine = engine_for(model, a, pages, gib)
+        runs.append(("cached", working_set + need, 0.0, default_way, {}))
+    sample = {}
+    for name, pages, gib, way, env in runs:
+        host_offload.LOAD_WAY = way  # (both read when the tier is made)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            engine = engine_for(model, a, pages, gib)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         results[name] = conversations(engine, a, cfg.vocab_size)
         x = results[name]  # (printed as each run ends: a call cut short still shows the runs it finished)
         print(
@@ -401,9 +427,9 @@ def main() -> None:
             results["tier_pages_vs_cached"] = compare_pages(sample, engine)
             print("tier pages against cached", json.dumps(results["tier_pages_vs_cached"]))
         del engine
-    answers = {name: results[name].pop("answers") for name, _, _ in runs}
+    answers = {name: results[name].pop("answers") for name, *_ in runs}
     same = answers["recompute"] == answers["host_tier"]
-    for name, _, _ in runs:
+    for name, *_ in runs:
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results[name].items()}))
     if a.reference:  # the tier against K/V computed the same way; recompute against both
         results["answers"] = {
@@ -418,7 +444,7 @@ def main() -> None:
         }
         print("greedy answers", json.dumps(results["answers"]))
     r = results["recompute"]
-    for name in [n for n, _, _ in runs if n.startswith("host_tier")]:
+    for name in [n for n, *_ in runs if n.startswith("host_tier")]:
         h = results[name]
         print(
             f"{name}: returning turns' TTFT p50 {r['ttft_returning_p50_ms']:.1f} -> {h['ttft_returning_p50_ms']:.1f} ms "
