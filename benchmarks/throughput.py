@@ -133,20 +133,22 @@ def run(
     trace: str | None = None,
     loras=None,
     digest: bool = False,
+    trace_step: int | None = None,
 ) -> dict:
     """loras: a LoRARequest (or None) per prompt (benchmarks/lora.py); digest: also `tokens_digest`, a hash of each
-    request's generated ids, request by request (host work in the timed loop, so only when asked)."""
+    request's generated ids, request by request (host work in the timed loop, so only when asked); trace_step: the
+    engine step traced (default: the third of the decode phase)."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     rids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     generated: dict[str, list[int]] = {rid: [] for rid in rids}
     for i, (rid, p, sp) in enumerate(zip(rids, prompts, per_prompt, strict=True)):
         engine.add_request(rid, p, sp, lora_request=loras[i] if loras else None)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
-    trace_step = -1
+    traced = -1 if trace_step is None else trace_step
     ids = hashlib.sha256()
     while engine.has_unfinished():
-        tracing = bool(trace) and steps == trace_step
-        if trace and tracing:  # one decode step's kernels, for benchmarks/trace_summary.py
+        tracing = bool(trace) and steps == traced
+        if trace and tracing:  # one step's kernels, for benchmarks/trace_summary.py
             jax.profiler.start_trace(trace, create_perfetto_trace=True)
         outs = timeline.step(engine) if timeline else engine.step()
         if tracing:
@@ -162,7 +164,8 @@ def run(
             and all(not s.in_prefill for s in engine.scheduler.running)
         ):
             first_decode = time.perf_counter()
-            trace_step = steps + 2  # the third step of the decode phase: a run's dispatch queued ahead
+            if trace_step is None:
+                traced = steps + 2  # the third step of the decode phase: a run's dispatch queued ahead
     end = time.perf_counter()
     for rid in rids if digest else ():  # in request order: the same whatever order steps finished them in
         ids.update(np.asarray(generated[rid], np.int64).tobytes())
@@ -235,6 +238,7 @@ def main(argv=None) -> dict:
         help="also split each step's time into building, the jitted call, waiting, and the host's work",
     )
     ap.add_argument("--trace", help="write a Perfetto trace of one decode-phase engine step here")
+    ap.add_argument("--trace-step", type=int, default=None, help="trace this engine step instead (e.g. a prefill one)")
     ap.add_argument(
         "--digest", action="store_true", help="also a hash of every request's generated ids (same tokens, same hash)"
     )
@@ -320,7 +324,15 @@ def main(argv=None) -> dict:
         "output_len": a.output_len,
         "weights_init_s": load_s,
         "compile_s": engine.compile_seconds,
-        **run(engine, prompts, params, Timeline(engine) if a.timeline else None, a.trace, digest=a.digest),
+        **run(
+            engine,
+            prompts,
+            params,
+            Timeline(engine) if a.timeline else None,
+            a.trace,
+            digest=a.digest,
+            trace_step=a.trace_step,
+        ),
     }
     after = engine.stats()
     if a.prefix_caching or a.kv_offloading_size > 0 or a.num_pages:  # what the pool's pressure did

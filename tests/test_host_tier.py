@@ -537,47 +537,6 @@ def test_a_load_with_headroom_leaves_the_running_their_pages_and_the_same_tokens
     engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("way", ["same-step", "eager"])
-def test_a_schedule_starts_loads_only_below_step_load_pages_and_the_rest_copy_ahead(recomputed, monkeypatch, way):
-    """CAPSTAN_KV_OFFLOAD_STEP_LOAD_PAGES=4: once a schedule's loads copy back 4 pages, the sequences behind them wait
-    for the next schedule, their copies started meanwhile (taken by their loads then); the tokens are recompute's."""
-    monkeypatch.setenv("CAPSTAN_KV_OFFLOAD_STEP_LOAD_PAGES", "4")
-    monkeypatch.setattr(host_offload, "LOAD_WAY", way)
-    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
-    engine = llm.engine
-    scheduler, offload = engine.scheduler, engine.scheduler.offload
-    real_schedule, real_start = scheduler.schedule, offload.start_load
-    this_schedule, seen = [0], []  # pages the schedule's earlier loads copy back, as each load starts
-
-    def schedule():
-        this_schedule[0] = 0
-        return real_schedule()
-
-    def start_load(key, pages, slots):
-        seen.append(this_schedule[0])
-        this_schedule[0] += len(pages)
-        return real_start(key, pages, slots)
-
-    monkeypatch.setattr(scheduler, "schedule", schedule)
-    monkeypatch.setattr(offload, "start_load", start_load)
-    assert conversations(llm, PARAMS) == recomputed
-    assert seen and max(seen) < 4 and offload.prefetched_chunks_used > 0
-    assert engine.stats().kv_offload_hit_tokens > 0 and engine.stats().kv_offload_failed_loads == 0
-    assert not offload._prefetched and offload._prefetched_bytes == 0 and offload.tier.num_pinned == 0
-    engine.pool.check_all_free()
-
-
-def test_step_load_and_prefetch_settings_take_counts_and_name_the_variable_otherwise():
-    from capstan.runtime.kv.host_offload import prefetch_mib_setting, step_load_pages_setting
-
-    assert step_load_pages_setting(None) == step_load_pages_setting("") == 0 and step_load_pages_setting("512") == 512
-    assert prefetch_mib_setting(None) == 512 and prefetch_mib_setting("4096") == 4096
-    for setting, name in ((step_load_pages_setting, "STEP_LOAD_PAGES"), (prefetch_mib_setting, "PREFETCH_MIB")):
-        for bad in ("-1", "1.5", "lots", str(2**63), "\u00b2", " 1"):
-            with pytest.raises(ValueError, match=f"CAPSTAN_KV_OFFLOAD_{name}"):
-                setting(bad)
-
-
 def test_restore_headroom_setting_takes_pages_and_names_the_variable_otherwise():
     from capstan.runtime.kv.host_offload import restore_headroom_setting
 

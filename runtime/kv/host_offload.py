@@ -23,9 +23,7 @@ default): `device_put` as eager, and the scatter follows in the same engine step
 sequence is admitted in the schedule that started its load (the step's program waits on the device for the copy
 instead of the sequence waiting a step on the host; H100, 1B shape: returning turns' TTFT p50 84.4 ms against
 eager's 97.8). "arrival": same-step, and a sequence's copies start when it arrives (`prefetch`, within
-CAPSTAN_KV_OFFLOAD_PREFETCH_MIB of device memory), so they overlap the dispatch under way; its load at admission
-takes them. CAPSTAN_KV_OFFLOAD_STEP_LOAD_PAGES caps the pages one schedule's loads copy back: the sequences it leaves
-waiting get their copies started (`prefetch`) to cross while the step computes.
+PREFETCH_MAX_BYTES of device memory), so they overlap the dispatch under way; its load at admission takes them.
 "direct":
 the scatter reads the chunks from host memory itself (the copy is part of a program ordered before the next step, so
 the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against eager's 140). "staged": `device_put`
@@ -77,17 +75,17 @@ GIB = 1 << 30
 # every copy is_ready.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "same-step")
 LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
-PREFETCH_MIB = 512  # device memory that copies started ahead of a load hold at most, together (MiB)
+PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
 
 
-def _count_setting(name: str, value: str | None, default: int, least: int, most: int, unit: str = "pages") -> int:
-    """An environment variable's count of units: default when unset or empty, else a whole number in [least, most]."""
+def _pages_setting(name: str, value: str | None, default: int, least: int, most: int) -> int:
+    """An environment variable's page count: default when unset or empty, else a whole number in [least, most]."""
     if value is None or value == "":
         return default
     if not (value.isascii() and value.isdigit()) or not least <= int(value) <= most:
-        raise ValueError(f"{name}: {value!r} is not a whole number of {unit} from {least} to {most}")
+        raise ValueError(f"{name}: {value!r} is not a whole number of pages from {least} to {most}")
     return int(value)
 
 
@@ -96,28 +94,14 @@ def restore_headroom_setting(value: str | None) -> int:
     every free page it needs). A restored sequence takes all its pages at once, so under pressure the running ones
     are preempted for their next pages (H100, 1B shape, a pool of half the batch: 227 preemptions against 109
     without the tier, 0.84x the prefix cache alone; `bash benchmarks/gpu_suite.sh tierpreempt`)."""
-    return _count_setting("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM", value, 0, 0, 1024)
+    return _pages_setting("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM", value, 0, 0, 1024)
 
 
 def chunk_pages_setting(value: str | None) -> int:
     """CAPSTAN_KV_OFFLOAD_CHUNK_PAGES: pages a chunk holds at most (CHUNK_PAGES by default: 8 MiB on the 1B shape, 32
     MiB on the 8B; fewer, larger chunks mean fewer device_puts a load, each a host call of ~0.1 ms, and coarser
     eviction)."""
-    return _count_setting("CAPSTAN_KV_OFFLOAD_CHUNK_PAGES", value, CHUNK_PAGES, 1, 4096)
-
-
-def step_load_pages_setting(value: str | None) -> int:
-    """CAPSTAN_KV_OFFLOAD_STEP_LOAD_PAGES: pages the loads one schedule starts copy back at most (0, the default: no
-    limit). A step that admits restored sequences waits on the device for their copies, so a wave of them admitted
-    together waits for all of it (8B shape: ~360 MB a returning turn); with a limit the rest wait for the next
-    schedule, their copies started now (within CAPSTAN_KV_OFFLOAD_PREFETCH_MIB), crossing while this step computes."""
-    return _count_setting("CAPSTAN_KV_OFFLOAD_STEP_LOAD_PAGES", value, 0, 0, 1 << 24)
-
-
-def prefetch_mib_setting(value: str | None) -> int:
-    """CAPSTAN_KV_OFFLOAD_PREFETCH_MIB: device memory (MiB) that copies started ahead of their loads hold at most,
-    together (PREFETCH_MIB by default; outside the K/V pool, so it comes out of the headroom the pool leaves)."""
-    return _count_setting("CAPSTAN_KV_OFFLOAD_PREFETCH_MIB", value, PREFETCH_MIB, 0, 1 << 20, unit="MiB")
+    return _pages_setting("CAPSTAN_KV_OFFLOAD_CHUNK_PAGES", value, CHUNK_PAGES, 1, 4096)
 
 
 def _arrays(kv: KVCache) -> list[jax.Array]:
@@ -236,8 +220,6 @@ class HostOffload(Generic[LoadKey]):
         self.at_once = LOAD_WAY in ("same-step", "arrival")
         self.restore_headroom = restore_headroom_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM"))
         self.prefetches = LOAD_WAY == "arrival"  # the scheduler calls `prefetch` as sequences arrive
-        self.step_load_pages = step_load_pages_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_STEP_LOAD_PAGES"))
-        self.prefetch_max_bytes = prefetch_mib_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_PREFETCH_MIB")) << 20
         # copies started at arrival: key -> (its pinned slots, chunk -> its copy on the device, bytes)
         self._prefetched: dict[LoadKey, tuple[list[int], dict[int, jax.Array], int]] = {}
         self._prefetched_bytes = 0
@@ -351,15 +333,15 @@ class HostOffload(Generic[LoadKey]):
         self._commit_puts()
         return self.tier.match(hashes)
 
-    def prefetch(self, key: LoadKey, slots: Sequence[int]) -> bool:
+    def prefetch(self, key: LoadKey, slots: Sequence[int]) -> None:
         """key's load will read these slots: their chunks start copying to the device now, if they fit in
-        prefetch_max_bytes (pinned until the load takes them or `drop_prefetch`). False: they did not fit."""
+        PREFETCH_MAX_BYTES (pinned until the load takes them or `drop_prefetch`)."""
         if key in self._prefetched or not slots:
-            return True
+            return
         chunk_ids = list(dict.fromkeys(slot // self.chunk_pages for slot in slots))
         size = len(chunk_ids) * self.chunk_pages * self.tier.page_bytes
-        if self._prefetched_bytes + size > self.prefetch_max_bytes:
-            return False
+        if self._prefetched_bytes + size > PREFETCH_MAX_BYTES:
+            return
         t = time.perf_counter()
         slots = list(slots)
         self.tier.pin(slots)
@@ -369,15 +351,10 @@ class HostOffload(Generic[LoadKey]):
         except Exception:  # noqa: BLE001 - its load copies them itself
             log.exception("a K/V copy from host memory failed to start; its load tries again")
             self.tier.unpin(slots)
-            return True
+            return
         self._prefetched[key] = (slots, dict(zip(chunk_ids, copies, strict=True)), size)
         self._prefetched_bytes += size
         self.timings["step_thread_prefetch"] += time.perf_counter() - t
-        return True
-
-    def prefetching(self, key: LoadKey) -> bool:
-        """key holds copies started ahead of its load."""
-        return key in self._prefetched
 
     def drop_prefetch(self, key: LoadKey) -> dict[int, jax.Array]:
         """key's copies started at arrival (chunk -> copy; none: empty), given up: their slots unpinned."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import time
 
 from ..kv.host_offload import HostOffload
@@ -81,20 +80,19 @@ class Scheduler:
         if self.offload is not None and self.offload.prefetches and seq.params.prompt_logprobs is None:
             self._prefetch(seq)
 
-    def _prefetch(self, seq: Sequence) -> bool:
+    def _prefetch(self, seq: Sequence) -> None:
         """Starts copying to the device the tier's pages that would follow seq's device hit if it were admitted now
-        (LOAD_WAY "arrival", or left waiting by step_load_pages): the copies overlap the dispatch under way, and its
-        load at admission takes them. False: they did not fit in the prefetch budget."""
+        (LOAD_WAY "arrival"): the copies overlap the dispatch under way, and its load at admission takes them."""
         assert self.offload is not None, "called only with a host tier"
         if not self.pool.enable_prefix_caching or seq.pages:
-            return True
+            return
         page, first, parent = self.pool.page_size, 0, seq.hash_root
         while first < (seq.num_tokens - 1) // page:  # past the device hit (as a lookup would find it now)
             h = page_hash(parent, seq.token_ids[first * page : (first + 1) * page])
             if not self.pool.holds(h):
                 break
             first, parent = first + 1, h
-        return self.offload.prefetch(seq, self._host_run(seq, first, parent)[1])
+        self.offload.prefetch(seq, self._host_run(seq, first, parent)[1])
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -129,10 +127,7 @@ class Scheduler:
             budget -= n
             i += 1
         deferred: list[Sequence] = []  # waiting for their LoRA adapter's slot: the sequences behind them go first
-        loaded = 0  # pages this schedule's loads copy back (capped by a tier's step_load_pages)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if self.offload is not None and 0 < self.offload.step_load_pages <= loaded:
-                break  # this step waits for enough copies: the rest wait for the next, their copies started below
             seq = self.waiting[0]
             if seq.lora is not None and seq.lora_slot < 0 and self.lora is not None:
                 try:
@@ -152,9 +147,7 @@ class Scheduler:
                 if fresh and seq.params.prompt_logprobs is None:  # cached prompt tokens would have no logprobs
                     seq.pages, seq.page_hashes = self.pool.lookup(seq.token_ids, seq.hash_root)
                     seq.num_computed = len(seq.pages) * self.pool.page_size
-                    held = len(seq.pages)
                     if self.offload is not None and self._load_from_host(seq):
-                        loaded += len(seq.pages) - held
                         restored = self._write_at_once(seq, budget)
                         if restored is None:  # it waits in `loading` for a poll to write its pages
                             self.waiting.popleft()
@@ -191,19 +184,7 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         self.lora_blocked = set(deferred)
-        if self.offload is not None and self.offload.step_load_pages and self.waiting:
-            self._prefetch_waiting()
         return self._count_prefill(chunks) if self.offload is not None else chunks
-
-    def _prefetch_waiting(self) -> None:
-        """Starts the copies of the tier's pages that the waiting sequences' loads will read, in queue order, while
-        they fit in the tier's prefetch budget (and among the first max_num_seqs: a long queue costs no more): they
-        cross the link while the step computes."""
-        assert self.offload is not None, "called only with a host tier"
-        for seq in itertools.islice(self.waiting, self.max_num_seqs):
-            fresh = seq.num_computed == 0 and not seq.pages and seq.params.prompt_logprobs is None
-            if fresh and not self.offload.prefetching(seq) and not self._prefetch(seq):
-                return
 
     def take_failed(self) -> list[tuple[Sequence, BaseException]]:
         failed, self.failed = self.failed, []
