@@ -17,13 +17,16 @@ Host -> device: a prefix that misses on the device and hits in the tier gets fre
 tier's chunks are pinned (no eviction drops them meanwhile) and its sequence waits while the batch steps on. The next
 poll writes its pages into the cache with jitted scatters (each a power of two of chunks, every load the poll
 finishes together) and admits the sequence with them computed. LOAD_WAY "eager": the load's start `device_put`s
-each chunk it reads to the device, so the DMA runs while the step under way computes, and the poll's scatter takes
-those arrays, landed or not (the device orders it after their copies; the host never waits). "same-step" (the
+each chunk it reads to the device, and the poll's scatter takes those arrays, landed or not (the device orders it
+after their copies; the host never waits). A copy to the device starts only once the programs queued before it have
+run (H200, benchmarks/copy_overlap.py: 1 GiB started after a 86 ms program is ready at 106 ms, started before it at
+23 ms, beside it): it runs beside the programs queued after it, never beside the step under way when it starts. "same-step" (the
 default): `device_put` as eager, and the scatter follows in the same engine step, before its dispatch, so the
 sequence is admitted in the schedule that started its load (the step's program waits on the device for the copy
 instead of the sequence waiting a step on the host; H100, 1B shape: returning turns' TTFT p50 84.4 ms against
 eager's 97.8). "arrival": same-step, and a sequence's copies start when it arrives (`prefetch`, within
-PREFETCH_MAX_BYTES of device memory), so they overlap the dispatch under way; its load at admission takes them.
+PREFETCH_MAX_BYTES of device memory), ahead of the schedule (they still wait for the dispatch under way); its
+load at admission takes them.
 "direct":
 the scatter reads the chunks from host memory itself (the copy is part of a program ordered before the next step, so
 the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against eager's 140). "staged": `device_put`

@@ -82,7 +82,7 @@ class Scheduler:
 
     def _prefetch(self, seq: Sequence) -> None:
         """Starts copying to the device the tier's pages that would follow seq's device hit if it were admitted now
-        (LOAD_WAY "arrival"): the copies overlap the dispatch under way, and its load at admission takes them."""
+        (LOAD_WAY "arrival"): they start once the dispatch under way has run, and its load at admission takes them."""
         assert self.offload is not None, "called only with a host tier"
         if not self.pool.enable_prefix_caching or seq.pages:
             return
