@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five)]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -76,6 +76,11 @@ for part in $parts; do
     # issue 33: the engine thread's host time for the tier's calls (device_put, gathers, scatters), 1B and 8B
     tiercalls) for shape in ${TIERCALLS_SHAPES:-llama-3.2-1b llama-3-8b}; do python3 benchmarks/tier_calls.py --shape $shape \
         2>&1 | grep --line-buffered -v Warning; done ;;
+    # issue 33: whether a copy to the device overlaps compute: started beside a program (it waits for the programs
+    # queued before it), then made inside one program, layer by layer (with and without the latency-hiding scheduler)
+    copyoverlap) python3 benchmarks/copy_overlap.py --mib 1024 --chunk-mib 32 --busy-ms 100 2>&1 | grep -v Warning
+      for f in "" "--xla_gpu_enable_latency_hiding_scheduler=true"; do echo "--- XLA_FLAGS=[$f]"
+        XLA_FLAGS="$f" python3 benchmarks/copy_in_program.py --layers 32 --chunk-mib 32 2>&1 | grep -v Warning; done ;;
     # issue 33: K/V pages host <-> device by each way JAX offers (numpy, pinned_host memory), 1B and 8B page sizes
     hosttransfer) for shape in llama-3.2-1b llama-3-8b; do python3 benchmarks/host_transfer.py --shape $shape --pages 8 64 256 \
         2>&1 | grep --line-buffered -v Warning; done ;;
