@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import numpy as np
@@ -363,7 +364,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="also a tier run with this environment variable set (e.g. CAPSTAN_KV_OFFLOAD_STEP_LOAD_PAGES=512; "
+        help="also a tier run with this environment variable set (e.g. CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM=1; "
         "repeatable; NAME=V1,V2: one run each)",
     )
     ap.add_argument("--json", default=None)
@@ -400,16 +401,8 @@ def main() -> None:
     sample = {}
     for name, pages, gib, way, env in runs:
         host_offload.LOAD_WAY = way  # (both read when the tier is made)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with mock.patch.dict(os.environ, env):
             engine = engine_for(model, a, pages, gib)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         results[name] = conversations(engine, a, cfg.vocab_size)
         x = results[name]  # (printed as each run ends: a call cut short still shows the runs it finished)
         print(

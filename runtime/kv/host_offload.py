@@ -20,8 +20,8 @@ finishes together) and admits the sequence with them computed. LOAD_WAY "eager":
 each chunk it reads to the device, and the poll's scatter takes those arrays, landed or not (the device orders it
 after their copies; the host never waits). A copy to the device starts only once the programs queued before it have
 run (H200, benchmarks/copy_overlap.py: 1 GiB started after a 86 ms program is ready at 106 ms, started before it at
-23 ms, beside it): it runs beside the programs queued after it, never beside the step under way when it starts. "same-step" (the
-default): `device_put` as eager, and the scatter follows in the same engine step, before its dispatch, so the
+23 ms, beside it): it runs beside the programs queued after it, never beside the step under way when it starts.
+"same-step" (the default): `device_put` as eager, and the scatter follows in the same engine step, before its dispatch, so the
 sequence is admitted in the schedule that started its load (the step's program waits on the device for the copy
 instead of the sequence waiting a step on the host; H100, 1B shape: returning turns' TTFT p50 84.4 ms against
 eager's 97.8). "arrival": same-step, and a sequence's copies start when it arrives (`prefetch`, within
