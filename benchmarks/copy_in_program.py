@@ -6,12 +6,15 @@ restored pages from pinned host memory itself, just before that layer: if XLA ru
 beside the layers before, a wave's copies hide under its own prefill. This times one program of L "layers" (a
 matmul each) that also moves L chunks from pinned host memory to the device, three ways: the chunks unused by the
 compute (independent), each layer consuming its own chunk (pipelined, the step's pattern), and no copies at all.
+"sliced" is the tier's layout: C host arrays of every layer's rows, each layer copying its slice of all C and
+scattering them into its cache pages (donated), as a step restoring C chunks would.
 
 python benchmarks/copy_in_program.py --layers 32 --chunk-mib 32"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -70,6 +73,30 @@ def main() -> None:
             moved.append(d)
         return y, moved
 
+    # the tier's layout: C chunks of [layers, rows, row_elems] (rows: pages), each layer reading row slice l of all
+    rows = 16
+    row_elems = elems // (rows * a.layers)
+    tier_chunks = jax.device_put(
+        [jnp.full((a.layers, rows, row_elems), 0.001 * i, jnp.bfloat16) for i in range(a.layers)], on_host
+    )
+    pool_pages = 4 * a.layers * rows
+    caches = [jnp.zeros((pool_pages, row_elems), jnp.bfloat16) for _ in range(a.layers)]
+    dest = jnp.arange(a.layers * rows, dtype=jnp.int32) * 3 % pool_pages
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def sliced(y, caches, tier_chunks, dest):
+        caches = list(caches)
+        for layer in range(a.layers):
+            d = jnp.concatenate([jax.device_put(c[layer], on_dev) for c in tier_chunks])
+            caches[layer] = caches[layer].at[dest].set(d)
+            y = jnp.tanh(y @ x + caches[layer][0, 0].astype(y.dtype))  # this layer reads its cache
+        return y, caches
+
+    def sliced_timed():
+        nonlocal caches
+        y2, caches = sliced(y, caches, tier_chunks, dest)
+        return y2
+
     copy_alone = timed(lambda: jax.device_put(chunks, on_dev))
     print(
         f"{dev.device_kind}: {a.layers} layers, {a.layers} chunks of {a.chunk_mib} MiB ({a.layers * a.chunk_mib} MiB)"
@@ -80,6 +107,7 @@ def main() -> None:
         ("copies only, in a program", copies_only, (chunks,)),
         ("independent", independent, (y, chunks)),
         ("pipelined", pipelined, (y, chunks)),
+        ("sliced (tier layout, scatter)", sliced_timed, ()),
     ):
         try:
             print(f"{name:36s} {timed(fn, *args)} ms", flush=True)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
 
 from capstan.runtime.attention import PAGES_INTERLEAVED, layout_of  # noqa: E402
+from capstan.runtime.attention.kv_quantization import KV_CACHE_DTYPES, cache_dtype  # noqa: E402
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
 from capstan.runtime.kv import host_offload  # noqa: E402
@@ -60,6 +61,7 @@ def engine_for(model, a, num_pages: int, tier_gib: float) -> LLMEngine:
             num_pages=num_pages,
             kv_offloading_size=tier_gib,
             decode_steps_with_room=a.decode_steps_with_room,
+            kv_cache_dtype=a.kv_cache_dtype,
         ),
         model=model,
     )
@@ -334,6 +336,9 @@ def main() -> None:
     )
     ap.add_argument("--tier-ratio", type=float, default=1.5, help="host tier / final working set")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES], help="what K/V pages store (fp8: half)"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--smallest-bucket", type=int, default=16)
@@ -374,12 +379,13 @@ def main() -> None:
     final_len = a.first_len + (a.turns - 1) * (a.user_len + a.output_len) + a.output_len
     a.max_model_len = max(final_len, *a.break_even, 0) + a.page_size
     working_set = a.conversations * -(-final_len // a.page_size)  # pages
-    page_bytes = KVCache.bytes_per_page(cfg.num_layers, a.page_size, cfg.num_kv_heads, cfg.head_dim, a.dtype)
+    kv_dtype = cache_dtype(a.kv_cache_dtype, a.dtype)
+    page_bytes = KVCache.bytes_per_page(cfg.num_layers, a.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     need = a.concurrency * -(-a.max_model_len // a.page_size)  # the turns in flight must fit at once
     num_pages = max(int(working_set / a.pool_ratio), need, *[-(-n // a.page_size) + 1 for n in a.break_even])
     tier_gib = a.tier_ratio * working_set * page_bytes / (1 << 30)
     print(
-        f"{a.shape} {a.dtype} on {jax.devices()[0].device_kind}: {a.conversations} conversations x {a.turns} turns, "
+        f"{a.shape} {a.dtype} (K/V pages {kv_dtype.name}) on {jax.devices()[0].device_kind}: {a.conversations} conversations x {a.turns} turns, "
         f"final prompt {final_len} tokens; working set {working_set} pages, device pool {num_pages} pages "
         f"({working_set / num_pages:.1f}x), host tier {tier_gib:.3f} GiB"
     )
