@@ -79,6 +79,10 @@ class Phases:
         self.step_of: dict[str, dict[str, int]] = collections.defaultdict(dict)  # the engine step of each mark
         self.kinds: dict[str, list[float]] = collections.defaultdict(list)  # step wall times by what the step did
         self.first_chunk_whole: dict[str, bool] = {}  # by request id
+        # the steps that first schedule a returning turn: ms from the step's start to its schedule's end, from there
+        # to the end of the poll that writes its loads (0: none), and from there to the step's end
+        self.admitting: list[tuple[float, float, float]] = []
+        self._step_marks: dict[str, float] = {}
         sched, offload = engine.scheduler, engine.scheduler.offload
         real_schedule, real_step = sched.schedule, engine.step
 
@@ -86,6 +90,8 @@ class Phases:
             chunks = real_schedule()
             now = time.perf_counter()
             for c in chunks:
+                if "scheduled" not in self.marks[c.seq.request_id] and not c.seq.request_id.endswith("-t0"):
+                    self._step_marks.setdefault("scheduled", now)
                 if "scheduled" not in self.marks[c.seq.request_id]:
                     self.marks[c.seq.request_id]["scheduled"] = now
                     self.step_of[c.seq.request_id]["scheduled"] = len(self.steps)
@@ -95,10 +101,16 @@ class Phases:
 
         def step():
             t, ahead, loads = time.perf_counter(), engine.multi_step.ahead is not None, len(sched.loading)
+            self._step_marks = {}
             try:
                 return real_step()
             finally:
-                self.steps.append(time.perf_counter() - t)
+                end = time.perf_counter()
+                self.steps.append(end - t)
+                m = self._step_marks
+                if "scheduled" in m:
+                    polled = m.get("polled", m["scheduled"])
+                    self.admitting.append((m["scheduled"] - t, polled - m["scheduled"], end - polled))
                 kind = "continue" if ahead else "scheduled"
                 self.kinds[f"{kind}{'+loading' if loads or sched.loading else ''}"].append(self.steps[-1])
 
@@ -115,6 +127,8 @@ class Phases:
                 before = set(sched.loading) | set(sched.writing)
                 out = real_poll(read_kv)
                 now = time.perf_counter()
+                if "scheduled" in self._step_marks:
+                    self._step_marks["polled"] = now
                 for seq in before - set(sched.loading) - set(sched.writing):
                     self.marks[seq.request_id].setdefault("written", now)
                     self.step_of[seq.request_id].setdefault("written", len(self.steps))
@@ -147,6 +161,9 @@ class Phases:
         if whole:  # returning turns whose first chunk took the rest of their prompt, of all
             out["first_chunk_whole"] = [sum(whole), len(whole)]
         out["step_ms_p50_by_kind"] = {k: p50(v) for k, v in self.kinds.items()}
+        if self.admitting:  # the steps that admit returning turns: start -> scheduled -> loads written -> end
+            parts = np.asarray(self.admitting) * 1000
+            out["admitting_steps_schedule_poll_rest_ms_p50"] = [len(parts), *np.round(np.median(parts, 0), 2).tolist()]
         return out
 
 
