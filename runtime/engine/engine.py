@@ -132,7 +132,10 @@ class LLMEngine:
         )
         self.inputs = InputProcessor(self.tokenizer, self.limits(), self.grammar)  # admission: no engine state
         self.builder = BatchBuilder(
-            **rows, queries_per_kv=cfg.queries_per_kv, decode_row_buckets=config.uses_decode_row_buckets()
+            **rows,
+            queries_per_kv=cfg.queries_per_kv,
+            decode_row_buckets=config.uses_decode_row_buckets(),
+            placement=self.parallel.inputs_sharding(),
         )
         self.speculator: Speculator | None = None  # None: every step decodes plainly
         if spec is not None:

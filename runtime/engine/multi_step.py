@@ -470,7 +470,7 @@ class MultiStepDecoder:
         model = e.model_for(chunks)
         grammars = [(c.seq.constraint, r) for r, c in enumerate(chunks) if c.seq.constraint is not None]
         words = mask_words(e.model.cfg.vocab_size)
-        active_rows = jax.device_put(rows)
+        active_rows = jax.device_put(rows, e.parallel.inputs_sharding())
         params = [c.seq.params for c in chunks]
         branches = pipeline_branches(
             all_greedy=all(p.temperature == 0.0 for p in params),
@@ -501,7 +501,13 @@ class MultiStepDecoder:
                 if live:
                     fill_masks(live, allowed)
                 results.append(
-                    decode_sample_fn(logits, inputs, jax.device_put(allowed), np.int32(j), branches=branches)
+                    decode_sample_fn(
+                        logits,
+                        inputs,
+                        jax.device_put(allowed, e.parallel.inputs_sharding()),
+                        np.int32(j),
+                        branches=branches,
+                    )
                 )
                 previous = results[-1].tokens
         advance(num_steps - 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import numpy as np
+from jax.sharding import Sharding
 
 
 class Packed(eqx.Module):
@@ -27,8 +28,9 @@ class Packed(eqx.Module):
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def pack(tree) -> Packed:
-    """Flattens tree's host leaves into per-dtype buffers and puts them on the device in one call."""
+def pack(tree, placement: Sharding | None = None) -> Packed:
+    """Flattens tree's host leaves into per-dtype buffers and puts them on the device in one call. placement: where
+    (tensor parallel: replicated on the mesh, each device copying from the host; None: the default device)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dtypes: dict[np.dtype, list[np.ndarray]] = {}
     sizes: dict[np.dtype, int] = {}
@@ -46,5 +48,5 @@ def pack(tree) -> Packed:
         sizes[a.dtype] = sizes.get(a.dtype, 0) + a.size
     order = list(dtypes)
     layout = tuple((None, o, s) if d is None else (order.index(d), o, s) for d, o, s in places)
-    buffers = jax.device_put([np.concatenate(dtypes[d]) for d in order])
+    buffers = jax.device_put([np.concatenate(dtypes[d]) for d in order], placement)
     return Packed(buffers=tuple(buffers), on_device=tuple(on_device), layout=(treedef, layout))

@@ -148,7 +148,7 @@ class Speculator:
             d, c = draft_model.cfg, engine.config
             self.draft = DraftModel(
                 draft_model,
-                BatchBuilder(**rows, queries_per_kv=d.queries_per_kv),
+                BatchBuilder(**rows, queries_per_kv=d.queries_per_kv, placement=engine.parallel.inputs_sharding()),
                 KVCache.allocate(
                     d.num_layers,
                     c.num_pages,
