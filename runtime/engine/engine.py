@@ -372,6 +372,13 @@ class LLMEngine:
             with self._precision():
                 self.kv, out = step_fn(model, self.kv, inputs)
             jax.block_until_ready(out)
+        offload = self.scheduler.offload
+        if offload is not None and offload.layered:  # every token bucket with each count of chunks it copies back
+            for model, bucket, n in ((m, t, n) for m in models for t in b.buckets for n in offload.restore_counts()):
+                inputs = b.build([], bucket=bucket)
+                with self._precision():
+                    self.kv, out = step_fn(model, self.kv, inputs, offload.padding_restore(n))
+                jax.block_until_ready(out)
         if self.speculator is not None:
             self.speculator.warmup(models)
         if self.config.decode_steps > 1:
@@ -390,6 +397,7 @@ class LLMEngine:
             if kv is not None:
                 self.kv = kv
         if self.multi_step.ahead is not None:  # queued by the last step while its tokens were applied
+            self._write_restores()
             return self.multi_step.continue_run()
         chunks = self.scheduler.schedule()
         for seq, error in self.scheduler.take_failed():
@@ -400,6 +408,7 @@ class LLMEngine:
                 self.kv = kv
         chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
+            self._write_restores()
             if self.scheduler.loading:  # only copies back are left: wait (GIL released) until one lands, not spin
                 assert self.scheduler.offload is not None, "sequences load only from a host tier"
                 self.scheduler.offload.wait_landed(LOAD_WAIT_S)
@@ -407,18 +416,26 @@ class LLMEngine:
                 self.loras.wait_read(LOAD_WAIT_S)
             return []
         if self.speculator is not None and self.speculator.active():  # proposals take tokens the chunks leave
+            self._write_restores()
             budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
             if self.speculator.propose(chunks, budget):
                 return self._collect_all(self.speculator.verify(chunks))
         active = self.multi_step.plan(chunks)
         if active is not None:
+            self._write_restores()
             return self.multi_step.decode(chunks, active)
         small = self.builder.small_step(chunks)  # a few decodes: as many rows and tokens as the step's row bucket
         chunks, inputs = self._build(chunks, bucket=small, rows=small)
+        offload = self.scheduler.offload
+        # pages copied back by this step's own program, each layer's just before it runs (host tier, layered)
+        restore = offload.take_restore() if offload is not None and small is None and chunks else None
+        self._write_restores()
         if not chunks:
             return []
         with self._precision():
-            self.kv, out = step_fn(self.model_for(chunks), self.kv, inputs)
+            # (no restore: called as warm-up calls it; an argument given as None is another signature, compiled again)
+            args = (self.model_for(chunks), self.kv, inputs) + (() if restore is None else (restore,))
+            self.kv, out = step_fn(*args)
         out = self.fetch(out)
         t = 0
         for r, c in enumerate(chunks):
@@ -430,6 +447,13 @@ class LLMEngine:
                     self.fail(seq.request_id, e)
             t += c.num_tokens
         return self._collect_all(c.seq.request_id for c in chunks)
+
+    def _write_restores(self) -> None:
+        """Pages a poll finished copying back (host tier, layered) that no step program takes: written now, before
+        anything reads them."""
+        offload = self.scheduler.offload
+        if offload is not None and offload.restore_pending:
+            self.kv = offload.write_pending(self.kv)
 
     def model_for(self, chunks: list[ScheduledChunk]) -> DecoderModel:
         """The model a step of these rows runs: with its LoRA slots when some row has an adapter, else without them,
