@@ -397,7 +397,6 @@ class LLMEngine:
             if kv is not None:
                 self.kv = kv
         if self.multi_step.ahead is not None:  # queued by the last step while its tokens were applied
-            self._write_restores()
             return self.multi_step.continue_run()
         chunks = self.scheduler.schedule()
         for seq, error in self.scheduler.take_failed():
@@ -408,7 +407,6 @@ class LLMEngine:
                 self.kv = kv
         chunks = [c for c in chunks if c.seq.request_id in self.requests]
         if not chunks:
-            self._write_restores()
             if self.scheduler.loading:  # only copies back are left: wait (GIL released) until one lands, not spin
                 assert self.scheduler.offload is not None, "sequences load only from a host tier"
                 self.scheduler.offload.wait_landed(LOAD_WAIT_S)
@@ -416,20 +414,18 @@ class LLMEngine:
                 self.loras.wait_read(LOAD_WAIT_S)
             return []
         if self.speculator is not None and self.speculator.active():  # proposals take tokens the chunks leave
-            self._write_restores()
             budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
             if self.speculator.propose(chunks, budget):
                 return self._collect_all(self.speculator.verify(chunks))
         active = self.multi_step.plan(chunks)
         if active is not None:
-            self._write_restores()
             return self.multi_step.decode(chunks, active)
         small = self.builder.small_step(chunks)  # a few decodes: as many rows and tokens as the step's row bucket
         chunks, inputs = self._build(chunks, bucket=small, rows=small)
         offload = self.scheduler.offload
-        # pages copied back by this step's own program, each layer's just before it runs (host tier, layered)
+        # pages copied back by this step's own program, each layer's just before it runs (host tier, layered); taken
+        # before the cache is read, which writes any others (`kv`)
         restore = offload.take_restore() if offload is not None and small is None and chunks else None
-        self._write_restores()
         if not chunks:
             return []
         with self._precision():
@@ -448,13 +444,6 @@ class LLMEngine:
             t += c.num_tokens
         return self._collect_all(c.seq.request_id for c in chunks)
 
-    def _write_restores(self) -> None:
-        """Pages a poll finished copying back (host tier, layered) that no step program takes: written now, before
-        anything reads them."""
-        offload = self.scheduler.offload
-        if offload is not None and offload.restore_pending:
-            self.kv = offload.write_pending(self.kv)
-
     def model_for(self, chunks: list[ScheduledChunk]) -> DecoderModel:
         """The model a step of these rows runs: with its LoRA slots when some row has an adapter, else without them,
         which is another compiled program (the base model's): rows without adapters never pay for LoRA's matmuls."""
@@ -470,13 +459,16 @@ class LLMEngine:
     def kv(self) -> KVCache:
         """The KV cache pool; when a decode dispatch was queued ahead (multi_step.py), its output, once its call
         returns: whoever reads the cache waits for that first. Pages evicted to the host tier since the last read
-        have their copies queued first, so they are read before anything (the reader's call) writes them."""
+        have their copies queued first, so they are read before anything (the reader's call) writes them; then pages a
+        poll copied back that no step program took (LOAD_WAY layered) are written, before the reader reads them."""
         ahead = self.__dict__.get("multi_step") and self.multi_step.ahead
         if ahead:
             self.multi_step.settle()
         offload = self.__dict__.get("scheduler") and self.scheduler.offload
         if offload:
             offload.flush(self._kv)
+            if offload.restore_pending:
+                self.kv = offload.write_pending(self._kv)
         return self._kv
 
     @kv.setter

@@ -30,7 +30,9 @@ load at admission takes them.
 "direct":
 the scatter reads the chunks from host memory itself (the copy is part of a program ordered before the next step, so
 the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against eager's 140). "staged": `device_put`
-as eager, and the first poll after all are `is_ready` scatters them. A load that fails or has not been written by
+as eager, and the first poll after all are `is_ready` scatters them. "layered" (same-step's admission): a chunk is
+one host array per layer, and the admitting step's program copies each layer's pages just before that layer
+(restore.py), so they cross beside the layers before it. A load that fails or has not been written by
 LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
 
 Pinned host memory: the runtime pins it as its pool grows (cudaHostAlloc, seconds for a few GiB, stalling the steps:
@@ -511,12 +513,8 @@ class HostOffload(Generic[LoadKey]):
         """The finished loads no step took, written now (a step whose program copies none: decode runs, speculative
         steps, steps of a few rows)."""
         with self._context():
-            while self._restore:
-                parts, self._restore = (
-                    self._restore[: self.max_restore_chunks],
-                    self._restore[self.max_restore_chunks :],
-                )
-                kv = write_restore(kv, self._restore_of(parts))
+            while (restore := self.take_restore()) is not None:
+                kv = write_restore(kv, restore)
         return kv
 
     def restore_counts(self) -> list[int]:
