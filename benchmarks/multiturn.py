@@ -291,16 +291,7 @@ def tier_sample(tier, most: int = 1024) -> dict:
     """Copies of the tier's most recently used pages by hash (break-even's fillers evict them later)."""
     recent = list(tier._slot_of.items())[-most:]
     chunks = tier.read([slot for _, slot in recent])  # (chunk, its copy, row) of each
-    return {h: page_of(data, row) for (h, _), (_, data, row) in zip(recent, chunks, strict=True)}
-
-
-def page_of(data, row: int) -> np.ndarray:
-    """A tier page's arrays as gather_pages orders them ([K of each layer, V of each layer]); a layered tier's chunk
-    is one array a layer, [pages, K/V, ...]."""
-    if not isinstance(data, tuple):
-        return np.asarray(data)[row]
-    layers = [np.asarray(a)[row] for a in data]
-    return np.stack([x[j] for j in range(layers[0].shape[0]) for x in layers])
+    return {h: np.asarray(data)[row] for (h, _), (_, data, row) in zip(recent, chunks, strict=True)}
 
 
 def compare_pages(sample: dict, reference: LLMEngine) -> dict:

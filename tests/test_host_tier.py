@@ -86,7 +86,7 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival", "layered"])
+@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival"])
 def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; direct:
     one scatter that reads the chunk from host memory itself; eager: the device_put copies scattered at the next poll,
@@ -103,44 +103,6 @@ def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     s = llm.engine.stats()
     # (how many: as many as the copies to the host finished before their turns came back, a matter of timing here)
     assert s.kv_offload_hit_tokens > 0 and s.kv_offload_failed_loads == 0
-    llm.engine.pool.check_all_free()
-
-
-def test_layered_steps_copy_each_layer_back_in_their_own_program(recomputed, monkeypatch):
-    """LOAD_WAY layered: the tier keeps a chunk as one host array per layer, and the step that admits a restored
-    sequence takes its chunks (a power of two of them, padded) into its own program, which writes each layer's
-    pages just before that layer; loads beyond STEP_RESTORE_CHUNKS (here 2) are written before the step. The same
-    tokens as recompute, greedy and seeded."""
-    monkeypatch.setattr(host_offload, "LOAD_WAY", "layered")
-    monkeypatch.setenv("CAPSTAN_KV_OFFLOAD_STEP_RESTORE_CHUNKS", "3")  # (rounded down: 2)
-    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
-    offload = llm.engine.scheduler.offload
-    assert offload.layered and offload.at_once and offload.max_restore_chunks == 2
-    assert offload.restore_counts() == [1, 2]
-    taken, written = [], []
-    real_take, real_write = offload.take_restore, offload.write_pending
-
-    def take():
-        restore = real_take()
-        if restore is not None:
-            taken.append((restore.num_chunks, int((restore.pages < offload.num_pages).sum())))
-        return restore
-
-    def write(kv):
-        written.append(len(offload._restore))
-        return real_write(kv)
-
-    monkeypatch.setattr(offload, "take_restore", take)
-    monkeypatch.setattr(offload, "write_pending", write)
-    assert conversations(llm, PARAMS) == recomputed
-    assert taken and all(n in (1, 2) and 0 < pages <= n * offload.chunk_pages for n, pages in taken)
-    assert written  # a step's loads past 2 chunks
-    chunk = next(d for d in offload.tier._data if d is not None)
-    assert isinstance(chunk, tuple) and len(chunk) == 3  # llama-s11: 3 layers
-    assert chunk[0].shape == (offload.chunk_pages, 2, 2, 4, 16) and chunk[0].sharding.memory_kind == "pinned_host"
-    s = llm.engine.stats()
-    assert s.kv_offload_hit_tokens > 0 and s.kv_offload_failed_loads == 0
-    assert not offload.restore_pending and offload.tier.num_pinned == 0
     llm.engine.pool.check_all_free()
 
 
@@ -309,7 +271,6 @@ llm = LLM(MODEL, tensor_parallel_size=2, kv_offloading_size=TIER_GIB, warmup=Fal
 got = conversations(llm, PARAMS)
 offload = llm.engine.scheduler.offload
 chunk = next(d for d in offload.tier._data if d is not None)
-chunk = chunk[0] if isinstance(chunk, tuple) else chunk  # (layered: one array a layer; the first)
 print(json.dumps(dict(
     same=got == recomputed,
     hits=llm.engine.stats().kv_offload_hit_tokens,
@@ -319,23 +280,17 @@ print(json.dumps(dict(
 """
 
 
-@pytest.mark.parametrize("way", ["same-step", "layered"])
-def test_split_over_two_devices_each_device_keeps_its_own_heads_in_host_memory(way):
+def test_split_over_two_devices_each_device_keeps_its_own_heads_in_host_memory():
     """Tensor parallelism (two CPU devices, in a process of its own): llama-s11's two KV heads one per device; the
     tier's chunks keep that split in host memory (each device's shard holds its own head), and every turn is what
-    recompute on the same split gives (layered: each device's step copies its own heads back)."""
+    recompute on the same split gives."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        CAPSTAN_KV_OFFLOAD_LOAD_WAY=way,
-    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", SPLIT_RUN],
         env=env,
@@ -378,7 +333,7 @@ def test_copies_that_fail_to_start_are_recomputed_in_the_same_step(recomputed):
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("way", ["same-step", "arrival", "layered"])
+@pytest.mark.parametrize("way", ["same-step", "arrival"])
 def test_aborts_while_pages_are_copied_back_leak_nothing(monkeypatch, way):
     monkeypatch.setattr(host_offload, "LOAD_WAY", way)  # arrival: waiting sequences hold copies started for them
     llm = LLM(MODEL, kv_offloading_size=8 * TIER_GIB, warmup=False, **SMALL_POOL)  # room for every prompt's pages

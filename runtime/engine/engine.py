@@ -372,13 +372,6 @@ class LLMEngine:
             with self._precision():
                 self.kv, out = step_fn(model, self.kv, inputs)
             jax.block_until_ready(out)
-        offload = self.scheduler.offload
-        if offload is not None and offload.layered:  # every token bucket with each count of chunks it copies back
-            for model, bucket, n in ((m, t, n) for m in models for t in b.buckets for n in offload.restore_counts()):
-                inputs = b.build([], bucket=bucket)
-                with self._precision():
-                    self.kv, out = step_fn(model, self.kv, inputs, offload.padding_restore(n))
-                jax.block_until_ready(out)
         if self.speculator is not None:
             self.speculator.warmup(models)
         if self.config.decode_steps > 1:
@@ -422,16 +415,10 @@ class LLMEngine:
             return self.multi_step.decode(chunks, active)
         small = self.builder.small_step(chunks)  # a few decodes: as many rows and tokens as the step's row bucket
         chunks, inputs = self._build(chunks, bucket=small, rows=small)
-        offload = self.scheduler.offload
-        # pages copied back by this step's own program, each layer's just before it runs (host tier, layered); taken
-        # before the cache is read, which writes any others (`kv`)
-        restore = offload.take_restore() if offload is not None and small is None and chunks else None
         if not chunks:
             return []
         with self._precision():
-            # (no restore: called as warm-up calls it; an argument given as None is another signature, compiled again)
-            args = (self.model_for(chunks), self.kv, inputs) + (() if restore is None else (restore,))
-            self.kv, out = step_fn(*args)
+            self.kv, out = step_fn(self.model_for(chunks), self.kv, inputs)
         out = self.fetch(out)
         t = 0
         for r, c in enumerate(chunks):
@@ -459,16 +446,13 @@ class LLMEngine:
     def kv(self) -> KVCache:
         """The KV cache pool; when a decode dispatch was queued ahead (multi_step.py), its output, once its call
         returns: whoever reads the cache waits for that first. Pages evicted to the host tier since the last read
-        have their copies queued first, so they are read before anything (the reader's call) writes them; then pages a
-        poll copied back that no step program took (LOAD_WAY layered) are written, before the reader reads them."""
+        have their copies queued first, so they are read before anything (the reader's call) writes them."""
         ahead = self.__dict__.get("multi_step") and self.multi_step.ahead
         if ahead:
             self.multi_step.settle()
         offload = self.__dict__.get("scheduler") and self.scheduler.offload
         if offload:
             offload.flush(self._kv)
-            if offload.restore_pending:
-                self.kv = offload.write_pending(self._kv)
         return self._kv
 
     @kv.setter

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from ..kv.cache import KVCache
-from ..kv.restore import Restore
 from ..models.decoder import DecoderModel
 from ..sampling.sampler import PromptLogprobs, StepOutputs, sample, top_logprobs
 from ..sampling.sampling_params import MAX_LOGPROBS
@@ -18,12 +17,9 @@ from ..scheduling.batch import StepInputs
 from ..scheduling.packing import Packed
 
 
-def run_step(
-    model: DecoderModel, kv: KVCache, packed: Packed, restore: Restore | None = None
-) -> tuple[KVCache, StepOutputs]:
-    """restore: pages copied back from the host tier inside this step, layer by layer (kv/restore.py)."""
+def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:
     x: StepInputs[jax.Array] = packed.unpack()
-    hidden, kv = model(x.tokens, x.meta, kv, x.lora_rows, restore)
+    hidden, kv = model(x.tokens, x.meta, kv, x.lora_rows)
     last = hidden["token", x.sample_index]  # [S, Embed] (the axis keeps its name)
     logits = model.logits(last).array
     sampled = sample(logits, x.sampling)

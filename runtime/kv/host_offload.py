@@ -30,9 +30,7 @@ load at admission takes them.
 "direct":
 the scatter reads the chunks from host memory itself (the copy is part of a program ordered before the next step, so
 the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against eager's 140). "staged": `device_put`
-as eager, and the first poll after all are `is_ready` scatters them. "layered" (same-step's admission): a chunk is
-one host array per layer, and the admitting step's program copies each layer's pages just before that layer
-(restore.py), so they cross beside the layers before it. A load that fails or has not been written by
+as eager, and the first poll after all are `is_ready` scatters them. A load that fails or has not been written by
 LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
 
 Pinned host memory: the runtime pins it as its pool grows (cudaHostAlloc, seconds for a few GiB, stalling the steps:
@@ -55,7 +53,7 @@ import os
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +65,6 @@ from ..attention import PAGES_INTERLEAVED, layout_of
 from .cache import KVCache
 from .host_tier import HostTier
 from .page_pool import PageHash
-from .restore import Restore, write_restore
 
 log = logging.getLogger("capstan.kv")
 CHUNK_PAGES = 16  # pages a copy to the host moves at most (8B: 32 MiB); a small tier's chunks are 1/16 of it
@@ -78,10 +75,9 @@ GIB = 1 << 30
 # the next poll scatters them whether or not they have landed (the device orders the scatter after the copies);
 # "same-step": device_put as eager, the scatter before the very step that admits the sequence; "direct": the scatter,
 # dispatched on the next poll, reads the chunks from host memory itself; "staged": device_put first, the scatter once
-# every copy is_ready; "layered": the chunks are kept one host array per layer, and the step that admits the sequence
-# copies each layer's pages itself just before running that layer (restore.py).
+# every copy is_ready.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "same-step")
-LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival", "layered")
+LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
 PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
@@ -102,13 +98,6 @@ def restore_headroom_setting(value: str | None) -> int:
     are preempted for their next pages (H100, 1B shape, a pool of half the batch: 227 preemptions against 109
     without the tier, 0.84x the prefix cache alone; `bash benchmarks/gpu_suite.sh tierpreempt`)."""
     return _pages_setting("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM", value, 0, 0, 1024)
-
-
-def restore_chunks_setting(value: str | None) -> int:
-    """CAPSTAN_KV_OFFLOAD_STEP_RESTORE_CHUNKS (LOAD_WAY layered): chunks a step copies back itself at most (rounded
-    down to a power of two; 128 by default); a step's loads beyond it are written before the step, as "direct"'s
-    are. Each power of two up to it is one more compiled program per token bucket."""
-    return _pages_setting("CAPSTAN_KV_OFFLOAD_STEP_RESTORE_CHUNKS", value, 128, 1, 4096)
 
 
 def chunk_pages_setting(value: str | None) -> int:
@@ -138,24 +127,6 @@ def gather_chunks(kv: KVCache, pages: jax.Array, page_axis: int) -> tuple[jax.Ar
     chunks: one a chunk cost ~0.2-0.3 ms of the engine's thread each, 1B shape, H100, ~11 chunks a returning turn)."""
     everything = gather_pages(kv, pages.reshape(-1), page_axis=page_axis)
     return tuple(jnp.split(everything, pages.shape[0]))
-
-
-def _layer_groups(kv: KVCache) -> list[list[int]]:
-    """Each layer's indices among _arrays(kv): its K and V (a TPU-layout cache: its one array)."""
-    n = len(kv.k)
-    return [[i, n + i] if kv.v[i].size else [i] for i in range(n)]
-
-
-@functools.partial(jax.jit, static_argnames=("page_axis",))
-def gather_chunk_layers(kv: KVCache, pages: jax.Array, page_axis: int) -> tuple[tuple[jax.Array, ...], ...]:
-    """gather_chunks' pages as one array per chunk and layer ([chunk_pages, K/V, ...]; LOAD_WAY layered): a step
-    copies a whole host array beside its compute, while a slice of one is read by kernels in its way
-    (benchmarks/copy_in_program.py)."""
-    everything = gather_pages(kv, pages.reshape(-1), page_axis=page_axis)
-    return tuple(
-        tuple(jnp.stack([c[:, j] for j in group], axis=1) for group in _layer_groups(kv))
-        for c in jnp.split(everything, pages.shape[0])
-    )
 
 
 def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: int) -> KVCache:
@@ -249,15 +220,7 @@ class HostOffload(Generic[LoadKey]):
         self._direct = LOAD_WAY == "direct"  # (read once: one tier's loads all go one way)
         self._wait_ready = LOAD_WAY == "staged"  # eager: the scatter waits for the copies on the device instead
         # the scheduler admits a sequence in the schedule that starts its load; the engine writes it before the step
-        self.at_once = LOAD_WAY in ("same-step", "arrival", "layered")
-        # the step that admits a sequence copies its pages back itself, layer by layer (restore.py)
-        self.layered = LOAD_WAY == "layered"
-        self._layer_groups = _layer_groups(kv)
-        # chunks one step copies back at most (a power of two; each count below it one more compiled step program)
-        most = restore_chunks_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_STEP_RESTORE_CHUNKS"))
-        self.max_restore_chunks = 1 << (min(most, self.tier.num_chunks).bit_length() - 1)
-        self._restore: list[tuple[np.ndarray, np.ndarray, Any]] = []  # parts a step is to write (layered)
-        self._padding: tuple[jax.Array, ...] | None = None  # a chunk of zeros in host memory, one array per layer
+        self.at_once = LOAD_WAY in ("same-step", "arrival")
         self.restore_headroom = restore_headroom_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM"))
         self.prefetches = LOAD_WAY == "arrival"  # the scheduler calls `prefetch` as sequences arrive
         # copies started at arrival: key -> (its pinned slots, chunk -> its copy on the device, bytes)
@@ -339,26 +302,17 @@ class HostOffload(Generic[LoadKey]):
             g = time.perf_counter()
             try:
                 with self._context():
-                    gather = gather_chunk_layers if self.layered else gather_chunks
-                    gathered = gather(kv, np.stack([p for _, _, p in call]), page_axis=self.page_axis)
+                    gathered = gather_chunks(kv, np.stack([p for _, _, p in call]), page_axis=self.page_axis)
                 self.timings["step_thread_flush_gather"] += time.perf_counter() - g
             except Exception:  # noqa: BLE001 - a failed copy only loses its pages from the tier
                 log.exception("a K/V copy to host memory failed; its %d pages are not kept", sum(c for _, c, _ in call))
                 for slots, _, _ in call:
                     self.tier.abandon(slots)
                 continue
-            put = self._put_thread.submit(self._to_host, gathered)
+            put = self._put_thread.submit(jax.device_put, list(gathered), self._on_host)
             self._puts.append(([(slots, count) for slots, count, _ in call], put))
         self.timings["step_thread_flush"] += time.perf_counter() - t
         self._commit_puts()
-
-    def _to_host(self, gathered: tuple) -> list:
-        """device_put of a flush's chunks to pinned host memory (each an array, or layered a tuple of one a layer)."""
-        if not self.layered:
-            return jax.device_put(list(gathered), self._on_host)
-        flat = jax.device_put([a for chunk in gathered for a in chunk], self._on_host)
-        n = len(self._layer_groups)
-        return [tuple(flat[i * n : (i + 1) * n]) for i in range(len(gathered))]
 
     def _commit_puts(self) -> None:
         """Commits the copies to the host that are done, in the order they started (the tier finds them then)."""
@@ -432,7 +386,7 @@ class HostOffload(Generic[LoadKey]):
             parts.append((dest, rows))
         ready = self.drop_prefetch(key)  # (its slots are pinned by this load now)
         try:
-            if self._direct or self.layered:  # the scatter (direct) or the step (layered) copies them itself
+            if self._direct:
                 staged = [data for data, _ in chunks.values()]
             else:
                 missing = [c for c in chunks if c not in ready]
@@ -482,9 +436,7 @@ class HostOffload(Generic[LoadKey]):
             self.bytes_to_device += len(load.slots) * self.tier.page_bytes
             written.append(load)
             ended.append((key, True))
-        if parts and self.layered:  # the next step copies them, layer by layer (take_restore)
-            self._restore += parts
-        elif parts:
+        if parts:
             r = time.perf_counter()
             kv = read_kv()
             self.timings["step_thread_poll_read_kv"] += time.perf_counter() - r
@@ -495,48 +447,6 @@ class HostOffload(Generic[LoadKey]):
             self.load_phases.append(now - load.started)
         self.timings["step_thread_poll"] += time.perf_counter() - t
         return kv, ended
-
-    @property
-    def restore_pending(self) -> bool:
-        """Loads a poll finished wait for the step to copy them (layered)."""
-        return bool(self._restore)
-
-    def take_restore(self) -> Restore | None:
-        """Up to max_restore_chunks of the finished loads' chunks, for the next step to copy (None: none); any left
-        are for write_pending."""
-        if not self._restore:
-            return None
-        parts, self._restore = self._restore[: self.max_restore_chunks], self._restore[self.max_restore_chunks :]
-        return self._restore_of(parts)
-
-    def write_pending(self, kv: KVCache) -> KVCache:
-        """The finished loads no step took, written now (a step whose program copies none: decode runs, speculative
-        steps, steps of a few rows)."""
-        with self._context():
-            while (restore := self.take_restore()) is not None:
-                kv = write_restore(kv, restore)
-        return kv
-
-    def restore_counts(self) -> list[int]:
-        """Every chunk count a Restore has (powers of two): each a compiled program."""
-        return [1 << i for i in range(self.max_restore_chunks.bit_length())]
-
-    def padding_restore(self, chunks: int) -> Restore:
-        """A Restore of `chunks` chunks that writes nothing (warm-up)."""
-        return self._restore_of([], pad_to=chunks)
-
-    def _restore_of(self, parts: list[tuple[np.ndarray, np.ndarray, Any]], pad_to: int = 1) -> Restore:
-        """parts padded to a power of two of chunks with a chunk of zeros whose pages are past the pool."""
-        n = 1 << (max(len(parts), pad_to) - 1).bit_length()
-        if len(parts) < n:
-            if self._padding is None:
-                shapes = [(self.chunk_pages, len(g), *self.page_shape[1:]) for g in self._layer_groups]
-                self._padding = tuple(jax.device_put([np.zeros(s, self.page_dtype) for s in shapes], self._on_host))
-            past = np.full(self.chunk_pages, self.num_pages, np.int32)
-            parts = parts + [(past, np.zeros(self.chunk_pages, np.int32), self._padding)] * (n - len(parts))
-        layers = tuple(tuple(chunk[i] for _, _, chunk in parts) for i in range(len(self._layer_groups)))
-        pages, rows = np.stack([p for p, _, _ in parts]), np.stack([r for _, r, _ in parts])
-        return Restore(pages, rows, layers, self.page_axis)
 
     def _write(self, kv: KVCache, parts: list[tuple[np.ndarray, np.ndarray, jax.Array]]) -> KVCache:
         """Scatters the parts (device pages, their chunk's rows, the chunk) in calls of a power of two of them."""
@@ -593,14 +503,6 @@ class HostOffload(Generic[LoadKey]):
         on_host = jax.device_put(gathered, self._on_host)
         if PREALLOCATE and jax.default_backend() != "cpu":
             self._grow_pinned_pool(gathered)
-        if self.layered:  # its flushes gather a chunk's layers apart, and write_pending writes what no step took
-            n = 1
-            while n <= self.max_call_chunks:
-                gather_chunk_layers(kv, np.zeros((n, self.chunk_pages), np.int32), page_axis=self.page_axis)
-                n *= 2
-            for n in self.restore_counts():
-                kv = write_restore(kv, self.padding_restore(n))
-            return kv
         past = np.full(self.chunk_pages, self.num_pages, np.int32)
         chunk = on_host if self._direct else jax.device_put(on_host, self._on_device)
         n = 1

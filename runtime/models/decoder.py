@@ -15,7 +15,6 @@ from haliax import NamedArray
 
 from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
-from ..kv.restore import Restore
 from ..parallel.mesh import replicated
 from .config import SLIDING_ATTENTION, ModelConfig
 from .layers import Attention, ModelAxes, embed, lm_logits, rms_norm
@@ -57,16 +56,10 @@ class DecoderModel(eqx.Module):
     lora: LoRAStack | None = None  # LoRA adapters in device slots (--enable-lora); None: none can be served
 
     def __call__(
-        self,
-        tokens: jax.Array,
-        meta: AttentionMetadata[jax.Array],
-        kv: KVCache,
-        lora_rows: jax.Array | None = None,
-        restore: Restore | None = None,
+        self, tokens: jax.Array, meta: AttentionMetadata[jax.Array], kv: KVCache, lora_rows: jax.Array | None = None
     ) -> tuple[NamedArray, KVCache]:
         """Runs T tokens through every layer, writing their K/V; returns hidden states [token, Embed]. lora_rows
-        [S]: each sequence row's adapter slot (-1: none); its tokens get that adapter's deltas. restore: pages from
-        the host tier, each layer's written into its cache just before the layer runs (kv/restore.py)."""
+        [S]: each sequence row's adapter slot (-1: none); its tokens get that adapter's deltas."""
         cfg, ax = self.cfg, self.ax
         x = embed(tokens, self.embedding, ax)
         lora = self.lora
@@ -82,8 +75,6 @@ class DecoderModel(eqx.Module):
             window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
             cos, sin = rope[kind]
             adapters = None if lora is None or slots is None else LayerAdapters(lora.layers[i], slots)
-            if restore is not None:
-                k_layers[i], v_layers[i] = restore.write_layer(i, k_layers[i], v_layers[i])
             x, k_layers[i], v_layers[i] = block(
                 x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax, kv.page_size, adapters
             )
