@@ -5,8 +5,9 @@ from __future__ import annotations
 import equinox as eqx
 from haliax import NamedArray
 
+from ..parallel.mesh import sequence_parallel
 from .config import ModelConfig
-from .layers import Attention, GatedMLP, ModelAxes, rms_norm
+from .layers import Attention, GatedMLP, ModelAxes, Token, rms_norm, tokens_split, tokens_whole
 
 
 class LlamaBlock(eqx.Module):
@@ -18,11 +19,12 @@ class LlamaBlock(eqx.Module):
     def __call__(
         self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int, lora=None
     ):
-        h = rms_norm(x, self.input_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
+        sp = sequence_parallel(x.resolve_axis(Token.name).size)  # x arrives split by token: norms on a share
+        h = tokens_whole(rms_norm(x, self.input_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False), sp)
         h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size, lora)
-        x = x + h
-        h = rms_norm(x, self.post_attn_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
-        return x + self.mlp(h, cfg, ax, lora), k_cache, v_cache
+        x = x + tokens_split(h, sp)
+        h = tokens_whole(rms_norm(x, self.post_attn_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False), sp)
+        return x + tokens_split(self.mlp(h, cfg, ax, lora), sp), k_cache, v_cache
 
 
 # Hugging Face tensor names (after "model.layers.{i}.") for each block field.
