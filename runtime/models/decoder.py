@@ -15,9 +15,9 @@ from haliax import NamedArray
 
 from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
-from ..parallel.mesh import replicated, sequence_parallel
+from ..parallel.mesh import replicated
 from .config import SLIDING_ATTENTION, ModelConfig
-from .layers import Attention, ModelAxes, embed, lm_logits, rms_norm, tokens_split, tokens_whole
+from .layers import Attention, ModelAxes, embed, lm_logits, rms_norm
 from .lora import LayerAdapters, LoRAStack
 from .quantization import QuantizedWeight
 from .rope import inverse_frequencies, rotary_tables
@@ -67,9 +67,6 @@ class DecoderModel(eqx.Module):
         if cfg.family == "gemma3":
             x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
         rope = {kind: rotary_tables(f, meta.positions) for kind, f in self.inv_freq.items()}
-        # sequence parallelism: the residual stream split by token between the blocks' matmuls (parallel/mesh.py)
-        sp = sequence_parallel(tokens.shape[0])
-        x = tokens_split(x, sp)
         k_layers, v_layers = list(kv.k), list(kv.v)
         # a Python loop, unrolled in the trace: each layer reads and writes its own cache arrays in place, with
         # no slicing of stacked weights or caches between layers
@@ -82,7 +79,7 @@ class DecoderModel(eqx.Module):
                 x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax, kv.page_size, adapters
             )
         x = rms_norm(x, self.final_norm, ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
-        return tokens_whole(x, sp), KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)
+        return x, KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)
 
     def with_kv_scales(self, scales: list[tuple[float, float]]) -> DecoderModel:
         """The model with each layer's (k_scale, v_scale) for FP8 K/V pages (a checkpoint's; default 1.0)."""

@@ -7,9 +7,8 @@ from __future__ import annotations
 import equinox as eqx
 from haliax import NamedArray
 
-from ..parallel.mesh import sequence_parallel
 from .config import ModelConfig
-from .layers import Attention, GatedMLP, ModelAxes, Token, rms_norm, tokens_split, tokens_whole
+from .layers import Attention, GatedMLP, ModelAxes, rms_norm
 
 
 class Gemma3Block(eqx.Module):
@@ -24,12 +23,11 @@ class Gemma3Block(eqx.Module):
         self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int, lora=None
     ):
         eps = cfg.rms_norm_eps
-        sp = sequence_parallel(x.resolve_axis(Token.name).size)  # x arrives split by token: norms on a share
-        h = tokens_whole(rms_norm(x, self.input_norm, ax.Embed, eps, one_plus=True), sp)
+        h = rms_norm(x, self.input_norm, ax.Embed, eps, one_plus=True)
         h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size, lora)
-        x = x + rms_norm(tokens_split(h, sp), self.post_attn_norm, ax.Embed, eps, one_plus=True)
-        h = self.mlp(tokens_whole(rms_norm(x, self.pre_mlp_norm, ax.Embed, eps, one_plus=True), sp), cfg, ax, lora)
-        return x + rms_norm(tokens_split(h, sp), self.post_mlp_norm, ax.Embed, eps, one_plus=True), k_cache, v_cache
+        x = x + rms_norm(h, self.post_attn_norm, ax.Embed, eps, one_plus=True)
+        h = self.mlp(rms_norm(x, self.pre_mlp_norm, ax.Embed, eps, one_plus=True), cfg, ax, lora)
+        return x + rms_norm(h, self.post_mlp_norm, ax.Embed, eps, one_plus=True), k_cache, v_cache
 
 
 GEMMA3_BLOCK_WEIGHTS = {

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import compat  # noqa: F401  (haliax needs jax.core.is_constant_dim on JAX 0.11)
 from ..attention import AttentionMetadata, decode_fuses, fused_decode, write_and_attend
-from ..parallel.mesh import MODEL_AXIS, by_token, model_parallel_size
+from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .config import ModelConfig
 from .lora import LayerAdapters
 from .quantization import QuantizedWeight, linear
@@ -47,17 +47,6 @@ class ModelAxes:
             GateUp=hax.Axis("gate_up", 2),
             HeadSize=hax.Axis("head_size", cfg.head_dim),
         )
-
-
-def tokens_split(x: NamedArray, sp: bool) -> NamedArray:
-    """Under sequence parallelism (sp) x split by token over the model axis: after a contraction over the split
-    heads or MLP columns, XLA reduce-scatters its partial sums instead of all-reducing them."""
-    return hax.named(by_token(x.array, x.axes.index(x.resolve_axis(Token.name)), True), x.axes) if sp else x
-
-
-def tokens_whole(x: NamedArray, sp: bool) -> NamedArray:
-    """Under sequence parallelism (sp) x gathered whole onto every device, as the next split matmul reads it."""
-    return hax.named(by_token(x.array, x.axes.index(x.resolve_axis(Token.name)), False), x.axes) if sp else x
 
 
 def rms_norm(x: NamedArray, weight: NamedArray, axis: hax.Axis, eps: float, one_plus: bool) -> NamedArray:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import equinox as eqx
 from haliax import NamedArray
 
-from ..parallel.mesh import sequence_parallel
 from .config import ModelConfig
-from .layers import Attention, GatedMLP, ModelAxes, Token, rms_norm, tokens_split, tokens_whole
+from .layers import Attention, GatedMLP, ModelAxes, rms_norm
 
 
 class LlamaBlock(eqx.Module):
@@ -19,12 +18,11 @@ class LlamaBlock(eqx.Module):
     def __call__(
         self, x, cos, sin, window, k_cache, v_cache, meta, cfg: ModelConfig, ax: ModelAxes, page_size: int, lora=None
     ):
-        sp = sequence_parallel(x.resolve_axis(Token.name).size)  # x arrives split by token: norms on a share
-        h = tokens_whole(rms_norm(x, self.input_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False), sp)
+        h = rms_norm(x, self.input_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
         h, k_cache, v_cache = self.attn(h, cos, sin, window, k_cache, v_cache, meta, cfg, ax, page_size, lora)
-        x = x + tokens_split(h, sp)
-        h = tokens_whole(rms_norm(x, self.post_attn_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False), sp)
-        return x + tokens_split(self.mlp(h, cfg, ax, lora), sp), k_cache, v_cache
+        x = x + h
+        h = rms_norm(x, self.post_attn_norm, ax.Embed, cfg.rms_norm_eps, one_plus=False)
+        return x + self.mlp(h, cfg, ax, lora), k_cache, v_cache
 
 
 # Hugging Face tensor names (after "model.layers.{i}.") for each block field.
