@@ -17,6 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from capstan.runtime.kv import cuda_copy
+
+
+class _Landed:
+    """A side-stream copy's event, polled like an array."""
+
+    def __init__(self, event: cuda_copy.CopyEvent):
+        self.event = event
+
+    def is_ready(self) -> bool:
+        return self.event.done()
+
 
 def ready_times(arrays: dict[str, list[jax.Array]], t0: float, timeout_s: float = 30.0) -> dict[str, float]:
     """ms from t0 until every array of each named group is ready (polled from the host)."""
@@ -63,6 +75,9 @@ def main() -> None:
     jax.block_until_ready(jax.device_put(chunks_host[:1], on_dev))
     jax.block_until_ready(jax.device_put(chunks_dev[:1], on_host))
     results: dict[str, list] = {}
+    side = cuda_copy.SideStream(dev) if cuda_copy.available(dev) else None
+    staging = [jnp.zeros_like(c) for c in chunks_dev] if side is not None else []
+    jax.block_until_ready(staging)
 
     def record(name: str, value) -> None:
         results.setdefault(name, []).append(value)
@@ -95,6 +110,20 @@ def main() -> None:
         c = jax.device_put(chunks_host, on_dev)
         b2 = busy(x)  # a second step queued behind: does it wait for the copy?
         record("busy_to_device_busy", ready_times({"busy1": [b1], "copy": c, "busy2": [b2]}, t0))
+        if side is not None:  # the copy on a stream of our own, into buffers allocated before
+            t0 = time.perf_counter()
+            b = busy(x)
+            ev = side.copy_to_device(list(zip(chunks_host, staging, strict=True)))
+            record("busy_then_side_stream_copy", ready_times({"busy": [b], "copy": [_Landed(ev)]}, t0))
+            t0 = time.perf_counter()
+            b1 = busy(x)
+            ev = side.copy_to_device(list(zip(chunks_host, staging, strict=True)))
+            b2 = busy(x)
+            record("busy_side_stream_copy_busy", ready_times({"busy1": [b1], "copy": [_Landed(ev)], "busy2": [b2]}, t0))
+    if side is not None:
+        ev.wait()
+        same = all(bool(jnp.array_equal(s, d)) for s, d in zip(staging, chunks_dev, strict=True))
+        print(f"side-stream copies equal their sources: {same}")
     print(f"{dev.device_kind}: {a.mib} MiB in {n_chunks} chunks of {a.chunk_mib} MiB, busy ~{a.busy_ms} ms")
     for name, runs in results.items():
         print(f"{name:40s} {json.dumps(runs[1:] if len(runs) > 1 else runs)}")  # (the first is a warm-up)

@@ -387,7 +387,7 @@ def main() -> None:
         default=[],
         metavar="NAME=VALUE",
         help="also a tier run with this environment variable set (e.g. CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM=1; "
-        "repeatable; NAME=V1,V2: one run each)",
+        "repeatable; NAME=V1,V2: one run each; A=1+B=2: one run with both)",
     )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -416,6 +416,12 @@ def main() -> None:
     ]
     runs += [(f"host_tier_{way}", num_pages, tier_gib, way, {}) for way in a.also_way]
     for setting in a.also_setting:
+        if "+" in setting:  # several variables for one run ("A=1+B=2"); CAPSTAN_KV_OFFLOAD_LOAD_WAY picks its way
+            env = dict(pair.partition("=")[::2] for pair in setting.split("+"))
+            short = "+".join(f"{k.removeprefix('CAPSTAN_KV_OFFLOAD_').lower()}={v}" for k, v in env.items())
+            way = env.pop("CAPSTAN_KV_OFFLOAD_LOAD_WAY", default_way)
+            runs.append((f"host_tier_{short}", num_pages, tier_gib, way, env))
+            continue
         key, _, values = setting.partition("=")
         short = key.removeprefix("CAPSTAN_KV_OFFLOAD_").lower()
         runs += [(f"host_tier_{short}={v}", num_pages, tier_gib, default_way, {key: v}) for v in values.split(",")]

@@ -198,13 +198,13 @@ def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed,
             loading.clear()
 
     def scatter(kv, pages, chunks, rows, page_axis, from_host):  # either load way's (LOAD_WAY)
-        out = real_scatter(kv, pages, chunks, rows, page_axis=page_axis, from_host=from_host)
+        out, marker = real_scatter(kv, pages, chunks, rows, page_axis=page_axis, from_host=from_host)
         for page in pages.reshape(-1).tolist():
             if page in loading:
                 named[page] = (loading[page], page_of(out, page))
                 np.testing.assert_array_equal(np.asarray(named[page][1])[0], in_tier[loading[page]])
                 checked["restored"] += 1
-        return out
+        return out, marker
 
     real_flush, real_commit, real_poll = offload.flush, offload.tier.commit, scheduler.poll_host_tier
     monkeypatch.setattr(pool, "register", register)

@@ -62,6 +62,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ..attention import PAGES_INTERLEAVED, layout_of
+from . import cuda_copy
 from .cache import KVCache
 from .host_tier import HostTier
 from .page_pool import PageHash
@@ -81,6 +82,12 @@ LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
 PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
+# Copies to the device on a CUDA stream of our own into staging buffers taken at warm-up (cuda_copy.py), so they
+# run beside the programs queued before them: CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (read when a tier is made; NVIDIA
+# GPUs only, elsewhere device_put), with CAPSTAN_KV_OFFLOAD_STAGING_MIB of device memory for the buffers
+SIDE_STREAM_SETTING = "CAPSTAN_KV_OFFLOAD_SIDE_STREAM"
+STAGING_SETTING = "CAPSTAN_KV_OFFLOAD_STAGING_MIB"
+STAGING_MIB = 1024
 
 
 def _pages_setting(name: str, value: str | None, default: int, least: int, most: int) -> int:
@@ -151,7 +158,8 @@ def _scatter_chunks(
     if from_host:
         chunks = tuple(jax.device_put(c, jax.memory.Space.Device) for c in chunks)
     data = jnp.concatenate([c[r] for c, r in zip(chunks, rows, strict=True)])
-    return _scatter_pages(kv, pages.reshape(-1), data, page_axis)
+    # the marker is ready once the call has run: its staging buffers (cuda_copy) may then be written again
+    return _scatter_pages(kv, pages.reshape(-1), data, page_axis), jnp.max(pages)
 
 
 # One call writes up to a power of two of chunks (each count compiled at warm-up): a load reads ~10 chunks and a
@@ -169,6 +177,17 @@ class _ToDevice:
     slots: list[int]  # pinned in the tier until the load ends
     staged: list[jax.Array] | None  # each chunk on its way to the device (None: failed to start)
     started: float
+    buffers: list[int] = dataclasses.field(default_factory=list)  # the staging buffers it holds (side stream)
+    landings: list[cuda_copy.Landing] = dataclasses.field(default_factory=list)  # its side-stream copies' ends
+
+
+@dataclasses.dataclass
+class _Prefetch:  # copies started at arrival ("arrival")
+    slots: list[int]  # pinned until its load takes them
+    copies: dict[int, jax.Array]  # chunk -> its copy on the device
+    size: int  # device bytes
+    buffers: list[int]
+    landings: list[cuda_copy.Landing]
 
 
 # What a load is known by: the scheduler's Sequence (this room names no type of the rooms above it)
@@ -223,8 +242,7 @@ class HostOffload(Generic[LoadKey]):
         self.at_once = LOAD_WAY in ("same-step", "arrival")
         self.restore_headroom = restore_headroom_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM"))
         self.prefetches = LOAD_WAY == "arrival"  # the scheduler calls `prefetch` as sequences arrive
-        # copies started at arrival: key -> (its pinned slots, chunk -> its copy on the device, bytes)
-        self._prefetched: dict[LoadKey, tuple[list[int], dict[int, jax.Array], int]] = {}
+        self._prefetched: dict[LoadKey, _Prefetch] = {}
         self._prefetched_bytes = 0
         self.prefetched_chunks_used = 0
         self._to_device: dict[LoadKey, _ToDevice] = {}
@@ -234,6 +252,13 @@ class HostOffload(Generic[LoadKey]):
         self.load_seconds = 0.0  # from each load's start until its pages were written
         self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds by phase
         self.load_phases: collections.deque = collections.deque(maxlen=4096)  # s from start until written
+        devices = sorted(self._on_device.device_set, key=lambda d: d.id)
+        side = os.environ.get(SIDE_STREAM_SETTING, "0") == "1" and all(cuda_copy.available(d) for d in devices)
+        self._side = cuda_copy.SideCopies(devices) if side else None
+        self._staging: list[jax.Array] = []  # device buffers of a chunk each, taken at warm-up
+        self._free_staging: list[int] = []
+        self._staging_in_use: collections.deque[tuple[jax.Array, list[int]]] = collections.deque()  # (marker, bufs)
+        self.side_copied_chunks = 0
 
     def _page_shardings(self, kv: KVCache):
         """A chunk's placement in host memory and on the device: the cache's split (by KV head) with the page axis
@@ -255,9 +280,13 @@ class HostOffload(Generic[LoadKey]):
         return bool(self._to_device or self._puts)
 
     def _ready(self, load: _ToDevice) -> bool:
+        if load.staged is None:
+            return False
+        if not self.at_once and not all(landing.done() for landing in load.landings):  # (at once: _write waits)
+            return False
         if not self._wait_ready:  # the scatter reads host memory, or waits for the copies on the device
-            return load.staged is not None
-        return load.staged is not None and all(a.is_ready() for a in load.staged)  # type: ignore[attr-defined]
+            return True
+        return all(a.is_ready() for a in load.staged)  # type: ignore[attr-defined]
 
     @property
     def landed(self) -> bool:
@@ -350,24 +379,61 @@ class HostOffload(Generic[LoadKey]):
         self.tier.pin(slots)
         data = {chunk: copy for chunk, copy, _ in self.tier.read([c * self.chunk_pages for c in chunk_ids])}
         try:
-            copies = jax.device_put([data[c] for c in chunk_ids], self._on_device)
+            copies, buffers, landings = self._copy_to_device([data[c] for c in chunk_ids])
         except Exception:  # noqa: BLE001 - its load copies them itself
             log.exception("a K/V copy from host memory failed to start; its load tries again")
             self.tier.unpin(slots)
             return
-        self._prefetched[key] = (slots, dict(zip(chunk_ids, copies, strict=True)), size)
+        self._prefetched[key] = _Prefetch(slots, dict(zip(chunk_ids, copies, strict=True)), size, buffers, landings)
         self._prefetched_bytes += size
         self.timings["step_thread_prefetch"] += time.perf_counter() - t
 
-    def drop_prefetch(self, key: LoadKey) -> dict[int, jax.Array]:
-        """key's copies started at arrival (chunk -> copy; none: empty), given up: their slots unpinned."""
+    def drop_prefetch(self, key: LoadKey) -> None:
+        """key's copies started at arrival are given up: their slots unpinned, their staging buffers free."""
+        found = self._take_prefetch(key)
+        if found is not None:
+            self._free_staging += found.buffers  # (a copy still landing in one is ordered before any later one)
+
+    def _take_prefetch(self, key: LoadKey) -> _Prefetch | None:
         found = self._prefetched.pop(key, None)
-        if found is None:
-            return {}
-        slots, copies, size = found
-        self.tier.unpin(slots)
-        self._prefetched_bytes -= size
-        return copies
+        if found is not None:
+            self.tier.unpin(found.slots)
+            self._prefetched_bytes -= found.size
+        return found
+
+    def _take_staging(self) -> int | None:
+        """A free staging buffer (one whose last reader has run), or None."""
+        if not self._free_staging:
+            while self._staging_in_use and self._staging_in_use[0][0].is_ready():  # (scatters run in order)
+                self._free_staging += self._staging_in_use.popleft()[1]
+        return self._free_staging.pop() if self._free_staging else None
+
+    def _copy_to_device(self, chunks: list[jax.Array]) -> tuple[list[jax.Array], list[int], list[cuda_copy.Landing]]:
+        """Starts each host chunk's copy to the device: on the side stream into a staging buffer where one is free
+        and the chunk's own copy to the host has landed, else by device_put (which waits for the queued programs).
+        Returns the device arrays, the staging buffers taken and the side copies' ends."""
+        out: list[jax.Array | None] = [None] * len(chunks)
+        buffers: list[int] = []
+        pairs = []
+        for i, chunk in enumerate(chunks):
+            b = self._take_staging() if self._side is not None and chunk.is_ready() else None  # type: ignore[attr-defined]
+            if b is not None:
+                buffers.append(b)
+                pairs.append((chunk, self._staging[b]))
+                out[i] = self._staging[b]
+        landings: list[cuda_copy.Landing] = []
+        try:
+            if pairs:
+                assert self._side is not None, "staging buffers are taken only with a side stream"
+                landings.append(self._side.copy(pairs))
+                self.side_copied_chunks += len(pairs)
+            rest = [i for i, a in enumerate(out) if a is None]
+            for i, a in zip(rest, jax.device_put([chunks[i] for i in rest], self._on_device), strict=True):
+                out[i] = a
+        except Exception:
+            self._free_staging += buffers  # (a copy queued in one lands before any later one into it)
+            raise
+        return out, buffers, landings  # type: ignore[return-value]
 
     def start_load(self, key: LoadKey, pages: Sequence[int], slots: Sequence[int]) -> bool:
         """Starts copying the slots' pages to the device pages `pages`; `poll` reports key when they are written.
@@ -384,20 +450,24 @@ class HostOffload(Generic[LoadKey]):
             rows = np.zeros(self.chunk_pages, np.int32)
             dest[: len(wanted)], rows[: len(wanted)] = zip(*wanted, strict=True)
             parts.append((dest, rows))
-        ready = self.drop_prefetch(key)  # (its slots are pinned by this load now)
+        found = self._take_prefetch(key)  # (its slots are pinned by this load now)
+        ready = found.copies if found is not None else {}
+        buffers = found.buffers if found is not None else []
+        landings = found.landings if found is not None else []
         try:
             if self._direct:
                 staged = [data for data, _ in chunks.values()]
             else:
                 missing = [c for c in chunks if c not in ready]
-                copies = jax.device_put([chunks[c][0] for c in missing], self._on_device) if missing else []
+                copies, taken, landed = self._copy_to_device([chunks[c][0] for c in missing])
+                buffers, landings = buffers + taken, landings + landed
                 put = dict(zip(missing, copies, strict=True))
                 staged = [ready[c] if c in ready else put[c] for c in chunks]
                 self.prefetched_chunks_used += len(chunks) - len(missing)
         except Exception:  # noqa: BLE001 - the poll reports it failed: recompute instead
             log.exception("a K/V copy from host memory failed to start; its pages are recomputed")
             staged = None
-        self._to_device[key] = _ToDevice(parts, slots, staged, time.monotonic())
+        self._to_device[key] = _ToDevice(parts, slots, staged, time.monotonic(), buffers, landings)
         self.timings["step_thread_start_load"] += time.perf_counter() - t
         if staged is None and self.at_once:  # (the caller cancels it; a load that waits is counted at the poll)
             self.failed_loads += 1
@@ -408,6 +478,7 @@ class HostOffload(Generic[LoadKey]):
         load = self._to_device.pop(key, None)
         if load is not None:
             self.tier.unpin(load.slots)
+            self._free_staging += load.buffers  # (never given to a scatter; later copies into them land after)
 
     def poll(self, read_kv: Callable[[], KVCache]) -> tuple[KVCache | None, list[tuple[LoadKey, bool]]]:
         """Finishes the loads that are ready: the cache with the loaded pages written (None when no load landed:
@@ -428,6 +499,7 @@ class HostOffload(Generic[LoadKey]):
             self.tier.unpin(load.slots)
             if failed:
                 self.failed_loads += 1
+                self._free_staging += load.buffers
                 ended.append((key, False))
                 continue
             assert load.staged is not None
@@ -440,7 +512,12 @@ class HostOffload(Generic[LoadKey]):
             r = time.perf_counter()
             kv = read_kv()
             self.timings["step_thread_poll_read_kv"] += time.perf_counter() - r
-            kv = self._write(kv, parts)
+            w = time.perf_counter()
+            for load in written:  # side copies: on the host, before a program reads their buffers (GIL released)
+                for landing in load.landings:
+                    landing.wait()
+            self.timings["step_thread_poll_side_wait"] += time.perf_counter() - w
+            kv = self._write(kv, parts, [b for load in written for b in load.buffers])
         now = time.monotonic()
         for load in written:
             self.load_seconds += now - load.started
@@ -448,15 +525,20 @@ class HostOffload(Generic[LoadKey]):
         self.timings["step_thread_poll"] += time.perf_counter() - t
         return kv, ended
 
-    def _write(self, kv: KVCache, parts: list[tuple[np.ndarray, np.ndarray, jax.Array]]) -> KVCache:
-        """Scatters the parts (device pages, their chunk's rows, the chunk) in calls of a power of two of them."""
+    def _write(
+        self, kv: KVCache, parts: list[tuple[np.ndarray, np.ndarray, jax.Array]], buffers: Sequence[int] = ()
+    ) -> KVCache:
+        """Scatters the parts (device pages, their chunk's rows, the chunk) in calls of a power of two of them; the
+        staging buffers they read are free again once the last call has run."""
         with self._context():
             while parts:
                 n = min(1 << (len(parts).bit_length() - 1), self.max_call_chunks)  # (max_call_chunks: a power of 2)
                 call, parts = parts[:n], parts[n:]
                 dest, rows = np.stack([d for d, _, _ in call]), np.stack([r for _, r, _ in call])
                 chunks = tuple(c for _, _, c in call)
-                kv = scatter_chunks(kv, dest, chunks, rows, page_axis=self.page_axis, from_host=self._direct)
+                kv, marker = scatter_chunks(kv, dest, chunks, rows, page_axis=self.page_axis, from_host=self._direct)
+        if buffers:
+            self._staging_in_use.append((marker, list(buffers)))
         return kv
 
     def timing_summary(self) -> dict:
@@ -468,6 +550,7 @@ class HostOffload(Generic[LoadKey]):
             out["load_written_p99_ms"] = round(float(np.percentile(written, 99)) * 1000, 2)
         out["skipped_to_host_pages"] = self.skipped_to_host
         out["prefetched_chunks_used"] = self.prefetched_chunks_used
+        out["side_copied_chunks"] = self.side_copied_chunks
         return out
 
     def _grow_pinned_pool(self, chunk: jax.Array) -> None:
@@ -503,6 +586,12 @@ class HostOffload(Generic[LoadKey]):
         on_host = jax.device_put(gathered, self._on_host)
         if PREALLOCATE and jax.default_backend() != "cpu":
             self._grow_pinned_pool(gathered)
+        if self._side is not None:  # staging buffers, allocated before anything is queued that could hold them
+            mib = int(os.environ.get(STAGING_SETTING, STAGING_MIB))
+            count = max(1, (mib << 20) // (self.chunk_pages * self.tier.page_bytes))
+            self._staging = [jax.device_put(on_host, self._on_device) for _ in range(count)]
+            jax.block_until_ready(self._staging)
+            self._free_staging = list(range(count))
         past = np.full(self.chunk_pages, self.num_pages, np.int32)
         chunk = on_host if self._direct else jax.device_put(on_host, self._on_device)
         n = 1
