@@ -17,26 +17,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capstan.runtime.kv import cuda_copy
+from capstan.runtime.kv import side_copy
 
 
 class _Landed:
     """A side-stream copy's event, polled like an array."""
 
-    def __init__(self, event: cuda_copy.CopyEvent):
+    def __init__(self, event: side_copy.Landing):
         self.event = event
 
     def is_ready(self) -> bool:
         return self.event.done()
 
 
-def ready_times(arrays: dict[str, list[jax.Array]], t0: float, timeout_s: float = 30.0) -> dict[str, float]:
+def ready_times(arrays: dict[str, list], t0: float, timeout_s: float = 30.0) -> dict[str, float]:
     """ms from t0 until every array of each named group is ready (polled from the host)."""
     done: dict[str, float] = {}
     deadline = time.perf_counter() + timeout_s
     while len(done) < len(arrays) and time.perf_counter() < deadline:
         for name, group in arrays.items():
-            if name not in done and all(a.is_ready() for a in group):  # type: ignore[attr-defined]
+            if name not in done and all(a.is_ready() for a in group):
                 done[name] = round((time.perf_counter() - t0) * 1000, 2)
     return done
 
@@ -75,7 +75,7 @@ def main() -> None:
     jax.block_until_ready(jax.device_put(chunks_host[:1], on_dev))
     jax.block_until_ready(jax.device_put(chunks_dev[:1], on_host))
     results: dict[str, list] = {}
-    side = cuda_copy.SideStream(dev) if cuda_copy.available(dev) else None
+    side = side_copy.SideCopies([dev]) if side_copy.available(dev) else None
     staging = [jnp.zeros_like(c) for c in chunks_dev] if side is not None else []
     jax.block_until_ready(staging)
 
@@ -113,11 +113,11 @@ def main() -> None:
         if side is not None:  # the copy on a stream of our own, into buffers allocated before
             t0 = time.perf_counter()
             b = busy(x)
-            ev = side.copy_to_device(list(zip(chunks_host, staging, strict=True)))
+            ev = side.copy(list(zip(chunks_host, staging, strict=True)))
             record("busy_then_side_stream_copy", ready_times({"busy": [b], "copy": [_Landed(ev)]}, t0))
             t0 = time.perf_counter()
             b1 = busy(x)
-            ev = side.copy_to_device(list(zip(chunks_host, staging, strict=True)))
+            ev = side.copy(list(zip(chunks_host, staging, strict=True)))
             b2 = busy(x)
             record("busy_side_stream_copy_busy", ready_times({"busy1": [b1], "copy": [_Landed(ev)], "busy2": [b2]}, t0))
     if side is not None:

@@ -106,6 +106,44 @@ def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     llm.engine.pool.check_all_free()
 
 
+STAGING_MIB = 3 * 4 * PAGE_BYTES / (1 << 20)  # three staging buffers of a chunk (4 pages in this tier)
+
+
+def assert_staging_all_given_back(offload: HostOffload) -> None:
+    """Every staging buffer is free or read by a scatter that will run (none leaked), and each is its own memory."""
+    held = [b for _, bufs in offload._staging_in_use for b in bufs]
+    assert sorted(offload._free_staging + held) == list(range(len(offload._staging)))
+    assert len({a.unsafe_buffer_pointer() for a in offload._staging}) == len(offload._staging)
+
+
+@pytest.mark.parametrize("way", ["same-step", "arrival", "eager"])
+def test_copies_outside_the_queue_into_staging_buffers_give_the_same_tokens(recomputed, monkeypatch, way):
+    """CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (side_copy.py): loads copy into staging buffers taken at warm-up, outside
+    XLA's queue (on a GPU a CUDA stream of our own; here a memmove into the CPU device's buffer), and a buffer is
+    written again only after the scatter that read it has run: three buffers for the whole run, so they are reused
+    many times and loads past them copy by device_put."""
+    monkeypatch.setenv(host_offload.SIDE_STREAM_SETTING, "1")
+    monkeypatch.setenv(host_offload.STAGING_SETTING, str(STAGING_MIB))
+    monkeypatch.setattr(host_offload, "LOAD_WAY", way)
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)
+    assert conversations(llm, PARAMS) == recomputed
+    offload = llm.engine.scheduler.offload
+    assert len(offload._staging) == 3 and offload.side_copied_chunks > 3
+    s = llm.engine.stats()
+    assert s.kv_offload_hit_tokens > 0 and s.kv_offload_failed_loads == 0
+    assert offload.pages_to_device > offload.side_copied_chunks  # (chunks hold several pages; some by device_put)
+    assert_staging_all_given_back(offload)
+    llm.engine.pool.check_all_free()
+
+
+def test_staging_mib_setting_takes_a_size_and_names_the_variable_otherwise():
+    assert host_offload.staging_mib_setting(None) == host_offload.STAGING_MIB
+    assert host_offload.staging_mib_setting("0.5") == 0.5
+    for bad in ("0", "-3", "lots", "nan", "1e300"):
+        with pytest.raises(ValueError, match="CAPSTAN_KV_OFFLOAD_STAGING_MIB"):
+            host_offload.staging_mib_setting(bad)
+
+
 def test_fp8_pages_go_to_host_memory_and_back_as_stored():
     """--kv-cache-dtype fp8: the tier copies the pages' e4m3 bytes (a quarter of float32's), and returning turns
     give the tokens that recomputing their FP8 pages gives."""
@@ -264,6 +302,7 @@ def test_pages_come_back_only_to_the_adapter_that_computed_them(tmp_path):
 
 SPLIT_RUN = """
 import json
+import os
 from test_host_tier import MODEL, PARAMS, SMALL_POOL, TIER_GIB, conversations
 from capstan.runtime.engine.llm import LLM
 recomputed = conversations(LLM(MODEL, tensor_parallel_size=2, warmup=False, **SMALL_POOL), PARAMS)
@@ -271,8 +310,12 @@ llm = LLM(MODEL, tensor_parallel_size=2, kv_offloading_size=TIER_GIB, warmup=Fal
 got = conversations(llm, PARAMS)
 offload = llm.engine.scheduler.offload
 chunk = next(d for d in offload.tier._data if d is not None)
+os.environ["CAPSTAN_KV_OFFLOAD_SIDE_STREAM"] = "1"  # copies outside the queue: each device its own shards
+side = LLM(MODEL, tensor_parallel_size=2, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
 print(json.dumps(dict(
     same=got == recomputed,
+    side_same=conversations(side, PARAMS) == recomputed,
+    side_copied=side.engine.scheduler.offload.side_copied_chunks,
     hits=llm.engine.stats().kv_offload_hit_tokens,
     shape=list(chunk.shape),
     shard_shapes=[list(sh.data.shape) for sh in chunk.addressable_shards],
@@ -283,7 +326,7 @@ print(json.dumps(dict(
 def test_split_over_two_devices_each_device_keeps_its_own_heads_in_host_memory():
     """Tensor parallelism (two CPU devices, in a process of its own): llama-s11's two KV heads one per device; the
     tier's chunks keep that split in host memory (each device's shard holds its own head), and every turn is what
-    recompute on the same split gives."""
+    recompute on the same split gives, with the copies outside the queue too (each device copies its own shards)."""
     import json
     import os
     import subprocess
@@ -302,6 +345,7 @@ def test_split_over_two_devices_each_device_keeps_its_own_heads_in_host_memory()
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["same"] and got["hits"] > 100, got
+    assert got["side_same"] and got["side_copied"] > 0, got
     heads = [
         i for i, (whole, part) in enumerate(zip(got["shape"], got["shard_shapes"][0], strict=True)) if whole != part
     ]
@@ -333,8 +377,12 @@ def test_copies_that_fail_to_start_are_recomputed_in_the_same_step(recomputed):
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("way", ["same-step", "arrival"])
+@pytest.mark.parametrize("way", ["same-step", "arrival", "same-step+side", "arrival+side"])
 def test_aborts_while_pages_are_copied_back_leak_nothing(monkeypatch, way):
+    way, _, side = way.partition("+")
+    if side:  # a few staging buffers: loads take them, give them back, and copy by device_put when none is free
+        monkeypatch.setenv(host_offload.SIDE_STREAM_SETTING, "1")
+        monkeypatch.setenv(host_offload.STAGING_SETTING, str(STAGING_MIB))
     monkeypatch.setattr(host_offload, "LOAD_WAY", way)  # arrival: waiting sequences hold copies started for them
     llm = LLM(MODEL, kv_offloading_size=8 * TIER_GIB, warmup=False, **SMALL_POOL)  # room for every prompt's pages
     engine, rng = llm.engine, np.random.default_rng(5)
@@ -364,6 +412,8 @@ def test_aborts_while_pages_are_copied_back_leak_nothing(monkeypatch, way):
     assert offload.tier.num_pinned == 0  # every load's slots were given back, the aborted ones' too
     assert not offload._prefetched and offload._prefetched_bytes == 0
     assert offload.tier.num_used == len(offload.tier._slot_of)  # no slot stays reserved
+    assert (offload.side_copied_chunks > 0) == bool(side)
+    assert_staging_all_given_back(offload)
     engine.pool.check_all_free()
 
 

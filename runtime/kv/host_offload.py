@@ -33,6 +33,12 @@ the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against 
 as eager, and the first poll after all are `is_ready` scatters them. A load that fails or has not been written by
 LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
 
+CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (off by default): a load's chunks are copied into staging buffers taken when the
+tier is made, on a CUDA stream of our own (side_copy.py), so they start at once instead of after the queued
+dispatch; the engine waits on the host for them before the scatter that reads them, and a buffer is reused only once
+that scatter has run. H200: the 1B shape's returning turns 12-20% sooner; the 8B's 16% later (its waves' copies,
+~2.9 GB, then hold the engine thread while the device idles). docs/runtime.md has the figures.
+
 Pinned host memory: the runtime pins it as its pool grows (cudaHostAlloc, seconds for a few GiB, stalling the steps:
 H100, returning turns' p99 1.9-3.6 s), so warm-up takes the tier's whole size once and gives it back to the pool.
 
@@ -62,7 +68,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ..attention import PAGES_INTERLEAVED, layout_of
-from . import cuda_copy
+from . import side_copy
 from .cache import KVCache
 from .host_tier import HostTier
 from .page_pool import PageHash
@@ -82,7 +88,7 @@ LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
 PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
-# Copies to the device on a CUDA stream of our own into staging buffers taken at warm-up (cuda_copy.py), so they
+# Copies to the device on a CUDA stream of our own into staging buffers taken at warm-up (side_copy.py), so they
 # run beside the programs queued before them: CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (read when a tier is made; NVIDIA
 # GPUs only, elsewhere device_put), with CAPSTAN_KV_OFFLOAD_STAGING_MIB of device memory for the buffers
 SIDE_STREAM_SETTING = "CAPSTAN_KV_OFFLOAD_SIDE_STREAM"
@@ -105,6 +111,19 @@ def restore_headroom_setting(value: str | None) -> int:
     are preempted for their next pages (H100, 1B shape, a pool of half the batch: 227 preemptions against 109
     without the tier, 0.84x the prefix cache alone; `bash benchmarks/gpu_suite.sh tierpreempt`)."""
     return _pages_setting("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM", value, 0, 0, 1024)
+
+
+def staging_mib_setting(value: str | None) -> float:
+    """CAPSTAN_KV_OFFLOAD_STAGING_MIB: the side stream's staging buffers' device memory (at least one chunk's)."""
+    if value is None:
+        return STAGING_MIB
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = -1.0
+    if not 0 < mib <= 1 << 20:
+        raise ValueError(f"{STAGING_SETTING}: {value!r} is not a size in MiB in (0, 1048576]")
+    return mib
 
 
 def chunk_pages_setting(value: str | None) -> int:
@@ -151,14 +170,14 @@ def _scatter_pages(kv: KVCache, pages: jax.Array, data: jax.Array, page_axis: in
 
 def _scatter_chunks(
     kv: KVCache, pages: jax.Array, chunks: tuple[jax.Array, ...], rows: jax.Array, page_axis: int, from_host: bool
-) -> KVCache:
+) -> tuple[KVCache, jax.Array]:
     """Rows of several chunks into the cache: chunk k's rows rows[k] into pages[k] (pages past the pool: dropped).
     from_host: the chunks are in host memory and the program copies them to the device itself, ordered with the
     steps."""
     if from_host:
         chunks = tuple(jax.device_put(c, jax.memory.Space.Device) for c in chunks)
     data = jnp.concatenate([c[r] for c, r in zip(chunks, rows, strict=True)])
-    # the marker is ready once the call has run: its staging buffers (cuda_copy) may then be written again
+    # the marker is ready once the call has run: its staging buffers (side_copy) may then be written again
     return _scatter_pages(kv, pages.reshape(-1), data, page_axis), jnp.max(pages)
 
 
@@ -178,7 +197,7 @@ class _ToDevice:
     staged: list[jax.Array] | None  # each chunk on its way to the device (None: failed to start)
     started: float
     buffers: list[int] = dataclasses.field(default_factory=list)  # the staging buffers it holds (side stream)
-    landings: list[cuda_copy.Landing] = dataclasses.field(default_factory=list)  # its side-stream copies' ends
+    landings: list[side_copy.Landing] = dataclasses.field(default_factory=list)  # its side-stream copies' ends
 
 
 @dataclasses.dataclass
@@ -187,7 +206,7 @@ class _Prefetch:  # copies started at arrival ("arrival")
     copies: dict[int, jax.Array]  # chunk -> its copy on the device
     size: int  # device bytes
     buffers: list[int]
-    landings: list[cuda_copy.Landing]
+    landings: list[side_copy.Landing]
 
 
 # What a load is known by: the scheduler's Sequence (this room names no type of the rooms above it)
@@ -253,10 +272,18 @@ class HostOffload(Generic[LoadKey]):
         self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds by phase
         self.load_phases: collections.deque = collections.deque(maxlen=4096)  # s from start until written
         devices = sorted(self._on_device.device_set, key=lambda d: d.id)
-        side = os.environ.get(SIDE_STREAM_SETTING, "0") == "1" and all(cuda_copy.available(d) for d in devices)
-        self._side = cuda_copy.SideCopies(devices) if side else None
-        self._staging: list[jax.Array] = []  # device buffers of a chunk each, taken at warm-up
-        self._free_staging: list[int] = []
+        side = os.environ.get(SIDE_STREAM_SETTING, "0") == "1" and all(side_copy.available(d) for d in devices)
+        self._side = side_copy.SideCopies(devices) if side else None
+        self._staging: list[jax.Array] = []  # device buffers of a chunk each, taken now: nothing queued holds them
+        if self._side is not None:
+            mib = staging_mib_setting(os.environ.get(STAGING_SETTING))
+            count = max(1, int(mib * (1 << 20)) // (self.chunk_pages * page_bytes))
+            shape = (self.chunk_pages, *self.page_shape)
+            with self._context():  # (each call's output is a buffer of its own)
+                fresh = jax.jit(lambda: jnp.zeros(shape, self.page_dtype), out_shardings=self._on_device)
+                self._staging = [fresh() for _ in range(count)]
+            jax.block_until_ready(self._staging)
+        self._free_staging: list[int] = list(range(len(self._staging)))
         self._staging_in_use: collections.deque[tuple[jax.Array, list[int]]] = collections.deque()  # (marker, bufs)
         self.side_copied_chunks = 0
 
@@ -404,11 +431,11 @@ class HostOffload(Generic[LoadKey]):
     def _take_staging(self) -> int | None:
         """A free staging buffer (one whose last reader has run), or None."""
         if not self._free_staging:
-            while self._staging_in_use and self._staging_in_use[0][0].is_ready():  # (scatters run in order)
+            while self._staging_in_use and self._staging_in_use[0][0].is_ready():  # type: ignore[attr-defined]
                 self._free_staging += self._staging_in_use.popleft()[1]
         return self._free_staging.pop() if self._free_staging else None
 
-    def _copy_to_device(self, chunks: list[jax.Array]) -> tuple[list[jax.Array], list[int], list[cuda_copy.Landing]]:
+    def _copy_to_device(self, chunks: list[jax.Array]) -> tuple[list[jax.Array], list[int], list[side_copy.Landing]]:
         """Starts each host chunk's copy to the device: on the side stream into a staging buffer where one is free
         and the chunk's own copy to the host has landed, else by device_put (which waits for the queued programs).
         Returns the device arrays, the staging buffers taken and the side copies' ends."""
@@ -421,7 +448,7 @@ class HostOffload(Generic[LoadKey]):
                 buffers.append(b)
                 pairs.append((chunk, self._staging[b]))
                 out[i] = self._staging[b]
-        landings: list[cuda_copy.Landing] = []
+        landings: list[side_copy.Landing] = []
         try:
             if pairs:
                 assert self._side is not None, "staging buffers are taken only with a side stream"
@@ -586,12 +613,6 @@ class HostOffload(Generic[LoadKey]):
         on_host = jax.device_put(gathered, self._on_host)
         if PREALLOCATE and jax.default_backend() != "cpu":
             self._grow_pinned_pool(gathered)
-        if self._side is not None:  # staging buffers, allocated before anything is queued that could hold them
-            mib = int(os.environ.get(STAGING_SETTING, STAGING_MIB))
-            count = max(1, (mib << 20) // (self.chunk_pages * self.tier.page_bytes))
-            self._staging = [jax.device_put(on_host, self._on_device) for _ in range(count)]
-            jax.block_until_ready(self._staging)
-            self._free_staging = list(range(count))
         past = np.full(self.chunk_pages, self.num_pages, np.int32)
         chunk = on_host if self._direct else jax.device_put(on_host, self._on_device)
         n = 1

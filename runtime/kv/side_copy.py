@@ -1,4 +1,4 @@
-"""Host-to-device copies on a CUDA stream of our own, beside the programs XLA has queued (issue 33).
+"""Host-to-device copies outside XLA's queue: on a CUDA stream of our own, beside the programs queued (issue 33).
 
 PJRT's GPU client makes every `device_put` wait for the programs queued on the device before it: it allocates the
 copy's destination, and its allocation model (`kComputeSynchronized`) orders the copy after the compute stream
@@ -10,7 +10,8 @@ waits for the copy's event on the host before dispatching a program that reads t
 buffer again until every program that read it has run.
 
 Only the driver library (libcuda.so.1, part of the GPU driver) is used, through ctypes (each call releases the GIL).
-`available()` is False where there is no CUDA device (CPU, TPU): callers keep `device_put` there."""
+On a CPU device (whose memory is host memory) a copy is a memmove, done when `copy` returns: the same bookkeeping
+runs in CI. `available()` is False elsewhere (TPU, a GPU without the driver library): callers keep `device_put`."""
 
 from __future__ import annotations
 
@@ -58,9 +59,13 @@ def _check(status: int, what: str) -> None:
         raise CudaError(f"{what}: CUDA error {status} ({(text.value or b'?').decode()})")
 
 
+def _is_cuda(device: jax.Device) -> bool:
+    return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+
+
 def available(device: jax.Device) -> bool:
-    """Whether copies to this device can go on a stream of our own (an NVIDIA GPU with its driver loaded)."""
-    return device.platform == "gpu" and "cuda" in device.client.platform_version.lower() and _driver() is not None
+    """Whether copies to this device can go outside XLA's queue (an NVIDIA GPU with its driver library, or a CPU)."""
+    return device.platform == "cpu" or (_is_cuda(device) and _driver() is not None)
 
 
 class CopyEvent:
@@ -151,12 +156,23 @@ class Landing:
         self._events = []
 
 
+class _Memmove:
+    """A CPU device's "stream": the copy is done when it returns."""
+
+    def copy_to_device(self, pairs: list[tuple[jax.Array, jax.Array]]) -> None:
+        for host, dest in pairs:
+            nbytes = host.size * host.dtype.itemsize
+            if dest.size * dest.dtype.itemsize != nbytes:
+                raise ValueError(f"copy_to_device: {nbytes} bytes into a buffer of {dest.size * dest.dtype.itemsize}")
+            ctypes.memmove(dest.unsafe_buffer_pointer(), host.unsafe_buffer_pointer(), nbytes)
+
+
 class SideCopies:
     """Side streams on a set of devices: copies host arrays into device arrays of the same sharding, each device its
     own shards (tensor parallel: its own KV heads)."""
 
     def __init__(self, devices):
-        self._streams = {d: SideStream(d) for d in devices}
+        self._streams = {d: _Memmove() if d.platform == "cpu" else SideStream(d) for d in devices}
 
     def copy(self, pairs: list[tuple[jax.Array, jax.Array]]) -> Landing:
         """Queues each (pinned host array, device array) pair's copy, shard by shard; the host arrays must be ready
@@ -169,4 +185,5 @@ class SideCopies:
                 if h.device != d.device or h.index != d.index:
                     raise ValueError("copy: the host and device arrays are not split the same way")
                 by_device[d.device].append((h.data, d.data))
-        return Landing([self._streams[dev].copy_to_device(p) for dev, p in by_device.items()])
+        events = [self._streams[dev].copy_to_device(p) for dev, p in by_device.items()]
+        return Landing([e for e in events if e is not None])
