@@ -88,9 +88,9 @@ LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
 PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
-# Copies to the device on a CUDA stream of our own into staging buffers taken at warm-up (side_copy.py), so they
-# run beside the programs queued before them: CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (read when a tier is made; NVIDIA
-# GPUs only, elsewhere device_put), with CAPSTAN_KV_OFFLOAD_STAGING_MIB of device memory for the buffers
+# Copies to the device on a CUDA stream of our own into staging buffers taken when the tier is made (side_copy.py),
+# so they run beside the programs queued before them: CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (read when a tier is made;
+# NVIDIA GPUs, and CPUs by memmove; elsewhere device_put), with CAPSTAN_KV_OFFLOAD_STAGING_MIB of device memory
 SIDE_STREAM_SETTING = "CAPSTAN_KV_OFFLOAD_SIDE_STREAM"
 STAGING_SETTING = "CAPSTAN_KV_OFFLOAD_STAGING_MIB"
 STAGING_MIB = 1024
