@@ -4,7 +4,7 @@ PJRT's GPU client makes every `device_put` wait for the programs queued on the d
 copy's destination, and its allocation model (`kComputeSynchronized`) orders the copy after the compute stream
 (benchmarks/copy_overlap.py, H200: 1 GiB copied after an 86 ms program is ready at 106 ms, before it at 23 ms).
 A restored turn's pages then cross only after the dispatch under way. This copies into device buffers allocated
-once (at warm-up, so nothing queued can still be using their memory) through the CUDA driver API on a non-blocking
+once (when the host tier is made, so nothing queued can still be using their memory) through the CUDA driver API on a non-blocking
 stream of our own, so the copy runs at once, beside whatever the device computes. The caller orders the reader: it
 waits for the copy's event on the host before dispatching a program that reads the buffer, and does not write a
 buffer again until every program that read it has run.
@@ -59,6 +59,10 @@ def _check(status: int, what: str) -> None:
         raise CudaError(f"{what}: CUDA error {status} ({(text.value or b'?').decode()})")
 
 
+def _nbytes(a: jax.Array) -> int:
+    return a.size * a.dtype.itemsize
+
+
 def _is_cuda(device: jax.Device) -> bool:
     return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
 
@@ -105,7 +109,6 @@ class SideStream:
         lib = _driver()
         if lib is None:
             raise CudaError("libcuda.so.1 is not loadable: no CUDA driver on this host")
-        self.device = device
         ordinal = ctypes.c_int()
         _check(lib.cuDeviceGet(ctypes.byref(ordinal), device.local_hardware_id), "cuDeviceGet")
         self._context = ctypes.c_void_p()
@@ -123,17 +126,14 @@ class SideStream:
         self._entered.yes = True
 
     def copy_to_device(self, pairs: list[tuple[jax.Array, jax.Array]]) -> CopyEvent:
-        """Queues (pinned host array -> device array) copies, each a single-device array of the same byte size, and
-        returns the event that passes once all have landed."""
+        """Queues (pinned host array -> device array) copies, single-device arrays of the same byte size (checked by
+        SideCopies), and returns the event that passes once all have landed."""
         lib = _driver()
         self.enter()
         for host, dest in pairs:
-            nbytes = host.size * host.dtype.itemsize
-            if dest.size * dest.dtype.itemsize != nbytes:
-                raise ValueError(f"copy_to_device: {nbytes} bytes into a buffer of {dest.size * dest.dtype.itemsize}")
             _check(
                 lib.cuMemcpyHtoDAsync_v2(  # type: ignore[union-attr]
-                    dest.unsafe_buffer_pointer(), host.unsafe_buffer_pointer(), nbytes, self.handle
+                    dest.unsafe_buffer_pointer(), host.unsafe_buffer_pointer(), _nbytes(host), self.handle
                 ),
                 "cuMemcpyHtoDAsync",
             )
@@ -161,10 +161,7 @@ class _Memmove:
 
     def copy_to_device(self, pairs: list[tuple[jax.Array, jax.Array]]) -> None:
         for host, dest in pairs:
-            nbytes = host.size * host.dtype.itemsize
-            if dest.size * dest.dtype.itemsize != nbytes:
-                raise ValueError(f"copy_to_device: {nbytes} bytes into a buffer of {dest.size * dest.dtype.itemsize}")
-            ctypes.memmove(dest.unsafe_buffer_pointer(), host.unsafe_buffer_pointer(), nbytes)
+            ctypes.memmove(dest.unsafe_buffer_pointer(), host.unsafe_buffer_pointer(), _nbytes(host))
 
 
 class SideCopies:
@@ -179,6 +176,8 @@ class SideCopies:
         (their bytes written: `is_ready()`) and the device arrays must not be read by anything queued meanwhile."""
         by_device: dict[jax.Device, list[tuple[jax.Array, jax.Array]]] = collections.defaultdict(list)
         for host, dest in pairs:
+            if _nbytes(dest) != _nbytes(host):
+                raise ValueError(f"copy: {_nbytes(host)} bytes into a buffer of {_nbytes(dest)}")
             hs = sorted(host.addressable_shards, key=lambda s: (s.device.id, str(s.index)))
             ds = sorted(dest.addressable_shards, key=lambda s: (s.device.id, str(s.index)))
             for h, d in zip(hs, ds, strict=True):
