@@ -136,12 +136,19 @@ def test_copies_outside_the_queue_into_staging_buffers_give_the_same_tokens(reco
     llm.engine.pool.check_all_free()
 
 
-def test_staging_mib_setting_takes_a_size_and_names_the_variable_otherwise():
-    assert host_offload.staging_mib_setting(None) == host_offload.STAGING_MIB
-    assert host_offload.staging_mib_setting("0.5") == 0.5
-    for bad in ("0", "-3", "lots", "nan", "1e300"):
-        with pytest.raises(ValueError, match="CAPSTAN_KV_OFFLOAD_STAGING_MIB"):
-            host_offload.staging_mib_setting(bad)
+@pytest.mark.parametrize(
+    "setting, name, default",
+    [
+        (host_offload.staging_mib_setting, "CAPSTAN_KV_OFFLOAD_STAGING_MIB", host_offload.STAGING_MIB),
+        (host_offload.prefetch_mib_setting, "CAPSTAN_KV_OFFLOAD_PREFETCH_MIB", host_offload.PREFETCH_MIB),
+    ],
+)
+def test_mib_settings_take_a_size_and_name_the_variable_otherwise(setting, name, default):
+    assert setting(None) == default
+    assert setting("0.5") == 0.5
+    for bad in ("0", "-3", "lots", "nan", "1e300", "inf"):
+        with pytest.raises(ValueError, match=name):
+            setting(bad)
 
 
 def test_fp8_pages_go_to_host_memory_and_back_as_stored():

@@ -85,7 +85,9 @@ GIB = 1 << 30
 # every copy is_ready.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "same-step")
 LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival")
-PREFETCH_MAX_BYTES = 512 << 20  # device memory that copies started at arrival ("arrival") hold at most, together
+# device memory that copies started at arrival ("arrival") hold at most, together: CAPSTAN_KV_OFFLOAD_PREFETCH_MIB
+PREFETCH_SETTING = "CAPSTAN_KV_OFFLOAD_PREFETCH_MIB"
+PREFETCH_MIB = 512
 # Warm-up takes the tier's pinned host memory before serving (CAPSTAN_KV_OFFLOAD_PREALLOCATE=1, the default; GPUs)
 PREALLOCATE = os.environ.get("CAPSTAN_KV_OFFLOAD_PREALLOCATE", "1") == "1"
 # Copies to the device on a CUDA stream of our own into staging buffers taken when the tier is made (side_copy.py),
@@ -113,17 +115,28 @@ def restore_headroom_setting(value: str | None) -> int:
     return _pages_setting("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM", value, 0, 0, 1024)
 
 
-def staging_mib_setting(value: str | None) -> float:
-    """CAPSTAN_KV_OFFLOAD_STAGING_MIB: the side stream's staging buffers' device memory (at least one chunk's)."""
+def _mib_setting(name: str, value: str | None, default: float) -> float:
+    """An environment variable's size in MiB: default when unset, else a number in (0, 1048576]."""
     if value is None:
-        return STAGING_MIB
+        return default
     try:
         mib = float(value)
     except ValueError:
         mib = -1.0
-    if not 0 < mib <= 1 << 20:
-        raise ValueError(f"{STAGING_SETTING}: {value!r} is not a size in MiB in (0, 1048576]")
+    if not 0 < mib <= 1 << 20:  # (NaN fails this too)
+        raise ValueError(f"{name}: {value!r} is not a size in MiB in (0, 1048576]")
     return mib
+
+
+def staging_mib_setting(value: str | None) -> float:
+    """CAPSTAN_KV_OFFLOAD_STAGING_MIB: the side stream's staging buffers' device memory (at least one chunk's)."""
+    return _mib_setting(STAGING_SETTING, value, STAGING_MIB)
+
+
+def prefetch_mib_setting(value: str | None) -> float:
+    """CAPSTAN_KV_OFFLOAD_PREFETCH_MIB: device memory that copies started at arrival ("arrival") hold at most,
+    together (512 by default: ~1.4 returning 8B turns of the multi-turn benchmark, ~16 of the 1B's)."""
+    return _mib_setting(PREFETCH_SETTING, value, PREFETCH_MIB)
 
 
 def chunk_pages_setting(value: str | None) -> int:
@@ -261,6 +274,7 @@ class HostOffload(Generic[LoadKey]):
         self.at_once = LOAD_WAY in ("same-step", "arrival")
         self.restore_headroom = restore_headroom_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM"))
         self.prefetches = LOAD_WAY == "arrival"  # the scheduler calls `prefetch` as sequences arrive
+        self.prefetch_max_bytes = int(prefetch_mib_setting(os.environ.get(PREFETCH_SETTING)) * (1 << 20))
         self._prefetched: dict[LoadKey, _Prefetch] = {}
         self._prefetched_bytes = 0
         self.prefetched_chunks_used = 0
@@ -394,12 +408,12 @@ class HostOffload(Generic[LoadKey]):
 
     def prefetch(self, key: LoadKey, slots: Sequence[int]) -> None:
         """key's load will read these slots: their chunks start copying to the device now, if they fit in
-        PREFETCH_MAX_BYTES (pinned until the load takes them or `drop_prefetch`)."""
+        prefetch_max_bytes (pinned until the load takes them or `drop_prefetch`)."""
         if key in self._prefetched or not slots:
             return
         chunk_ids = list(dict.fromkeys(slot // self.chunk_pages for slot in slots))
         size = len(chunk_ids) * self.chunk_pages * self.tier.page_bytes
-        if self._prefetched_bytes + size > PREFETCH_MAX_BYTES:
+        if self._prefetched_bytes + size > self.prefetch_max_bytes:
             return
         t = time.perf_counter()
         slots = list(slots)
