@@ -26,8 +26,17 @@ lint:   ## ruff (lint and format check) and mypy (types); CI runs it before the 
 	@for d in tests benchmarks image; do ln -sfn $(CURDIR)/$$d $(LINT_ROOT)/$$d; done
 	cd $(LINT_ROOT) && $(PYTHON) -m mypy --config-file $(CURDIR)/pyproject.toml capstan tests benchmarks image
 
-test:   ## the whole test suite (the cluster tests build their binaries once, then reuse them)
-	$(PYTHON) -m pytest -q
+# The cluster and real-node tests (mostly waiting on pods and API servers) run in a second pytest process beside the
+# rest (mostly compiling on the CPU); its output follows the rest's. Either alone: python3 -m pytest -q <folders>.
+CLUSTER_TESTS = tests/realnode tests/operator
+test:   ## the whole test suite, in two processes (the cluster tests build their binaries once, then reuse them)
+	@log="$${TMPDIR:-/tmp}/capstan-tests-cluster.log"; \
+	CAPSTAN_TEST_GROUP=-cluster $(PYTHON) -m pytest -q $(CLUSTER_TESTS) > "$$log" 2>&1 & cluster=$$!; \
+	trap 'kill $$cluster 2>/dev/null' INT TERM; \
+	CAPSTAN_TEST_GROUP=-rest $(PYTHON) -m pytest -q $(addprefix --ignore=,$(CLUSTER_TESTS)); rest=$$?; \
+	wait $$cluster; cluster=$$?; \
+	echo "=== $(CLUSTER_TESTS), run beside the rest (exit $$cluster; the rest: exit $$rest)"; cat "$$log"; \
+	[ $$rest = 0 ] && [ $$cluster = 0 ]
 
 serve:  ## serve the default model (SmolLM2-135M-Instruct when installed) on 0.0.0.0:8000
 	capstan serve
