@@ -33,7 +33,7 @@ the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against 
 as eager, and the first poll after all are `is_ready` scatters them. A load that fails or has not been written by
 LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
 
-CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (off by default): a load's chunks are copied into staging buffers taken when the
+CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (off by default; same-step and arrival only): a load's chunks are copied into staging buffers taken when the
 tier is made, on a CUDA stream of our own (side_copy.py), so they start at once instead of after the queued
 dispatch; the engine waits on the host for them before the scatter that reads them, and a buffer is reused only once
 that scatter has run. H200: the 1B shape's returning turns 12-20% sooner; the 8B's 16% later (its waves' copies,
@@ -286,7 +286,13 @@ class HostOffload(Generic[LoadKey]):
         self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds by phase
         self.load_phases: collections.deque = collections.deque(maxlen=4096)  # s from start until written
         devices = sorted(self._on_device.device_set, key=lambda d: d.id)
-        side = os.environ.get(SIDE_STREAM_SETTING, "0") == "1" and all(side_copy.available(d) for d in devices)
+        side = os.environ.get(SIDE_STREAM_SETTING, "0") == "1"
+        if side and not self.at_once:  # (staged and direct read no staging buffer either)
+            raise ValueError(
+                f"{SIDE_STREAM_SETTING}=1 works with the same-step and arrival load ways, not "
+                f"CAPSTAN_KV_OFFLOAD_LOAD_WAY={LOAD_WAY}: with eager an H200 gave wrong tokens (not yet understood)"
+            )
+        side = side and all(side_copy.available(d) for d in devices)
         self._side = side_copy.SideCopies(devices) if side else None
         self._staging: list[jax.Array] = []  # device buffers of a chunk each, taken now: nothing queued holds them
         if self._side is not None:
