@@ -33,11 +33,12 @@ the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against 
 as eager, and the first poll after all are `is_ready` scatters them. A load that fails or has not been written by
 LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
 
-CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (off by default; same-step and arrival only): a load's chunks are copied into staging buffers taken when the
-tier is made, on a CUDA stream of our own (side_copy.py), so they start at once instead of after the queued
-dispatch; the engine waits on the host for them before the scatter that reads them, and a buffer is reused only once
-that scatter has run. H200: the 1B shape's returning turns 12-20% sooner; the 8B's 16% later (its waves' copies,
-~2.9 GB, then hold the engine thread while the device idles). docs/runtime.md has the figures.
+CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (off by default; same-step and arrival only): a load's chunks are copied into
+staging buffers taken when the tier is made, on a CUDA stream of our own (side_copy.py), so they start at once
+instead of after the queued dispatch; the engine waits on the host for them before the scatter that reads them,
+and a buffer is reused only once that scatter has run. H200: the 1B shape's returning turns 12-20% sooner; the 8B's
+16% later (its waves' copies, ~2.9 GB, then hold the engine thread while the device idles). docs/runtime.md has the
+figures.
 
 Pinned host memory: the runtime pins it as its pool grows (cudaHostAlloc, seconds for a few GiB, stalling the steps:
 H100, returning turns' p99 1.9-3.6 s), so warm-up takes the tier's whole size once and gives it back to the pool.
