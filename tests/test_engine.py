@@ -1,5 +1,7 @@
 """The engine's promises: no compilation after warm-up, prefix caching, preemption, aborts, stops, seeds, n > 1."""
 
+import types
+
 import numpy as np
 import pytest
 from golden import GOLDEN
@@ -7,7 +9,9 @@ from golden import GOLDEN
 from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.multi_step import decode_steps_fn
 from capstan.runtime.engine.step import step_fn
+from capstan.runtime.kv.page_pool import chained_page_hashes, page_hash
 from capstan.runtime.sampling.sampling_params import InvalidRequestError, SamplingParams
+from capstan.runtime.scheduling.sequence import Sequence
 
 MODEL = str(GOLDEN / "llama-s11")
 
@@ -62,6 +66,21 @@ def test_shared_prefix_is_computed_once_and_changes_nothing(llm):
     ).generate(second, greedy)[0]
     assert uncached.num_cached_tokens == 0
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
+
+
+def test_a_sequences_page_hashes_are_the_chain_of_page_hash_computed_once_however_asked():
+    tokens = list(range(1000, 1070))  # 4 full pages of 16 and 6 tokens
+    chain, parent = [], b"root"
+    for k in range(4):
+        parent = page_hash(parent, tokens[16 * k : 16 * (k + 1)])
+        chain.append(parent)
+    assert chained_page_hashes(b"root", tokens, 16) == chain
+    seq = Sequence("r", 0, tokens[:40], SamplingParams(), 0, 0.0, None, 8)
+    seq.lora = types.SimpleNamespace(hash_root=b"root")  # (the adapter's hash parents the first page)
+    assert seq.full_page_hashes(16, 1) == chain[:1]
+    seq.token_ids += tokens[40:]  # output tokens extend the memo from where it stopped
+    assert seq.full_page_hashes(16, 4) == chain and seq.full_page_hashes(16, 2) == chain[:2]
+    assert seq.hashed_pages == chain
 
 
 def test_three_hundred_requests_with_aborts_and_preemption_free_every_page():

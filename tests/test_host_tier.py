@@ -86,13 +86,14 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival"])
+@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival", "same-step-direct"])
 def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; direct:
     one scatter that reads the chunk from host memory itself; eager: the device_put copies scattered at the next poll,
     landed or not (the device orders it after the copy); arrival: same-step's, with copies started as the sequence
-    arrives and taken by its load; instead of same-step's scatter of eager's copies before the step of the schedule
-    that starts them, which admits the sequence."""
+    arrives and taken by its load; same-step-direct: direct's scatter before the step of the schedule that starts the
+    load; instead of same-step's scatter of eager's copies before the step of the schedule that starts them, which
+    admits the sequence."""
     monkeypatch.setattr(host_offload, "LOAD_WAY", way)
     llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=False, **SMALL_POOL)
     assert conversations(llm, PARAMS) == recomputed
@@ -459,8 +460,9 @@ def test_loads_that_land_before_the_engine_polls_each_write_their_own_pages():
 
 
 def test_a_poll_writes_its_loads_in_a_few_calls_of_a_power_of_two_of_chunks(monkeypatch):
-    """Eleven loads land before a poll: it writes them in three scatter calls (8, 2 and 1 chunks: each count is
-    compiled at warm-up), not one call per chunk, and every device page gets its own slot's bytes."""
+    """Eleven loads land before a poll: it writes them in one scatter call of 16 chunks (padded with chunks whose
+    pages are past the pool: each power of two is compiled at warm-up), not one call per chunk, every device page
+    gets its own slot's bytes and no other page is written."""
     import jax
 
     kv = KVCache.allocate(num_layers=2, num_pages=16, page_size=4, kv_heads=2, head_dim=16, dtype=np.float32)
@@ -483,9 +485,10 @@ def test_a_poll_writes_its_loads_in_a_few_calls_of_a_power_of_two_of_chunks(monk
     monkeypatch.setattr(host_offload, "scatter_chunks", scatter)
     compiled = real._cache_size()
     kv, ended = offload.poll(lambda: kv)
-    assert calls == [8, 2, 1] and len(ended) == 11 and real._cache_size() == compiled  # all compiled at warm-up
-    restored = np.asarray(gather_pages(kv, np.arange(2, 13, dtype=np.int32), page_axis=offload.page_axis))
-    np.testing.assert_array_equal(restored, pages)
+    assert calls == [16] and len(ended) == 11 and real._cache_size() == compiled  # all compiled at warm-up
+    everything = np.asarray(gather_pages(kv, np.arange(16, dtype=np.int32), page_axis=offload.page_axis))
+    np.testing.assert_array_equal(everything[2:13], pages)
+    assert not everything[:2].any() and not everything[13:].any()
     # a call's chunk bytes stay within MAX_CALL_BYTES: fewer chunks a call, still a power of two
     monkeypatch.setattr(host_offload, "MAX_CALL_BYTES", 5 * page_bytes)
     assert HostOffload(kv, 16 * page_bytes / (1 << 30)).max_call_chunks == 4

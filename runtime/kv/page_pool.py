@@ -25,6 +25,19 @@ def page_hash(parent: PageHash | None, tokens: Sequence[int]) -> PageHash:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+def chained_page_hashes(parent: PageHash | None, tokens: Sequence[int], page_size: int) -> list[PageHash]:
+    """page_hash of each full page of tokens, each parented by the one before (the first by parent): the tokens are
+    converted once for all of them (a conversion a page cost most of a 172-page prompt's ~0.6 ms)."""
+    count = len(tokens) // page_size
+    data = np.asarray(tokens[: count * page_size], dtype=np.int64).tobytes()
+    stride = page_size * 8
+    hashes: list[PageHash] = []
+    for k in range(count):
+        parent = hashlib.blake2b((parent or b"") + data[k * stride : (k + 1) * stride], digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
+
+
 class OutOfPagesError(Exception):
     pass
 
@@ -85,22 +98,19 @@ class PagePool:
                 else:
                     self._free.append(page)
 
-    def lookup(self, tokens: Sequence[int], root: PageHash | None = None) -> tuple[list[int], list[PageHash]]:
-        """The longest run of cached full pages that prefixes `tokens` (the first page's hash parented by root: a
-        LoRA adapter's), referenced for the caller. At least one token is always left uncached, since the step must
-        compute it to sample."""
+    def lookup(self, page_hashes: Sequence[PageHash]) -> tuple[list[int], list[PageHash]]:
+        """The longest run of cached pages that starts page_hashes (a prompt's chained hashes, as many full pages as
+        may be cached: the step must compute at least one token to sample), referenced for the caller."""
         if not self.enable_prefix_caching:
             return [], []
-        pages, hashes, parent = [], [], root
-        for start in range(0, len(tokens) - 1 - (len(tokens) - 1) % self.page_size, self.page_size):
-            h = page_hash(parent, tokens[start : start + self.page_size])
+        pages, hashes = [], []
+        for h in page_hashes:
             page = self._page_of.get(h)
             if page is None:
                 break
             pages.append(page)
             hashes.append(h)
-            parent = h
-        for page in pages:  # referenced only once every hash is computed: a failure above holds no page
+        for page in pages:  # referenced once the whole run is found
             if self.ref_count[page] == 0:
                 del self._evictable[page]
             self.ref_count[page] += 1

@@ -20,7 +20,7 @@ import dataclasses
 import time
 
 from ..kv.host_offload import HostOffload
-from ..kv.page_pool import PageHash, PagePool, page_hash
+from ..kv.page_pool import PageHash, PagePool
 from ..lora.manager import LoRAManager
 from .sequence import Sequence, Status
 
@@ -86,13 +86,12 @@ class Scheduler:
         assert self.offload is not None, "called only with a host tier"
         if not self.pool.enable_prefix_caching or seq.pages:
             return
-        page, first, parent = self.pool.page_size, 0, seq.hash_root
-        while first < (seq.num_tokens - 1) // page:  # past the device hit (as a lookup would find it now)
-            h = page_hash(parent, seq.token_ids[first * page : (first + 1) * page])
+        first = 0
+        for h in self._lookup_hashes(seq):  # past the device hit (as a lookup would find it now)
             if not self.pool.holds(h):
                 break
-            first, parent = first + 1, h
-        self.offload.prefetch(seq, self._host_run(seq, first, parent)[1])
+            first += 1
+        self.offload.prefetch(seq, self._host_run(seq, first)[1])
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -145,7 +144,7 @@ class Scheduler:
             restored = self.restored.get(seq)  # its pages were just copied back: admitted as a fresh one is
             try:
                 if fresh and seq.params.prompt_logprobs is None:  # cached prompt tokens would have no logprobs
-                    seq.pages, seq.page_hashes = self.pool.lookup(seq.token_ids, seq.hash_root)
+                    seq.pages, seq.page_hashes = self.pool.lookup(self._lookup_hashes(seq))
                     seq.num_computed = len(seq.pages) * self.pool.page_size
                     if self.offload is not None and self._load_from_host(seq):
                         restored = self._write_at_once(seq, budget)
@@ -213,8 +212,7 @@ class Scheduler:
         """Starts copying back the full pages after seq's device hit that the host tier holds (one token is always
         left to compute); True: seq waits in `loading` for them."""
         assert self.offload is not None, "called only with a host tier"
-        parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
-        hashes, slots = self._host_run(seq, len(seq.pages), parent)
+        hashes, slots = self._host_run(seq, len(seq.pages))
         count = min(len(slots), self.pool.num_free - self.offload.restore_headroom * len(self.running))
         if count <= 0:
             return False
@@ -227,21 +225,17 @@ class Scheduler:
         self.loading[seq] = (hashes[:count], time.monotonic())
         return True
 
-    def _host_run(self, seq: Sequence, first: int, parent: PageHash | None) -> tuple[list[PageHash], list[int]]:
-        """The hashes and host tier slots of seq's full pages from page `first` on (parent: the hash before it) that
-        the tier holds one after another (one token is always left to compute)."""
+    def _lookup_hashes(self, seq: Sequence) -> list[PageHash]:
+        """The hashes of seq's full pages a prefix lookup may find (one token is always left to compute)."""
+        return seq.full_page_hashes(self.pool.page_size, (seq.num_tokens - 1) // self.pool.page_size)
+
+    def _host_run(self, seq: Sequence, first: int) -> tuple[list[PageHash], list[int]]:
+        """The hashes and host tier slots of seq's full pages from page `first` on that the tier holds one after
+        another (one token is always left to compute)."""
         assert self.offload is not None, "called only with a host tier"
-        page = self.pool.page_size
-        hashes: list[PageHash] = []
-        slots: list[int] = []
-        for k in range(first, (seq.num_tokens - 1) // page):
-            parent = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
-            found = self.offload.match([parent])
-            if not found:
-                break
-            hashes.append(parent)
-            slots += found
-        return hashes, slots
+        hashes = self._lookup_hashes(seq)[first:]
+        slots = self.offload.match(hashes)
+        return hashes[: len(slots)], slots
 
     def _write_at_once(self, seq: Sequence, budget: int) -> int | None:
         """With a tier that writes loads at once, and pages free for seq's next chunk: its load (just started) is
@@ -361,9 +355,10 @@ class Scheduler:
         """After a step: name the pages it filled, so the prefix cache can share them."""
         if not self.pool.enable_prefix_caching:
             return
-        page = self.pool.page_size
-        for k in range(len(seq.page_hashes), seq.num_computed // page):
-            parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
-            h = page_hash(parent, seq.token_ids[k * page : (k + 1) * page])
-            seq.page_hashes.append(h)
-            self.pool.register(seq.pages[k], h)
+        count = seq.num_computed // self.pool.page_size
+        if count <= len(seq.page_hashes):  # (most steps: no page filled)
+            return
+        full = seq.full_page_hashes(self.pool.page_size, count)
+        for k in range(len(seq.page_hashes), count):
+            seq.page_hashes.append(full[k])
+            self.pool.register(seq.pages[k], full[k])

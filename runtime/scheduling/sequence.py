@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Protocol
 
-from ..kv.page_pool import PageHash
+from ..kv.page_pool import PageHash, chained_page_hashes
 from ..lora.request import Adapter
 from ..sampling.grammar import TokenConstraint
 from ..sampling.logprobs import PositionLogprobs
@@ -64,6 +64,8 @@ class Sequence:
     first_token_time: float | None = None
     reported_finish: bool = False
     prompt_logprobs_sent: bool = False
+    # the chained hashes of its first full pages, each computed once (tokens only ever append; `full_page_hashes`)
+    hashed_pages: list[PageHash] = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -73,6 +75,15 @@ class Sequence:
     def hash_root(self) -> PageHash | None:
         """The parent of its first page's hash: its adapter's, so no prefix is shared across adapters."""
         return None if self.lora is None else self.lora.hash_root
+
+    def full_page_hashes(self, page_size: int, count: int) -> list[PageHash]:
+        """The chained page hashes (page_pool.page_hash, from hash_root) of its first `count` full pages: the device
+        and host tiers' lookups, prefetches and registration read them, so each page is hashed once."""
+        if len(self.hashed_pages) < count:
+            parent = self.hashed_pages[-1] if self.hashed_pages else self.hash_root
+            fresh = self.token_ids[len(self.hashed_pages) * page_size : count * page_size]
+            self.hashed_pages += chained_page_hashes(parent, fresh, page_size)
+        return self.hashed_pages[:count]
 
     @property
     def num_tokens(self) -> int:
