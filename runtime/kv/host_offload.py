@@ -35,7 +35,7 @@ direct's scatter, before the step of the schedule that starts the load (a progra
 after the same queued dispatch; the engine thread makes no device_put a chunk). A load that fails or has not been written by
 LOAD_DEADLINE_S is dropped and its pages are recomputed: a slow copy costs time, never a wrong token.
 
-CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (off by default; same-step and arrival only): a load's chunks are copied into
+CAPSTAN_KV_OFFLOAD_SIDE_STREAM=1 (off by default; not with the direct ways): a load's chunks are copied into
 staging buffers taken when the tier is made, on a CUDA stream of our own (side_copy.py), so they start at once
 instead of after the queued dispatch; the engine waits on the host for them before the scatter that reads them,
 and a buffer is reused only once that scatter has run. H200: the 1B shape's returning turns 12-20% sooner; the 8B's
@@ -291,10 +291,10 @@ class HostOffload(Generic[LoadKey]):
         self.load_phases: collections.deque = collections.deque(maxlen=4096)  # s from start until written
         devices = sorted(self._on_device.device_set, key=lambda d: d.id)
         side = os.environ.get(SIDE_STREAM_SETTING, "0") == "1"
-        if side and (not self.at_once or self._direct):  # (staged and the direct ways read no staging buffer)
+        if side and self._direct:  # (its staging buffers would be device memory nothing reads)
             raise ValueError(
-                f"{SIDE_STREAM_SETTING}=1 works with the same-step and arrival load ways, not "
-                f"CAPSTAN_KV_OFFLOAD_LOAD_WAY={LOAD_WAY}: with eager an H200 gave wrong tokens (not yet understood)"
+                f"{SIDE_STREAM_SETTING}=1 works with the eager, staged, same-step and arrival load ways, not "
+                f"CAPSTAN_KV_OFFLOAD_LOAD_WAY={LOAD_WAY}, whose scatter reads the chunks from host memory itself"
             )
         side = side and all(side_copy.available(d) for d in devices)
         self._side = side_copy.SideCopies(devices) if side else None
