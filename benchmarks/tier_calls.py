@@ -7,7 +7,10 @@ loop before the step that admits it is dispatched, call by call, on a shape's K/
 Each figure is the median over --repeats of the time the call takes to return (its device work is waited for outside
 the timing), ms: device_put of N chunks in pinned host memory to the device in one call; a flush's gathers of N
 chunks of evicted pages, one call a chunk against gather_chunks' one call; a poll's scatter of N chunks; the
-device_put then the scatter at once (as LOAD_WAY same-step does), returned and done (copy and scatter on the device)."""
+device_put then the scatter at once (as LOAD_WAY same-step does), returned and done (copy and scatter on the device);
+the scatter dispatched right behind a program of --busy-ms that writes the cache (as a decode dispatch under way
+does in the engine), with the cache donated as the engine's scatter does and not, and the direct scatter (from host
+memory) behind it: whether dispatching a poll's scatter waits on the host for the work queued before it."""
 
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=4096, help="device pool pages")
     ap.add_argument("--chunks", type=int, nargs="*", default=[1, 11, 44])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--busy-ms", type=float, default=15.0, help="device time of the program queued before a scatter")
     a = ap.parse_args()
     cfg = shape_config(a.shape)
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -58,6 +62,7 @@ def main() -> None:
     on_host = jax.device_put(chunk, offload._on_host)
     print(f"{a.shape} {dtype} on {jax.devices()[0].device_kind}: chunks of {cp} pages, {chunk.nbytes >> 20} MiB each")
     rng = np.random.default_rng(0)
+    busy, kv = busy_program(kv, a.busy_ms)
     for n in a.chunks:
         hosts = [jax.device_put(on_host, offload._on_host) for _ in range(n)]  # n arrays, as n tier chunks are
         pages = [rng.integers(0, a.pages, cp).astype(np.int32) for _ in range(n)]
@@ -110,7 +115,73 @@ def main() -> None:
             return kv_out
 
         row["flush_then_scatter"] = timed(flush_then_scatter_returned, a.repeats)
+
+        def measure_behind_busy(row=row, on_device=on_device, hosts=hosts, past=past, rows=rows):
+            nonlocal kv  # (the cache is donated: each call's output is the cache from then on)
+            kv = behind_busy(row, kv, offload, on_device, hosts, past, rows, busy, a.repeats)
+
+        measure_behind_busy()
         print(f"{n} chunks, ms:", {k: round(v, 3) for k, v in row.items()}, flush=True)
+
+
+def busy_program(kv: KVCache, busy_ms: float) -> tuple[Callable[[KVCache], KVCache], KVCache]:
+    """A jitted program that writes the cache (donated) after about busy_ms of matmuls on the device; and the cache
+    (its calls donated the one given)."""
+    m = jax.device_put(np.eye(2048, dtype=np.float32), jax.devices()[0])
+
+    def run(kv: KVCache, m: jax.Array, steps: int) -> KVCache:
+        x = jax.lax.fori_loop(0, steps, lambda _, x: x @ m, m)  # (m is the identity: x stays finite)
+        k0 = kv.k[0].at[(0,) * kv.k[0].ndim].add((x[0, 0] * 0).astype(kv.k[0].dtype))
+        return KVCache((k0, *kv.k[1:]), kv.v, kv.page_size)
+
+    fn = jax.jit(run, donate_argnums=(0,), static_argnums=(2,))
+    steps = 8
+    while True:  # double the loop until it runs busy_ms
+        kv = jax.block_until_ready(fn(kv, m, steps))
+        t = time.perf_counter()
+        kv = jax.block_until_ready(fn(kv, m, steps))
+        ms = (time.perf_counter() - t) * 1000
+        if ms >= busy_ms or steps >= 1 << 16:
+            break
+        steps *= 2
+    print(f"busy program: {ms:.1f} ms ({steps} matmuls of 2048)")
+    return (lambda kv: fn(kv, m, steps)), kv
+
+
+def behind_busy(row: dict, kv: KVCache, offload, on_device, hosts, past, rows, busy, repeats: int) -> KVCache:
+    """Median ms for each scatter's dispatch to return when the busy program was dispatched just before it."""
+    kept = jax.jit(host_offload._scatter_chunks, static_argnames=("page_axis", "from_host"))  # (not donated)
+    axis = offload.page_axis
+    ways = {
+        "scatter_behind_busy": lambda kv: offload._write(kv, [(past, rows, c) for c in on_device]),
+        "scatter_not_donated_behind_busy": lambda kv: kept(
+            kv,
+            np.stack([past] * len(on_device)),
+            tuple(on_device),
+            np.stack([rows] * len(on_device)),
+            page_axis=axis,
+            from_host=False,
+        )[0],
+        "direct_scatter_behind_busy": lambda kv: host_offload.scatter_chunks(
+            kv,
+            np.stack([past] * len(hosts)),
+            tuple(hosts),
+            np.stack([rows] * len(hosts)),
+            page_axis=axis,
+            from_host=True,
+        )[0],
+    }
+    for name, scatter in ways.items():
+        kv = jax.block_until_ready(scatter(busy(kv)))  # (compiles this count of chunks)
+        times = []
+        for _ in range(repeats):
+            kv = busy(kv)
+            t = time.perf_counter()
+            kv = scatter(kv)
+            times.append(time.perf_counter() - t)
+            kv = jax.block_until_ready(kv)
+        row[name] = statistics.median(times) * 1000
+    return kv
 
 
 if __name__ == "__main__":
