@@ -171,6 +171,13 @@ def behind_busy(row: dict, kv: KVCache, offload, on_device, hosts, past, rows, b
             from_host=True,
         )[0],
     }
+
+    def flush_then_scatter(kv):  # a same-step poll's calls: the gathers, their copy out on the thread, the scatter
+        gathered = list(host_offload.gather_chunks(kv, np.stack([past] * len(on_device)).clip(0, 0), page_axis=axis))
+        offload._put_thread.submit(jax.device_put, gathered, offload._on_host)  # (waits on its thread for the gather)
+        return offload._write(kv, [(past, rows, c) for c in on_device])
+
+    ways["flush_then_scatter_behind_busy"] = flush_then_scatter
     for name, scatter in ways.items():
         kv = jax.block_until_ready(scatter(busy(kv)))  # (compiles this count of chunks)
         times = []

@@ -568,7 +568,9 @@ class HostOffload(Generic[LoadKey]):
                 for landing in load.landings:
                     landing.wait()
             self.timings["step_thread_poll_side_wait"] += time.perf_counter() - w
+            w = time.perf_counter()
             kv = self._write(kv, parts, [b for load in written for b in load.buffers])
+            self.timings["step_thread_poll_write"] += time.perf_counter() - w
         now = time.monotonic()
         for load in written:
             self.load_seconds += now - load.started
