@@ -8,7 +8,8 @@ Each figure is the median over --repeats of the time the call takes to return (i
 the timing), ms: device_put of N chunks in pinned host memory to the device in one call; a flush's gathers of N
 chunks of evicted pages, one call a chunk against gather_chunks' one call; a poll's scatter of N chunks; the
 device_put then the scatter at once (as LOAD_WAY same-step does), returned and done (copy and scatter on the device);
-the scatter dispatched right behind a program of --busy-ms that writes the cache (as a decode dispatch under way
+a copy out to pinned host memory (device_put) of chunks already computed, and of a gather just dispatched (does the
+engine thread wait for the gather, or for the copy?); the scatter dispatched right behind a program of --busy-ms that writes the cache (as a decode dispatch under way
 does in the engine), with the cache donated as the engine's scatter does and not, and the direct scatter (from host
 memory) behind it: whether dispatching a poll's scatter waits on the host for the work queued before it."""
 
@@ -85,6 +86,9 @@ def main() -> None:
 
         row["gather_chunks"] = timed(gather_chunks, a.repeats)
         on_device = jax.device_put(hosts, offload._on_device)
+        # a copy out started on the engine thread: of chunks already computed, and of a gather just dispatched
+        row["copy_out_of_ready_chunks"] = timed(lambda c=on_device: jax.device_put(c, offload._on_host), a.repeats)
+        row["copy_out_right_after_gather"] = timed(lambda: jax.device_put(gather_chunks(), offload._on_host), a.repeats)
         past = np.full(cp, a.pages, np.int32)  # pages past the pool: the scatter writes nothing (kv stays valid)
         rows = np.arange(cp, dtype=np.int32)
 
@@ -178,6 +182,13 @@ def behind_busy(row: dict, kv: KVCache, offload, on_device, hosts, past, rows, b
         return offload._write(kv, [(past, rows, c) for c in on_device])
 
     ways["flush_then_scatter_behind_busy"] = flush_then_scatter
+
+    def copy_out_on_this_thread(kv):  # the gather, then its copy out started here instead of on the thread
+        gathered = host_offload.gather_chunks(kv, np.stack([past] * len(on_device)).clip(0, 0), page_axis=axis)
+        jax.device_put(list(gathered), offload._on_host)
+        return kv
+
+    ways["gather_and_copy_out_here_behind_busy"] = copy_out_on_this_thread
     for name, scatter in ways.items():
         kv = jax.block_until_ready(scatter(busy(kv)))  # (compiles this count of chunks)
         times = []
