@@ -87,7 +87,11 @@ def main() -> None:
         row["gather_chunks"] = timed(gather_chunks, a.repeats)
         on_device = jax.device_put(hosts, offload._on_device)
         # a copy out started on the engine thread: of chunks already computed, and of a gather just dispatched
-        row["copy_out_of_ready_chunks"] = timed(lambda c=on_device: jax.device_put(c, offload._on_host), a.repeats)
+
+        def copy_out_of_ready(on_device=on_device):
+            return jax.device_put(on_device, offload._on_host)
+
+        row["copy_out_of_ready_chunks"] = timed(copy_out_of_ready, a.repeats)
         row["copy_out_right_after_gather"] = timed(lambda: jax.device_put(gather_chunks(), offload._on_host), a.repeats)
         past = np.full(cp, a.pages, np.int32)  # pages past the pool: the scatter writes nothing (kv stays valid)
         rows = np.arange(cp, dtype=np.int32)
