@@ -9,8 +9,9 @@ the bytes.
 Device -> host: a page the pool evicts is only named then (PagePool.on_evict); its copy is queued (`flush`) when the
 engine next reads its cache to run anything on it, so the gather is ordered before any write into the page's next
 owner: one jitted gather takes a power of two of chunks of evicted pages (a chunk's pages to each output array), and
-`device_put` to pinned host memory, on a thread of its own (it waits on the host for the gather, which waits for the
-steps queued before it), copies them out. A chunk stays reserved (no lookup finds it) until the engine commits the
+`device_put` to pinned host memory, on a thread of its own, copies them out (the thread was there because that call
+waited on the host for the gather; on jax 0.11.2 and an H200 it returns at once, and the hand-off costs the engine
+thread's next dispatches: benchmarks/RESULTS.md, twenty-third session; to be weighed in the multi-turn runs). A chunk stays reserved (no lookup finds it) until the engine commits the
 finished copy on its next poll or lookup.
 
 Host -> device: a prefix that misses on the device and hits in the tier gets fresh device pages and a load: the
@@ -270,7 +271,7 @@ class HostOffload(Generic[LoadKey]):
         # order once done
         self._puts: collections.deque[tuple[list[tuple[list[int], int]], concurrent.futures.Future]]
         self._puts = collections.deque()
-        # device_put to pinned host memory waits on the host for the gather: off the engine's thread
+        # device_put to pinned host memory, off the engine's thread (once needed: it waited for the gather; see above)
         self._put_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-to-host")
         if LOAD_WAY not in LOAD_WAYS:
             raise ValueError(f"CAPSTAN_KV_OFFLOAD_LOAD_WAY: {LOAD_WAY!r} is not one of {', '.join(LOAD_WAYS)}")
