@@ -160,24 +160,17 @@ def behind_busy(row: dict, kv: KVCache, offload, on_device, hosts, past, rows, b
     """Median ms for each scatter's dispatch to return when the busy program was dispatched just before it."""
     kept = jax.jit(host_offload._scatter_chunks, static_argnames=("page_axis", "from_host"))  # (not donated)
     axis = offload.page_axis
+
+    def raw(scatter, chunks, from_host):  # one call of a scatter over all the chunks (pages past the pool)
+        n = len(chunks)
+        return lambda kv: scatter(
+            kv, np.stack([past] * n), tuple(chunks), np.stack([rows] * n), page_axis=axis, from_host=from_host
+        )[0]
+
     ways = {
         "scatter_behind_busy": lambda kv: offload._write(kv, [(past, rows, c) for c in on_device]),
-        "scatter_not_donated_behind_busy": lambda kv: kept(
-            kv,
-            np.stack([past] * len(on_device)),
-            tuple(on_device),
-            np.stack([rows] * len(on_device)),
-            page_axis=axis,
-            from_host=False,
-        )[0],
-        "direct_scatter_behind_busy": lambda kv: host_offload.scatter_chunks(
-            kv,
-            np.stack([past] * len(hosts)),
-            tuple(hosts),
-            np.stack([rows] * len(hosts)),
-            page_axis=axis,
-            from_host=True,
-        )[0],
+        "scatter_not_donated_behind_busy": raw(kept, on_device, from_host=False),
+        "direct_scatter_behind_busy": raw(host_offload.scatter_chunks, hosts, from_host=True),
     }
 
     def flush_then_scatter(kv):  # a same-step poll's calls: the gathers, their copy out on the thread, the scatter
