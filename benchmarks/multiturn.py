@@ -135,6 +135,30 @@ class Phases:
                 return out
 
             offload.start_load, sched.poll_host_tier = start_load, poll  # type: ignore[method-assign]
+        # the engine thread's seconds in each of these calls, all steps (name -> [calls, seconds]; nested calls count
+        # in each): which part of an admitting step's host time is which
+        self.calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+        timed = [(engine, "fetch"), (engine.multi_step, "settle"), (engine.builder, "build"), (sched, "schedule")]
+        timed += [(sched, n) for n in ("_lookup_hashes", "_host_run", "_reserve", "_name_loaded", "register_full_pages")]
+        timed += [(engine.pool, n) for n in ("allocate", "register")]
+        if offload is not None:
+            timed += [(offload, n) for n in ("match", "start_load", "poll", "flush", "_write", "_commit_puts")]
+        for owner, name in timed:
+            self._time_calls(owner, name)
+
+    def _time_calls(self, owner, name: str) -> None:
+        real = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                tally = self.calls[f"{type(owner).__name__}.{name}"]
+                tally[0] += 1
+                tally[1] += time.perf_counter() - t
+
+        setattr(owner, name, timed)
 
     def report(self, sent: dict[str, float], first: dict[str, float]) -> dict:
         """p50 ms of each phase over the requests that have both its ends."""
@@ -164,6 +188,8 @@ class Phases:
         if self.admitting:  # the steps that admit returning turns: start -> scheduled -> loads written -> end
             parts = np.asarray(self.admitting) * 1000
             out["admitting_steps_schedule_poll_rest_ms_p50"] = [len(parts), *np.round(np.median(parts, 0), 2).tolist()]
+        # calls, total ms, mean ms
+        out["calls"] = {k: [int(n), round(t * 1000, 1), round(t * 1000 / n, 3)] for k, (n, t) in self.calls.items() if n}
         return out
 
 

@@ -9,10 +9,11 @@ the bytes.
 Device -> host: a page the pool evicts is only named then (PagePool.on_evict); its copy is queued (`flush`) when the
 engine next reads its cache to run anything on it, so the gather is ordered before any write into the page's next
 owner: one jitted gather takes a power of two of chunks of evicted pages (a chunk's pages to each output array), and
-`device_put` to pinned host memory, on a thread of its own, copies them out (the thread was there because that call
-waited on the host for the gather; on jax 0.11.2 and an H200 it returns at once, and the hand-off costs the engine
-thread's next dispatches: benchmarks/RESULTS.md, twenty-third session; to be weighed in the multi-turn runs). A chunk stays reserved (no lookup finds it) until the engine commits the
-finished copy on its next poll or lookup.
+`device_put` to pinned host memory, on a thread of its own, copies them out (once because that call waited on the
+host for the gather; on jax 0.11.2 it returns at once, but made on the engine thread the poll's scatters that follow
+it took longer: H200, 1B shape, returning turns' TTFT p50 64.9-69.4 ms against 53.9-62.0 with the thread,
+benchmarks/RESULTS.md, twenty-fourth session). A chunk stays reserved (no lookup finds it) until the engine commits
+the finished copy on its next poll or lookup.
 
 Host -> device: a prefix that misses on the device and hits in the tier gets fresh device pages and a load: the
 tier's chunks are pinned (no eviction drops them meanwhile) and its sequence waits while the batch steps on. The next
@@ -392,7 +393,9 @@ class HostOffload(Generic[LoadKey]):
                 for slots, _, _ in call:
                     self.tier.abandon(slots)
                 continue
+            g = time.perf_counter()
             put = self._put_thread.submit(jax.device_put, list(gathered), self._on_host)
+            self.timings["step_thread_flush_handoff"] += time.perf_counter() - g
             self._puts.append(([(slots, count) for slots, count, _ in call], put))
         self.timings["step_thread_flush"] += time.perf_counter() - t
         self._commit_puts()
