@@ -139,7 +139,9 @@ class Phases:
         # in each): which part of an admitting step's host time is which
         self.calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
         timed = [(engine, "fetch"), (engine.multi_step, "settle"), (engine.builder, "build"), (sched, "schedule")]
-        timed += [(sched, n) for n in ("_lookup_hashes", "_host_run", "_reserve", "_name_loaded", "register_full_pages")]
+        timed += [
+            (sched, n) for n in ("_lookup_hashes", "_host_run", "_reserve", "_name_loaded", "register_full_pages")
+        ]
         timed += [(engine.pool, n) for n in ("allocate", "register")]
         if offload is not None:
             timed += [(offload, n) for n in ("match", "start_load", "poll", "flush", "_write", "_commit_puts")]
@@ -189,7 +191,9 @@ class Phases:
             parts = np.asarray(self.admitting) * 1000
             out["admitting_steps_schedule_poll_rest_ms_p50"] = [len(parts), *np.round(np.median(parts, 0), 2).tolist()]
         # calls, total ms, mean ms
-        out["calls"] = {k: [int(n), round(t * 1000, 1), round(t * 1000 / n, 3)] for k, (n, t) in self.calls.items() if n}
+        out["calls"] = {
+            k: [int(n), round(t * 1000, 1), round(t * 1000 / n, 3)] for k, (n, t) in self.calls.items() if n
+        }
         return out
 
 
