@@ -18,7 +18,7 @@ MODEL = str(GOLDEN / "llama-s11")
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(MODEL, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, page_size=16)
+    return LLM(MODEL, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, page_size=16, warmup=True)
 
 
 def random_prompts(rng, count, low=1, high=120):
@@ -311,7 +311,7 @@ def test_a_batch_with_rows_free_takes_shorter_dispatches_so_an_arrival_waits_at_
     import capstan.runtime.engine.multi_step as multi_step
 
     flags = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=4)
-    chained = LLM(MODEL, decode_steps=16, decode_steps_with_room=2, **flags)
+    chained = LLM(MODEL, decode_steps=16, decode_steps_with_room=2, warmup=True, **flags)
     single = LLM(MODEL, decode_steps=1, **flags)
     prompts = random_prompts(np.random.default_rng(12), 4, 1, 30)
     params = [SamplingParams(max_tokens=90, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(4)]

@@ -62,7 +62,7 @@ def recomputed():
 
 
 def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recomputed):
-    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, **SMALL_POOL)  # warmed up: nothing compiles while serving
+    llm = LLM(MODEL, kv_offloading_size=TIER_GIB, warmup=True, **SMALL_POOL)  # nothing compiles while serving
     # (the tier commits the cache to its device: a run's later dispatches, fed its committed outputs, once compiled
     # a second program mid-serving, a 2.2-4.5 s stall on an H100)
     copies = (gather_chunks, scatter_chunks, decode_steps_fn)

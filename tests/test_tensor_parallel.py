@@ -197,6 +197,7 @@ def _compiles(case: str, tp: int) -> dict:
         tensor_parallel_size=tp,
         decode_steps=4,
         enable_prefix_caching=False,
+        warmup=True,
     )
 
     def programs() -> int:  # jit's count of compiled programs (_cache_size is not in jax's stubs)
