@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 
 from ..kv.host_offload import HostOffload
@@ -252,7 +253,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(self.running)  # (a running sequence's decode takes a token)
         room = self.max_num_seqs - len(self.running)
         started = False
-        for seq in list(self.waiting)[: max(0, room)]:
+        for seq in list(itertools.islice(self.waiting, max(0, room))):  # (a copy: loads leave the queue)
             if budget <= 0:
                 break
             if seq.pages or seq.num_computed or seq in self.restored or seq.params.prompt_logprobs is not None:
