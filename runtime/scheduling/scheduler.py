@@ -271,9 +271,8 @@ class Scheduler:
                 continue
             seq.pages, seq.page_hashes = self.pool.lookup(hashes)
             seq.num_computed = len(seq.pages) * self.pool.page_size
-            if not self._load_from_host(
-                seq, headroom=max(self.offload.restore_headroom, 1)
-            ):  # (no page free for it after all): as it was, its device hit looked up again later
+            loading = self._load_from_host(seq, headroom=max(self.offload.restore_headroom, 1))
+            if not loading:  # (no page free for it after all): as it was; its device hit is looked up again later
                 self._free(seq)
                 break
             self.waiting.remove(seq)  # the poll puts it back at the front, restored
