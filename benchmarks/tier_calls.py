@@ -9,9 +9,10 @@ the timing), ms: device_put of N chunks in pinned host memory to the device in o
 chunks of evicted pages, one call a chunk against gather_chunks' one call; a poll's scatter of N chunks; the
 device_put then the scatter at once (as LOAD_WAY same-step does), returned and done (copy and scatter on the device);
 a copy out to pinned host memory (device_put) of chunks already computed, and of a gather just dispatched (does the
-engine thread wait for the gather, or for the copy?); the scatter dispatched right behind a program of --busy-ms that writes the cache (as a decode dispatch under way
-does in the engine), with the cache donated as the engine's scatter does and not, and the direct scatter (from host
-memory) behind it: whether dispatching a poll's scatter waits on the host for the work queued before it."""
+engine thread wait for the gather, or for the copy?); the scatter dispatched right behind a program of --busy-ms
+that writes the cache (as a decode dispatch under way does in the engine), with the cache donated as the engine's
+scatter does and not, and the direct scatter (from host memory) behind it: whether dispatching a poll's scatter
+waits on the host for the work queued before it."""
 
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def main() -> None:
 
         row["gather_chunks"] = timed(gather_chunks, a.repeats)
         on_device = jax.device_put(hosts, offload._on_device)
-        # a copy out started on the engine thread: of chunks already computed, and of a gather just dispatched
 
+        # a copy out started on the engine thread: of chunks already computed, and of a gather just dispatched
         def copy_out_of_ready(on_device=on_device):
             return jax.device_put(on_device, offload._on_host)
 

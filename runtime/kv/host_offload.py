@@ -277,7 +277,7 @@ class HostOffload(Generic[LoadKey]):
         # order once done
         self._puts: collections.deque[tuple[list[tuple[list[int], int]], concurrent.futures.Future]]
         self._puts = collections.deque()
-        # device_put to pinned host memory, off the engine's thread (once needed: it waited for the gather; see above)
+        # device_put to pinned host memory, off the engine's thread (why it stays: the module's docstring)
         self._put_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-to-host")
         if LOAD_WAY not in LOAD_WAYS:
             raise ValueError(f"CAPSTAN_KV_OFFLOAD_LOAD_WAY: {LOAD_WAY!r} is not one of {', '.join(LOAD_WAYS)}")

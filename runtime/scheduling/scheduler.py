@@ -88,12 +88,16 @@ class Scheduler:
         assert self.offload is not None, "called only with a host tier"
         if not self.pool.enable_prefix_caching or seq.pages:
             return
+        self.offload.prefetch(seq, self._host_run(seq, self._device_hit(seq))[1])
+
+    def _device_hit(self, seq: Sequence) -> int:
+        """How many of seq's full pages a lookup would find on the device now (none is taken)."""
         first = 0
-        for h in self._lookup_hashes(seq):  # past the device hit (as a lookup would find it now)
+        for h in self._lookup_hashes(seq):
             if not self.pool.holds(h):
                 break
             first += 1
-        self.offload.prefetch(seq, self._host_run(seq, first)[1])
+        return first
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -210,12 +214,14 @@ class Scheduler:
         """Pages for n tokens from seq.num_computed (a multi-step decode); never preempts."""
         return self._reserve(seq, n, preempt=False)
 
-    def _load_from_host(self, seq: Sequence, headroom: int | None = None) -> bool:
+    def _load_from_host(
+        self, seq: Sequence, headroom: int | None = None, run: tuple[list[PageHash], list[int]] | None = None
+    ) -> bool:
         """Starts copying back the full pages after seq's device hit that the host tier holds (one token is always
         left to compute), leaving `headroom` free pages per running sequence (the tier's restore_headroom unless
-        given); True: seq waits in `loading` for them."""
+        given); run: _host_run's answer for them, when the caller has it. True: seq waits in `loading` for them."""
         assert self.offload is not None, "called only with a host tier"
-        hashes, slots = self._host_run(seq, len(seq.pages))
+        hashes, slots = run or self._host_run(seq, len(seq.pages))
         headroom = self.offload.restore_headroom if headroom is None else headroom
         count = min(len(slots), self.pool.num_free - headroom * len(self.running))
         if count <= 0:
@@ -261,17 +267,14 @@ class Scheduler:
                 continue
             if seq.lora is not None and seq.lora_slot < 0 and self.lora is not None:
                 break  # its adapter's slot is taken in the schedule: it and those after it load there
-            hashes = self._lookup_hashes(seq)
-            first = 0
-            while first < len(hashes) and self.pool.holds(hashes[first]):  # past the device hit
-                first += 1
-            _, slots = self._host_run(seq, first)
-            if not slots or self.pool.num_free - len(slots) < len(self.running):
+            first = self._device_hit(seq)
+            run = self._host_run(seq, first)
+            if not run[1] or self.pool.num_free - len(run[1]) < len(self.running):
                 budget -= seq.num_tokens - first * self.pool.page_size
                 continue
-            seq.pages, seq.page_hashes = self.pool.lookup(hashes)
+            seq.pages, seq.page_hashes = self.pool.lookup(self._lookup_hashes(seq))
             seq.num_computed = len(seq.pages) * self.pool.page_size
-            loading = self._load_from_host(seq, headroom=max(self.offload.restore_headroom, 1))
+            loading = self._load_from_host(seq, headroom=max(self.offload.restore_headroom, 1), run=run)
             if not loading:  # (no page free for it after all): as it was; its device hit is looked up again later
                 self._free(seq)
                 break
