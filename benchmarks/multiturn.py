@@ -280,7 +280,6 @@ def conversations(engine: LLMEngine, a, vocab: int) -> dict:
         bytes_to_host=s.kv_offload_bytes_to_host,
         bytes_to_device=s.kv_offload_bytes_to_device,
         failed_loads=s.kv_offload_failed_loads,
-        loads_ahead=engine.scheduler.loads_ahead,  # started while a dispatch ran (LOAD_WAY "ahead")
         saved_seconds_estimate=s.kv_offload_saved_seconds,
         timing=timing,
         compiles_while_serving=[len(COMPILES), round(sum(COMPILES), 3)],

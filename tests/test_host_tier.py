@@ -86,15 +86,14 @@ def test_returning_turns_come_back_from_host_memory_with_the_same_tokens(recompu
     assert not llm.engine.scheduler.loading and not llm.engine.scheduler.restored
 
 
-@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival", "same-step-direct", "ahead"])
+@pytest.mark.parametrize("way", ["staged", "direct", "eager", "arrival", "same-step-direct"])
 def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     """CAPSTAN_KV_OFFLOAD_LOAD_WAY=staged: device_put to the device, then the scatter once the copy is ready; direct:
     one scatter that reads the chunk from host memory itself; eager: the device_put copies scattered at the next poll,
     landed or not (the device orders it after the copy); arrival: same-step's, with copies started as the sequence
     arrives and taken by its load; same-step-direct: direct's scatter before the step of the schedule that starts the
-    load; ahead: same-step's, with the loads of the sequences the next schedule would admit started and written
-    right after a dispatch; instead of same-step's scatter of eager's copies before the step of the schedule that
-    starts them, which admits the sequence. (On a GPU, staged, direct and eager give other tokens than recompute even at
+    load; instead of same-step's scatter of eager's copies before the step of the schedule that starts them, which
+    admits the sequence. (On a GPU, staged, direct and eager give other tokens than recompute even at
     JAX_DEFAULT_MATMUL_PRECISION=highest, with or without the side stream, and the ways that admit in the schedule
     that starts the load give recompute's: a sequence admitted a step later shares other steps, and a GPU's sums
     round by the batch's shape. Direct, which copies nothing asynchronously, differs too, so it is not a race.)"""
@@ -105,7 +104,6 @@ def test_the_other_load_ways_give_the_same_tokens(recomputed, monkeypatch, way):
     offload = llm.engine.scheduler.offload
     assert not offload._prefetched and offload._prefetched_bytes == 0 and offload.tier.num_pinned == 0
     assert (offload.prefetched_chunks_used > 0) == (way == "arrival")
-    assert (llm.engine.scheduler.loads_ahead > 0) == (way == "ahead")
     s = llm.engine.stats()
     # (how many: as many as the copies to the host finished before their turns came back, a matter of timing here)
     assert s.kv_offload_hit_tokens > 0 and s.kv_offload_failed_loads == 0
@@ -179,7 +177,7 @@ def test_fp8_pages_go_to_host_memory_and_back_as_stored():
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("way", ["eager", "same-step", "arrival", "ahead"])
+@pytest.mark.parametrize("way", ["eager", "same-step", "arrival"])
 def test_restored_pages_hold_the_bytes_their_pages_were_evicted_with(recomputed, monkeypatch, way):
     """Every page copied back holds, bit for bit, the bytes the tier was given for its hash, and those are the bytes
     its device page held when it was named in the prefix cache (nothing wrote a named page, no gather read a page's
@@ -399,7 +397,7 @@ def test_copies_that_fail_to_start_are_recomputed_in_the_same_step(recomputed):
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("way", ["same-step", "arrival", "ahead", "same-step+side", "arrival+side"])
+@pytest.mark.parametrize("way", ["same-step", "arrival", "same-step+side", "arrival+side"])
 def test_aborts_while_pages_are_copied_back_leak_nothing(monkeypatch, way):
     way, _, side = way.partition("+")
     if side:  # a few staging buffers: loads take them, give them back, and copy by device_put when none is free

@@ -419,7 +419,6 @@ class LLMEngine:
             return []
         with self._precision():
             self.kv, out = step_fn(self.model_for(chunks), self.kv, inputs)
-        self.load_ahead()
         out = self.fetch(out)
         t = 0
         for r, c in enumerate(chunks):
@@ -431,14 +430,6 @@ class LLMEngine:
                     self.fail(seq.request_id, e)
             t += c.num_tokens
         return self._collect_all(c.seq.request_id for c in chunks)
-
-    def load_ahead(self) -> None:
-        """Just after a dispatch, with nothing queued behind it (LOAD_WAY "ahead"): the next schedule's loads from the
-        host tier start and are written now, while the device runs it (Scheduler.load_ahead)."""
-        if self.scheduler.offload is not None and self.scheduler.load_ahead():
-            kv = self.scheduler.poll_host_tier(lambda: self.kv)
-            if kv is not None:
-                self.kv = kv
 
     def model_for(self, chunks: list[ScheduledChunk]) -> DecoderModel:
         """The model a step of these rows runs: with its LoRA slots when some row has an adapter, else without them,

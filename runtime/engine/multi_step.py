@@ -345,8 +345,6 @@ class MultiStepDecoder:
         """Queues the run's next dispatch when it can go on, then applies this one's tokens."""
         e = self.engine
         self.ahead = self._queue_next(d)
-        if self.ahead is None:  # the run ends here: the next schedule's loads go while the device runs d
-            e.load_ahead()
         out = e.fetch(d.out)
         tokens = out.tokens.tolist()  # [step][row]: plain ints, so the per-token loop stays cheap
         k = d.num_steps

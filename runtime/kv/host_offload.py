@@ -28,10 +28,7 @@ sequence is admitted in the schedule that started its load (the step's program w
 instead of the sequence waiting a step on the host; H100, 1B shape: returning turns' TTFT p50 84.4 ms against
 eager's 97.8). "arrival": same-step, and a sequence's copies start when it arrives (`prefetch`, within
 PREFETCH_MAX_BYTES of device memory), ahead of the schedule (they still wait for the dispatch under way); its
-load at admission takes them. "ahead": same-step, and right after a dispatch that nothing is queued behind, the
-sequences the next schedule would admit start their loads and the poll writes them (Scheduler.load_ahead), so
-that host work (~15 ms an admitting step of ~5 loads, H200, 1B shape) runs while the device runs the dispatch
-instead of before the next one, with the device idle (not yet measured on a GPU).
+load at admission takes them.
 "direct":
 the scatter reads the chunks from host memory itself (the copy is part of a program ordered before the next step, so
 the step waits for it: H200, 8B shape, returning turns' TTFT p50 179 ms against eager's 140). "staged": `device_put`
@@ -94,10 +91,8 @@ GIB = 1 << 30
 # dispatched on the next poll, reads the chunks from host memory itself; "staged": device_put first, the scatter once
 # every copy is_ready.
 # "same-step-direct": same-step's admission, with direct's scatter (no device_put a chunk: less host work a load).
-# "ahead": same-step, and the loads of the sequences the next schedule would admit start (and are written) right
-# after a dispatch, while the device runs it, rather than before the next one with the device idle.
 LOAD_WAY = os.environ.get("CAPSTAN_KV_OFFLOAD_LOAD_WAY", "same-step")
-LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival", "same-step-direct", "ahead")
+LOAD_WAYS = ("direct", "staged", "eager", "same-step", "arrival", "same-step-direct")
 # device memory that copies started at arrival ("arrival") hold at most, together: CAPSTAN_KV_OFFLOAD_PREFETCH_MIB
 PREFETCH_SETTING = "CAPSTAN_KV_OFFLOAD_PREFETCH_MIB"
 PREFETCH_MIB = 512
@@ -284,9 +279,7 @@ class HostOffload(Generic[LoadKey]):
         self._direct = LOAD_WAY in ("direct", "same-step-direct")  # (read once: one tier's loads all go one way)
         self._wait_ready = LOAD_WAY == "staged"  # eager: the scatter waits for the copies on the device instead
         # the scheduler admits a sequence in the schedule that starts its load; the engine writes it before the step
-        self.at_once = LOAD_WAY in ("same-step", "arrival", "same-step-direct", "ahead")
-        # the engine starts the next schedule's loads while the device runs a dispatch (Scheduler.load_ahead)
-        self.loads_ahead = LOAD_WAY == "ahead"
+        self.at_once = LOAD_WAY in ("same-step", "arrival", "same-step-direct")
         self.restore_headroom = restore_headroom_setting(os.environ.get("CAPSTAN_KV_OFFLOAD_RESTORE_HEADROOM"))
         self.prefetches = LOAD_WAY == "arrival"  # the scheduler calls `prefetch` as sequences arrive
         self.prefetch_max_bytes = int(prefetch_mib_setting(os.environ.get(PREFETCH_SETTING)) * (1 << 20))

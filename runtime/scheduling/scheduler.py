@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import time
 
 from ..kv.host_offload import HostOffload
@@ -62,7 +61,6 @@ class Scheduler:
         self.writing: dict[Sequence, list[PageHash]] = {}
         self.host_queried_tokens = 0  # prompt tokens the device tier did not have, looked up in the host tier
         self.host_hit_tokens = 0
-        self.loads_ahead = 0  # loads started while a dispatch ran (LOAD_WAY "ahead")
         self.host_saved_seconds = 0.0  # estimated: restored tokens at the measured prefill cost, less the waits
         self.prefill_seconds_per_token = 0.0  # moving average over steps that were mostly prefill
         self._last_step: tuple[float, int] | None = None  # (when the last schedule ran, its prefill tokens)
@@ -214,16 +212,12 @@ class Scheduler:
         """Pages for n tokens from seq.num_computed (a multi-step decode); never preempts."""
         return self._reserve(seq, n, preempt=False)
 
-    def _load_from_host(
-        self, seq: Sequence, headroom: int | None = None, run: tuple[list[PageHash], list[int]] | None = None
-    ) -> bool:
+    def _load_from_host(self, seq: Sequence) -> bool:
         """Starts copying back the full pages after seq's device hit that the host tier holds (one token is always
-        left to compute), leaving `headroom` free pages per running sequence (the tier's restore_headroom unless
-        given); run: _host_run's answer for them, when the caller has it. True: seq waits in `loading` for them."""
+        left to compute); True: seq waits in `loading` for them."""
         assert self.offload is not None, "called only with a host tier"
-        hashes, slots = run or self._host_run(seq, len(seq.pages))
-        headroom = self.offload.restore_headroom if headroom is None else headroom
-        count = min(len(slots), self.pool.num_free - headroom * len(self.running))
+        hashes, slots = self._host_run(seq, len(seq.pages))
+        count = min(len(slots), self.pool.num_free - self.offload.restore_headroom * len(self.running))
         if count <= 0:
             return False
         pages = self.pool.allocate(count)
@@ -246,43 +240,6 @@ class Scheduler:
         hashes = self._lookup_hashes(seq)[first:]
         slots = self.offload.match(hashes)
         return hashes[: len(slots)], slots
-
-    def load_ahead(self) -> bool:
-        """LOAD_WAY "ahead": called while the device runs a dispatch, before the engine waits for it. The waiting
-        sequences the next schedule would admit (in queue order, within its sequence cap and token budget) whose
-        prefix goes on in the host tier start their loads now, so the lookups and copies are host work done while
-        the device is busy instead of before the next dispatch; the engine's poll right after writes them (queued
-        behind the dispatch) and they are back at the front of the queue, restored. Loads leave a free page per
-        running sequence (their next tokens), so they never make the next schedule preempt. True: some started."""
-        if self.offload is None or not self.offload.loads_ahead or not self.pool.enable_prefix_caching:
-            return False
-        budget = self.max_num_batched_tokens - len(self.running)  # (a running sequence's decode takes a token)
-        room = self.max_num_seqs - len(self.running)
-        started = False
-        for seq in list(itertools.islice(self.waiting, max(0, room))):  # (a copy: loads leave the queue)
-            if budget <= 0:
-                break
-            if seq.pages or seq.num_computed or seq in self.restored or seq.params.prompt_logprobs is not None:
-                budget -= seq.num_uncomputed  # (admitted as it is)
-                continue
-            if seq.lora is not None and seq.lora_slot < 0 and self.lora is not None:
-                break  # its adapter's slot is taken in the schedule: it and those after it load there
-            first = self._device_hit(seq)
-            run = self._host_run(seq, first)
-            if not run[1] or self.pool.num_free - len(run[1]) < len(self.running):
-                budget -= seq.num_tokens - first * self.pool.page_size
-                continue
-            seq.pages, seq.page_hashes = self.pool.lookup(self._lookup_hashes(seq))
-            seq.num_computed = len(seq.pages) * self.pool.page_size
-            loading = self._load_from_host(seq, headroom=max(self.offload.restore_headroom, 1), run=run)
-            if not loading:  # (no page free for it after all): as it was; its device hit is looked up again later
-                self._free(seq)
-                break
-            self.waiting.remove(seq)  # the poll puts it back at the front, restored
-            budget -= seq.num_tokens - len(seq.pages) * self.pool.page_size
-            self.loads_ahead += 1
-            started = True
-        return started
 
     def _write_at_once(self, seq: Sequence, budget: int) -> int | None:
         """With a tier that writes loads at once, and pages free for seq's next chunk: its load (just started) is
