@@ -51,17 +51,49 @@ def queue_full() -> APIError:
     )
 
 
-def _field_path(loc: tuple) -> str | None:
-    """('body', 'messages', 0, 'content') -> 'messages[0].content'; union branches like 'str' are dropped."""
+def _field_path(loc: tuple, within: bool = False) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'. Where pydantic names the union member it tried
+    ('str', 'list[int]'), the path ends there (the field is what the user knows), or with `within` goes on past it
+    to the item (('body', 'prompt', 'list[int]', 0) -> 'prompt[0]')."""
     path = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             path += f"[{part}]"
         elif part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in str(part):
-            break  # pydantic names the union member it tried; the field is what the user knows
+            if not within:
+                break
         else:
             path += f".{part}" if path else str(part)
     return path or None
+
+
+def _wrong_kind(error: dict) -> bool:
+    """An error saying the input is not of a union member's kind (a list where a string goes), not what is wrong
+    with a value of the right kind."""
+    return error.get("type", "").endswith(("_type", "_parsing"))
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    """The first failing field's error from the union member its input's kind matched (prompt [2**63]: the token
+    list's bound, not 'should be a valid string'); when no member matched, the one that got deepest into the input
+    (prompt ["a", 3]: 'prompt[1]: should be a valid string')."""
+    param = _field_path(tuple(errors[0].get("loc", ())))
+    field = [e for e in errors if _field_path(tuple(e.get("loc", ()))) == param]
+    right_kind = [e for e in field if not _wrong_kind(e)]
+    return right_kind[0] if right_kind else max(field, key=lambda e: len(e.get("loc", ())))
+
+
+def _message(error: dict) -> str:
+    """pydantic's message, with a string's length bound said in characters (on an annotated string it says
+    'items')."""
+    ctx, text = error.get("ctx") or {}, error.get("input")
+    if isinstance(text, str) and error.get("type") in ("too_long", "too_short"):
+        bound = (
+            ("at most", ctx.get("max_length")) if error["type"] == "too_long" else ("at least", ctx.get("min_length"))
+        )
+        if bound[1] is not None:
+            return f"should have {bound[0]} {bound[1]} character{'s' * (bound[1] != 1)}, not {len(text)}"
+    return error["msg"]
 
 
 # Starlette types a handler as taking any Exception; each below is installed for one kind and asserts it.
@@ -69,7 +101,7 @@ def _field_path(loc: tuple) -> str | None:
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0]
+    first = _most_specific(list(exc.errors()))
     if first.get("type") == "json_invalid":
         return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
     param = _field_path(tuple(first.get("loc", ())))
@@ -77,7 +109,8 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
         return error_response(400, "the request body must be a JSON object (send Content-Type: application/json)")
     if first.get("type") == "missing":
         return error_response(400, f"{param}: field required", param=param)
-    message = f"{param}: {first['msg']}" if param else first["msg"]
+    where = _field_path(tuple(first.get("loc", ())), within=True)
+    message = f"{where}: {_message(first)}" if where else _message(first)
     return error_response(400, message, param=param)
 
 

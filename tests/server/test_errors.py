@@ -64,6 +64,47 @@ def test_chat_bad_values_are_400_naming_the_field(server, body, param):
     assert error_of(post(server, "/v1/chat/completions", body), 400)["param"] == param
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        (
+            "/v1/completions",
+            {"prompt": [2**63]},
+            "prompt",
+            "prompt[0]: Input should be less than or equal to 2147483647",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": [[1], [-1]]},
+            "prompt",
+            "prompt[1][0]: Input should be greater than or equal to 0",
+        ),
+        ("/v1/completions", {"prompt": ["a", 3]}, "prompt", "prompt[1]: Input should be a valid string"),
+        ("/v1/chat/completions", {"messages": HI, "stop": ["x"] * 10000}, "stop", "stop: List should have at most 16"),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "stop": "x" * 2000},
+            "stop",
+            "stop: should have at most 1024 characters",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "stop": ["x", ""]},
+            "stop",
+            "stop[1]: should have at least 1 character,",
+        ),
+    ],
+)
+def test_a_field_of_several_kinds_says_what_is_wrong_with_the_kind_sent(server, path, body, param, message):
+    """A union's error comes from the member the input's kind matched (a token list's bound, not 'should be a
+    valid string'), naming the item; a string's length bound is said in characters."""
+    error = error_of(post(server, path, body), 400)
+    assert error["param"] == param and error["message"].startswith(message), error
+
+
 def test_malformed_json_is_400(server):
     r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert "malformed JSON" in error_of(r, 400)["message"]
