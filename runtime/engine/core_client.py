@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -92,6 +93,8 @@ class EngineCoreClient(FrontendEngine):
         self._loads = CoreLoads(cores, NO_STATS, frontend)  # also each open request's core (generation, embeddings)
         self._ready = [False] * cores
         self._dead: str | None = None  # why a core stopped (the pod restarts as a whole)
+        # called with the reason when a core dies before it was ever ready (the server then exits 1, as vLLM's)
+        self.on_start_failure: Callable[[str], None] | None = None
         self._open: dict[str, OpenRequest] = {}  # each open generation request's prompt and text
         self._reader: asyncio.Task | None = None
         self._pidfds: list[int] = []
@@ -313,7 +316,10 @@ class EngineCoreClient(FrontendEngine):
         if self._dead is not None:
             return
         self._dead = reason
-        log.error("%s: /health answers 503 so that the pod is restarted", reason)
+        if not all(self._ready) and self.on_start_failure is not None:  # a setting, the checkpoint, the devices
+            self.on_start_failure(reason)
+        else:
+            log.error("%s: /health answers 503 so that the pod is restarted", reason)
         self._close_pidfds()
         self._fail_all(reason)
         for done, _ in self._lora_calls.values():

@@ -74,6 +74,7 @@ class EngineCore:
 
     def run(self) -> int:
         """Loads, warms up, serves until a Shutdown; a fault tells every frontend before the process exits."""
+        ready = False
         try:
             engine = LLMEngine(self.config)
             self._lora_ids = itertools.count(len(engine.list_loras()) + 1)
@@ -82,11 +83,19 @@ class EngineCore:
             if self.config.warmup:
                 engine.warmup()
             self._broadcast(Ready(engine.compile_seconds, self.core))
+            ready = True
             log.info("engine core ready: serving %d frontend(s)", len(self.outboxes))
             while self._serve_once(engine):
                 pass
             return 0
         except BaseException as e:  # a device or engine fault: /health turns 503 in every frontend
+            if not ready:  # the frontends exit with this message (EngineCoreClient.on_start_failure)
+                if isinstance(e, ValueError):  # a setting or checkpoint the engine refuses: its message says which
+                    log.error("the engine could not start: %s", e)
+                else:
+                    log.exception("the engine could not start")
+                self._broadcast(Dead(f"the engine could not start: {e}", self.core))
+                return 1
             log.exception("the engine core failed; its frontends answer /health with 503 so that the pod restarts")
             self._broadcast(Dead(f"the engine failed ({type(e).__name__}); this server is restarting", self.core))
             return 1

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import time
 
 import jax
@@ -45,6 +46,7 @@ from .step import step_fn
 
 log = logging.getLogger("capstan.engine")
 CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
+GIB = 1 << 30
 LOAD_WAIT_S = 0.002  # an idle step's wait for a copy back from the host tier (the caller's loop goes on after it)
 
 
@@ -89,11 +91,18 @@ class LLMEngine:
         self.model_name = served_model_name(path)
         if config.max_model_len is None:
             config.max_model_len = min(cfg.max_position_embeddings, 8192)
+        elif config.max_model_len > cfg.max_position_embeddings:  # (vLLM refuses it too)
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) is more than the model's context, max_position_embeddings "
+                f"({cfg.max_position_embeddings})"
+            )
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(cfg.eos_token_ids))
         self.grammar = GrammarTokenizer(
             self.tokenizer, set(self.tokenizer.end_of_turn_ids()) | self.eos_token_ids, cfg.vocab_size
         )
+        if config.num_pages is not None:
+            self._check_pages_fit(config.num_pages, draft)
         num_pages = config.num_pages or self._pages_that_fit(draft)
         config.num_pages = num_pages
         self.kv = KVCache.allocate(
@@ -196,20 +205,38 @@ class LLMEngine:
             raise InvalidRequestError("LoRA adapters need enable_lora (--enable-lora)", "lora_request")
         return self.loras
 
-    def _pages_that_fit(self, draft_model: DecoderModel | None) -> int:
+    def _bytes_per_page(self, draft_model: DecoderModel | None) -> int:
+        """One page's K/V bytes on each device (the draft's too)."""
         cfg, c = self.model.cfg, self.config
         per_page = KVCache.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         if draft_model is not None:  # a page holds the draft's K/V of its tokens too
             d = draft_model.cfg
             per_page += KVCache.bytes_per_page(d.num_layers, c.page_size, d.num_kv_heads, d.head_dim, self.kv_dtype)
-        per_page //= self.parallel.size  # each device holds its KV heads' share of every page
+        return per_page // self.parallel.size  # each device holds its KV heads' share of every page
+
+    def _pages_that_fit(self, draft_model: DecoderModel | None) -> int:
+        c = self.config
         useful = c.max_num_seqs * -(-self.max_model_len // c.page_size) + 1  # more than this is never used
         stats = jax.local_devices()[0].memory_stats() or {}  # (devices()[0] may be another host's)
         if "bytes_limit" in stats:
             budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * c.kv_memory_fraction
         else:
             budget = CPU_KV_BYTES
-        return int(max(2, min(useful, budget // per_page)))
+        return int(max(2, min(useful, budget // self._bytes_per_page(draft_model))))
+
+    def _check_pages_fit(self, num_pages: int, draft_model: DecoderModel | None) -> None:
+        """A given num_pages must fit the device's free memory (the host's, on CPU): else a message naming it, not
+        an allocation failure."""
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free, where = stats["bytes_limit"] - stats.get("bytes_in_use", 0), "the device has"
+        else:
+            free, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host has"
+        need = num_pages * self._bytes_per_page(draft_model)
+        if need > free:
+            raise ValueError(
+                f"num_pages ({num_pages}) needs {need / GIB:.1f} GiB of KV cache; {where} {free / GIB:.1f} GiB free"
+            )
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(

@@ -9,6 +9,7 @@ import logging
 
 import uvicorn
 
+from ..arg_types import port
 from ..server.drain import DrainingServer
 from ..server.tls import add_tls_flags, serving_certificate
 from .access import Access, UpstreamKeys
@@ -38,7 +39,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         "--namespace", action="append", default=[], help="with discovery: namespace to serve (repeatable; default: all)"
     )
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--port", type=port, default=DEFAULT_PORT)
     parser.add_argument(
         "--routing",
         choices=sorted(POLICIES),

@@ -3,7 +3,8 @@
 
 The engine core and the other frontends are children that die with this process (so no orphan survives the pod's
 main process, SIGKILL included). SIGTERM drains every frontend, then the core is told to stop. If the core dies,
-every frontend fails /health; if another frontend dies, this one drains and exits 1: the pod restarts as a whole."""
+every frontend fails /health; if it dies before it was ever ready (it could not start: a setting, the checkpoint,
+the devices), or another frontend dies, this one drains and exits 1: the pod restarts as a whole."""
 
 from __future__ import annotations
 
@@ -129,6 +130,10 @@ def serve_with_engine_core(
 
                 loop.add_reader(fd, exited)
 
+        def on_start(server) -> None:
+            client.on_start_failure = server.fail  # a core that never became ready: exit 1 with its reason
+            watch_frontends(server)
+
         def drain_frontends() -> None:
             for process in frontends:
                 if process.poll() is None:
@@ -138,7 +143,7 @@ def serve_with_engine_core(
             client,
             **serve_kwargs(options),
             reuse_port=api_server_count > 1,
-            on_start=watch_frontends if frontends else None,
+            on_start=on_start,
             on_drain=drain_frontends,
         )
         stopping = True
