@@ -16,7 +16,7 @@ import numpy as np
 from ..attention.kv_quantization import cache_dtype
 from ..config import EngineConfig, served_model_name
 from ..kv.cache import KVCache
-from ..kv.host_offload import HostOffload
+from ..kv.host_offload import GIB, HostOffload
 from ..kv.page_pool import PagePool
 from ..lora.manager import LoRAManager, SlotWeights
 from ..lora.request import LoRARequest
@@ -46,8 +46,13 @@ from .step import step_fn
 
 log = logging.getLogger("capstan.engine")
 CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
-GIB = 1 << 30
 LOAD_WAIT_S = 0.002  # an idle step's wait for a copy back from the host tier (the caller's loop goes on after it)
+
+
+def _free_device_bytes() -> int | None:
+    """The first local device's free memory, or None where JAX does not say (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}  # (devices()[0] may be another host's)
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats else None
 
 
 class LLMEngine:
@@ -217,20 +222,15 @@ class LLMEngine:
     def _pages_that_fit(self, draft_model: DecoderModel | None) -> int:
         c = self.config
         useful = c.max_num_seqs * -(-self.max_model_len // c.page_size) + 1  # more than this is never used
-        stats = jax.local_devices()[0].memory_stats() or {}  # (devices()[0] may be another host's)
-        if "bytes_limit" in stats:
-            budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * c.kv_memory_fraction
-        else:
-            budget = CPU_KV_BYTES
+        free = _free_device_bytes()
+        budget = CPU_KV_BYTES if free is None else free * c.kv_memory_fraction
         return int(max(2, min(useful, budget // self._bytes_per_page(draft_model))))
 
     def _check_pages_fit(self, num_pages: int, draft_model: DecoderModel | None) -> None:
         """A given num_pages must fit the device's free memory (the host's, on CPU): else a message naming it, not
         an allocation failure."""
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            free, where = stats["bytes_limit"] - stats.get("bytes_in_use", 0), "the device has"
-        else:
+        free, where = _free_device_bytes(), "the device has"
+        if free is None:
             free, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host has"
         need = num_pages * self._bytes_per_page(draft_model)
         if need > free:

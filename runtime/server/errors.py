@@ -86,13 +86,11 @@ def _most_specific(errors: list[dict]) -> dict:
 def _message(error: dict) -> str:
     """pydantic's message, with a string's length bound said in characters (on an annotated string it says
     'items')."""
-    ctx, text = error.get("ctx") or {}, error.get("input")
+    text, most = error.get("input"), error.get("type") == "too_long"
     if isinstance(text, str) and error.get("type") in ("too_long", "too_short"):
-        bound = (
-            ("at most", ctx.get("max_length")) if error["type"] == "too_long" else ("at least", ctx.get("min_length"))
-        )
-        if bound[1] is not None:
-            return f"should have {bound[0]} {bound[1]} character{'s' * (bound[1] != 1)}, not {len(text)}"
+        n = (error.get("ctx") or {}).get("max_length" if most else "min_length")
+        if n is not None:
+            return f"should have {'at most' if most else 'at least'} {n} character{'s' * (n != 1)}, not {len(text)}"
     return error["msg"]
 
 
