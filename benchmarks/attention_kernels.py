@@ -73,8 +73,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true", help="time the decode kernel's tuning instead")
     ap.add_argument("--fp8", action="store_true", help="time the kernels on bf16 pages against FP8 pages instead")
+    ap.add_argument("--ragged-sweep", action="store_true", help="time the ragged kernel's tuning, bf16 and FP8 pages")
     a = ap.parse_args()
     dtype = jnp.dtype(a.dtype)
+    if a.ragged_sweep:
+        return ragged_sweep(dtype)
     if a.sweep:
         return sweep(dtype)
     if a.fp8:
@@ -110,7 +113,11 @@ def fp8_pages(dtype) -> None:
     k_scale, v_scale = 0.03, 0.07
     small = interpret  # interpreted on CPU: tiny shapes, to check the script runs
     rows, context, long = (4, 40, 100) if small else (256, 1024, 4096)
-    heads = {"Llama-3-8B heads (8 x 4, 128)": (8, 4, 128), "Qwen3-0.6B heads (8 x 2, 128)": (8, 2, 128)}
+    heads = {
+        "Llama-3.2-1B heads (8 x 4, 64)": (8, 4, 64),
+        "Llama-3-8B heads (8 x 4, 128)": (8, 4, 128),
+        "Qwen3-0.6B heads (8 x 2, 128)": (8, 2, 128),
+    }
     print(
         f"{jax.devices()[0].device_kind}: ms a call, {jnp.dtype(dtype).name} pages / FP8 pages (rel err vs reference)"
     )
@@ -126,6 +133,7 @@ def fp8_pages(dtype) -> None:
             f"prefill 4 x {context // 2} after {context // 2}": batch(
                 [(context // 2, context // 2)] * 4, KVH=KVH, G=G, D=D, page=16, max_len=context, dtype=dtype
             ),
+            **mixed_steps(KVH, G, D, dtype, small),
         }
         for cname, (q, k, v, meta) in cases.items():
             k8, v8 = store(k, FP8, k_scale), store(v, FP8, v_scale)
@@ -142,6 +150,69 @@ def fp8_pages(dtype) -> None:
                 err = rel_err(np.asarray(fp8(q, k8, v8, meta), np.float32), np.asarray(want, np.float32))
                 line += f" | {kname} {timed(plain, q, k, v, meta):.4f} / {timed(fp8, q, k8, v8, meta):.4f} ({err:.1e})"
             print(line, flush=True)
+
+
+def mixed_steps(KVH, G, D, dtype, small: bool) -> dict:
+    """Steps of the mixed workload's prefill phase: fresh prompts, and prompts beside decode tokens."""
+    if small:
+        return {
+            "mixed 2 x 16 fresh + 4 decode": batch(
+                [(0, 16)] * 2 + [(39, 1)] * 4, KVH=KVH, G=G, D=D, page=16, max_len=40, dtype=dtype
+            )
+        }
+    return {
+        "prefill 8 x 256 fresh": batch([(0, 256)] * 8, KVH=KVH, G=G, D=D, page=16, max_len=528, dtype=dtype),
+        "mixed 1792 fresh + 256 decode x 384": batch(
+            [(0, 256)] * 7 + [(383, 1)] * 256, KVH=KVH, G=G, D=D, page=16, max_len=528, dtype=dtype
+        ),
+    }
+
+
+def ragged_sweep(dtype) -> None:
+    """The ragged kernel's Triton tuning on bf16 and FP8 pages, Llama-3.2-1B and Qwen3-0.6B heads, the mixed
+    workload's prefill-phase steps."""
+    import itertools
+
+    from capstan.runtime.attention.kv_quantization import FP8, store
+
+    small = jax.default_backend() != "gpu"
+    print(f"{jax.devices()[0].device_kind}: ragged kernel, ms a call (rel err vs reference)")
+    for hname, (KVH, G, D) in {"1B heads": (8, 4, 64), "Qwen3 heads": (8, 2, 128)}.items():
+        for cname, (q, k, v, meta) in mixed_steps(KVH, G, D, dtype, small).items():
+            for pages_dtype in ("bf16", "fp8"):
+                k_scale, v_scale = (0.03, 0.07) if pages_dtype == "fp8" else (1.0, 1.0)
+                kp, vp = (store(k, FP8, k_scale), store(v, FP8, v_scale)) if pages_dtype == "fp8" else (k, v)
+                want = paged_attention(q, kp, vp, meta, scale=D**-0.5, k_scale=k_scale, v_scale=v_scale)
+                results = []
+                for warps, stages, pages in itertools.product((2, 4, 8), (1, 2, 3), (None, 4, 16)):
+                    fn = jax.jit(
+                        functools.partial(
+                            ragged_attention,
+                            scale=D**-0.5,
+                            k_scale=k_scale,
+                            v_scale=v_scale,
+                            interpret=small,
+                            num_warps=warps,
+                            num_stages=stages,
+                            pages_per_block=pages,
+                        )
+                    )
+                    try:
+                        ms, err = timed(fn, q, kp, vp, meta), rel_err(fn(q, kp, vp, meta), want)
+                    except Exception as e:  # noqa: BLE001 - a tuning Triton cannot build: say so, go on
+                        print(f"  warps {warps} stages {stages} pages {pages}: {type(e).__name__}", flush=True)
+                        continue
+                    results.append((ms, warps, stages, pages, err))
+                    if small:
+                        break
+                results.sort()
+                default = next((r for r in results if r[1:4] == (4, 2, None)), results[0])
+                print(f"{hname}, {cname}, {pages_dtype} pages: default (4, 2, tile) {default[0]:.4f} ms", flush=True)
+                for ms, warps, stages, pages, err in results[:4]:
+                    print(
+                        f"  warps {warps} stages {stages} pages/block {pages or 'tile'}: {ms:.4f} ms ({err:.1e})",
+                        flush=True,
+                    )
 
 
 def sweep(dtype) -> None:

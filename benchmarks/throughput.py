@@ -125,6 +125,18 @@ class Timeline:
         return out
 
 
+BACKEND_COMPILES = {"n": 0, "s": 0.0}  # XLA compiles so far: one in a timed run is a shape the warm-up missed
+
+
+def _count_compile(event: str, seconds: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        BACKEND_COMPILES["n"] += 1
+        BACKEND_COMPILES["s"] += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
 def run(
     engine: LLMEngine,
     prompts,
@@ -143,6 +155,7 @@ def run(
     generated: dict[str, list[int]] = {rid: [] for rid in rids}
     for i, (rid, p, sp) in enumerate(zip(rids, prompts, per_prompt, strict=True)):
         engine.add_request(rid, p, sp, lora_request=loras[i] if loras else None)
+    compiles = dict(BACKEND_COMPILES)
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     traced = -1 if trace_step is None else trace_step
     ids = hashlib.sha256()
@@ -179,6 +192,8 @@ def run(
         "decode_phase_s": end - start - prefill_s,
         "steps": steps,
         "peak_kv_pages": peak_pages,
+        "compiles_in_run": BACKEND_COMPILES["n"] - compiles["n"],
+        "compile_s_in_run": BACKEND_COMPILES["s"] - compiles["s"],
         **({"tokens_digest": ids.hexdigest()[:12]} if digest else {}),
         **({f"timeline_{k}": v for k, v in timeline.report().items()} if timeline else {}),
     }
@@ -311,6 +326,7 @@ def main(argv=None) -> dict:
     warm = [warm_rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(8)]
     run(engine, warm, SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
     before = engine.stats()
+    print("--- the timed run (JAX_LOG_COMPILES=1: compiles after this line are in it)", file=sys.stderr, flush=True)
     figures = {
         "shape": a.shape,
         "dtype": dtype,

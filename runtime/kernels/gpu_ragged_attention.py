@@ -27,7 +27,7 @@ TILE_BYTES = 32 * 1024  # per K or V tile: with double buffering, four of them s
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a row that sees nothing yet cannot make NaN
 
 
-def pages_per_block(head_dim: int, page_size: int, itemsize: int) -> int:
+def tile_pages(head_dim: int, page_size: int, itemsize: int) -> int:
     """Pages per inner iteration: as many keys as fit a TILE_BYTES tile, up to MAX_BLOCK_K."""
     keys = min(MAX_BLOCK_K, TILE_BYTES // (head_dim * itemsize))
     return max(1, keys // page_size)
@@ -35,7 +35,7 @@ def pages_per_block(head_dim: int, page_size: int, itemsize: int) -> int:
 
 def supported(head_dim: int, page_size: int, itemsize: int = 2) -> bool:
     """Triton tiles need power-of-two sides of at least 16."""
-    block_k = page_size * pages_per_block(head_dim, page_size, itemsize)
+    block_k = page_size * tile_pages(head_dim, page_size, itemsize)
     return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, block_k))
 
 
@@ -110,7 +110,20 @@ def decode_query_blocks(meta: AttentionMetadata[jax.Array]) -> jax.Array:
     return jnp.stack([rows, (meta.seq_lens > 0).astype(jnp.int32), rows, meta.positions], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "k_scale", "v_scale", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "window",
+        "softcap",
+        "k_scale",
+        "v_scale",
+        "interpret",
+        "num_warps",
+        "num_stages",
+        "pages_per_block",
+    ),
+)
 def ragged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -123,15 +136,19 @@ def ragged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     interpret: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    pages_per_block: int | None = None,
 ) -> jax.Array:
     """q[T, KVH, G, D]; caches [KVH, pages, page_size, D] of one layer, already holding this step's K/V, of any
-    dtype (k_scale, v_scale: an FP8 cache's scales)."""
+    dtype (k_scale, v_scale: an FP8 cache's scales). num_warps, num_stages, pages_per_block (None: a TILE_BYTES
+    tile): Triton's tuning, for benchmarks/attention_kernels.py's sweep."""
     T, KVH, G, D = q.shape
     page_size = k_cache.shape[2]
     blocks = meta.query_blocks if meta.query_blocks is not None else decode_query_blocks(meta)
     query_block = query_block_tokens(G)
     tables = meta.block_tables
-    ppb = pages_per_block(D, page_size, q.dtype.itemsize)
+    ppb = pages_per_block or tile_pages(D, page_size, q.dtype.itemsize)
     pad = -tables.shape[1] % ppb
     if pad:  # the last iteration reads a whole block of table entries; the extra keys are masked
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
@@ -166,7 +183,7 @@ def ragged_attention(
         out_specs=per_kv_head,
         out_shape=jax.ShapeDtypeStruct(q_padded.shape, q.dtype),
         input_output_aliases={5: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(blocks, tables, q_padded, k_cache, v_cache, out)
