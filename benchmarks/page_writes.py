@@ -47,7 +47,7 @@ def main() -> None:
         for name, write in (("floats", write_kv), ("bits", as_bits)):
             fn = jax.jit(lambda c, s, v, w=write: w(c, s, v, page, 0.5), donate_argnums=0)
             cache = jnp.zeros((KVH, a.pages, page, D), dtype)
-            hlo = fn.lower(cache, slots, values).compile().as_text()
+            hlo = fn.lower(cache, slots, values).compile().as_text() or ""
             whole = f"{KVH},{a.pages},{page},{D}]"
             ops = (" convert(", " copy(", " bitcast-convert(")
             moves = sorted({op.strip() for line in hlo.splitlines() if whole in line for op in ops if op in line})

@@ -128,10 +128,10 @@ class Timeline:
 BACKEND_COMPILES = {"n": 0, "s": 0.0}  # XLA compiles so far: one in a timed run is a shape the warm-up missed
 
 
-def _count_compile(event: str, seconds: float, **_) -> None:
+def _count_compile(event: str, duration_secs: float, **_: str | int) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         BACKEND_COMPILES["n"] += 1
-        BACKEND_COMPILES["s"] += seconds
+        BACKEND_COMPILES["s"] += duration_secs
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
