@@ -32,7 +32,7 @@ from .routing_policy import DEFAULT_PREFIX_CHARS, RoutingPolicy, routing_key
 from .usage_meter import UsageMeter, ask_for_usage
 
 log = logging.getLogger("capstan.gateway")
-PROXIED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+PROXIED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 RETRYABLE_STATUS = {429, 502, 503}  # the replica took nothing on: queue full, draining, not ready
 FORWARDED_REQUEST_HEADERS = {"authorization", "content-type", "accept", "traceparent", "tracestate", "x-request-id"}
 HOP_BY_HOP = {

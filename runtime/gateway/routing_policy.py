@@ -129,11 +129,24 @@ def _content_text(content: Any) -> str:
 
 
 def routing_key(body: dict[str, Any], prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
-    """The leading characters of what the replica will prefill: the prompt, or the chat messages in order."""
+    """The leading characters of what the replica will prefill: the prompt, or the chat messages in order (a
+    Responses API request's `instructions`, then its `input`: a string, or items read as messages)."""
     model = str(body.get("model", ""))
-    if "messages" in body and isinstance(body["messages"], list):
+    messages = body.get("messages")
+    if isinstance(body.get("instructions"), str) or (
+        isinstance(body.get("input"), list) and any(isinstance(item, dict) for item in body["input"])
+    ):
+        conversation = (
+            body["input"] if isinstance(body.get("input"), list) else [{"role": "user", "content": body.get("input")}]
+        )
+        instructions = body.get("instructions")
+        messages = [
+            *([{"role": "system", "content": instructions}] if isinstance(instructions, str) else []),
+            *conversation,
+        ]
+    if isinstance(messages, list):
         text = ""
-        for message in body["messages"]:
+        for message in messages:
             if isinstance(message, dict):
                 text += f"<{message.get('role', '')}>" + _content_text(message.get("content"))
             if len(text) >= prefix_chars:

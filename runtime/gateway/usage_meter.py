@@ -2,7 +2,8 @@
 
 A JSON response carries `usage`; a stream carries it in its last chunk only when the request asked for it
 (`stream_options.include_usage`), so the gateway asks for it on every stream it meters and drops that chunk again
-when the client had not asked: the client sees the stream it requested, the budget counts exact tokens.
+when the client had not asked: the client sees the stream it requested, the budget counts exact tokens. A Responses
+API stream always ends with the whole response, its usage inside (the server ignores `stream_options` there).
 """
 
 from __future__ import annotations
@@ -73,8 +74,12 @@ class UsageMeter:
             document = json.loads(raw)
         except ValueError:
             return None
-        usage = document.get("usage") if isinstance(document, dict) else None
-        if isinstance(usage, dict):
-            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens = int(usage.get("completion_tokens") or 0)
-        return document if isinstance(document, dict) else None
+        if not isinstance(document, dict):
+            return None
+        usage = document.get("usage")
+        if isinstance(document.get("response"), dict):  # a Responses API stream's last event holds the response
+            usage = document["response"].get("usage")
+        if isinstance(usage, dict):  # chat and completions name the tokens prompt/completion, Responses input/output
+            self.prompt_tokens = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+        return document

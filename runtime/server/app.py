@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from ..engine.errors import RequestCancelledError
 from ..generation_config import describe as describe_defaults
 from ..generation_config import sampling_defaults
-from . import chat, completions, embeddings, lora_adapters, model_list, probes, tokenize, version
+from . import chat, completions, embeddings, lora_adapters, model_list, probes, responses, tokenize, version
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from .context import ServerContext
@@ -58,6 +58,7 @@ def build_app(
     for router in (
         completions.router,
         chat.router,
+        responses.router,
         embeddings.router,
         tokenize.router,
         model_list.router,

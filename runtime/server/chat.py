@@ -52,7 +52,17 @@ async def create_chat_completion(
 ):
     model = ctx.resolve_model(body.model)
     params = body.to_sampling_params(ctx.engine.config.max_logprobs, ctx.sampling_defaults)
-    ctx.validate(params, 1)  # every limit, before anything is built per choice
+    prompt, tools = prepare_turn(body, params, ctx)
+    gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [prompt], params)
+    return await respond(
+        request, gen, body.stream, lambda g: _events(g, body, tools), lambda g: _response(g, body, tools)
+    )
+
+
+def prepare_turn(body: ChatCompletionRequest, params, ctx: ServerContext) -> tuple[list[int], ToolCallOutput]:
+    """The assistant turn's prompt (the template's), stopping at its end of turn, and how its answer's tool calls
+    are read; every limit checked before anything is built per choice (also for /v1/responses)."""
+    ctx.validate(params, 1)
     tokenizer = ctx.engine.tokenizer
     if not params.ignore_eos:
         params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(tokenizer.end_of_turn_ids()))
@@ -60,11 +70,7 @@ async def create_chat_completion(
     ctx.check_ready()
     choice = body.tool_choice
     named = choice.function.name if body.tool_mode == "named" and isinstance(choice, NamedToolChoice) else None
-    tools = ToolCallOutput(body.tool_mode, ctx.tool_parser, named)
-    gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [prompt], params)
-    return await respond(
-        request, gen, body.stream, lambda g: _events(g, body, tools), lambda g: _response(g, body, tools)
-    )
+    return prompt, ToolCallOutput(body.tool_mode, ctx.tool_parser, named)
 
 
 def _logprobs(token_ids: list[int], positions: list, top_n: int) -> ChatLogprobs:

@@ -144,3 +144,19 @@ def test_the_meter_reads_usage_and_drops_only_the_usage_chunk_it_asked_for():
     meter = UsageMeter(streaming=False)
     whole = json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}).encode()
     assert meter.feed(whole[:10]) + meter.feed(whole[10:]) + meter.close() == whole and meter.tokens == 7
+
+
+def test_the_meter_reads_the_responses_apis_usage_and_keeps_every_event():
+    usage = {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}
+    events = [
+        {"type": "response.created", "sequence_number": 0, "response": {"status": "in_progress", "usage": None}},
+        {"type": "response.output_text.delta", "sequence_number": 1, "delta": "a"},
+        {"type": "response.completed", "sequence_number": 2, "response": {"status": "completed", "usage": usage}},
+    ]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    meter = UsageMeter(streaming=True, client_wants_usage=False)  # it asked for nothing: the events are all there is
+    out = b"".join(meter.feed(stream[i : i + 11]) for i in range(0, len(stream), 11)) + meter.close()
+    assert out == stream and (meter.prompt_tokens, meter.completion_tokens) == (9, 4)
+    meter = UsageMeter(streaming=False)
+    whole = json.dumps({"object": "response", "usage": usage}).encode()
+    assert meter.feed(whole) + meter.close() == whole and meter.tokens == 13

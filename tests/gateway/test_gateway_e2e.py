@@ -48,7 +48,7 @@ def client(gateway):
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_streams_chat_and_completions(client):
+def test_streams_chat_completions_and_responses(client):
     chunks = list(
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True
@@ -58,6 +58,8 @@ def test_streams_chat_and_completions(client):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     whole = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0)
     assert whole.object == "text_completion" and whole.usage.completion_tokens <= 5
+    events = list(client.responses.create(model="tiny", input="Hello", max_output_tokens=4, stream=True))
+    assert events[0].type == "response.created" and events[-1].response.usage.output_tokens <= 4
 
 
 def test_routes_by_model_and_refuses_bad_input(client, gateway):

@@ -97,3 +97,13 @@ def test_routing_key_reads_prompt_and_chat_prefix():
     assert routing_key({"model": "m", "prompt": [[1, 2, 3]]}) == routing_key({"model": "m", "prompt": [1, 2, 3]})
     parts = [{"type": "text", "text": "hello"}]
     assert routing_key({"model": "m", "messages": [{"role": "user", "content": parts}]}).endswith("<user>hello")
+    # the Responses API: instructions, then the input's items read as messages; a string input is the user's
+    chat = routing_key({"model": "m", "messages": [{"role": "system", "content": "be brief"}, *_user("hi")]})
+    assert routing_key({"model": "m", "instructions": "be brief", "input": "hi"}) == chat
+    assert routing_key({"model": "m", "instructions": "be brief", "input": _user("hi")}) == chat
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    assert routing_key({"model": "m", "input": items}).endswith("<user>hi")
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]

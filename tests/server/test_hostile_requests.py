@@ -111,6 +111,10 @@ def send(url: str, path: str, content: bytes, content_type: str = "application/j
             "chat_template_kwargs",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "u" * 257}, "user"),
+        ("/v1/responses", {"input": "words " * 500_000}, "messages"),
+        ("/v1/responses", {"input": [{"role": "user", "content": "hi"}] * 2049}, "input"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2**63}, "max_output_tokens"),
+        ("/v1/responses", {"input": [{"role": "user", "content": "a\udfff"}]}, "input"),  # message: input[0].content
     ],
 )
 def test_out_of_bounds_is_400_naming_the_field_and_limit(fuzz_server, path, body, param):
@@ -152,7 +156,7 @@ def test_hostile_chat_bodies(fuzz_server, body):
     check_answer(send(fuzz_server.url, "/v1/chat/completions", encode(body)))
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 @pytest.mark.parametrize("mode", list(schemathesis.GenerationMode), ids=lambda m: m.value)
 def test_openapi_schema_fuzz(fuzz_server, path, mode):
     """Bodies generated from the server's own /openapi.json: valid ones (within every bound it publishes) and
