@@ -8,6 +8,7 @@ appended to it as they are). Fields bounded as the chat request's are (runtime/l
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -123,11 +124,12 @@ class ResponsesRequest(_Request):
             return None
         tools = []
         for i, tool in enumerate(self.tools):
-            if tool.type != "function" or tool.name is None:
+            if tool.type != "function":
                 raise InvalidRequestError(
-                    f"tools[{i}]: only function tools with a `name` are served (got type {tool.type!r})",
-                    f"tools[{i}]",
+                    f"tools[{i}]: only function tools are served, not type {tool.type!r}", f"tools[{i}]"
                 )
+            if tool.name is None:
+                raise InvalidRequestError(f"tools[{i}].name: a function tool needs its name", f"tools[{i}].name")
             function = FunctionDefinition(
                 name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
             )
@@ -154,6 +156,10 @@ class ResponsesRequest(_Request):
                     raise InvalidRequestError(
                         f"input[{i}]: a function_call needs `call_id`, `name` and `arguments`", f"input[{i}]"
                     )
+                try:
+                    json.loads(item.arguments)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequestError(f"input[{i}].arguments: not valid JSON", f"input[{i}].arguments") from e
                 call = ChatToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
                 last = messages[-1] if messages else None
                 if last is not None and last.role == "assistant":  # one assistant turn: its text and its calls
@@ -174,7 +180,9 @@ class ResponsesRequest(_Request):
     def as_chat(self) -> ChatCompletionRequest:
         """The same conversation, tools and sampling as a chat request (validated already, so constructed)."""
         self.refuse_unserved()
-        given = self.tool_choice
+        given, tools = self.tool_choice, self.chat_tools()
+        if isinstance(given, FunctionChoice) and given.name not in {t.function.name for t in tools or ()}:
+            raise InvalidRequestError(f"tool_choice.name: no tool named {given.name!r} in `tools`", "tool_choice.name")
         choice: Literal["none", "auto", "required"] | NamedToolChoice | None = (
             NamedToolChoice(type="function", function=NamedFunction(name=given.name))
             if isinstance(given, FunctionChoice)
@@ -192,7 +200,7 @@ class ResponsesRequest(_Request):
             seed=self.seed,
             user=self.user,
             stream=self.stream,
-            tools=self.chat_tools(),
+            tools=tools,
             tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls,
         )

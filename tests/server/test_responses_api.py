@@ -162,6 +162,16 @@ def test_text_format_json_schema_constrains_the_output(client):
         ({"input": "hi", "truncation": "auto"}, "truncation"),
         ({"input": "hi", "top_logprobs": 3}, "top_logprobs"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+        (
+            {
+                "input": "hi",
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "function", "name": "g"},
+            },
+            "tool_choice.name",
+        ),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input[0].arguments"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
