@@ -62,8 +62,9 @@ class UsageMeter:
         return self._event(rest, last=True) if rest.strip() else rest
 
     def _event(self, event: bytes, last: bool = False) -> bytes:
-        data = event.strip()
-        if data.startswith(b"data:") and b'"usage"' in data:
+        # an event's lines: its data, after an `event:` line where the stream names its events (Responses API)
+        data = next((line for line in event.strip().split(b"\n") if line.startswith(b"data:")), b"")
+        if b'"usage"' in data:
             chunk = self._read_usage(data[5:])
             if chunk is not None and not self.client_wants_usage and chunk.get("choices") == []:
                 return b""  # the usage chunk we asked for on the client's behalf

@@ -278,8 +278,9 @@ class SSEResponse(StreamingResponse):
             self._on_close()
 
 
-def sse(data: str) -> str:
-    return f"data: {data}\n\n"
+def sse(data: str, event: str | None = None) -> str:
+    """One server-sent event; `event` names its type (the Responses API's streams name every event)."""
+    return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 
 SSE_DONE = sse("[DONE]")

@@ -121,7 +121,7 @@ class Answer:
         return "incomplete" if finish_reason == "length" else "completed"
 
     def _event(self, kind: str, **fields: Any) -> str:
-        return sse(json.dumps({"type": kind, "sequence_number": next(self._seq), **fields}, ensure_ascii=False))
+        return sse(json.dumps({"type": kind, "sequence_number": next(self._seq), **fields}, ensure_ascii=False), kind)
 
     def _envelope(self, status: str, output: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
         body, params = self.body, self.gen.params

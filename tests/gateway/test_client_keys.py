@@ -153,7 +153,7 @@ def test_the_meter_reads_the_responses_apis_usage_and_keeps_every_event():
         {"type": "response.output_text.delta", "sequence_number": 1, "delta": "a"},
         {"type": "response.completed", "sequence_number": 2, "response": {"status": "completed", "usage": usage}},
     ]
-    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    stream = b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
     meter = UsageMeter(streaming=True, client_wants_usage=False)  # it asked for nothing: the events are all there is
     out = b"".join(meter.feed(stream[i : i + 11]) for i in range(0, len(stream), 11)) + meter.close()
     assert out == stream and (meter.prompt_tokens, meter.completion_tokens) == (9, 4)

@@ -34,9 +34,13 @@ def raw_events(server, body) -> list:
     events = []
     with httpx.stream("POST", f"{server}/v1/responses", json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        named = None
         for line in r.iter_lines():
-            if line.startswith("data: "):
+            if line.startswith("event: "):
+                named = line[len("event: ") :]
+            elif line.startswith("data: "):
                 events.append(EVENTS.validate_python(json.loads(line[len("data: ") :])))
+                assert events[-1].type == named  # each event named on its `event:` line, as OpenAI sends them
     return events
 
 
