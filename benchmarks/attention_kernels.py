@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -168,11 +169,26 @@ def mixed_steps(KVH, G, D, dtype, small: bool) -> dict:
     }
 
 
+def time_tunings(kernel, args, want, pages_options, label: str = "", first_only: bool = False) -> list[tuple]:
+    """(ms, warps, stages, pages a block, rel err vs want) for each Triton tuning of `kernel` that builds, fastest
+    first; first_only: the first that builds (a check on CPU, where the kernels run interpreted)."""
+    results = []
+    for warps, stages, pages in itertools.product((2, 4, 8), (1, 2, 3), pages_options):
+        fn = jax.jit(functools.partial(kernel, num_warps=warps, num_stages=stages, pages_per_block=pages))
+        try:
+            ms, err = timed(fn, *args), rel_err(fn(*args), want)
+        except Exception as e:  # noqa: BLE001 - a tuning Triton cannot build: say so, go on
+            print(f"  {label}warps {warps} stages {stages} pages {pages}: {type(e).__name__}", flush=True)
+            continue
+        results.append((ms, warps, stages, pages, err))
+        if first_only:
+            break
+    return sorted(results)
+
+
 def ragged_sweep(dtype) -> None:
     """The ragged kernel's Triton tuning on bf16 and FP8 pages, Llama-3.2-1B and Qwen3-0.6B heads, the mixed
     workload's prefill-phase steps."""
-    import itertools
-
     from capstan.runtime.attention.kv_quantization import FP8, store
 
     small = jax.default_backend() != "gpu"
@@ -183,29 +199,10 @@ def ragged_sweep(dtype) -> None:
                 k_scale, v_scale = (0.03, 0.07) if pages_dtype == "fp8" else (1.0, 1.0)
                 kp, vp = (store(k, FP8, k_scale), store(v, FP8, v_scale)) if pages_dtype == "fp8" else (k, v)
                 want = paged_attention(q, kp, vp, meta, scale=D**-0.5, k_scale=k_scale, v_scale=v_scale)
-                results = []
-                for warps, stages, pages in itertools.product((2, 4, 8), (1, 2, 3), (None, 4, 16)):
-                    fn = jax.jit(
-                        functools.partial(
-                            ragged_attention,
-                            scale=D**-0.5,
-                            k_scale=k_scale,
-                            v_scale=v_scale,
-                            interpret=small,
-                            num_warps=warps,
-                            num_stages=stages,
-                            pages_per_block=pages,
-                        )
-                    )
-                    try:
-                        ms, err = timed(fn, q, kp, vp, meta), rel_err(fn(q, kp, vp, meta), want)
-                    except Exception as e:  # noqa: BLE001 - a tuning Triton cannot build: say so, go on
-                        print(f"  warps {warps} stages {stages} pages {pages}: {type(e).__name__}", flush=True)
-                        continue
-                    results.append((ms, warps, stages, pages, err))
-                    if small:
-                        break
-                results.sort()
+                kernel = functools.partial(
+                    ragged_attention, scale=D**-0.5, k_scale=k_scale, v_scale=v_scale, interpret=small
+                )
+                results = time_tunings(kernel, (q, kp, vp, meta), want, (None, 4, 16), first_only=small)
                 default = next((r for r in results if r[1:4] == (4, 2, None)), results[0])
                 print(f"{hname}, {cname}, {pages_dtype} pages: default (4, 2, tile) {default[0]:.4f} ms", flush=True)
                 for ms, warps, stages, pages, err in results[:4]:
@@ -217,8 +214,6 @@ def ragged_sweep(dtype) -> None:
 
 def sweep(dtype) -> None:
     """The decode kernel's Triton tuning, each against the default, on the decode batches serving sees."""
-    import itertools
-
     rng = np.random.default_rng(1)
     mixed = [(int(n) - 1, 1) for n in rng.integers(256, 512, 256)]  # 256 rows, contexts 256..511
     cases = {
@@ -238,20 +233,8 @@ def sweep(dtype) -> None:
     print(f"{jax.devices()[0].device_kind}, {jnp.dtype(dtype).name}: decode kernel, ms (rel err vs reference)")
     for name, ((q, k, v, meta), scale) in cases.items():
         want = paged_attention(q, k, v, meta, scale=scale)
-        results = []
-        for warps, stages, pages in itertools.product((2, 4, 8), (1, 2, 3), (None, 4, 8, 16)):
-            fn = jax.jit(
-                lambda q, k, v, m, w=warps, s=stages, p=pages, sc=scale: decode_attention(
-                    q, k, v, m, scale=sc, num_warps=w, num_stages=s, pages_per_block=p
-                )
-            )
-            try:
-                ms, err = timed(fn, q, k, v, meta), rel_err(fn(q, k, v, meta), want)
-            except Exception as e:  # noqa: BLE001 - a tuning Triton cannot build: say so, go on
-                print(f"  {name}: warps {warps} stages {stages} pages {pages}: {type(e).__name__}", flush=True)
-                continue
-            results.append((ms, warps, stages, pages, err))
-        results.sort()
+        kernel = functools.partial(decode_attention, scale=scale)
+        results = time_tunings(kernel, (q, k, v, meta), want, (None, 4, 8, 16), label=f"{name}: ")
         jax_default = next(r for r in results if r[1:4] == (8, 2, 8))
         print(f"{name}: JAX's defaults (warps 8, stages 2, 8 pages a block) {jax_default[0]:.4f} ms", flush=True)
         for ms, warps, stages, pages, err in results[:6]:
