@@ -158,15 +158,22 @@ def encode(body) -> bytes:
 
 
 def check_answer(response: httpx.Response) -> None:
-    """No 5xx; every 4xx is OpenAI's error body; a 200 stream ends with [DONE]."""
+    """No 5xx; every 4xx is OpenAI's error body; a 200 stream ends with [DONE], or a Responses API stream with
+    its response.completed or response.incomplete event, and carries no error."""
     assert response.status_code < 500, (response.status_code, response.text[:500])
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
         assert isinstance(error["message"], str) and error["message"] and "Traceback" not in error["message"]
     elif content_type(response).startswith("text/event-stream"):
-        assert response.text.rstrip().endswith("data: [DONE]"), response.text[-300:]
-        assert '"error"' not in response.text, response.text[-500:]
+        text = response.text.rstrip()
+        if text.startswith("event: response.created"):  # the Responses API's typed events: its envelope has "error"
+            last = text.rsplit("\n\n", 1)[-1]
+            assert last.startswith(("event: response.completed", "event: response.incomplete")), text[-300:]
+            assert "event: error" not in text and "event: response.failed" not in text, text[-500:]
+        else:
+            assert text.endswith("data: [DONE]"), text[-300:]
+            assert '"error"' not in text, text[-500:]
 
 
 def content_type(response) -> str:

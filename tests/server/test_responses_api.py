@@ -10,6 +10,7 @@ from typing import Any, cast
 import httpx
 import openai
 import pytest
+from hostile import check_answer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from servers import MODEL
@@ -105,6 +106,7 @@ def test_a_stream_is_the_apis_events_and_adds_up_to_the_whole_response(server):
     final = events[-1].response
     assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
     assert events[0].response.status == "in_progress" and events[0].response.output == []
+    check_answer(httpx.post(f"{server}/v1/responses", json={**body, "stream": True}, timeout=120))  # the fuzz's check
 
 
 def test_function_calls_are_output_items_and_go_back_in_as_input(client):
