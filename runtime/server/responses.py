@@ -88,7 +88,11 @@ class Answer:
         for parsed_call in parsed:
             item, index = _function_call(parsed_call), len(output)
             output.append(item)
-            yield self._event("response.output_item.added", output_index=index, item={**item, "arguments": ""})
+            yield self._event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            )
             at = {"item_id": item["id"], "output_index": index}
             arguments = parsed_call.arguments
             yield self._event("response.function_call_arguments.delta", **at, delta=arguments)
