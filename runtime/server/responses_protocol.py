@@ -8,7 +8,6 @@ appended to it as they are). Fields bounded as the chat request's are (runtime/l
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,7 +19,16 @@ from ..sampling_keys import SamplingDefaults
 from .json_values import Name, Text
 from .protocol import ChatCompletionRequest, ChatMessage, ContentPart, FreeJSON, Probability, finite
 from .structured import Schema
-from .tools import FunctionCall, FunctionDefinition, FunctionName, NamedFunction, NamedToolChoice, Parameters, Tool
+from .tools import (
+    FunctionCall,
+    FunctionDefinition,
+    FunctionName,
+    NamedFunction,
+    NamedToolChoice,
+    Parameters,
+    Tool,
+    parse_arguments,
+)
 from .tools import ToolCall as ChatToolCall
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # a user's text, an earlier answer's text, chat's name
@@ -156,10 +164,7 @@ class ResponsesRequest(_Request):
                     raise InvalidRequestError(
                         f"input[{i}]: a function_call needs `call_id`, `name` and `arguments`", f"input[{i}]"
                     )
-                try:
-                    json.loads(item.arguments)
-                except json.JSONDecodeError as e:
-                    raise InvalidRequestError(f"input[{i}].arguments: not valid JSON", f"input[{i}].arguments") from e
+                parse_arguments(item.arguments, f"input[{i}].arguments")
                 call = ChatToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
                 last = messages[-1] if messages else None
                 if last is not None and last.role == "assistant":  # one assistant turn: its text and its calls

@@ -66,16 +66,23 @@ def template_tools(tools: list[Tool] | None) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
+def parse_arguments(text: str, field: str) -> Any:
+    """An earlier call's arguments (JSON text) as the template renders them: valid JSON, nested no deeper than
+    bounded_json allows (Python's decoder would otherwise recurse until it fails)."""
+    try:
+        return bounded_json(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{field}: not valid JSON", field) from e
+    except (RecursionError, ValueError) as e:
+        why = str(e) if isinstance(e, ValueError) else "nests too deep"
+        raise InvalidRequestError(f"{field}: {why}", field) from e
+
+
 def template_tool_calls(calls: list[ToolCall]) -> list[dict]:
     """An assistant message's tool calls for the template: arguments as objects, as templates render them."""
     out = []
     for i, call in enumerate(calls):
-        try:
-            arguments = json.loads(call.function.arguments)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(
-                f"tool_calls[{i}].function.arguments: not valid JSON", f"tool_calls[{i}].function.arguments"
-            ) from e
+        arguments = parse_arguments(call.function.arguments, f"tool_calls[{i}].function.arguments")
         out.append(
             {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
         )

@@ -111,6 +111,18 @@ def send(url: str, path: str, content: bytes, content_type: str = "application/j
             "chat_template_kwargs",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "u" * 257}, "user"),
+        (  # an earlier call's arguments nested past what a JSON decoder or a template should recurse through
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[" * 60000}}],
+                    }
+                ]
+            },
+            "tool_calls[0].function.arguments",
+        ),
         ("/v1/responses", {"input": "words " * 500_000}, "messages"),
         ("/v1/responses", {"input": [{"role": "user", "content": "hi"}] * 2049}, "input"),
         ("/v1/responses", {"input": "hi", "max_output_tokens": 2**63}, "max_output_tokens"),

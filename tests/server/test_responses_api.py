@@ -179,6 +179,14 @@ def test_text_format_json_schema_constrains_the_output(client):
             "tool_choice.name",
         ),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input[0].arguments"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 60000}]},
+            "input[0].arguments",
+        ),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 200 + "]" * 200}]},
+            "input[0].arguments",
+        ),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
