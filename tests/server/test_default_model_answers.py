@@ -31,6 +31,11 @@ def test_the_capital_of_france_is_paris(client):
     assert "Paris" in ask(client, "What is the capital of France?", temperature=0).choices[0].message.content
 
 
+def test_the_responses_api_answers_as_the_readmes_snippet_asks(client):
+    answer = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0)
+    assert answer.status == "completed" and "Paris" in answer.output_text
+
+
 def test_the_start_log_names_the_models_sampling(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     log = "".join(served.output)
