@@ -167,12 +167,14 @@ def check_answer(response: httpx.Response) -> None:
         assert isinstance(error["message"], str) and error["message"] and "Traceback" not in error["message"]
     elif content_type(response).startswith("text/event-stream"):
         text = response.text.rstrip()
+        ended = not getattr(response, "stream_cut_short", False)  # schemathesis stops reading after 20 events
         if text.startswith("event: response.created"):  # the Responses API's typed events: its envelope has "error"
             last = text.rsplit("\n\n", 1)[-1]
-            assert last.startswith(("event: response.completed", "event: response.incomplete")), text[-300:]
+            ends = ("event: response.completed", "event: response.incomplete")
+            assert last.startswith(ends) or not ended, text[-300:]
             assert "event: error" not in text and "event: response.failed" not in text, text[-500:]
         else:
-            assert text.endswith("data: [DONE]"), text[-300:]
+            assert text.endswith("data: [DONE]") or not ended, text[-300:]
             assert '"error"' not in text, text[-500:]
 
 
