@@ -89,7 +89,7 @@ for part in $parts; do
         python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n --requests 256 --prompt-len 256 \
           --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 ${TP_ARGS:-} \
           --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 \
-          | grep --line-buffered -E "output_tokens|single_stream|compile|phase_s|Error"; done ;;
+          | grep --line-buffered -E "output_tokens|single_stream|compile|phase_s|timeline|Error"; done ;;
     # issue 31: the Llama-3-70B shape (random bf16 weights made in parts on the mesh) at TP=4; one token bucket
     # (2048) keeps its 80 unrolled layers' compile short
     tp70b) python3 benchmarks/throughput.py --shape llama-3-70b --tensor-parallel-size ${TP70_SIZE:-4} --requests 256 \

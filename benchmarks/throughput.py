@@ -235,6 +235,11 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     ap.add_argument(
+        "--gathered-greedy",
+        action="store_true",
+        help="split, a plain greedy decode scan gathers the logits and samples them whole (as before vocab_greedy.py)",
+    )
+    ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "bfloat16", "fp8", "fp8_e4m3"],
@@ -273,6 +278,10 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
+    if a.gathered_greedy:  # the A/B of parallel/vocab_greedy.py: no batch counts as plain greedy for the split pick
+        import capstan.runtime.engine.multi_step as multi_step
+
+        multi_step.is_plain_greedy = lambda branches: False
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
     t0 = time.perf_counter()

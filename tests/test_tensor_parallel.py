@@ -25,6 +25,7 @@ def run_split(
     tpu_layout: bool = False,
     compiles: bool = False,
     made_split: bool = False,
+    vocab_greedy: bool = False,
 ) -> dict:
     """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs;
     gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU; tpu_layout: split only, with the
@@ -35,6 +36,7 @@ def run_split(
         + ["tpu-layout"] * tpu_layout
         + ["compiles"] * compiles
         + ["made-split"] * made_split
+        + ["vocab-greedy"] * vocab_greedy
     )
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(cases)] + flags,
@@ -67,6 +69,7 @@ def test_split_model_matches_one_device_and_golden(devices, cases):
             assert split["tokens"][i] == one["tokens"][i], f"{case} tp={tp} prompt {i}"
             np.testing.assert_allclose(split["logprobs"][i], one["logprobs"][i], atol=1e-4, err_msg=f"{case} {i}")
         assert_golden(case, split)
+        assert split["plain_greedy"] == split["tokens"], f"{case}: greedy without logprobs differs under tp={tp}"
         assert split["sampled"] == one["sampled"], f"{case}: seeded sampling differs under tp={tp}"
         assert len(split["prompt_logprobs"]) == len(ref["prompts"][0]) - 1
         np.testing.assert_allclose(split["prompt_logprobs"], one["prompt_logprobs"], atol=1e-4)
@@ -168,6 +171,8 @@ def _generate(case: str, tp: int) -> dict:
     )
     outs = llm.generate(prompts + [prompts[0]], [greedy] * len(prompts) + [seeded])
     greedy_outs = [o.outputs[0] for o in outs[:-1]]
+    # no logprobs asked: the decode scan's plain greedy program (split, it picks from the vocabulary shards)
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     prompt_logprobs = outs[-1].prompt_logprobs
     assert prompt_logprobs is not None and all(o.logprobs is not None for o in greedy_outs)
     return {
@@ -175,6 +180,7 @@ def _generate(case: str, tp: int) -> dict:
         "kv_sharding": str(getattr(llm.engine.kv.k[0].sharding, "spec", None)),
         "tokens": [o.token_ids for o in greedy_outs],
         "logprobs": [[(o.logprobs or [])[k][t].logprob for k, t in enumerate(o.token_ids)] for o in greedy_outs],
+        "plain_greedy": [o.outputs[0].token_ids for o in plain],
         "sampled": outs[-1].outputs[0].token_ids,
         "prompt_logprobs": [next(iter((p or {}).values())).logprob for p in prompt_logprobs[1:]],
     }
@@ -217,6 +223,44 @@ def _compiles(case: str, tp: int) -> dict:
     return {"after_warmup": after_warmup, "after_run": programs(), "dispatches": len(calls)}
 
 
+def _vocab_greedy(case: str, tp: int) -> dict:
+    """Greedy picks from logits split over tp devices against argmax and log-softmax over whole rows: a vocabulary
+    tp does not divide (padded), a row whose maximum is in two shards (the first wins), -inf everywhere but one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from capstan.runtime.parallel.mesh import MODEL_AXIS
+    from capstan.runtime.parallel.vocab_greedy import greedy_from_vocab_shards
+
+    vocab, padded = 101, 104  # 101 real tokens; the padded columns hold larger values that must never win
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, padded)).astype(np.float32)
+    x[:, vocab:] = 50.0
+    x[1, [3, 80]] = 9.0  # a tie across shards: the lower id
+    x[2, :] = -np.inf
+    x[2, 77] = 0.0
+    mesh = jax.make_mesh((tp,), (MODEL_AXIS,), devices=jax.devices()[:tp])
+    with jax.set_mesh(mesh):
+        split = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(None, MODEL_AXIS)))
+        tokens, logprob = jax.jit(greedy_from_vocab_shards, static_argnums=1)(split, vocab)
+    real = x[:, :vocab]
+    expected = np.asarray(jax.nn.log_softmax(jnp.asarray(real), axis=-1))
+    want = real.argmax(-1)
+    return {
+        "tokens": np.asarray(tokens).tolist(),
+        "want": want.tolist(),
+        "logprob_error": float(np.max(np.abs(np.asarray(logprob) - expected[np.arange(5), want]))),
+    }
+
+
+def test_greedy_picks_from_vocabulary_shards_as_from_whole_rows():
+    got = run_split(4, {"any": 4}, vocab_greedy=True)["any"]
+    assert got["tokens"] == got["want"] and got["want"][1:3] == [3, 77], got
+    assert got["logprob_error"] < 1e-5, got
+
+
 def _made_split(case: str, tp: int) -> dict:
     import jax
 
@@ -247,7 +291,7 @@ if __name__ == "__main__":  # the child: one device, then split, for each case (
         from capstan.runtime import attention
 
         attention.TPU_LAYOUT_ON_CPU = True
-    for mode, probe in (("compiles", _compiles), ("made-split", _made_split)):
+    for mode, probe in (("compiles", _compiles), ("made-split", _made_split), ("vocab-greedy", _vocab_greedy)):
         if mode in sys.argv:
             print(json.dumps({case: probe(case, tp) for case, tp in json.loads(sys.argv[1]).items()}))
             sys.exit(0)

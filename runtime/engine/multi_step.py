@@ -32,6 +32,8 @@ import numpy as np
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
+from ..parallel.mesh import model_parallel_size
+from ..parallel.vocab_greedy import greedy_from_vocab_shards
 from ..sampling.grammar import fill_masks, mask_words
 from ..sampling.programs import SCAN_BRANCHES, carries_counts, scan_branches, scans
 from ..sampling.sampler import (
@@ -40,7 +42,9 @@ from ..sampling.sampler import (
     SampleResult,
     SamplingBatch,
     count_sampled,
+    is_plain_greedy,
     penalty_counts,
+    plain_greedy_result,
     sample,
 )
 from ..scheduling.batch import StepInputs
@@ -51,9 +55,16 @@ from .outputs import RequestOutput
 
 
 def _forward(
-    model: DecoderModel, kv: KVCache, x: StepInputs, tokens: jax.Array, active: jax.Array, j: jax.Array
+    model: DecoderModel,
+    kv: KVCache,
+    x: StepInputs,
+    tokens: jax.Array,
+    active: jax.Array,
+    j: jax.Array,
+    gather: bool = True,
 ) -> tuple[jax.Array, KVCache]:
-    """Step j of a decode run: each row's token at its position + j; returns the rows' logits [S, V]."""
+    """Step j of a decode run: each row's token at its position + j; returns the rows' logits [S, V] (gather=False:
+    left split by vocabulary under tensor parallelism, see DecoderModel.logits)."""
     meta, page = x.meta, kv.page_size
     rows = jnp.arange(x.tokens.shape[0])
     positions = meta.positions + j
@@ -70,7 +81,7 @@ def _forward(
         decode=True,
     )
     hidden, kv = model(tokens, step_meta, kv, x.lora_rows)
-    return model.logits(hidden).array, kv
+    return model.logits(hidden, gather).array, kv
 
 
 def _at_step(sampling: SamplingBatch[jax.Array], j: jax.Array) -> SamplingBatch[jax.Array]:
@@ -100,10 +111,16 @@ def run_decode_steps(
         start = penalty_counts(x.sampling, model.cfg.vocab_size)
         counts = jax.tree.map(lambda a, b: jnp.where(offset == 0, a, b), start, counts)
 
+    # a plain greedy run split over devices picks from each device's vocabulary shard (gathering no logits)
+    split_greedy = is_plain_greedy(branches) and model_parallel_size() > 1
+
     def one(carry, j):
         kv, tokens, counts = carry
-        logits, kv = _forward(model, kv, x, tokens, active, j)
-        result = sample(logits, _at_step(x.sampling, j), branches, counts)
+        logits, kv = _forward(model, kv, x, tokens, active, j, gather=not split_greedy)
+        if split_greedy:
+            result = plain_greedy_result(*greedy_from_vocab_shards(logits, model.cfg.vocab_size))
+        else:
+            result = sample(logits, _at_step(x.sampling, j), branches, counts)
         if counts is not None:  # the sampled token joins each row's output before the next step samples
             counts = count_sampled(counts, result.tokens)
         return (kv, result.tokens, counts), result

@@ -91,10 +91,13 @@ class DecoderModel(eqx.Module):
             )
         return dataclasses.replace(self, layers=tuple(layers))
 
-    def logits(self, hidden: NamedArray) -> NamedArray:
+    def logits(self, hidden: NamedArray, gather: bool = True) -> NamedArray:
         """Float32 logits [..., Vocab]; under tensor parallelism gathered from the vocabulary shards onto every
-        device (and cut to the real vocabulary where it was padded), so sampling sees what one device computes."""
+        device (and cut to the real vocabulary where it was padded), so sampling sees what one device computes.
+        gather=False: left split (and padded) as each device computed them (parallel/vocab_greedy.py reads them)."""
         logits = lm_logits(hidden, self.lm_head, self.ax, self.cfg.final_logit_softcapping)
+        if not gather:
+            return logits
         logits = hax.named(replicated(logits.array), logits.axes)
         if logits.resolve_axis("vocab").size != self.cfg.vocab_size:
             logits = logits["vocab", hax.dslice(0, self.cfg.vocab_size)]

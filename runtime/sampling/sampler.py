@@ -137,17 +137,26 @@ def sample(
         rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1)
         return rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
 
-    def without(logits):
-        return (
-            jnp.ones((S,), jnp.int32),
-            jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros((S, MAX_LOGPROBS), jnp.float32),
-        )
-
     rank, top_ids, top_lp = _branch(
-        branches and branches.want_logprobs, b.want_logprobs, with_logprobs, without, logits
+        branches and branches.want_logprobs, b.want_logprobs, with_logprobs, lambda _: _no_logprobs(S), logits
     )
     return SampleResult(tokens, chosen, rank, top_ids, top_lp)
+
+
+def _no_logprobs(S: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The rank and top logprobs of rows that asked for none."""
+    return jnp.ones((S,), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.float32)
+
+
+def plain_greedy_result(tokens: jax.Array, chosen: jax.Array) -> SampleResult:
+    """A plain greedy batch's result (the argmax of the raw logits and its log-probability, no logprobs asked) from
+    tokens picked elsewhere: parallel/vocab_greedy.py, on logits left split by vocabulary."""
+    return SampleResult(tokens, chosen, *_no_logprobs(tokens.shape[0]))
+
+
+def is_plain_greedy(branches: Branches | None) -> bool:
+    """Whether these (host-decided) branches are a plain greedy batch's without logprobs."""
+    return branches is not None and branches.plain_greedy is True and branches.want_logprobs is False
 
 
 def _processed_sample(
