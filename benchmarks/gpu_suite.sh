@@ -98,14 +98,16 @@ for part in $parts; do
           | grep --line-buffered -E "output_tokens|single_stream|compile|phase_s|weights_init|Error"
         nvidia-smi --query-gpu=memory.used --format=csv,noheader ;;
     # issue 31: one decode-phase engine step traced at each TP size (256 rows and one stream), per GPU; the
-    # collectives XLA put in the TP=2 steps' optimized HLO; TP_TRACE_STEP=6 TP_ROWS=256 NO_HLO=1: a prefill step
+    # collectives XLA put in the TP=2 steps' optimized HLO; TP_TRACE_STEP=6 TP_ROWS=256 NO_HLO=1: a prefill step;
+    # GAPS=N: where each GPU idles (trace_summary.py --gaps); TP_TRACE_KEEP=1: the traces come back in $OUT
     tptrace) for n in ${TP_SIZES:-1 2}; do for rows in ${TP_ROWS:-256 1}; do echo "--- tensor parallel $n, $rows rows"; rm -rf /tmp/tpt
         hlo=$([ $n = 2 ] && [ $rows = 256 ] && [ -z "${NO_HLO:-}" ] && echo "--xla_dump_to=/tmp/tphlo --xla_dump_hlo_as_text")
         env ${hlo:+XLA_FLAGS="$hlo"} python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size $n \
           --requests $rows --prompt-len 256 --output-len 128 --max-num-seqs $rows --max-num-batched-tokens 2048 \
           --smallest-bucket 256 --trace /tmp/tpt ${TP_TRACE_STEP:+--trace-step $TP_TRACE_STEP} 2>&1 \
           | grep --line-buffered -E "output_tokens_per_s|Error|error"
-        python3 benchmarks/trace_summary.py /tmp/tpt --top ${TOP:-25}; done; done
+        python3 benchmarks/trace_summary.py /tmp/tpt --top ${TOP:-25} ${GAPS:+--gaps $GAPS}
+        [ -n "${TP_TRACE_KEEP:-}" ] && find /tmp/tpt -name "*.trace.json.gz" -exec cp {} "$OUT/tp$n-rows$rows.trace.json.gz" \; ; done; done
       [ -d /tmp/tphlo ] && python3 benchmarks/hlo_collectives.py /tmp/tphlo --top 4 ;;
     # issue 32: 256 requests over 8 rank-16 adapters (q/k/v/o/gate/up/down) against the base in one process, and
     # one stream with and without an adapter (targets: >= 0.8x the base's tokens/s; one stream within 15%)
