@@ -81,7 +81,7 @@ def print_gaps(device: str, kernels: list[tuple[float, float, str]], top: int) -
     """The idle time between one device's kernels (nothing running on any of its streams), summed by the pair of
     kernels around each gap."""
     kernels = sorted(kernels)
-    idle: collections.Counter[tuple[str, str]] = collections.Counter()
+    idle: dict[tuple[str, str], float] = collections.defaultdict(float)
     gaps: collections.Counter[tuple[str, str]] = collections.Counter()
     end, before = kernels[0][0] + kernels[0][1], kernels[0][2]
     for ts, dur, name in kernels[1:]:
@@ -93,7 +93,7 @@ def print_gaps(device: str, kernels: list[tuple[float, float, str]], top: int) -
     print(
         f"{device[:60]}: idle {sum(idle.values()) / 1000:.3f} ms in {sum(gaps.values())} gaps; the most, by the kernels around them:"
     )
-    for (after, next_), us in idle.most_common(top):
+    for (after, next_), us in sorted(idle.items(), key=lambda kv: -kv[1])[:top]:
         print(f"{us / 1000:9.3f} ms {gaps[after, next_]:6d}x  {after[:50]} -> {next_[:50]}")
 
 
