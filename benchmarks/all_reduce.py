@@ -61,10 +61,11 @@ def main() -> None:
                 )
             )
             x = jax.device_put(jnp.ones((a.devices * rows, EMBED), jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
+            compiled = fn.lower(x).compile()
             if reduce:  # what XLA made of the chain: its all-reduces, counted in the optimized HLO
-                text = fn.lower(x).compile().as_text() or ""
+                text = compiled.as_text() or ""
                 found = text.count(" all-reduce(") + text.count(" all-reduce-start(")
-            per[reduce] = median_ms(fn, x, repeats=a.repeats)
+            per[reduce] = median_ms(compiled, x, repeats=a.repeats)
         us = 1000 * (per[True] - per[False]) / a.chain
         print(
             f"bf16 [{rows:5d}, {EMBED}] ({rows * EMBED * 2 / 2**20:6.2f} MiB): {us:7.2f} us an all-reduce "
