@@ -4,18 +4,26 @@ the all-reduces; prints us per all-reduce. A TP=2 decode step holds 65 (RESULTS.
 H200 x2, 1.1 ms of an 8.2 ms step): XLA or NCCL options that shorten them show here in seconds, without compiling
 the 8B shape (`ALLREDUCE_FLAGS="'' '--xla_gpu_...=true'" bash benchmarks/gpu_suite.sh allreduce`, one process each).
 
-python benchmarks/all_reduce.py [--devices 2] [--rows 1 256 2048] [--chain 64]
-(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu, a check that it runs)"""
+--processes N: the same chain over N processes of one GPU each (jax.distributed on 127.0.0.1, as vLLM runs a worker
+per GPU) instead of one process driving N GPUs, the engine's way: whether the single-process collectives are what
+idles a TP=2 step.
+
+python benchmarks/all_reduce.py [--devices 2] [--processes 1] [--rows 1 256 2048] [--chain 64]
+(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu, or JAX_PLATFORMS=cpu --processes 2
+with gloo's collectives: a check that it runs)"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,19 +43,52 @@ def chain(x: jax.Array, links: int, reduce: bool) -> jax.Array:
     return x
 
 
+def run_processes(n: int, timeout_s: float = 600) -> int:
+    """This script again in n processes joined by jax.distributed on 127.0.0.1 (parallel/distributed.py reads the
+    environment), process i on GPU i (on CPUs: one CPU device each); every one is killed if any outlives timeout_s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cpu = "cpu" in os.environ.get("JAX_PLATFORMS", "")
+    procs = []
+    try:
+        for i in range(n):
+            env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n))
+            env.update(JAX_PROCESS_ID=str(i), **({} if cpu else {"JAX_LOCAL_DEVICE_IDS": str(i)}))
+            procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--joined"], env=env))
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return max(p.returncode for p in procs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--processes", type=int, default=1, help="1: one process drives --devices; N: N devices, one each")
+    ap.add_argument("--joined", action="store_true", help=argparse.SUPPRESS)  # a process run_processes started
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 256, 2048])
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
     a = ap.parse_args()
+    a.devices = a.processes if a.processes > 1 else a.devices  # a device each
+    if a.processes > 1 and not a.joined:
+        sys.exit(run_processes(a.processes))
+    if a.joined:
+        from capstan.runtime.parallel.distributed import initialize_from_env
+
+        initialize_from_env(timeout_s=120)
     if len(jax.devices()) < a.devices:
         sys.exit(f"--devices {a.devices}: only {len(jax.devices())} {jax.default_backend()} devices here")
     mesh = jax.make_mesh((a.devices,), (AXIS,), devices=jax.devices()[: a.devices])
+    say = print if jax.process_index() == 0 else (lambda *_, **__: None)
     flags = os.environ.get("XLA_FLAGS", "") or "(no XLA_FLAGS)"
     nccl = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")) or "(no NCCL_*)"
-    print(f"{jax.devices()[0].device_kind} x{a.devices}, {flags}, {nccl}")
+    say(f"{jax.devices()[0].device_kind} x{a.devices} in {jax.process_count()} process(es), {flags}, {nccl}")
     for rows in a.rows:
         per = {}
         for reduce in (True, False):
@@ -60,14 +101,16 @@ def main() -> None:
                     check_vma=False,
                 )
             )
-            x = jax.device_put(jnp.ones((a.devices * rows, EMBED), jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
+            shape = (a.devices * rows, EMBED)  # each process makes its own devices' rows
+            ones = np.ones(shape, jnp.bfloat16)
+            x = jax.make_array_from_callback(shape, NamedSharding(mesh, P(AXIS)), ones.__getitem__, dtype=jnp.bfloat16)
             compiled = fn.lower(x).compile()
             if reduce:  # what XLA made of the chain: its all-reduces, counted in the optimized HLO
                 text = compiled.as_text() or ""
                 found = text.count(" all-reduce(") + text.count(" all-reduce-start(")
             per[reduce] = median_ms(compiled, x, repeats=a.repeats)
         us = 1000 * (per[True] - per[False]) / a.chain
-        print(
+        say(
             f"bf16 [{rows:5d}, {EMBED}] ({rows * EMBED * 2 / 2**20:6.2f} MiB): {us:7.2f} us an all-reduce "
             f"({per[True]:.3f} ms the chain of {a.chain}, {per[False]:.3f} ms without; {found} all-reduces in the HLO)",
             flush=True,

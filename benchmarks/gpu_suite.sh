@@ -90,12 +90,14 @@ for part in $parts; do
           --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 ${TP_ARGS:-} \
           --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 \
           | grep --line-buffered -E "output_tokens|single_stream|compile|phase_s|timeline|Error"; done ;;
-    # issue 31: the all-reduce alone (benchmarks/all_reduce.py), one process for each XLA_FLAGS in ALLREDUCE_FLAGS
-    # (a quoted list; '' for XLA's defaults) and each NCCL_PROTO in ALLREDUCE_PROTOS (- for NCCL's choice)
+    # issue 31: the all-reduce alone (benchmarks/all_reduce.py), one run for each XLA_FLAGS in ALLREDUCE_FLAGS
+    # (a quoted list; '' for XLA's defaults), each NCCL_PROTO in ALLREDUCE_PROTOS (- for NCCL's choice) and each
+    # count of processes in ALLREDUCE_PROCESSES (1: one process drives the GPUs, as the engine does; 2: one each)
     allreduce) eval "set -- ${ALLREDUCE_FLAGS:-''}"; for f in "$@"; do for proto in ${ALLREDUCE_PROTOS:--}; do
+        for procs in ${ALLREDUCE_PROCESSES:-1}; do
         if [ "$proto" = - ]; then unset NCCL_PROTO; else export NCCL_PROTO=$proto; fi
-        XLA_FLAGS="$f" python3 benchmarks/all_reduce.py --devices ${ALLREDUCE_DEVICES:-2} 2>&1 \
-          | grep --line-buffered -v Warning; done; done; unset NCCL_PROTO ;;
+        XLA_FLAGS="$f" python3 benchmarks/all_reduce.py --devices ${ALLREDUCE_DEVICES:-2} --processes $procs 2>&1 \
+          | grep --line-buffered -v -E "Warning|Gloo"; done; done; done; unset NCCL_PROTO ;;
     # issue 31: the Llama-3-70B shape (random bf16 weights made in parts on the mesh) at TP=4; one token bucket
     # (2048) keeps its 80 unrolled layers' compile short
     tp70b) python3 benchmarks/throughput.py --shape llama-3-70b --tensor-parallel-size ${TP70_SIZE:-4} --requests 256 \

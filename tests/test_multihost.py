@@ -60,3 +60,19 @@ def test_two_processes_give_the_tokens_of_one():
     assert two["tokens"] == one["tokens"]  # greedy requests and a seeded sampled one
     for rid, lps in one["logprobs"].items():
         np.testing.assert_allclose(two["logprobs"][rid], lps, atol=1e-4, err_msg=rid)
+
+
+def test_local_device_ids_that_are_not_numbers_are_refused_by_name(monkeypatch):
+    import pytest
+
+    from capstan.runtime.parallel.distributed import initialize_from_env
+
+    for name, value in (
+        ("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1"),
+        ("JAX_NUM_PROCESSES", "2"),
+        ("JAX_PROCESS_ID", "0"),
+    ):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", "0,gpu1")
+    with pytest.raises(ValueError, match="JAX_LOCAL_DEVICE_IDS='0,gpu1'"):
+        initialize_from_env(timeout_s=1)

@@ -1,7 +1,9 @@
 """Several hosts as one JAX program: each host's process joins the jax.distributed group its environment names,
 before any JAX computation; the engine then runs in lockstep on every host (engine/lockstep.py).
 
-The operator sets JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
+The operator sets JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID;
+JAX_LOCAL_DEVICE_IDS (comma-separated) gives a process only some of its host's GPUs: several processes on one host,
+one a GPU (benchmarks/all_reduce.py --processes)."""
 
 from __future__ import annotations
 
@@ -21,11 +23,17 @@ def initialize_from_env(timeout_s: int = 300) -> bool:
     missing = [name for name in ENV if not os.environ.get(name)]
     if missing:
         raise ValueError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']} needs {', '.join(missing)} as well")
+    local = os.environ.get("JAX_LOCAL_DEVICE_IDS", "").strip()
+    try:
+        local_ids = [int(i) for i in local.split(",")] if local else None
+    except ValueError:
+        raise ValueError(f"JAX_LOCAL_DEVICE_IDS={local!r}: not comma-separated device numbers") from None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts' collectives across processes
     jax.distributed.initialize(
         os.environ["JAX_COORDINATOR_ADDRESS"],
         num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
         process_id=int(os.environ["JAX_PROCESS_ID"]),
+        local_device_ids=local_ids,
         initialization_timeout=timeout_s,
     )
     log.info(
