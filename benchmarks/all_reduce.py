@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).parent))
+from processes import JOINED, join, run_joined  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 AXIS = "model"
@@ -43,45 +42,20 @@ def chain(x: jax.Array, links: int, reduce: bool) -> jax.Array:
     return x
 
 
-def run_processes(n: int, timeout_s: float = 600) -> int:
-    """This script again in n processes joined by jax.distributed on 127.0.0.1 (parallel/distributed.py reads the
-    environment), process i on GPU i (on CPUs: one CPU device each); every one is killed if any outlives timeout_s."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cpu = "cpu" in os.environ.get("JAX_PLATFORMS", "")
-    procs = []
-    try:
-        for i in range(n):
-            env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n))
-            env.update(JAX_PROCESS_ID=str(i), **({} if cpu else {"JAX_LOCAL_DEVICE_IDS": str(i)}))
-            procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--joined"], env=env))
-        for p in procs:
-            p.wait(timeout=timeout_s)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return max(p.returncode for p in procs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--processes", type=int, default=1, help="1: one process drives --devices; N: N devices, one each")
-    ap.add_argument("--joined", action="store_true", help=argparse.SUPPRESS)  # a process run_processes started
+    ap.add_argument(JOINED, action="store_true", help=argparse.SUPPRESS)  # a process run_joined started
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 256, 2048])
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
     a = ap.parse_args()
     a.devices = a.processes if a.processes > 1 else a.devices  # a device each
     if a.processes > 1 and not a.joined:
-        sys.exit(run_processes(a.processes))
+        sys.exit(run_joined(a.processes, sys.argv, timeout_s=600))
     if a.joined:
-        from capstan.runtime.parallel.distributed import initialize_from_env
-
-        initialize_from_env(timeout_s=120)
+        join()
     if len(jax.devices()) < a.devices:
         sys.exit(f"--devices {a.devices}: only {len(jax.devices())} {jax.default_backend()} devices here")
     mesh = jax.make_mesh((a.devices,), (AXIS,), devices=jax.devices()[: a.devices])

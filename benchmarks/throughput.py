@@ -1,7 +1,9 @@
 """Offline throughput of Capstan's engine on a named shape with random weights (no download).
 
 python benchmarks/throughput.py --shape tiny --requests 64 --prompt-len 64 --output-len 64
-prints output tokens/s, prefill tokens/s, compile time and peak KV pages; --json writes them too."""
+prints output tokens/s, prefill tokens/s, compile time and peak KV pages; --json writes them too.
+--processes N with --tensor-parallel-size N: the engine in N processes of one GPU each, in lockstep
+(engine/lockstep.py, the multi-host engine), instead of one process driving the N GPUs."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from processes import JOINED, join, run_joined  # noqa: E402
 from shapes import shape_config  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
+from capstan.runtime.engine.lockstep import LockstepEngine  # noqa: E402
 from capstan.runtime.models.loader import random_model  # noqa: E402
 from capstan.runtime.parallel.tensor_parallel import TensorParallel  # noqa: E402
 from capstan.runtime.sampling.grammar import StructuredOutput  # noqa: E402
@@ -276,8 +280,22 @@ def main(argv=None) -> dict:
         help="GiB of host memory for evicted prefix-cache pages (implies --prefix-caching): a preempted sequence's "
         "evicted pages come back from there instead of being recomputed (issue 33)",
     )
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="N > 1: the engine in N processes of one GPU each, in lockstep (one process drives every GPU otherwise)",
+    )
+    ap.add_argument(JOINED, action="store_true", help=argparse.SUPPRESS)  # a process run_joined started
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
+    if a.processes > 1 and not a.joined:
+        if a.tensor_parallel_size != a.processes:
+            raise SystemExit(f"--processes {a.processes} needs --tensor-parallel-size {a.processes} (a GPU each)")
+        sys.exit(run_joined(a.processes, [__file__, *(sys.argv[1:] if argv is None else argv)]))
+    if a.joined:
+        join()
+    leader = jax.process_index() == 0
     if a.gathered_greedy:  # the A/B of parallel/vocab_greedy.py: no batch counts as plain greedy for the split pick
         import capstan.runtime.engine.multi_step as multi_step
 
@@ -295,7 +313,7 @@ def main(argv=None) -> dict:
 
     def engine_for(max_num_seqs: int, max_tokens: int, pool: bool = True) -> LLMEngine:
         """pool: the batch's KV flags (--num-pages, --kv-offloading-size); the one-stream engine sizes its own."""
-        e = LLMEngine(
+        e = (LockstepEngine if a.joined else LLMEngine)(
             EngineConfig(
                 model=str(DEFAULT_MODEL),
                 dtype=dtype,
@@ -318,6 +336,15 @@ def main(argv=None) -> dict:
         return e
 
     engine = engine_for(a.max_num_seqs, a.max_num_batched_tokens)
+    if not leader:  # a follower takes the leader's steps: its warm and timed runs, then its one stream's
+        assert isinstance(engine, LockstepEngine)
+        engine.follow()
+        if a.single_stream_tokens:
+            del engine
+            one_row = engine_for(1, max(a.prompt_len, a.smallest_bucket), pool=False)
+            assert isinstance(one_row, LockstepEngine)
+            one_row.follow()
+        return {}
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(a.requests)]
     fixed = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -342,6 +369,7 @@ def main(argv=None) -> dict:
         "quantization": a.quantization or "none",
         "device": str(jax.devices()[0].device_kind),
         "tensor_parallel_size": a.tensor_parallel_size,
+        "processes": jax.process_count(),
         "kv_cache_dtype": a.kv_cache_dtype,
         "kv_pages": engine.config.num_pages,
         "requests": a.requests,
@@ -360,6 +388,9 @@ def main(argv=None) -> dict:
         ),
     }
     after = engine.stats()
+    if a.joined:
+        assert isinstance(engine, LockstepEngine)
+        engine.stop_followers()
     if a.prefix_caching or a.kv_offloading_size > 0 or a.num_pages:  # what the pool's pressure did
         figures["preemptions"] = after.preemptions - before.preemptions
         figures["device_hit_tokens"] = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
@@ -373,6 +404,9 @@ def main(argv=None) -> dict:
         run(single, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
         streams = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(3)]
         runs = sorted(1000 * run(single, [p], one)["seconds"] / a.single_stream_tokens for p in streams)
+        if a.joined:
+            assert isinstance(single, LockstepEngine)
+            single.stop_followers()
         figures["single_stream_ms_per_token"] = runs[1]  # the median of three streams
         figures["single_stream_ms_per_token_min_max"] = f"{runs[0]:.3f}..{runs[2]:.3f}"
     for k, v in figures.items():

@@ -13,7 +13,7 @@ from capstan.runtime.parallel.distributed import initialize_from_env
 GOLDEN = Path(__file__).parent / "data" / "golden"
 
 
-def main(case: str) -> None:
+def main(case: str, max_tokens: int) -> None:
     import jax
 
     from capstan.runtime.config import EngineConfig
@@ -25,6 +25,7 @@ def main(case: str) -> None:
             model=str(GOLDEN / case),
             max_model_len=256,
             max_num_seqs=4,
+            decode_steps=4,  # past 8 tokens, decode dispatches are queued ahead (multi_step.py)
             max_num_batched_tokens=32,
             page_size=4,
             dtype="float32",
@@ -36,8 +37,8 @@ def main(case: str) -> None:
         engine.follow()
         return
     prompts = json.loads((GOLDEN / case / "reference.json").read_text())["prompts"]
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-    seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    seeded = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=3)
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", p, greedy)
     engine.add_request("s", prompts[0], seeded)
@@ -57,4 +58,4 @@ def main(case: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 8)

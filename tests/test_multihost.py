@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_hosts(n: int) -> dict:
+def run_hosts(n: int, max_tokens: int = 8) -> dict:
     """The leader's result; every process is killed (SIGKILL: JAX traps SIGTERM) if any outlives TIMEOUT_S."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
@@ -36,7 +36,7 @@ def run_hosts(n: int) -> dict:
             )
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(RUN), "llama-s11"],
+                    [sys.executable, str(RUN), "llama-s11", str(max_tokens)],
                     env=host,
                     text=True,
                     stdout=subprocess.PIPE,
@@ -58,6 +58,14 @@ def test_two_processes_give_the_tokens_of_one():
     one, two = run_hosts(1), run_hosts(2)
     assert (one["devices"], two["devices"]) == (1, 2)
     assert two["tokens"] == one["tokens"]  # greedy requests and a seeded sampled one
+
+
+def test_decode_dispatches_queued_ahead_run_in_the_same_order_on_every_host():
+    # 40 tokens: runs of 4-step dispatches, each queued on the dispatch thread while the last one's tokens are
+    # applied; a host that broadcast the next step's changes while its queued dispatch ran failed in gloo
+    one, two = run_hosts(1, max_tokens=40), run_hosts(2, max_tokens=40)
+    assert two["tokens"] == one["tokens"]
+    assert all(len(t) == 40 for t in one["tokens"].values())
     for rid, lps in one["logprobs"].items():
         np.testing.assert_allclose(two["logprobs"][rid], lps, atol=1e-4, err_msg=rid)
 

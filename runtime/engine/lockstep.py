@@ -78,6 +78,7 @@ class LockstepEngine(LLMEngine):
 
     def step(self):
         assert self.is_leader, "followers step in follow()"
+        self._queued_done()
         self._send((self._changes, self._after_last_step))
         self._changes = []
         outputs = super().step()
@@ -92,7 +93,11 @@ class LockstepEngine(LLMEngine):
     def follow(self) -> None:
         """A follower's life: apply the leader's changes, take the same step, until the leader stops."""
         assert not self.is_leader
-        while (message := self._receive()) != STOP:
+        while True:
+            self._queued_done()
+            message = self._receive()
+            if message == STOP:
+                return
             changes, fingerprint = message
             if fingerprint != self._fingerprint():  # this host's state after the last step, before the changes
                 raise RuntimeError(
@@ -106,6 +111,16 @@ class LockstepEngine(LLMEngine):
                     LLMEngine.abort(self, change.request_id)
             LLMEngine.step(self)
             self.take_failed()
+
+    def _queued_done(self) -> None:
+        """Waits until a decode dispatch queued ahead (multi_step.py, on the dispatch thread) has run: the broadcast
+        that follows is a program with a collective too, and hosts that ran the two in different orders, or at once
+        (CPU programs run concurrently), would mismatch in gloo or hang in NCCL. The pipeline pays a broadcast's
+        round trip a dispatch for it."""
+        ahead = self.multi_step.ahead
+        if ahead is not None:
+            self.multi_step.settle(ahead)
+            jax.block_until_ready(ahead.out)
 
     def _fingerprint(self) -> tuple:
         return (len(self.requests), self.pool.num_used, self.generation_tokens, self.prompt_tokens)

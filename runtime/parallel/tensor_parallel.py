@@ -136,8 +136,9 @@ class TensorParallel:
 
     def _put(self, x, spec: P) -> jax.Array:
         assert self.mesh is not None, "placed only on a mesh"
-        if jax.process_count() > 1:  # each host holds the whole value; device_put takes its own devices' parts
-            x = np.asarray(x)
+        made_in_parts = isinstance(x, jax.Array) and not x.is_fully_addressable  # on the mesh (checkpoint_sharding)
+        if jax.process_count() > 1 and not made_in_parts:  # each host holds the whole value; device_put takes its own
+            x = np.asarray(x)  # devices' parts
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
 
