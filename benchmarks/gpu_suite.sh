@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -90,6 +90,13 @@ for part in $parts; do
           --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 ${TP_ARGS:-} \
           --single-stream-tokens 128 --json "$OUT/tp$n-llama-3-8b.json" 2>&1 \
           | grep --line-buffered -E "output_tokens|single_stream|compile|phase_s|timeline|Error"; done ;;
+    # issue 31: TP=2 in one process driving both GPUs (the engine's way) and in two lockstep processes of one GPU
+    # each (vLLM's way), each TP_PROCESSES entry (a count of processes) in turn
+    tpprocs) for p in ${TP_PROCESSES:-1 2}; do echo "--- tensor parallel 2, $p process(es) ${TP_ARGS:-}"
+        python3 benchmarks/throughput.py --shape llama-3-8b --tensor-parallel-size 2 --processes $p --requests 256 \
+          --prompt-len 256 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+          ${TP_ARGS:-} --single-stream-tokens 128 --json "$OUT/tp2-procs$p-llama-3-8b.json" 2>&1 \
+          | grep --line-buffered -E "output_tokens|single_stream|compile|phase_s|timeline|processes|Error"; done ;;
     # issue 31: the all-reduce alone (benchmarks/all_reduce.py), one run for each XLA_FLAGS in ALLREDUCE_FLAGS
     # (a quoted list; '' for XLA's defaults), each NCCL_PROTO in ALLREDUCE_PROTOS (- for NCCL's choice) and each
     # count of processes in ALLREDUCE_PROCESSES (1: one process drives the GPUs, as the engine does; 2: one each)
