@@ -244,6 +244,12 @@ def main(argv=None) -> dict:
         help="split, a plain greedy decode scan gathers the logits and samples them whole (as before vocab_greedy.py)",
     )
     ap.add_argument(
+        "--unplaced-dispatch-args",
+        action="store_true",
+        help="a decode dispatch's small host arguments go to its jitted call as numpy arrays (as before "
+        "MultiStepDecoder._placed), put on the device by the dispatch thread",
+    )
+    ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "bfloat16", "fp8", "fp8_e4m3"],
@@ -300,6 +306,10 @@ def main(argv=None) -> dict:
         import capstan.runtime.engine.multi_step as multi_step
 
         multi_step.is_plain_greedy = lambda branches: False
+    if a.unplaced_dispatch_args:  # the A/B of MultiStepDecoder._placed
+        from capstan.runtime.engine.multi_step import MultiStepDecoder
+
+        MultiStepDecoder._placed = lambda self, *arrays: list(arrays)  # type: ignore[method-assign]
     dtype = a.dtype if a.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     cfg = shape_config(a.shape)
     t0 = time.perf_counter()

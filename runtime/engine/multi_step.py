@@ -213,14 +213,15 @@ class MultiStepDecoder:
             for S in e.builder.row_buckets:  # a free batch's scan runs at its row bucket
                 inputs = e.builder.build([], bucket=S, rows=S)
                 for k, branches in itertools.product(self.step_counts(S), scans(jax.default_backend())):
+                    active, offset, tables = self._placed(np.zeros(S, np.int32), np.int32(0), self._block_tables([], S))
                     e.kv, out, _ = decode_steps_fn(
                         model,
                         e.kv,
                         inputs,
-                        np.zeros(S, np.int32),
-                        np.int32(0),
+                        active,
+                        offset,
                         self._no_previous(S, k),
-                        self._block_tables([], S),
+                        tables,
                         self._no_counts(S, branches),
                         num_steps=k,
                         branches=branches,
@@ -306,15 +307,16 @@ class MultiStepDecoder:
                 rows,
                 scan_branches([c.seq.params for c in chunks], jax.default_backend()),
             )
+            placed_rows, offset, tables = self._placed(rows, np.int32(0), self._block_tables(chunks, S))
             with e._precision():
                 e.kv, d.out, d.counts = decode_steps_fn(
                     e.model_for(chunks),
                     e.kv,
                     inputs,
-                    rows,
-                    np.int32(0),
+                    placed_rows,
+                    offset,
                     self._no_previous(S, k),
-                    self._block_tables(chunks, S),
+                    tables,
                     self._no_counts(S, d.branches),
                     num_steps=k,
                     branches=d.branches,
@@ -411,7 +413,10 @@ class MultiStepDecoder:
             active[r] = steps
         nxt = Dispatch(d.chunks, d.inputs, d.limits, offset, k, active, d.branches)
         assert d.out is not None, "d is settled before the next dispatch is queued"
-        kv, previous, tables, counts = e.kv, d.out.tokens, self._block_tables(d.chunks, len(d.active)), d.counts
+        kv, previous, counts = e.kv, d.out.tokens, d.counts
+        placed_active, placed_offset, tables = self._placed(
+            active, np.int32(offset), self._block_tables(d.chunks, len(d.active))
+        )
         model = e.model_for(d.chunks)  # the run's variant: its rows' adapters stay in their slots while it runs
 
         def call():
@@ -420,8 +425,8 @@ class MultiStepDecoder:
                     model,
                     kv,
                     d.inputs,
-                    active,
-                    np.int32(offset),
+                    placed_active,
+                    placed_offset,
                     previous,
                     tables,
                     counts,
@@ -439,6 +444,13 @@ class MultiStepDecoder:
         same (a dispatch queued ahead takes device arrays)."""
         zeros = np.zeros((num_steps, rows), np.int32)
         return jax.device_put(zeros, self._outputs_sharding())
+
+    def _placed(self, *arrays: np.ndarray | np.generic) -> list[jax.Array]:
+        """A dispatch's small host arguments (rows' step counts, offset, block tables) on the device in one call, placed
+        as its outputs are. Put from the dispatch thread, each numpy argument waited ~5 ms for the GIL that the main
+        thread held applying tokens (Python's switch interval), and the GPU idled ~17 ms a dispatch meanwhile
+        (H200 x2, 8B shape, TP=2: benchmarks/RESULTS.md)."""
+        return jax.device_put(list(arrays), self._outputs_sharding())
 
     def _outputs_sharding(self):
         """Where a dispatch's outputs are: replicated on the mesh; on one device, committed to it when the cache is
