@@ -84,3 +84,15 @@ def test_local_device_ids_that_are_not_numbers_are_refused_by_name(monkeypatch):
     monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", "0,gpu1")
     with pytest.raises(ValueError, match="JAX_LOCAL_DEVICE_IDS='0,gpu1'"):
         initialize_from_env(timeout_s=1)
+
+
+def test_the_wire_carries_messages_of_every_length_whole():
+    import numpy as np
+
+    from capstan.runtime.engine.lockstep import HEADER, SMALLEST_MESSAGE, LockstepEngine
+
+    rng = np.random.default_rng(0)
+    room = SMALLEST_MESSAGE - HEADER
+    for size in (0, 1, room - 1, room, room + 1, 5000):  # one broadcast, or the rest in a second
+        data = rng.integers(0, 256, size).astype(np.uint8)
+        assert LockstepEngine._broadcast(data).tobytes() == data.tobytes()

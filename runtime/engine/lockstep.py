@@ -28,6 +28,7 @@ from .engine import LLMEngine
 
 log = logging.getLogger("capstan.multihost")
 SMALLEST_MESSAGE = 1024  # broadcast buffers are padded to powers of two from here: few compiled broadcasts
+HEADER = 8  # the message's length, first in the first broadcast
 HEARTBEAT_S = 5.0  # an idle leader still steps (with nothing to do) this often: no follower waits long in a collective
 
 
@@ -135,14 +136,25 @@ class LockstepEngine(LLMEngine):
 
     @staticmethod
     def _broadcast(data: np.ndarray | None) -> np.ndarray:
+        """The leader's bytes (data) on every host (None: a follower's). One broadcast of SMALLEST_MESSAGE bytes, the
+        length then the first bytes, carries a step's usual message; a longer one's rest follows in a second,
+        padded to a power of two (few compiled broadcasts). Each is a collective a host waits on (~1-2 ms)."""
         from jax.experimental import multihost_utils
 
-        size = int(multihost_utils.broadcast_one_to_all(np.int64(0 if data is None else data.size)))
-        padded = max(SMALLEST_MESSAGE, 1 << (size - 1).bit_length())
-        buf = np.zeros(padded, np.uint8)
+        room = SMALLEST_MESSAGE - HEADER
+        head = np.zeros(SMALLEST_MESSAGE, np.uint8)
         if data is not None:
-            buf[:size] = data
-        return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:size]
+            head[:HEADER] = np.frombuffer(np.uint64(data.size).tobytes(), np.uint8)
+            head[HEADER : HEADER + min(data.size, room)] = data[:room]
+        head = np.asarray(multihost_utils.broadcast_one_to_all(head))
+        size = int(np.frombuffer(head[:HEADER].tobytes(), np.uint64)[0])
+        if size <= room:
+            return head[HEADER : HEADER + size]
+        rest = size - room
+        tail = np.zeros(max(SMALLEST_MESSAGE, 1 << (rest - 1).bit_length()), np.uint8)
+        if data is not None:
+            tail[:rest] = data[room:]
+        return np.concatenate([head[HEADER:], np.asarray(multihost_utils.broadcast_one_to_all(tail))[:rest]])
 
 
 def run_follower(config: EngineConfig, host: str = "0.0.0.0", port: int | None = None) -> int:

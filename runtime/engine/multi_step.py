@@ -33,6 +33,7 @@ from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from ..parallel.mesh import model_parallel_size
+from ..parallel.placement import put
 from ..parallel.vocab_greedy import greedy_from_vocab_shards
 from ..sampling.grammar import fill_masks, mask_words
 from ..sampling.programs import SCAN_BRANCHES, carries_counts, scan_branches, scans
@@ -443,14 +444,14 @@ class MultiStepDecoder:
         the middle of the first run (8B shape, TP=2: 8 s of a 10 s decode phase); on one device a numpy array did the
         same (a dispatch queued ahead takes device arrays)."""
         zeros = np.zeros((num_steps, rows), np.int32)
-        return jax.device_put(zeros, self._outputs_sharding())
+        return put(zeros, self._outputs_sharding())
 
     def _placed(self, *arrays: np.ndarray | np.generic) -> list[jax.Array]:
         """A dispatch's small host arguments (rows' step counts, offset, block tables) on the device in one call, placed
         as its outputs are. Put from the dispatch thread, each numpy argument waited ~5 ms for the GIL that the main
         thread held applying tokens (Python's switch interval), and the GPU idled ~17 ms a dispatch meanwhile
         (H200 x2, 8B shape, TP=2: benchmarks/RESULTS.md)."""
-        return jax.device_put(list(arrays), self._outputs_sharding())
+        return put(list(arrays), self._outputs_sharding())
 
     def _outputs_sharding(self):
         """Where a dispatch's outputs are: replicated on the mesh; on one device, committed to it when the cache is
@@ -472,7 +473,7 @@ class MultiStepDecoder:
             V, sharding = self.engine.model.cfg.vocab_size, self._outputs_sharding()
             output, seen = np.zeros((rows, V), np.float32), np.zeros((rows, V), np.bool_)
             # placed as _no_previous places its zeros
-            self._zero_counts[rows] = PenaltyCounts(jax.device_put(output, sharding), jax.device_put(seen, sharding))
+            self._zero_counts[rows] = PenaltyCounts(*put([output, seen], sharding))
         return self._zero_counts[rows]
 
     def _block_tables(self, chunks: list[ScheduledChunk], rows: int) -> np.ndarray:
@@ -499,7 +500,7 @@ class MultiStepDecoder:
         model = e.model_for(chunks)
         grammars = [(c.seq.constraint, r) for r, c in enumerate(chunks) if c.seq.constraint is not None]
         words = mask_words(e.model.cfg.vocab_size)
-        active_rows = jax.device_put(rows, e.parallel.inputs_sharding())
+        active_rows = put(rows, e.parallel.inputs_sharding())
         params = [c.seq.params for c in chunks]
         branches = pipeline_branches(
             all_greedy=all(p.temperature == 0.0 for p in params),
@@ -533,7 +534,7 @@ class MultiStepDecoder:
                     decode_sample_fn(
                         logits,
                         inputs,
-                        jax.device_put(allowed, e.parallel.inputs_sharding()),
+                        put(allowed, e.parallel.inputs_sharding()),
                         np.int32(j),
                         branches=branches,
                     )

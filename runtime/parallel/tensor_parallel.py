@@ -31,6 +31,7 @@ from ..models.decoder import DecoderModel
 from ..models.layers import Attention, ModelAxes
 from ..models.quantization import QuantizedWeight
 from .mesh import MODEL_AXIS
+from .placement import put
 
 SPLIT_AXES = ("kv_heads", "mlp", "vocab")  # haliax axis names split along the model axis; all others replicated
 FLAG = "--tensor-parallel-size"
@@ -136,10 +137,9 @@ class TensorParallel:
 
     def _put(self, x, spec: P) -> jax.Array:
         assert self.mesh is not None, "placed only on a mesh"
-        made_in_parts = isinstance(x, jax.Array) and not x.is_fully_addressable  # on the mesh (checkpoint_sharding)
-        if jax.process_count() > 1 and not made_in_parts:  # each host holds the whole value; device_put takes its own
-            x = np.asarray(x)  # devices' parts
-        return jax.device_put(x, NamedSharding(self.mesh, spec))
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # made in parts on the mesh (checkpoint_sharding)
+            return jax.device_put(x, NamedSharding(self.mesh, spec))
+        return put(x, NamedSharding(self.mesh, spec))  # each host holds the whole value and puts its devices' parts
 
 
 def checkpoint_split_axis(name: str) -> int | None:

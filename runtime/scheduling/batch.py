@@ -14,6 +14,7 @@ from jax.sharding import Sharding
 from ..arrays import HostLeaf, HostOrDevice
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
 from ..limits import MAX_LOGIT_BIAS
+from ..parallel.placement import put
 from ..sampling.grammar import fill_masks, mask_words
 from ..sampling.sampler import SamplingBatch
 from .packing import Packed, pack
@@ -106,13 +107,13 @@ class BatchBuilder:
 
     def no_history(self, rows: int) -> jax.Array:
         if rows not in self._no_history:
-            self._no_history[rows] = jax.device_put(np.full((rows, self.H), self.V, np.int32), self.placement)
+            self._no_history[rows] = put(np.full((rows, self.H), self.V, np.int32), self.placement)
         return self._no_history[rows]
 
     def allowed_for(self, rows: int) -> jax.Array:
         """Every token allowed for every row: the grammar mask of a batch without grammars, on the device."""
         if rows not in self._all_allowed:
-            self._all_allowed[rows] = jax.device_put(np.full((rows, mask_words(self.V)), -1, np.int32), self.placement)
+            self._all_allowed[rows] = put(np.full((rows, mask_words(self.V)), -1, np.int32), self.placement)
         return self._all_allowed[rows]
 
     def bucket_for(self, num_tokens: int) -> int:
@@ -233,9 +234,9 @@ class BatchBuilder:
             bias_values=bias_values,
             banned_ids=banned,
             # history is a device array either way, so the packed layout (and the compiled step) is the same
-            history=self.no_history(S) if history is None else jax.device_put(history, self.placement),
+            history=self.no_history(S) if history is None else put(history, self.placement),
             prompt_lens=prompt_lens,
-            allowed=self.allowed_for(S) if allowed is None else jax.device_put(allowed, self.placement),
+            allowed=self.allowed_for(S) if allowed is None else put(allowed, self.placement),
             any_constrained=np.asarray(allowed is not None, np.bool_),
             any_penalty=np.asarray(history is not None, np.bool_),
             any_filter=np.asarray(any_filter, np.bool_),

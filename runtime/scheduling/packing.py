@@ -11,6 +11,8 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from ..parallel.placement import put
+
 
 class Packed(eqx.Module):
     buffers: tuple  # one flat array per dtype
@@ -48,5 +50,5 @@ def pack(tree, placement: Sharding | None = None) -> Packed:
         sizes[a.dtype] = sizes.get(a.dtype, 0) + a.size
     order = list(dtypes)
     layout = tuple((None, o, s) if d is None else (order.index(d), o, s) for d, o, s in places)
-    buffers = jax.device_put([np.concatenate(dtypes[d]) for d in order], placement)
+    buffers = put([np.concatenate(dtypes[d]) for d in order], placement)
     return Packed(buffers=tuple(buffers), on_device=tuple(on_device), layout=(treedef, layout))
