@@ -116,8 +116,9 @@ class LockstepEngine(LLMEngine):
     def _queued_done(self) -> None:
         """Waits until a decode dispatch queued ahead (multi_step.py, on the dispatch thread) has run: the broadcast
         that follows is a program with a collective too, and hosts that ran the two in different orders, or at once
-        (CPU programs run concurrently), would mismatch in gloo or hang in NCCL. The pipeline pays a broadcast's
-        round trip a dispatch for it."""
+        (CPU programs run concurrently), would mismatch in gloo or hang in NCCL. The pipeline pays for it: the next
+        dispatch is queued only after the broadcast (two processes of one GPU each, 8B shape at TP=2: 148 ms a
+        16-step dispatch against 130 in one process; benchmarks/RESULTS.md)."""
         ahead = self.multi_step.ahead
         if ahead is not None:
             self.multi_step.settle(ahead)
@@ -138,7 +139,7 @@ class LockstepEngine(LLMEngine):
     def _broadcast(data: np.ndarray | None) -> np.ndarray:
         """The leader's bytes (data) on every host (None: a follower's). One broadcast of SMALLEST_MESSAGE bytes, the
         length then the first bytes, carries a step's usual message; a longer one's rest follows in a second,
-        padded to a power of two (few compiled broadcasts). Each is a collective a host waits on (~1-2 ms)."""
+        padded to a power of two (few compiled broadcasts). Each is a collective every host waits on."""
         from jax.experimental import multihost_utils
 
         room = SMALLEST_MESSAGE - HEADER

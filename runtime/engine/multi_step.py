@@ -449,8 +449,8 @@ class MultiStepDecoder:
     def _placed(self, *arrays: np.ndarray | np.generic) -> list[jax.Array]:
         """A dispatch's small host arguments (rows' step counts, offset, block tables) on the device in one call, placed
         as its outputs are. Put from the dispatch thread, each numpy argument waited ~5 ms for the GIL that the main
-        thread held applying tokens (Python's switch interval), and the GPU idled ~17 ms a dispatch meanwhile
-        (H200 x2, 8B shape, TP=2: benchmarks/RESULTS.md)."""
+        thread held applying tokens (Python's switch interval): in a profiled TP=2 run the GPU idled 20.9 ms before
+        a dispatch's first kernel (H200 x2, 8B shape; untraced runs did not change: benchmarks/RESULTS.md)."""
         return put(list(arrays), self._outputs_sharding())
 
     def _outputs_sharding(self):
