@@ -34,12 +34,19 @@ def query_blocks(chunks, num_tokens: int, max_rows: int, queries_per_kv: int) ->
     """The step's query blocks from its chunks, (row, first position, tokens) in token order."""
     size = query_block_tokens(queries_per_kv)
     blocks = np.zeros((max_query_blocks(num_tokens, max_rows, queries_per_kv), 4), np.int32)
-    b = t = 0
-    for row, start, n in chunks:
-        for off in range(0, n, size):
-            blocks[b] = (t + off, min(size, n - off), row, start + off)
-            b += 1
-        t += n
+    rows, starts, n = np.asarray(list(chunks), np.int64).reshape(-1, 3).T  # in numpy: a step has up to 256 rows
+    count = -(-n // size)  # blocks a chunk takes
+    offset = (np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)) * size  # a block's, in its chunk
+    first = np.repeat(np.cumsum(n) - n, count) + offset
+    blocks[: len(first)] = np.stack(
+        [
+            first,
+            np.minimum(size, np.repeat(n, count) - offset),
+            np.repeat(rows, count),
+            np.repeat(starts, count) + offset,
+        ],
+        axis=1,
+    )
     return blocks
 
 

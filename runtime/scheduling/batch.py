@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
+from itertools import chain
 from typing import Generic, TypedDict
 
 import equinox as eqx
@@ -42,6 +44,7 @@ def row_buckets(max_rows: int) -> list[int]:
     return buckets + [max_rows]
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a row's key is asked for at every step it runs
 def row_key_data(seed: int, index: int) -> tuple[int, int]:
     """A choice's 64-bit threefry key from its request's seed and its index among the n choices."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
@@ -101,20 +104,22 @@ class BatchBuilder:
         self.H = max_model_len
         self.V = vocab_size
         self.eos = sorted(eos_token_ids)
-        self._no_history: dict[int, jax.Array] = {}  # by rows; stays on device: no per-step copy
-        self._all_allowed: dict[int, jax.Array] = {}  # likewise: no grammar
+        # arrays that are the same every step unless some row asks otherwise (no penalties, no grammar, no bias, no
+        # bans), kept on the device by (name, rows): no per-step copy (the bias arrays alone are 600 KB at 256 rows)
+        self._constants: dict[tuple[str, int], jax.Array] = {}
         self.all_allowed = self.allowed_for(self.S)
 
+    def _constant(self, name: str, rows: int, width: int, fill, dtype) -> jax.Array:
+        if (name, rows) not in self._constants:
+            self._constants[name, rows] = put(np.full((rows, width), fill, dtype), self.placement)
+        return self._constants[name, rows]
+
     def no_history(self, rows: int) -> jax.Array:
-        if rows not in self._no_history:
-            self._no_history[rows] = put(np.full((rows, self.H), self.V, np.int32), self.placement)
-        return self._no_history[rows]
+        return self._constant("history", rows, self.H, self.V, np.int32)
 
     def allowed_for(self, rows: int) -> jax.Array:
         """Every token allowed for every row: the grammar mask of a batch without grammars, on the device."""
-        if rows not in self._all_allowed:
-            self._all_allowed[rows] = put(np.full((rows, mask_words(self.V)), -1, np.int32), self.placement)
-        return self._all_allowed[rows]
+        return self._constant("allowed", rows, mask_words(self.V), -1, np.int32)
 
     def bucket_for(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
@@ -137,64 +142,90 @@ class BatchBuilder:
         leaves the grammar masks to the caller (a decode pipeline computes them while the forward runs); rows:
         the padded row count (a row bucket; default max_num_seqs)."""
         S, V, page = rows or self.S, self.V, self.page_size
-        assert len(chunks) <= S, (len(chunks), S)
-        T = bucket or self.bucket_for(sum(c.num_step_tokens for c in chunks) or 1)
-        tokens = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slots = np.full(T, INVALID_SLOT, np.int32)
+        R = len(chunks)
+        assert R <= S, (R, S)
+        seqs = [c.seq for c in chunks]
+        params = [q.params for q in seqs]
+        n = np.fromiter((c.num_step_tokens for c in chunks), np.int64, R)
+        live = int(n.sum())
+        T = bucket or self.bucket_for(live or 1)
+        # each row's values in one numpy call per field (a step has up to 256 rows; per-row numpy calls cost
+        # ~20 us a row: benchmarks/host_step.py)
+        starts = np.fromiter((c.start for c in chunks), np.int64, R)
+        first = np.cumsum(n) - n  # each row's first token in the step
         token_seq = np.zeros(T, np.int32)
-        targets = np.zeros(T, np.int32)
+        token_seq[:live] = np.repeat(np.arange(R), n)
+        positions = np.zeros(T, np.int32)
+        positions[:live] = np.arange(live) - np.repeat(first - starts, n)
+        tokens = np.zeros(T, np.int32)
+        step_tokens = np.fromiter(
+            chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] + c.draft for c in chunks), np.int32
+        )
+        if len(step_tokens) != live:
+            raise ValueError(f"chunks name {live} tokens, their sequences hold {len(step_tokens)}")
+        tokens[:live] = step_tokens
+        page_counts = np.fromiter((len(q.pages) for q in seqs), np.int64, R)
+        if np.any((n > 0) & ((starts + n - 1) // page >= page_counts)):  # a token past its sequence's pages
+            raise ValueError("a chunk's tokens go past its sequence's pages")
         block_tables = np.zeros((S, self.max_pages), np.int32)
+        page_rows = np.repeat(np.arange(R), page_counts)
+        block_tables[
+            page_rows, np.arange(len(page_rows)) - np.repeat(np.cumsum(page_counts) - page_counts, page_counts)
+        ] = np.fromiter(chain.from_iterable(q.pages for q in seqs), np.int32, len(page_rows))
+        slots = np.full(T, INVALID_SLOT, np.int32)
+        pos = positions[:live]
+        slots[:live] = block_tables[token_seq[:live], pos // page] * page + pos % page
         seq_lens = np.zeros(S, np.int32)
+        seq_lens[:R] = starts + n
         sample_index = np.zeros(S, np.int32)
+        sample_index[:R] = first + n - 1
         draft_lens = np.zeros(S, np.int32)
+        draft_lens[:R] = [len(c.draft) for c in chunks]
         lora_rows = np.full(S, -1, np.int32)
-        f = {name: np.zeros(S, np.float32) for name in ("temperature", "top_p", "min_p", "presence", "frequency")}
-        f["top_p"][:] = 1.0
-        repetition = np.ones(S, np.float32)
-        top_k = np.zeros(S, np.int32)
+        lora_rows[:R] = [q.lora_slot for q in seqs]
+
+        def per_row(values, dtype, pad) -> np.ndarray:
+            out = np.full(S, pad, dtype)
+            out[:R] = values
+            return out
+
+        temperature = per_row([p.temperature for p in params], np.float32, 0.0)
+        top_p = per_row([p.top_p for p in params], np.float32, 1.0)
+        min_p = per_row([p.min_p for p in params], np.float32, 0.0)
+        top_k = per_row([max(p.top_k, 0) for p in params], np.int32, 0)
         key_data = np.zeros((S, 2), np.uint32)
-        sample_pos = np.zeros(S, np.int32)
-        bias_ids = np.full((S, MAX_LOGIT_BIAS), V, np.int32)
-        bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
-        banned = np.full((S, MAX_BANNED), V, np.int32)
+        key_data[:R] = np.asarray([row_key_data(q.seed, q.index) for q in seqs], np.uint32).reshape(R, 2)
+        sample_pos = per_row([q.num_tokens for q in seqs], np.int32, 0)
+        presence = np.zeros(S, np.float32)
+        frequency = np.zeros(S, np.float32)
+        repetition = np.ones(S, np.float32)
+        targets = np.zeros(T, np.int32)
+        bias: tuple[np.ndarray, np.ndarray] | None = None  # ids and values, made when a row has a bias
+        banned: np.ndarray | None = None  # made when a row is below its min_tokens
         prompt_lens = np.zeros(S, np.int32)
         history = allowed = None
         constrained = []  # (constraint, row): their masks are computed together, in parallel
         want_prompt = any_filter = want_logprobs = processing = False
-        t = 0
-        for r, c in enumerate(chunks):
+        for r, c in enumerate(chunks):  # what only some requests ask for
             seq, p = c.seq, c.seq.params
-            n, start = c.num_step_tokens, c.start
-            pos = np.arange(start, start + n)
-            tokens[t : t + n] = seq.token_ids[start : start + c.num_tokens] + c.draft
-            draft_lens[r] = len(c.draft)
-            lora_rows[r] = seq.lora_slot
-            positions[t : t + n] = pos
-            pages = np.asarray(seq.pages, np.int32)
-            slots[t : t + n] = pages[pos // page] * page + pos % page
-            token_seq[t : t + n] = r
-            block_tables[r, : len(pages)] = pages
-            seq_lens[r] = start + n
-            sample_index[r] = t + n - 1
-            if p.prompt_logprobs is not None and not seq.prompt_logprobs_done:
-                want_prompt = True
-                nxt = np.minimum(pos + 1, seq.num_tokens - 1)
-                targets[t : t + n] = np.asarray(seq.token_ids)[nxt]
-            t += n
-            f["temperature"][r] = p.temperature
-            f["top_p"][r], f["min_p"][r] = p.top_p, p.min_p
-            top_k[r] = max(p.top_k, 0)
             any_filter |= p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
             want_logprobs |= p.logprobs is not None
-            processing |= p.temperature > 0.0 or bool(p.logit_bias) or seq.num_output < p.min_tokens
-            key_data[r] = row_key_data(seq.seed, seq.index)
-            sample_pos[r] = seq.num_tokens
+            below_min = seq.num_output < p.min_tokens
+            processing |= p.temperature > 0.0 or bool(p.logit_bias) or below_min
+            if p.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                want_prompt = True
+                t, k = int(first[r]), int(n[r])
+                nxt = np.minimum(np.arange(c.start + 1, c.start + 1 + k), seq.num_tokens - 1)
+                targets[t : t + k] = np.asarray(seq.token_ids)[nxt]
             if p.logit_bias:
+                if bias is None:
+                    bias = np.full((S, MAX_LOGIT_BIAS), V, np.int32), np.zeros((S, MAX_LOGIT_BIAS), np.float32)
                 ids = list(p.logit_bias)
-                bias_ids[r, : len(ids)] = ids
-                bias_values[r, : len(ids)] = [p.logit_bias[i] for i in ids]
-            if seq.num_output < p.min_tokens:
+                bias[0][r, : len(ids)] = ids
+                bias[1][r, : len(ids)] = [p.logit_bias[i] for i in ids]
+            if below_min:
+                if banned is None:
+                    banned = np.full((S, MAX_BANNED), V, np.int32)
                 ban = sorted(set(self.eos) | set(p.stop_token_ids or []))[:MAX_BANNED]
                 banned[r, : len(ban)] = ban
             if seq.constraint is not None and c.samples and masks:
@@ -204,7 +235,7 @@ class BatchBuilder:
                     history = np.full((S, self.H), V, np.int32)
                 history[r, : seq.num_tokens] = seq.token_ids
                 prompt_lens[r] = len(seq.prompt_ids)
-                f["presence"][r], f["frequency"][r] = p.presence_penalty, p.frequency_penalty
+                presence[r], frequency[r] = p.presence_penalty, p.frequency_penalty
                 repetition[r] = p.repetition_penalty
         if constrained:
             allowed = np.full((S, mask_words(V)), -1, np.int32)
@@ -220,23 +251,28 @@ class BatchBuilder:
             seq_lens=seq_lens,
             query_blocks=blocks,
         )
+
+        def on_device(host: np.ndarray | None, name: str, width: int, fill, dtype) -> jax.Array:
+            """A device array either way, so the packed layout (and the compiled step) is the same: the rows' values,
+            or the constant for none."""
+            return self._constant(name, S, width, fill, dtype) if host is None else put(host, self.placement)
+
         sampling: SamplingBatch[HostLeaf] = SamplingBatch(
-            temperature=f["temperature"],
+            temperature=temperature,
             top_k=top_k,
-            top_p=f["top_p"],
-            min_p=f["min_p"],
-            presence_penalty=f["presence"],
-            frequency_penalty=f["frequency"],
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
             repetition_penalty=repetition,
             key_data=key_data,
             position=sample_pos,
-            bias_ids=bias_ids,
-            bias_values=bias_values,
-            banned_ids=banned,
-            # history is a device array either way, so the packed layout (and the compiled step) is the same
-            history=self.no_history(S) if history is None else put(history, self.placement),
+            bias_ids=on_device(None if bias is None else bias[0], "bias_ids", MAX_LOGIT_BIAS, V, np.int32),
+            bias_values=on_device(None if bias is None else bias[1], "bias_values", MAX_LOGIT_BIAS, 0.0, np.float32),
+            banned_ids=on_device(banned, "banned", MAX_BANNED, V, np.int32),
+            history=on_device(history, "history", self.H, V, np.int32),
             prompt_lens=prompt_lens,
-            allowed=self.allowed_for(S) if allowed is None else put(allowed, self.placement),
+            allowed=on_device(allowed, "allowed", mask_words(V), -1, np.int32),
             any_constrained=np.asarray(allowed is not None, np.bool_),
             any_penalty=np.asarray(history is not None, np.bool_),
             any_filter=np.asarray(any_filter, np.bool_),

@@ -147,7 +147,8 @@ class Scheduler:
             fresh = seq.num_computed == 0 and not seq.pages
             restored = self.restored.get(seq)  # its pages were just copied back: admitted as a fresh one is
             try:
-                if fresh and seq.params.prompt_logprobs is None:  # cached prompt tokens would have no logprobs
+                # cached prompt tokens would have no logprobs; without the cache its hashes are not worth computing
+                if fresh and seq.params.prompt_logprobs is None and self.pool.enable_prefix_caching:
                     seq.pages, seq.page_hashes = self.pool.lookup(self._lookup_hashes(seq))
                     seq.num_computed = len(seq.pages) * self.pool.page_size
                     if self.offload is not None and self._load_from_host(seq):
