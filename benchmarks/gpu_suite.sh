@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs]
+#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -105,6 +105,9 @@ for part in $parts; do
         if [ "$proto" = - ]; then unset NCCL_PROTO; else export NCCL_PROTO=$proto; fi
         XLA_FLAGS="$f" python3 benchmarks/all_reduce.py --devices ${ALLREDUCE_DEVICES:-2} --processes $procs 2>&1 \
           | grep --line-buffered -v -E "Warning|Gloo"; done; done; done; unset NCCL_PROTO ;;
+    # the host's share of a single step (scheduling, building, applying) on this machine's CPU, the inputs put on
+    # its GPU; the 8B vocabulary
+    hoststep) python3 benchmarks/host_step.py --vocab 128256 2>&1 | grep --line-buffered -v Warning ;;
     # issue 31: the Llama-3-70B shape (random bf16 weights made in parts on the mesh) at TP=4; one token bucket
     # (2048) keeps its 80 unrolled layers' compile short
     tp70b) python3 benchmarks/throughput.py --shape llama-3-70b --tensor-parallel-size ${TP70_SIZE:-4} --requests 256 \
