@@ -100,7 +100,6 @@ def main(argv=None) -> dict:
         t4 = time.perf_counter()
         for part, s in (("schedule", t1 - t0), ("build", t2 - t1), ("apply", t4 - t3), ("all", t4 - t0 - (t3 - t2))):
             parts.setdefault(kind, {}).setdefault(part, []).append(s)
-    jax.effects_barrier()
     figures: dict = {"device": str(jax.devices()[0].device_kind), "rows": args.max_num_seqs}
     for kind, by_part in parts.items():
         figures[f"{kind} steps"] = len(by_part["all"])

@@ -508,28 +508,21 @@ class LLMEngine:
             seq.prompt_logprobs_done = True
 
     def _apply_chunk(
-        self,
-        c: ScheduledChunk,
-        r: int,
-        t: int,
-        out: StepOutputs,
-        sampled: SampleResult | None = None,
-        token: int | None = None,
+        self, c: ScheduledChunk, r: int, t: int, out: StepOutputs, sampled: SampleResult, token: int
     ) -> None:
-        """sampled, token: out.sampled and row r's token, when the caller read them already."""
+        """sampled, token: out.sampled and row r's token, read by the caller once for every row."""
         seq = c.seq
         seq.num_computed = c.start + c.num_tokens
         self.scheduler.register_full_pages(seq)
         if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
             self._add_prompt_logprobs(seq, c, out, t)
         if not c.samples or seq.finished:
-            return None
+            return
         if seq.max_tokens == 0:
             return self._finish_prompt_only(seq)
         if seq.pending_forks:
             self._fork(seq)
-        sampled = out.sampled if sampled is None else sampled
-        self._append_token(seq, int(sampled.tokens[r]) if token is None else token, sampled, r)
+        self._append_token(seq, token, sampled, r)
 
     def _build(
         self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True, rows: int | None = None

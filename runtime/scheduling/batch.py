@@ -175,20 +175,17 @@ class BatchBuilder:
         slots = np.full(T, INVALID_SLOT, np.int32)
         pos = positions[:live]
         slots[:live] = block_tables[token_seq[:live], pos // page] * page + pos % page
-        seq_lens = np.zeros(S, np.int32)
-        seq_lens[:R] = starts + n
-        sample_index = np.zeros(S, np.int32)
-        sample_index[:R] = first + n - 1
-        draft_lens = np.zeros(S, np.int32)
-        draft_lens[:R] = [len(c.draft) for c in chunks]
-        lora_rows = np.full(S, -1, np.int32)
-        lora_rows[:R] = [q.lora_slot for q in seqs]
 
         def per_row(values, dtype, pad) -> np.ndarray:
+            """[S]: the rows' values, then padding rows'."""
             out = np.full(S, pad, dtype)
             out[:R] = values
             return out
 
+        seq_lens = per_row(starts + n, np.int32, 0)
+        sample_index = per_row(first + n - 1, np.int32, 0)
+        draft_lens = per_row([len(c.draft) for c in chunks], np.int32, 0)
+        lora_rows = per_row([q.lora_slot for q in seqs], np.int32, -1)
         temperature = per_row([p.temperature for p in params], np.float32, 0.0)
         top_p = per_row([p.top_p for p in params], np.float32, 1.0)
         min_p = per_row([p.min_p for p in params], np.float32, 0.0)

@@ -283,6 +283,7 @@ class Speculator:
         tokens = out.tokens.tolist()  # [point]
         bases = point_bases(chunks)
         first = StepOutputs(sampled=jax.tree.map(lambda a: a[bases], out), prompt=None)
+        first_tokens = first.sampled.tokens.tolist()
         page = engine.config.page_size
         for r, c in enumerate(chunks):
             seq = c.seq
@@ -290,7 +291,7 @@ class Speculator:
                 continue
             try:
                 if not c.draft:
-                    engine._apply_chunk(c, r, 0, first)
+                    engine._apply_chunk(c, r, 0, first, first.sampled, first_tokens[r])
                     continue
                 accepted = 0
                 base = bases[r]
