@@ -18,7 +18,7 @@ import httpx
 
 from capstan.runtime.config import DEFAULT_MODEL
 
-START_TIMEOUT = 180  # seconds: weights and CPU compilation of the tiny model on a busy 2-core machine
+START_TIMEOUT = 420  # seconds: weights and CPU compilation of the tiny model on a busy 2-core machine (cold: minutes)
 REPLICA_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "1024", "--max-num-batched-tokens", "128"]
 
 

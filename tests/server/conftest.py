@@ -1,10 +1,11 @@
 """Fixtures: one engine on the tiny golden Qwen3 checkpoint for the whole session, served in-process on
-127.0.0.1 twice: open, and with API keys."""
+127.0.0.1 twice: open, and with API keys; and `capstan serve` with no model and no flags (the README's quick start),
+one process for every module that asks the default model (its warm-up is minutes on a 2-core machine)."""
 
 from __future__ import annotations
 
 import pytest
-from servers import API_KEYS, CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ThreadServer
+from servers import API_KEYS, CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ServeProcess, ThreadServer
 
 from capstan.runtime.config import EngineConfig
 
@@ -34,3 +35,10 @@ def keyed_server(engine):
 
     with ThreadServer(build_app(make_context(engine, ["served-name", MODEL]), api_keys=API_KEYS)) as s:
         yield s.url
+
+
+@pytest.fixture(scope="session")
+def default_model_server():
+    """`capstan serve` as the README's quick start runs it: no model (SmolLM2-135M-Instruct), no flags."""
+    with ServeProcess(model=None, engine_flags={}) as server:
+        yield server

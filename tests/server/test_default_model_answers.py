@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import pytest
 from openai import OpenAI
-from servers import ServeProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test waits for the default model's warm-up
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def served():
-    with ServeProcess(model=None, engine_flags={}) as server:  # `capstan serve`, as the README's quick start
-        yield server
+def served(default_model_server):
+    return default_model_server  # `capstan serve`, as the README's quick start (tests/server/conftest.py)
 
 
 @pytest.fixture(scope="module")

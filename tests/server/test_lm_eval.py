@@ -9,22 +9,17 @@ import time
 from pathlib import Path
 
 import pytest
-from servers import ServeProcess
 
 ROOT = Path(__file__).parents[2]
 TASKS = ROOT / "tests" / "data" / "lm_eval"
 MODEL = "SmolLM2-135M-Instruct"
-# Small shapes: fewer programs to compile on a 2-core CI machine; the tasks' prompts are under 64 tokens.
-ENGINE_FLAGS = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256)
-EVAL_BUDGET_S = 120  # both tasks together, measured ~60 s here on a loaded 2-core machine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may wait for the default model's warm-up
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    with ServeProcess(model=None, engine_flags=ENGINE_FLAGS) as server:
-        yield server
+def smollm2(default_model_server):
+    return default_model_server  # `capstan serve` with no flags, shared with the quick start's tests (conftest.py)
 
 
 @pytest.fixture()
@@ -49,8 +44,7 @@ def evaluate(lm_eval, model: str, task: str, base_url: str, **kwargs) -> dict:
     )
     elapsed = time.monotonic() - started
     scores = {k: round(float(v), 4) for k, v in out["results"][task].items() if "," in k and "stderr" not in k}
-    print(f"{task} via {model}: {scores} in {elapsed:.0f} s")
-    assert elapsed < EVAL_BUDGET_S, f"{task} took {elapsed:.0f} s"
+    print(f"{task} via {model}: {scores} in {elapsed:.0f} s")  # (a hang: pytest-timeout; no timed assertion)
     return out
 
 
