@@ -29,13 +29,14 @@ lint:   ## ruff (lint and format check) and mypy (types); CI runs it before the 
 # The cluster and real-node tests (mostly waiting on pods and API servers) run in a second pytest process beside the
 # rest (mostly compiling on the CPU); its output follows the rest's. On 2 cores that group ends ~20 minutes before
 # the rest (CI at 9588d37: 33 against 55 min), so a few of the rest's slowest files (~10 minutes of compiling on one
-# core) run after it, in a process of their own. Any part alone: python3 -m pytest -q <folders or files>.
+# core) run after it, in a process of their own. That line first builds the cluster's Go binaries where they are not
+# cached yet (~10-27 minutes on 2 cores), while the rest runs. Any part alone: python3 -m pytest -q <folders or files>.
 CLUSTER_TESTS = tests/realnode tests/operator
 AFTER_CLUSTER_TESTS = tests/test_lora.py tests/test_fp8_kv_cache.py tests/test_tensor_parallel.py \
 	tests/test_multihost.py tests/test_host_tier.py tests/test_tpu_attention.py
 test:   ## the whole test suite, in two lines of processes (the cluster tests build their binaries once, then reuse them)
 	@log="$${TMPDIR:-/tmp}/capstan-tests-cluster.log"; \
-	( CAPSTAN_TEST_GROUP=-cluster $(PYTHON) -m pytest -q $(CLUSTER_TESTS); cluster=$$?; \
+	( $(PYTHON) tests/cluster/binaries.py && CAPSTAN_TEST_GROUP=-cluster $(PYTHON) -m pytest -q $(CLUSTER_TESTS); cluster=$$?; \
 	  CAPSTAN_TEST_GROUP=-after $(PYTHON) -m pytest -q $(AFTER_CLUSTER_TESTS); after=$$?; \
 	  [ $$cluster = 0 ] && [ $$after = 0 ] ) > "$$log" 2>&1 & second=$$!; \
 	trap 'pkill -P $$second 2>/dev/null; kill $$second 2>/dev/null' INT TERM; \

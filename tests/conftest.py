@@ -1,7 +1,7 @@
 """Suite-wide hooks:
 - the test in progress written to a file, so a run killed by a signal (SIGABRT from native code, the OOM killer)
   still names the test it was in; .ci/run prints it when `make test` fails (a file per CAPSTAN_TEST_GROUP: `make
-  test` runs two pytest processes).
+  test` runs three pytest processes, two at a time).
 - XLA's compiled programs kept on disk (JAX's persistent compilation cache, ~/.cache/capstan/test-xla) for this
   process, the servers it starts and later runs: most of the CPU suite's time is compiling, and many tests and
   server processes compile the same programs (tests/test_engine_golden.py: 201 s cold, 82 s warm). A
