@@ -26,17 +26,21 @@ def run_split(
     compiles: bool = False,
     made_split: bool = False,
     vocab_greedy: bool = False,
+    halves: bool = False,
 ) -> dict:
     """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs;
     gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU; tpu_layout: split only, with the
-    KV cache laid out as the TPU kernel reads it."""
+    KV cache laid out as the TPU kernel reads it; halves: decode steps of 2 rows or more run as two halves of rows."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    if halves:
+        env["CAPSTAN_DECODE_HALVES_MIN_ROWS"] = "2"
     flags = (
         ["gpu-kernels"] * gpu_kernels
         + ["tpu-layout"] * tpu_layout
         + ["compiles"] * compiles
         + ["made-split"] * made_split
         + ["vocab-greedy"] * vocab_greedy
+        + ["halves"] * halves
     )
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(cases)] + flags,
@@ -92,6 +96,19 @@ def test_gpu_kernels_run_per_shard():
     split = run_split(2, {"llama-s11": 2}, gpu_kernels=True)["llama-s11"]["2"]
     assert split["kv_sharding"] == "P('model',)"
     assert_golden("llama-s11", split)
+
+
+@pytest.mark.parametrize("gpu_kernels", [False, True])
+def test_decode_steps_in_two_halves_of_rows_give_the_same_tokens(gpu_kernels):
+    """CAPSTAN_DECODE_HALVES_MIN_ROWS (issue 31's experiment: one half's all-reduces under the other half's work): each
+    layer runs on the decode rows' two halves in turn, each half its own attention step over the shared pages; the
+    tokens are one device's and transformers', through the reference attention and the fused decode kernel."""
+    got = run_split(2, {"llama-s11": 2}, gpu_kernels=gpu_kernels, halves=True)["llama-s11"]
+    for run in got.values():
+        assert run["halves_min_rows"] == 2 and run["decode_rows"] >= 4, run  # the halves path ran, on every row
+        assert_golden("llama-s11", run)
+    if not gpu_kernels:
+        assert got["2"]["tokens"] == got["1"]["tokens"] and got["2"]["sampled"] == got["1"]["sampled"]
 
 
 def test_tpu_kv_layout_is_split_by_kv_head():
@@ -150,15 +167,27 @@ def test_engine_refuses_more_devices_than_there_are():
 
 
 def _generate(case: str, tp: int) -> dict:
+    import capstan.runtime.engine.multi_step as multi_step
     from capstan.runtime.engine.llm import LLM
+    from capstan.runtime.models import decoder
     from capstan.runtime.sampling.sampling_params import SamplingParams
+
+    decode_rows, real = [0], multi_step.decode_steps_fn
+
+    def counted(model, kv, inputs, active, *a, **k):  # the rows of each multi-step dispatch
+        decode_rows.append(active.shape[0])
+        return real(model, kv, inputs, active, *a, **k)
+
+    multi_step.decode_steps_fn = counted  # type: ignore[assignment]  # the child process ends after its cases
 
     prompts = reference(case)["prompts"]
     llm = LLM(
         str(GOLDEN / case),
         max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
+        # halves: the four greedy prompts alone in 4 rows (two in each half), prefilled in the first step so that
+        # all of them decode in the multi-step dispatches; the seeded request waits for a free row
+        max_num_seqs=4 if "halves" in sys.argv else 8,
+        max_num_batched_tokens=256 if "halves" in sys.argv else 32,
         page_size=4,
         dtype="float32",
         tensor_parallel_size=tp,
@@ -183,6 +212,8 @@ def _generate(case: str, tp: int) -> dict:
         "plain_greedy": [o.outputs[0].token_ids for o in plain],
         "sampled": outs[-1].outputs[0].token_ids,
         "prompt_logprobs": [next(iter((p or {}).values())).logprob for p in prompt_logprobs[1:]],
+        "halves_min_rows": decoder.HALVES_MIN_ROWS,
+        "decode_rows": max(decode_rows),
     }
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
-from ..models.decoder import DecoderModel
+from ..models.decoder import HALVES_COMPILER_OPTIONS, HALVES_MIN_ROWS, DecoderModel
 from ..parallel.mesh import model_parallel_size
 from ..parallel.placement import put
 from ..parallel.vocab_greedy import greedy_from_vocab_shards
@@ -172,8 +172,11 @@ PIPELINE_BRANCHES = sorted(
 )
 
 
-decode_steps_fn = jax.jit(run_decode_steps, donate_argnums=(1,), static_argnames=("num_steps", "branches"))
-decode_forward_fn = jax.jit(run_decode_forward, donate_argnums=(1,))
+_OPTIONS = HALVES_COMPILER_OPTIONS if HALVES_MIN_ROWS else None  # the halves kept apart (models/decoder.py)
+decode_steps_fn = jax.jit(
+    run_decode_steps, donate_argnums=(1,), static_argnames=("num_steps", "branches"), compiler_options=_OPTIONS
+)
+decode_forward_fn = jax.jit(run_decode_forward, donate_argnums=(1,), compiler_options=_OPTIONS)
 decode_sample_fn = jax.jit(run_decode_sample, static_argnames=("branches",))
 
 

@@ -5,6 +5,7 @@ The families differ only in their block (llama.py, gemma3.py); this is the part 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, ClassVar, Protocol
 
 import equinox as eqx
@@ -17,10 +18,17 @@ from ..attention import AttentionMetadata
 from ..kv.cache import KVCache
 from ..parallel.mesh import replicated
 from .config import SLIDING_ATTENTION, ModelConfig
-from .layers import Attention, ModelAxes, embed, lm_logits, rms_norm
+from .layers import Attention, ModelAxes, Token, embed, lm_logits, rms_norm
 from .lora import LayerAdapters, LoRAStack
 from .quantization import QuantizedWeight
 from .rope import inverse_frequencies, rotary_tables
+
+# Decode steps of at least this many rows run each layer on two halves of the rows in turn
+# (CAPSTAN_DECODE_HALVES_MIN_ROWS; 0, the default: never), so that under tensor parallelism one half's all-reduces
+# can run while the other half computes. XLA merges the halves back unless its all-reduce combiner and dot merger
+# are off for the program (HALVES_COMPILER_OPTIONS: benchmarks/tp_schedule.py shows both). An experiment of issue 31.
+HALVES_MIN_ROWS = int(os.environ.get("CAPSTAN_DECODE_HALVES_MIN_ROWS", "0"))
+HALVES_COMPILER_OPTIONS = {"xla_gpu_all_reduce_combine_threshold_bytes": "0", "xla_gpu_dot_merger_threshold_mb": "0"}
 
 
 class DecoderBlock(Protocol):
@@ -68,16 +76,24 @@ class DecoderModel(eqx.Module):
             x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
         rope = {kind: rotary_tables(f, meta.positions) for kind, f in self.inv_freq.items()}
         k_layers, v_layers = list(kv.k), list(kv.v)
+        T = tokens.shape[0]
+        halves = HALVES_MIN_ROWS and meta.decode and meta.query_blocks is None and T >= HALVES_MIN_ROWS and T % 2 == 0
+        spans = [(0, T // 2), (T // 2, T)] if halves else [(0, T)]
+        xs = [x[Token.name, hax.dslice(lo, hi - lo)] for lo, hi in spans] if halves else [x]
+        metas = [_decode_rows(meta, lo, hi) if halves else meta for lo, hi in spans]
         # a Python loop, unrolled in the trace: each layer reads and writes its own cache arrays in place, with
         # no slicing of stacked weights or caches between layers
         for i, block in enumerate(self.layers):
             kind = cfg.layer_types[i]
             window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
-            cos, sin = rope[kind]
-            adapters = None if lora is None or slots is None else LayerAdapters(lora.layers[i], slots)
-            x, k_layers[i], v_layers[i] = block(
-                x, cos, sin, window, k_layers[i], v_layers[i], meta, cfg, ax, kv.page_size, adapters
-            )
+            for p, (lo, hi) in enumerate(spans):
+                cos, sin = (t[lo:hi] for t in rope[kind]) if halves else rope[kind]
+                part_slots = slots[lo:hi] if halves and slots is not None else slots
+                adapters = None if lora is None or part_slots is None else LayerAdapters(lora.layers[i], part_slots)
+                xs[p], k_layers[i], v_layers[i] = block(
+                    xs[p], cos, sin, window, k_layers[i], v_layers[i], metas[p], cfg, ax, kv.page_size, adapters
+                )
+        x = xs[0] if len(xs) == 1 else hax.concatenate(Token.name, xs)
         x = rms_norm(x, self.final_norm, ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
         return x, KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)
 
@@ -102,6 +118,18 @@ class DecoderModel(eqx.Module):
         if logits.resolve_axis("vocab").size != self.cfg.vocab_size:
             logits = logits["vocab", hax.dslice(0, self.cfg.vocab_size)]
         return logits
+
+
+def _decode_rows(meta: AttentionMetadata[jax.Array], lo: int, hi: int) -> AttentionMetadata[jax.Array]:
+    """A decode step's rows lo .. hi - 1 as a step of their own (token r is row r's only token)."""
+    return AttentionMetadata(
+        positions=meta.positions[lo:hi],
+        slot_mapping=meta.slot_mapping[lo:hi],
+        token_seq=jnp.arange(hi - lo, dtype=meta.token_seq.dtype),
+        block_tables=meta.block_tables[lo:hi],
+        seq_lens=meta.seq_lens[lo:hi],
+        decode=True,
+    )
 
 
 def rope_tables(cfg: ModelConfig) -> dict[str, jax.Array]:
