@@ -9,12 +9,19 @@ the attached GPU's description) and prints, per variant and compiler options, ho
 holds and how much work runs between each one's start and its done.
 
     python3 benchmarks/tp_schedule.py [--rows 256] [--layers 8] [--dump DIR]
+    python3 benchmarks/tp_schedule.py --shape llama-3-8b [--rows 256] [--pages 4096]
+
+--shape: the engine's own decode forward instead (DecoderModel on a decode step of --rows rows, the fused decode
+kernel included, abstract weights and pages split as TensorParallel splits them), whole and in two halves of rows
+(models/decoder.py, CAPSTAN_DECODE_HALVES_MIN_ROWS) with and without HALVES_COMPILER_OPTIONS.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +138,59 @@ def overlap(text: str) -> tuple[int, int, list[int]]:
     return len(between), sync, between
 
 
+def engine_decode(a, mesh) -> None:
+    """The engine's decode forward at TP=2 for a shape, compiled whole and in halves."""
+    import haliax as hax
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shapes import shape_config
+
+    from capstan.runtime.attention import AttentionMetadata
+    from capstan.runtime.kv.cache import KVCache
+    from capstan.runtime.models import decoder
+    from capstan.runtime.models.loader import random_model
+    from capstan.runtime.parallel.tensor_parallel import SPLIT_AXES
+
+    cfg = shape_config(a.shape)
+    model = jax.eval_shape(lambda: random_model(cfg, "bfloat16"))
+
+    def placed(x):
+        if isinstance(x, hax.NamedArray):
+            spec = P(*(AXIS if ax.name in SPLIT_AXES else None for ax in x.axes))
+            return hax.NamedArray(
+                jax.ShapeDtypeStruct(x.array.shape, x.dtype, sharding=NamedSharding(mesh, spec)), x.axes
+            )
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))
+
+    model = jax.tree.map(placed, model, is_leaf=lambda x: isinstance(x, hax.NamedArray))
+    pages = jax.ShapeDtypeStruct(
+        (cfg.num_kv_heads, a.pages, 16, cfg.head_dim), jnp.bfloat16, sharding=NamedSharding(mesh, P(AXIS))
+    )
+    kv = KVCache((pages,) * cfg.num_layers, (pages,) * cfg.num_layers, 16)
+    S = a.rows
+    rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    meta = AttentionMetadata(rows(S), rows(S), rows(S), rows(S, 64), rows(S), decode=True)
+
+    def forward(model, kv, tokens, meta):
+        hidden, kv = model(tokens, meta, kv)
+        return hidden.array, kv
+
+    for halves in (0, 2):
+        decoder.HALVES_MIN_ROWS = halves
+        jax.clear_caches()  # jit reuses a function's trace: the other variant's otherwise
+        with jax.set_mesh(mesh):
+            lowered = jax.jit(forward, donate_argnums=(1,)).lower(model, kv, rows(S), meta)
+        for name, options in (("defaults", {}), ("HALVES_COMPILER_OPTIONS", decoder.HALVES_COMPILER_OPTIONS)):
+            text = lowered.compile(compiler_options=options).as_text()
+            assert text is not None
+            starts, sync, between = overlap(text)
+            print(
+                f"{a.shape} {S} rows, {'halves' if halves else 'whole':6s} {name:23s} async all-reduces {starts:3d}, "
+                f"synchronous {sync:3d}; with a matmul under them {sum(1 for n in between if n > 0):3d}; "
+                f"matmuls under each (first 12): {between[:12]}"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
@@ -138,10 +198,14 @@ def main() -> None:
     ap.add_argument("--mlp", type=int, default=14336)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dump", help="write each optimized module here")
+    ap.add_argument("--shape", help="the engine's decode forward of this benchmark shape (benchmarks/shapes.py)")
+    ap.add_argument("--pages", type=int, default=4096, help="--shape: KV pages of 16 tokens")
     a = ap.parse_args()
     topo = topologies.get_topology_desc("tp2", "cuda", target_config=H200, topology="1x1x2")
     mesh = jax.sharding.Mesh(topo.devices, (AXIS,))
     print("devices:", topo.devices)
+    if a.shape:
+        return engine_decode(a, mesh)
     bf16 = jnp.bfloat16
     x = jax.ShapeDtypeStruct((a.rows, a.embed), bf16, sharding=NamedSharding(mesh, P()))
     w_in = jax.ShapeDtypeStruct((a.embed, a.mlp), bf16, sharding=NamedSharding(mesh, P(None, AXIS)))
