@@ -22,6 +22,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +169,10 @@ def engine_decode(a, mesh) -> None:
     )
     kv = KVCache((pages,) * cfg.num_layers, (pages,) * cfg.num_layers, 16)
     S = a.rows
-    rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, P()))  # noqa: E731
+
+    def rows(*shape: int) -> Any:  # an abstract step input (Any: AttentionMetadata's fields are arrays)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, P()))
+
     meta = AttentionMetadata(rows(S), rows(S), rows(S), rows(S, 64), rows(S), decode=True)
 
     def forward(model, kv, tokens, meta):

@@ -28,7 +28,10 @@ from .rope import inverse_frequencies, rotary_tables
 # can run while the other half computes. XLA merges the halves back unless its all-reduce combiner and dot merger
 # are off for the program (HALVES_COMPILER_OPTIONS: benchmarks/tp_schedule.py shows both). An experiment of issue 31.
 HALVES_MIN_ROWS = int(os.environ.get("CAPSTAN_DECODE_HALVES_MIN_ROWS", "0"))
-HALVES_COMPILER_OPTIONS = {"xla_gpu_all_reduce_combine_threshold_bytes": "0", "xla_gpu_dot_merger_threshold_mb": "0"}
+HALVES_COMPILER_OPTIONS: dict[str, str | bool] = {
+    "xla_gpu_all_reduce_combine_threshold_bytes": "0",
+    "xla_gpu_dot_merger_threshold_mb": "0",
+}
 
 
 class DecoderBlock(Protocol):
