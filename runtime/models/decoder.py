@@ -81,20 +81,29 @@ class DecoderModel(eqx.Module):
         k_layers, v_layers = list(kv.k), list(kv.v)
         T = tokens.shape[0]
         halves = HALVES_MIN_ROWS and meta.decode and meta.query_blocks is None and T >= HALVES_MIN_ROWS and T % 2 == 0
-        spans = [(0, T // 2), (T // 2, T)] if halves else [(0, T)]
-        xs = [x[Token.name, hax.dslice(lo, hi - lo)] for lo, hi in spans] if halves else [x]
-        metas = [_decode_rows(meta, lo, hi) if halves else meta for lo, hi in spans]
+        # each part of the rows that a layer runs on in turn: its hidden states, metadata, rope tables and slots
+        xs, parts = [x], [(meta, rope, slots)]
+        if halves:
+            spans = [(0, T // 2), (T // 2, T)]
+            xs = [x[Token.name, hax.dslice(lo, hi - lo)] for lo, hi in spans]
+            parts = [
+                (
+                    _decode_rows(meta, lo, hi),
+                    {kind: (cos[lo:hi], sin[lo:hi]) for kind, (cos, sin) in rope.items()},
+                    None if slots is None else slots[lo:hi],
+                )
+                for lo, hi in spans
+            ]
         # a Python loop, unrolled in the trace: each layer reads and writes its own cache arrays in place, with
         # no slicing of stacked weights or caches between layers
         for i, block in enumerate(self.layers):
             kind = cfg.layer_types[i]
             window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
-            for p, (lo, hi) in enumerate(spans):
-                cos, sin = (t[lo:hi] for t in rope[kind]) if halves else rope[kind]
-                part_slots = slots[lo:hi] if halves and slots is not None else slots
+            for p, (part_meta, part_rope, part_slots) in enumerate(parts):
+                cos, sin = part_rope[kind]
                 adapters = None if lora is None or part_slots is None else LayerAdapters(lora.layers[i], part_slots)
                 xs[p], k_layers[i], v_layers[i] = block(
-                    xs[p], cos, sin, window, k_layers[i], v_layers[i], metas[p], cfg, ax, kv.page_size, adapters
+                    xs[p], cos, sin, window, k_layers[i], v_layers[i], part_meta, cfg, ax, kv.page_size, adapters
                 )
         x = xs[0] if len(xs) == 1 else hax.concatenate(Token.name, xs)
         x = rms_norm(x, self.final_norm, ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
