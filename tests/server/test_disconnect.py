@@ -36,16 +36,15 @@ def wait_pool_free(url: str, timeout: float = 60) -> dict[str, float]:
     raise AssertionError(f"KV pages not returned within {timeout} s: {gauges(url)}")
 
 
-def test_stream_disconnect_frees_pages(server):
-    aborted = wait_pool_free(server)[ABORTED]
-    body = {**LONG, "prompt": "tell me a long story " * 8, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
-        busy = gauges(server)
-        assert busy["capstan_kv_pages_free"] < busy["capstan_kv_pages_total"]
-    # Leaving the block closed the connection long before 400 tokens.
-    assert wait_pool_free(server)[ABORTED] == aborted + 1
+def wait_pages_held(url: str, timeout: float = 10) -> None:
+    """Until /metrics shows the streaming request's pages taken (its stats may trail the first token a step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        g = gauges(url)
+        if g["capstan_kv_pages_free"] < g["capstan_kv_pages_total"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no KV pages held within {timeout} s of the first token: {gauges(url)}")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +58,17 @@ def slow_server():
     with ThreadServer(build_app(make_context(engine))) as s:
         yield s.url
     engine.shutdown()
+
+
+def test_stream_disconnect_frees_pages(slow_server):
+    aborted = wait_pool_free(slow_server)[ABORTED]
+    body = {**LONG, "prompt": "tell me a long story " * 8, "max_tokens": 900, "stream": True}
+    with httpx.stream("POST", f"{slow_server}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        wait_pages_held(slow_server)
+    # Leaving the block closed the connection long before 900 tokens.
+    assert wait_pool_free(slow_server)[ABORTED] == aborted + 1
 
 
 def test_non_streaming_disconnect_frees_pages(slow_server):
