@@ -55,6 +55,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         settings.posting.level = logging.WARNING  # our own Events say what happened; not every log line
         settings.watching.server_timeout = 60
         settings.scanning.disabled = True  # the resources are known; no cluster-wide CRD/namespace reads
+        # A deleted service keeps kopf's finalizer until its resync timer has exited; caught mid-run, kopf looked
+        # again only after its default 60 s, so `kubectl delete` hung a minute (tests/operator/test_deletion_e2e.py)
+        settings.background.cancellation_polling = 1
         reconciler = Reconciler(ClusterClient(load_api_client()), config, _emit)
 
     def run(body: kopf.Body, autoscale: bool) -> None:
