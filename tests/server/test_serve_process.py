@@ -150,8 +150,14 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(proc):
     threads = [threading.Thread(target=stream, args=(proc.url, r, 300)) for r in (first, second)]
     for t in threads:
         t.start()
-    # One stream running, the other queued behind it (max-num-seqs=1): both are in flight.
-    wait_for(lambda: gauge(proc.url, "capstan_requests_waiting") == 1, what="a queued request")
+    # One stream running, the other queued behind it (max-num-seqs=1): both are in flight. Once in CI (2026-12-02,
+    # beside the cluster tests) no queued request showed within 60 s: wait longer, and say what was seen if not.
+    try:
+        wait_for(lambda: gauge(proc.url, "capstan_requests_waiting") == 1, timeout=150, what="a queued request")
+    except AssertionError as e:
+        seen = {name: gauge(proc.url, f"capstan_requests_{name}") for name in ("running", "waiting")}
+        streams = [(r.get("status"), len(r.get("events", []))) for r in (first, second)]  # (status, events) so far
+        raise AssertionError(f"{e}; now {seen}, streams {streams}; log: {''.join(proc.output)[-3000:]}") from e
     kept_alive = socket.create_connection(("127.0.0.1", proc.port), timeout=10)
     kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: capstan\r\n\r\n")
     assert kept_alive.recv(4096).startswith(b"HTTP/1.1 200")
