@@ -91,18 +91,22 @@ def _assert_graceful(load: StreamingLoad, timeline: DrainTimeline, removed: int)
 def test_a_rolling_update_under_load_fails_no_request(real_node, served):
     namespace, base_url, compile_cache = served
     cluster = real_node.cluster
-    generation = cluster.get_json("inferenceservice", "tiny", "-n", namespace)["metadata"]["generation"]
+    generation = cluster.get_json("deployment", "tiny", "-n", namespace)["metadata"]["generation"]
 
     def change():  # a new argument: a new pod template, so the Deployment rolls
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=tiny(compile_cache, "--log-level", "info"))
 
     def rolled():
-        isvc = cluster.get_json("inferenceservice", "tiny", "-n", namespace)
-        deployment = cluster.get_json("deployment", "tiny", "-n", namespace)["status"]
+        # the Deployment's own generation, not the InferenceService's: until the operator has applied the new
+        # template, the old Deployment reads "2 updated, 2 ready" (once in CI the wait ended within ~14 s, before
+        # any new pod could start, and the last old pod was not gone 180 s later)
+        deployment = cluster.get_json("deployment", "tiny", "-n", namespace)
+        status = deployment["status"]
         return (
-            isvc["metadata"]["generation"] > generation
-            and deployment.get("updatedReplicas") == deployment.get("readyReplicas") == 2
-            and deployment.get("replicas") == 2
+            deployment["metadata"]["generation"] > generation
+            and status.get("observedGeneration") == deployment["metadata"]["generation"]
+            and status.get("updatedReplicas") == status.get("readyReplicas") == 2
+            and status.get("replicas") == 2
         )
 
     load, timeline = _under_load(real_node, namespace, base_url, change, rolled, removed=2)
