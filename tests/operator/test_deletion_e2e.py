@@ -13,8 +13,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import yaml
 from control_plane import wait_for
+from test_cluster_e2e import isvc_manifest
 
 pytestmark = pytest.mark.cluster
 ANSWER_AFTER_S = 3.0  # how long the slow pod takes to answer /metrics (the operator gives up at 2 s)
@@ -77,18 +77,14 @@ def operator_reading_slow_pod(operator, slow_pod):
 def test_a_service_deleted_during_its_resync_goes_within_seconds(
     cluster, operator_reading_slow_pod, slow_pod, namespace
 ):
-    manifest = {
-        "apiVersion": "serving.capstan.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "slow"},
-        "spec": {
-            "model": {"uri": "hf://capstan/tiny"},
-            "minReplicas": 1,
-            "maxReplicas": 2,
-            "autoscaling": {"metric": "concurrentRequests", "target": 3},
-        },
-    }
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    manifest = isvc_manifest(
+        "slow",
+        model={"uri": "hf://capstan/tiny"},
+        minReplicas=1,
+        maxReplicas=2,
+        autoscaling={"metric": "concurrentRequests", "target": 3},
+    )
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest)
     wait_for(
         "a ready replica",
         lambda: cluster.get_json("deployment", "slow", "-n", namespace).get("status", {}).get("readyReplicas") == 1,
