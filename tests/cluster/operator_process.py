@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from control_plane import free_port, stop_process_group, wait_for
@@ -72,3 +74,12 @@ class OperatorProcess:
     def restart(self, *extra_args: str) -> OperatorProcess:
         self.stop()
         return self.start(*extra_args)
+
+    @contextlib.contextmanager
+    def reading_pods_at(self, *addresses: str) -> Iterator[OperatorProcess]:
+        """Restarted to read its pods' servers at these addresses (test-only --test-pod-addresses), then as before."""
+        self.restart(f"--test-pod-addresses={','.join(addresses)}")
+        try:
+            yield self
+        finally:
+            self.restart()

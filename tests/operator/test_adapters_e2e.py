@@ -214,37 +214,37 @@ def test_status_reports_what_a_real_server_loaded_and_follows_an_edit(cluster, o
         "tiny", extra=["--enable-lora", "--max-lora-rank", "8", "--lora-modules-file", str(modules_file)]
     ).wait_ready()
     try:
-        operator.restart(f"--test-pod-addresses=127.0.0.1:{server.port}")
-        bound_claim(cluster, namespace, "lora-adapters")
-        sources = {n: {"name": n, "source": f"pvc://lora-adapters/tiny/{n}"} for n in ["sql", "support", "summary"]}
-        spec = {"model": {"uri": "hf://capstan/tiny", "servedName": "tiny"}, "replicas": 1}
-        spec["adapters"] = [sources["sql"], sources["support"]]
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("tiny", **spec))
-        kubelet = KubeletStandIn(cluster, namespace, "lora-adapters", claim_folder, modules_file)
+        with operator.reading_pods_at(f"127.0.0.1:{server.port}"):
+            bound_claim(cluster, namespace, "lora-adapters")
+            sources = {n: {"name": n, "source": f"pvc://lora-adapters/tiny/{n}"} for n in ["sql", "support", "summary"]}
+            spec = {"model": {"uri": "hf://capstan/tiny", "servedName": "tiny"}, "replicas": 1}
+            spec["adapters"] = [sources["sql"], sources["support"]]
+            cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("tiny", **spec))
+            kubelet = KubeletStandIn(cluster, namespace, "lora-adapters", claim_folder, modules_file)
 
-        def loaded(names: list[str]):
-            def check():
-                kubelet.sync()
-                status = cluster.get_json("inferenceservice", "tiny", "-n", namespace)["status"]
-                condition = next((c for c in status["conditions"] if c["type"] == "AdaptersLoaded"), {})
-                counts = {a["name"]: a["loadedReplicas"] for a in status.get("adapters", [])}
-                replica = status.get("replicaAdapters", [{}])[0]
-                done = condition.get("status") == "True" and counts == dict.fromkeys(names, 1)
-                return done and replica.get("adapters") == sorted(names) and status
+            def loaded(names: list[str]):
+                def check():
+                    kubelet.sync()
+                    status = cluster.get_json("inferenceservice", "tiny", "-n", namespace)["status"]
+                    condition = next((c for c in status["conditions"] if c["type"] == "AdaptersLoaded"), {})
+                    counts = {a["name"]: a["loadedReplicas"] for a in status.get("adapters", [])}
+                    replica = status.get("replicaAdapters", [{}])[0]
+                    done = condition.get("status") == "True" and counts == dict.fromkeys(names, 1)
+                    return done and replica.get("adapters") == sorted(names) and status
 
-            return check
+                return check
 
-        status = eventually("the server's adapters in status", loaded(["sql", "support"]), timeout=120)
-        pod = cluster.get_json("pods", "-n", namespace, "-l", "serving.capstan.dev/inferenceservice=tiny")["items"][0]
-        assert status["replicaAdapters"] == [{"pod": pod["metadata"]["name"], "adapters": ["sql", "support"]}]
+            status = eventually("the server's adapters in status", loaded(["sql", "support"]), timeout=120)
+            pods = cluster.get_json("pods", "-n", namespace, "-l", "serving.capstan.dev/inferenceservice=tiny")["items"]
+            pod = pods[0]
+            assert status["replicaAdapters"] == [{"pod": pod["metadata"]["name"], "adapters": ["sql", "support"]}]
 
-        spec["adapters"] = [sources["support"], sources["summary"]]  # one added, one removed
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("tiny", **spec))
-        status = eventually("the edit loaded by the running server", loaded(["support", "summary"]), timeout=120)
-        assert status["observedGeneration"] == 2
-        assert cluster.get_json("deployment", "tiny", "-n", namespace)["metadata"]["generation"] == 1  # no rollout
-        models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
-        assert {m["id"]: m.get("parent") for m in models} == {"tiny": None, "support": "tiny", "summary": "tiny"}
+            spec["adapters"] = [sources["support"], sources["summary"]]  # one added, one removed
+            cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("tiny", **spec))
+            status = eventually("the edit loaded by the running server", loaded(["support", "summary"]), timeout=120)
+            assert status["observedGeneration"] == 2
+            assert cluster.get_json("deployment", "tiny", "-n", namespace)["metadata"]["generation"] == 1  # no rollout
+            models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+            assert {m["id"]: m.get("parent") for m in models} == {"tiny": None, "support": "tiny", "summary": "tiny"}
     finally:
         server.stop()
-        operator.restart()

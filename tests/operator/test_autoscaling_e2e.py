@@ -111,11 +111,8 @@ def servers(tmp_path):
 
 @pytest.fixture
 def operator_reading_servers(operator, servers):
-    operator.restart(f"--test-pod-addresses={','.join(s.address for s in servers)}")
-    try:
+    with operator.reading_pods_at(*(s.address for s in servers)):
         yield operator
-    finally:
-        operator.restart()
 
 
 def test_replicas_follow_load(cluster, operator_reading_servers, servers, namespace):

@@ -67,11 +67,8 @@ def slow_pod():
 
 @pytest.fixture
 def operator_reading_slow_pod(operator, slow_pod):
-    operator.restart(f"--test-pod-addresses={slow_pod.address}")
-    try:
+    with operator.reading_pods_at(slow_pod.address):
         yield operator
-    finally:
-        operator.restart()
 
 
 def test_a_service_deleted_during_its_resync_goes_within_seconds(

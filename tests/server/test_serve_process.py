@@ -156,7 +156,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(proc):
         wait_for(lambda: gauge(proc.url, "capstan_requests_waiting") == 1, timeout=150, what="a queued request")
     except AssertionError as e:
         seen = {name: gauge(proc.url, f"capstan_requests_{name}") for name in ("running", "waiting")}
-        streams = [(r.get("status"), len(r.get("events", []))) for r in (first, second)]  # (status, events) so far
+        streams = [(r.get("status"), len(r.get("events", []))) for r in (first, second)]  # events: once it ended
         raise AssertionError(f"{e}; now {seen}, streams {streams}; log: {''.join(proc.output)[-3000:]}") from e
     kept_alive = socket.create_connection(("127.0.0.1", proc.port), timeout=10)
     kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: capstan\r\n\r\n")
