@@ -23,12 +23,12 @@ RELOAD_SECONDS = 5.0  # how soon a renewed certificate is served once its files 
 
 def _check_pair(keyfile: str, certfile: str) -> None:
     """Load the pair into a scratch context: a ValueError names the flag and the file at fault."""
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not Path(path).is_file():  # ssl's FileNotFoundError names no file (its filename is None)
+            raise ValueError(f"{flag} {path}: no such file")
     scratch = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         scratch.load_cert_chain(certfile, keyfile)
-    except FileNotFoundError as error:
-        flag = "--ssl-keyfile" if error.filename == keyfile else "--ssl-certfile"
-        raise ValueError(f"{flag} {error.filename}: no such file") from None
     except (ssl.SSLError, OSError) as error:
         raise ValueError(
             f"--ssl-certfile {certfile} and --ssl-keyfile {keyfile}: not a PEM certificate chain and "

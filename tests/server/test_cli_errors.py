@@ -27,6 +27,14 @@ def serve(*flags: str, timeout: float = 180) -> subprocess.CompletedProcess:
         (["--page-size", str(2**40)], "page_size must be at most 1024"),
         (["--decode-steps", str(2**40)], "decode_steps must be at most 256"),
         (["--max-model-len", str(2**63)], "max_model_len must be at most 16777216"),
+        (
+            ["--ssl-keyfile", str(CHECKPOINT / "config.json"), "--ssl-certfile", "/nonexistent/cert.pem"],
+            "--ssl-certfile /nonexistent/cert.pem: no such file",
+        ),
+        (
+            ["--ssl-keyfile", "/nonexistent/key.pem", "--ssl-certfile", str(CHECKPOINT / "config.json")],
+            "--ssl-keyfile /nonexistent/key.pem: no such file",
+        ),
     ],
 )
 def test_a_flag_out_of_range_is_a_cli_error_naming_it(flags, says):
