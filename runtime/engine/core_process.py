@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,17 +72,20 @@ class EngineCore:
         self.lora_reads: list[tuple[LoadLoRA, LoRARequest, Future]] = []
         self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="capstan-lora-load")
         self._lora_ids = itertools.count(1)
+        self._compiling_told = 0  # programs_compiling as the frontends last heard it
+        self.engine: LLMEngine | None = None
 
     def run(self) -> int:
         """Loads, warms up, serves until a Shutdown; a fault tells every frontend before the process exits."""
         ready = False
         try:
-            engine = LLMEngine(self.config)
+            self.engine = engine = LLMEngine(self.config)
             self._lora_ids = itertools.count(len(engine.list_loras()) + 1)
             self._broadcast(Loaded(engine.limits(), self.config, engine.model_name, self.core))
             self._broadcast(LoRAs(engine.list_loras(), self.core))
-            if self.config.warmup:
-                engine.warmup()
+            if self.config.warmup:  # what a first request needs; the other programs compile while serving
+                engine.start_warmup()
+            self._answer(engine, [], [], [])  # the stats first (programs_compiling): a frontend ready says it
             self._broadcast(Ready(engine.compile_seconds, self.core))
             ready = True
             log.info("engine core ready: serving %d frontend(s)", len(self.outboxes))
@@ -123,6 +127,8 @@ class EngineCore:
         if self.lora_reads:
             self._finish_lora_reads(engine)
         if not took and not busy:
+            if engine.stats().programs_compiling != self._compiling_told:  # the gauge moves while idle too
+                self._answer(engine, [], [], [])
             return True
         if engine.has_unfinished():
             outputs += engine.step()
@@ -231,6 +237,7 @@ class EngineCore:
         """Each frontend gets its own requests' news, and every frontend the stats (its gauges and 429s)."""
         by_frontend: dict[int, Outputs] = {}
         stats = engine.stats()
+        self._compiling_told = stats.programs_compiling
 
         def message(request_id: str, finished: bool) -> Outputs | None:
             frontend = self.owner.pop(request_id, None) if finished else self.owner.get(request_id)
@@ -266,7 +273,13 @@ def main() -> int:
         signal.signal(sig, signal.SIG_IGN)
     tag = f"engine core {spec.core}" if spec.core else "engine core"
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s %(name)s [{tag}]: %(message)s")
-    return EngineCore(spec).run()
+    core = EngineCore(spec)
+    code = core.run()
+    warming = core.engine.warming if core.engine is not None else None
+    if warming is not None and not warming.stop():  # a compilation still runs in its thread: exit without waiting
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

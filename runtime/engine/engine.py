@@ -43,6 +43,7 @@ from .input_processor import EngineRequest, InputProcessor, ModelLimits
 from .multi_step import MultiStepDecoder
 from .outputs import CompletionOutput, RequestOutput
 from .step import step_fn
+from .warmup import BackgroundWarmup, Program
 
 log = logging.getLogger("capstan.engine")
 CPU_KV_BYTES = 512 << 20  # KV pool on CPU when num_pages is not given
@@ -165,6 +166,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.compile_seconds = 0.0
+        self.warming: BackgroundWarmup | None = None  # serve's warm-up while it still compiles: run compiled programs
 
     def _enable_lora(self, checkpoint_cfg) -> None:
         """The manager of the model's adapter slots (whole on every device under tensor parallelism), and the
@@ -368,6 +370,7 @@ class LLMEngine:
             spec_accepted_tokens=spec.accepted_tokens if spec else 0,
             spec_drafts=spec.drafts if spec else 0,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
+            programs_compiling=self.warming.compiling() if self.warming is not None else 0,
             **s.host_tier_stats(),
             **self._lora_stats(),
         )
@@ -382,6 +385,82 @@ class LLMEngine:
             lora_slot_loads=loras.slot_loads,
             lora_requests_waiting=self.scheduler.lora_waiting,
         )
+
+    # ---- warm-up ------------------------------------------------------------------------------------------------
+    def start_warmup(self) -> None:
+        """Serve's warm-up: the programs a first request needs now, every other one in a background thread while
+        requests are served (warmup.py). Tensor parallelism, several hosts and speculation compile all now."""
+        if self.parallel.size > 1 or jax.process_count() > 1 or self.speculator is not None:
+            return self.warmup()
+        start = time.monotonic()
+        warming = BackgroundWarmup(self._precision)
+        first, rest = self._programs()
+        warming.compile_now(first)
+        if self.scheduler.offload is not None:  # the copies between the tiers
+            self.kv = self.scheduler.offload.warmup(self.kv)
+        self.warming = warming
+        warming.start(rest)
+        self.compile_seconds = time.monotonic() - start
+        log.info(
+            "compiled the %d program(s) a first request needs in %.1f s; %d more compile in the background while "
+            "serving (until then a compiled program stands in: larger token buckets, single decode steps)",
+            len(first),
+            self.compile_seconds,
+            len(rest),
+        )
+
+    def _programs(self) -> tuple[list[Program], list[Program]]:
+        """Every program warmup() compiles: the first request's (a token bucket every running decode fits, and one
+        stream's decode step where decodes have row buckets: on CPU a 16-token step costs a decoded token ~10x a
+        one-row step), then the rest in the order a newcomer's traffic meets them (small decode steps, multi-step
+        decoding of a few rows, larger token buckets, then the other row buckets and the grammar pipeline)."""
+        b, variants = self.builder, self._variants()
+        first_bucket, small = b.bucket_for(b.S), b.row_buckets[:-1]
+        first = [self._step_program(v, first_bucket, None) for v in variants]
+        first += [self._step_program(v, r, r) for v in variants for r in small[:1]]
+        rest = [self._step_program(v, r, r) for v in variants for r in small[1:]]
+        near, far = self.multi_step.programs(variants) if self.config.decode_steps > 1 else ([], [])
+        tokens = [self._step_program(v, t, None) for t in b.buckets if t != first_bucket for v in variants]
+        return first, rest + near + tokens + far
+
+    def _variants(self) -> dict:
+        """The model variants model_for can give, by the name variant_of gives them."""
+        if self.loras is None:
+            return {"model": lambda: self.model}
+        return {"base": lambda: dataclasses.replace(self.model, lora=None), "lora": lambda: self.model}
+
+    def variant_of(self, chunks: list[ScheduledChunk]) -> str:
+        """The name of the model variant model_for(chunks) gives (a part of each program's key)."""
+        if self.loras is None:
+            return "model"
+        return "lora" if any(c.seq.lora is not None for c in chunks) else "base"
+
+    def _step_program(self, variant: str, bucket: int, rows: int | None) -> Program:
+        inputs, model = self.builder.build([], bucket=bucket, rows=rows), self._variants()[variant]
+        return Program(("step", variant, bucket, rows), lambda: [step_fn.lower(model(), self._kv, inputs)])
+
+    def compiled(self, key) -> bool:
+        """Whether the program of this key may run now: any may, unless serve's warm-up still compiles some."""
+        return self.warming is None or self.warming.compiled(key)
+
+    def _serve_compiled(self) -> None:
+        """While the warm-up compiles: a step's tokens fit the largest compiled token bucket; once every program is
+        compiled, nothing is limited."""
+        warming, b = self.warming, self.builder
+        assert warming is not None, "called while warming"
+        if warming.done() and not warming.failed():
+            self.warming = None
+            self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
+            return
+        self.scheduler.max_num_batched_tokens = min(
+            max(t for t in b.buckets if self.compiled(("step", v, t, None))) for v in self._variants()
+        )
+
+    def _token_bucket(self, variant: str, tokens: int) -> int | None:
+        """The smallest compiled token bucket for this many tokens (None: the builder's own choice)."""
+        if self.warming is None:
+            return None
+        return next(t for t in self.builder.buckets if t >= tokens and self.compiled(("step", variant, t, None)))
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -418,6 +497,8 @@ class LLMEngine:
                 self.kv = kv
         if self.multi_step.ahead is not None:  # queued by the last step while its tokens were applied
             return self.multi_step.continue_run()
+        if self.warming is not None:
+            self._serve_compiled()
         chunks = self.scheduler.schedule()
         for seq, error in self.scheduler.take_failed():
             self.fail(seq.request_id, error)
@@ -441,7 +522,11 @@ class LLMEngine:
         if active is not None:
             return self.multi_step.decode(chunks, active)
         small = self.builder.small_step(chunks)  # a few decodes: as many rows and tokens as the step's row bucket
-        chunks, inputs = self._build(chunks, bucket=small, rows=small)
+        variant = self.variant_of(chunks)
+        if small is not None and not self.compiled(("step", variant, small, small)):
+            small = None
+        bucket = small or self._token_bucket(variant, sum(c.num_step_tokens for c in chunks))
+        chunks, inputs = self._build(chunks, bucket=bucket, rows=small)
         if not chunks:
             return []
         with self._precision():

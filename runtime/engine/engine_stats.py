@@ -17,6 +17,7 @@ class EngineStats:
     preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    programs_compiling: int = 0  # step programs serve's warm-up still compiles in the background (engine/warmup.py)
     spec_draft_tokens: int = 0  # tokens proposed by speculative decoding
     spec_accepted_tokens: int = 0  # of those, the ones the target verified
     spec_drafts: int = 0  # rows verified with a proposal (draft tokens / drafts: the mean proposal length)

@@ -21,7 +21,9 @@ after it)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import equinox as eqx
@@ -53,6 +55,7 @@ from ..scheduling.packing import Packed
 from ..scheduling.scheduler import ScheduledChunk
 from .engine_state import EngineState
 from .outputs import RequestOutput
+from .warmup import Program
 
 
 def _forward(
@@ -239,6 +242,50 @@ class MultiStepDecoder:
                     decode_sample_fn(logits, inputs, e.builder.all_allowed, np.int32(0), branches=branches)
                 )
 
+    def _program_key(self, chunks: list[ScheduledChunk], k: int, grammars: bool) -> tuple:
+        """The key of the program decode() would run for these chunks (as programs() names it)."""
+        variant = self.engine.variant_of(chunks)
+        if grammars:
+            return ("pipeline", variant)
+        branches = scan_branches([c.seq.params for c in chunks], jax.default_backend())
+        return ("scan", variant, self.engine.builder.rows_for(len(chunks)), k, branches)
+
+    def programs(self, variants: dict[str, Callable[[], DecoderModel]]) -> tuple[list[Program], list[Program]]:
+        """What warmup() compiles, for serve's background warm-up (engine/warmup.py): the scans of the smallest row
+        bucket (one stream's decoding), then every other row bucket's and the grammar pipeline. Arguments are made
+        here, on the engine's thread, as a call makes them."""
+        e = self.engine
+        near: list[Program] = []
+        far: list[Program] = []
+        for S in e.builder.row_buckets:
+            inputs = e.builder.build([], bucket=S, rows=S)
+            for k, branches in itertools.product(self.step_counts(S), reversed(scans(jax.default_backend()))):
+                active, offset, tables = self._placed(np.zeros(S, np.int32), np.int32(0), self._block_tables([], S))
+                args = (inputs, active, offset, self._no_previous(S, k), tables, self._no_counts(S, branches))
+                for name, model in variants.items():
+                    key = ("scan", name, S, k, branches)
+                    lower = functools.partial(self._lower_scan, model, args, k, branches)
+                    (near if e.builder.row_buckets[0] == S else far).append(Program(key, lower))
+        inputs = e.builder.build([], bucket=e.builder.S)
+        previous = put(np.zeros(e.builder.S, np.int32), e.parallel.inputs_sharding())
+        for name, model in variants.items():
+            far.append(Program(("pipeline", name), functools.partial(self._lower_pipeline, model, inputs, previous)))
+        return near, far
+
+    def _lower_scan(self, model: Callable[[], DecoderModel], args: tuple, k: int, branches: Branches) -> list:
+        return [decode_steps_fn.lower(model(), self.engine._kv, *args, num_steps=k, branches=branches)]
+
+    def _lower_pipeline(self, model: Callable[[], DecoderModel], inputs: Packed, previous: jax.Array) -> list:
+        e = self.engine
+        forward = decode_forward_fn.lower(model(), e._kv, inputs, previous, previous, np.int32(0))
+        logits = forward.out_info[1]
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype)  # uncommitted, as the forward's output is
+        samples = [
+            decode_sample_fn.lower(logits, inputs, e.builder.all_allowed, np.int32(0), branches=branches)
+            for branches in PIPELINE_BRANCHES
+        ]
+        return [forward, *samples]
+
     def steps_for(self, rows: int) -> int:
         """Steps a dispatch of `rows` sequences takes: decode_steps for a full batch, fewer while rows are free, so
         a request arriving meanwhile is admitted after at most two such dispatches (the one under way and the one
@@ -277,6 +324,8 @@ class MultiStepDecoder:
                 and not c.seq.prompt_logprobs_done
             ):
                 return None
+        if not e.compiled(self._program_key(chunks, k, grammars)):  # serve's warm-up compiles it still: single steps
+            return None
         active = [
             max(1, min(k, c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens)) for c in chunks
         ]

@@ -14,7 +14,18 @@ from fastapi import FastAPI
 from ..engine.errors import RequestCancelledError
 from ..generation_config import describe as describe_defaults
 from ..generation_config import sampling_defaults
-from . import chat, completions, embeddings, lora_adapters, model_list, probes, responses, tokenize, version
+from . import (
+    chat,
+    completions,
+    embeddings,
+    header_limits,
+    lora_adapters,
+    model_list,
+    probes,
+    responses,
+    tokenize,
+    version,
+)
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from .context import ServerContext
@@ -97,16 +108,21 @@ def make_context(
 
 
 async def _log_warmup(engine) -> None:
-    """The engine compiles in its own thread; the log says when that ends, and how long it took."""
+    """The engine loads and compiles what a first request needs elsewhere; the log says when it can answer."""
     started = time.monotonic()
     if not engine.is_ready():
-        log.info("warm-up: compiling the step function for every batch shape; /ready answers 503 until done")
+        log.info("loading the model and compiling what a first request needs; /ready answers 503 until then")
     while not engine.is_ready():
         if not engine.is_alive():
             log.error("the engine loop stopped during warm-up; see the errors above")
             return
         await asyncio.sleep(0.5)
-    log.info("warm-up compiled in %.1f s; ready to serve", time.monotonic() - started)
+    compiling = engine.stats().programs_compiling
+    log.info(
+        "ready to serve after %.1f s%s",
+        time.monotonic() - started,
+        f" ({compiling} more programs compile meanwhile: capstan_programs_compiling)" if compiling else "",
+    )
 
 
 def serve(
@@ -146,6 +162,7 @@ def serve(
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
         **(certificate.uvicorn_options() if certificate else {}),
+        **header_limits.uvicorn_options(),
     )
     watches = []  # keeps the certificate's reload task referenced
     if certificate is not None:

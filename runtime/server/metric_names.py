@@ -8,6 +8,7 @@ REQUESTS_WAITING = PREFIX + "requests_waiting"  # gauge: requests queued, not ye
 KV_CACHE_USAGE = PREFIX + "kv_cache_usage_ratio"  # gauge 0..1: used KV pages / all KV pages
 KV_PAGES_FREE = PREFIX + "kv_pages_free"  # gauge
 KV_PAGES_TOTAL = PREFIX + "kv_pages_total"  # gauge
+PROGRAMS_COMPILING = PREFIX + "programs_compiling"  # gauge: step programs the warm-up still compiles while serving
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queried_tokens"  # counter (_total): prompt tokens looked up
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hit_tokens"  # counter (_total): prompt tokens found cached
 PREFIX_CACHE_HIT_RATE = PREFIX + "prefix_cache_hit_rate"  # gauge 0..1: hit tokens / queried tokens since start

@@ -97,6 +97,11 @@ class EngineCollector:
         yield GaugeMetricFamily(names.KV_CACHE_USAGE, "Used KV-cache pages / all pages (0..1).", value=usage)
         yield GaugeMetricFamily(names.KV_PAGES_FREE, "Free KV-cache pages.", value=s.kv_pages_total - s.kv_pages_used)
         yield GaugeMetricFamily(names.KV_PAGES_TOTAL, "KV-cache pages in the pool.", value=s.kv_pages_total)
+        yield GaugeMetricFamily(
+            names.PROGRAMS_COMPILING,
+            "Step programs the warm-up still compiles in the background while serving (0: all compiled).",
+            value=s.programs_compiling,
+        )
         hit_rate = s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens if s.prefix_cache_queried_tokens else 0.0
         yield GaugeMetricFamily(
             names.PREFIX_CACHE_HIT_RATE,

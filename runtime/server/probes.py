@@ -21,7 +21,8 @@ async def health(ctx: ServerContext = Depends(get_context)):
 
 @router.get("/ready")
 async def ready(ctx: ServerContext = Depends(get_context)):
-    """Ready once weights are loaded and every step shape is compiled, until draining starts."""
+    """Ready once weights are loaded and the programs a first request needs are compiled (the others compile while
+    serving), until draining starts."""
     if ctx.drain.draining:
         return error_response(503, "draining: the server is shutting down", code="draining")
     if not ctx.engine.is_ready():

@@ -47,7 +47,6 @@ def serve_with_engine_core(
     path = resolve_checkpoint(config.checkpoint)  # hf:// downloads once, here
     tokenizer_path = resolve_checkpoint(config.tokenizer) if config.tokenizer else path
     config = dataclasses.replace(config, model=str(path), tokenizer=str(tokenizer_path))
-    tokenizer = Tokenizer.from_pretrained(tokenizer_path)
     model_name = served_model_name(path)
     if config.enable_lora:  # bad adapters are refused before the model loads; hf:// ones download here, once
         lora_modules = adapters_at_start(
@@ -105,6 +104,7 @@ def serve_with_engine_core(
                     cpu_only=True,
                 )
             )
+        tokenizer = Tokenizer.from_pretrained(tokenizer_path)  # while the cores load (a GGUF's vocabulary: seconds)
         client = EngineCoreClient(
             config,
             tokenizer,

@@ -1,0 +1,113 @@
+"""BackgroundWarmup: `capstan serve` answers as soon as the programs a first request needs are compiled, and
+compiles the engine's other step programs in a thread while it serves.
+
+Each program is compiled ahead of time (`jit(f).lower(args).compile()`, with the arguments a real call passes, so
+the call later finds it in JAX's caches) and nothing runs on the device from the thread. Until a program is
+compiled the engine runs one that is (LLMEngine.compiled): a larger token bucket, single steps instead of a
+multi-step decode, the general step instead of a small one; each gives the same tokens. A program whose
+compilation fails is logged and never run: its stand-in serves for good."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable
+from contextlib import AbstractContextManager
+
+log = logging.getLogger("capstan.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of the engine: key names its shape ("step", variant, tokens, rows), ...; lower traces
+    and lowers it with the arguments a call passes (read when it runs: the engine's current cache and weights)."""
+
+    key: Hashable
+    lower: Callable[[], Iterable]  # the lowered computations (jax.stages.Lowered) the key needs, in order
+
+
+class BackgroundWarmup:
+    def __init__(self, context: Callable[[], AbstractContextManager]):
+        """context: what every device call of the engine runs in (its matmul precision, its mesh)."""
+        self._context = context
+        self._ready: set[Hashable] = set()
+        self._failed: set[Hashable] = set()
+        self._queue: list[Program] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.started = 0.0
+
+    def compile_now(self, programs: list[Program]) -> None:
+        """Compiles these in the calling thread (what the first request needs); a failure here propagates."""
+        for program in programs:
+            self._compile(program)
+            self._ready.add(program.key)
+
+    def start(self, programs: list[Program]) -> None:
+        """Compiles these in order in a thread of its own."""
+        self._queue = list(programs)
+        self.started = time.monotonic()
+        if self._queue:
+            self._thread = threading.Thread(target=self._run, name="capstan-warmup", daemon=True)
+            self._thread.start()
+
+    def compiled(self, key: Hashable) -> bool:
+        return key in self._ready
+
+    def compiling(self) -> int:
+        """Programs not compiled yet (queued, or being compiled now)."""
+        with self._lock:
+            return len(self._queue)
+
+    def done(self) -> bool:
+        return self.compiling() == 0
+
+    def failed(self) -> int:
+        return len(self._failed)
+
+    def stop(self) -> bool:
+        """No further compilation starts; True when none runs now. (A thread inside XLA's compiler when the
+        interpreter exits aborts it: the engine core exits at once instead, see core_process.main.)"""
+        with self._lock:
+            self._stopped = True
+            del self._queue[1:]  # the head is the program being compiled
+        return self._thread is None or not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits for the thread (tests, benchmarks); True when every program is done."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.done()
+
+    def _compile(self, program: Program) -> None:
+        with self._context():
+            for lowered in program.lower():
+                lowered.compile()
+
+    def _run(self) -> None:
+        total = len(self._queue)
+        while True:
+            with self._lock:
+                if not self._queue:
+                    break
+                program = self._queue[0]
+            try:
+                self._compile(program)
+                self._ready.add(program.key)  # (a set's add is atomic: the engine's thread reads it without the lock)
+            except Exception:  # noqa: BLE001 - a program that cannot compile is never run: its stand-in serves
+                log.exception("compiling %s failed; a compiled program serves its steps instead", program.key)
+                self._failed.add(program.key)
+            with self._lock:
+                self._queue.pop(0)
+            log.debug("compiled %s (%d of %d)", program.key, total - self.compiling(), total)
+        if self._stopped:
+            return
+        log.info(
+            "background compilation done: %d programs in %.1f s%s",
+            total - len(self._failed),
+            time.monotonic() - self.started,
+            f", {len(self._failed)} failed (see above)" if self._failed else "",
+        )

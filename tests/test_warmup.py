@@ -1,0 +1,114 @@
+"""Serve's warm-up (engine/warmup.py): the first request's program compiled, the rest in a background thread; requests
+served meanwhile by compiled stand-ins give the same tokens as after a full warm-up; nothing compiles on the request
+path once the thread is done; a program that fails to compile leaves its stand-in serving."""
+
+import contextlib
+import logging
+import threading
+
+import pytest
+from jax import monitoring
+
+from capstan.runtime.config import DEFAULT_MODEL
+from capstan.runtime.engine.llm import LLM
+from capstan.runtime.engine.warmup import BackgroundWarmup, Program
+from capstan.runtime.sampling.sampling_params import SamplingParams
+
+# buckets 16, 32, 64 tokens; row buckets 1, 4: a dozen programs
+FLAGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+LONG = list(range(100, 200))  # 100 tokens: several chunks of the first bucket (16) while 64 still compiles
+REQUESTS = [
+    (LONG, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+    ("The capital of France is", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+    ("Once upon a time", SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)),
+    ("Hello", SamplingParams(max_tokens=24, temperature=0.7, repetition_penalty=1.3, seed=3, ignore_eos=True)),
+    ("Two choices", SamplingParams(max_tokens=16, temperature=1.0, n=2, seed=11, ignore_eos=True)),
+]
+
+
+def tokens(llm: LLM, requests=REQUESTS) -> list[list[list[int]]]:
+    outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+@contextlib.contextmanager
+def compiles_in_this_thread():
+    """The XLA compilations this thread makes meanwhile (the warm-up's own thread compiles beside it)."""
+    compiles: list[str] = []
+    me = threading.current_thread()
+
+    def listen(event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration" and threading.current_thread() is me:
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.fixture(scope="module")
+def serving():
+    """An engine as `capstan serve` warms it: serving right after its first program. Made first: programs another
+    engine of this process compiled would be found compiled already."""
+    llm = LLM(str(DEFAULT_MODEL), **FLAGS)
+    llm.engine.start_warmup()
+    yield llm
+    llm.engine.warming is None or llm.engine.warming.join(300)
+
+
+@pytest.fixture(scope="module")
+def during(serving) -> list[list[list[int]]]:
+    """The tokens of requests served while the programs compile, by the stand-ins."""
+    warming = serving.engine.warming
+    assert warming is not None and warming.compiling() > 0
+    with compiles_in_this_thread() as compiles:
+        out = tokens(serving)
+    assert compiles == [], "a request waited for a compilation"
+    assert warming.compiling() > 0, "the background finished first: these requests met no stand-in"
+    serving.engine.pool.check_all_free()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(during) -> list[list[list[int]]]:
+    """The tokens after the full warm-up (every program compiled before the first request)."""
+    return tokens(LLM(str(DEFAULT_MODEL), **FLAGS, warmup=True))
+
+
+def test_requests_while_programs_compile_give_the_full_warmups_tokens(during, reference):
+    assert during == reference
+
+
+def test_once_the_background_is_done_no_request_compiles_and_the_limits_go(serving, reference):
+    warming = serving.engine.warming
+    assert warming is None or warming.join(300)
+    with compiles_in_this_thread() as compiles:
+        assert tokens(serving) == reference
+    assert compiles == []
+    assert serving.engine.warming is None  # the first step after the end lifts the token limit
+    assert serving.engine.scheduler.max_num_batched_tokens == 64
+    assert serving.engine.stats().programs_compiling == 0
+
+
+def test_a_program_that_fails_to_compile_leaves_a_stand_in_serving(reference, caplog):
+    llm = LLM(str(DEFAULT_MODEL), **FLAGS)
+    engine = llm.engine
+    first, rest = engine._programs()
+
+    def broken():
+        raise RuntimeError("injected: this program cannot compile")
+
+    rest = [Program(p.key, broken) if p.key == ("step", "model", 64, None) else p for p in rest]
+    warming = BackgroundWarmup(engine._precision)
+    warming.compile_now(first)
+    engine.warming = warming
+    with caplog.at_level(logging.ERROR, logger="capstan.engine"):
+        warming.start(rest)
+        assert warming.join(300)
+    assert warming.failed() == 1 and not warming.compiled(("step", "model", 64, None))
+    assert "compiling ('step', 'model', 64, None) failed" in caplog.text
+    assert tokens(llm) == reference  # the 100-token prompt in chunks of 32, the largest compiled bucket
+    assert engine.warming is warming and engine.scheduler.max_num_batched_tokens == 32
+    engine.pool.check_all_free()
