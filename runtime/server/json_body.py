@@ -4,6 +4,7 @@ message that says so, not FastAPI's generic "error parsing the body" (or a 500 l
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from fastapi import HTTPException, Request
 from fastapi.routing import APIRoute
@@ -16,24 +17,29 @@ class BodyError(HTTPException):
         super().__init__(status_code=400, detail=message)
 
 
+def parse_json_body(body: bytes) -> Any:
+    """The one rule for reading a body (the server's routes and the gateway's): BodyError for what is no JSON text
+    at all; json.JSONDecodeError goes on (FastAPI reports it as malformed JSON)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(
+            f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start})"
+        ) from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise BodyError("the request body nests too deeply to parse") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise BodyError(f"the request body could not be parsed: {e}") from None
+
+
 class StrictJSONRequest(Request):
     async def json(self):
         if not hasattr(self, "_json"):
-            body = await self.body()
-            try:
-                text = body.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise BodyError(
-                    f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start})"
-                ) from None
-            try:
-                self._json = json.loads(text)  # JSONDecodeError goes on: FastAPI reports it as malformed JSON
-            except RecursionError:
-                raise BodyError("the request body nests too deeply to parse") from None
-            except json.JSONDecodeError:
-                raise
-            except ValueError as e:  # e.g. an integer of more digits than Python converts
-                raise BodyError(f"the request body could not be parsed: {e}") from None
+            self._json = parse_json_body(await self.body())
         return self._json
 
 
