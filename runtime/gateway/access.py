@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +20,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from ..server import metric_names as names
 from ..server.error_body import APIError
-from .budgets import Budgets
+from .budgets import Budgets, Refusal, Reservation
 from .client_keys import ClientKey, KeyRing
+from .request_cost import GenerationFields
+from .usage_meter import UsageMeter
 
 log = logging.getLogger("capstan.gateway")
+CLIENT_CLOSED = 499  # nginx's status for a client that hung up first
 RELOAD_SECONDS = 2.0  # how soon a rotated Secret's new content takes effect, once the kubelet has written it
 
 
@@ -91,7 +95,8 @@ class ClientMetrics:
 @dataclass
 class Admission:
     client: ClientKey
-    upstream_authorization: str | None
+    reservation: Reservation
+    prompt_tokens: int = 0  # as counted for the reservation (0 where the key has no token budget)
 
 
 class Access:
@@ -113,8 +118,9 @@ class Access:
             )
         return client
 
-    def admit(self, client: ClientKey, model: str) -> Admission:
-        """Raise 403 or 429, or take a budget slot (give it back with `finish`)."""
+    def check(self, client: ClientKey, model: str) -> None:
+        """Raise 403 for a model the key may not use, or 429 when a budget is spent already (before the prompt is
+        counted: a key over its budget costs the replicas nothing)."""
         if not client.may_use(model):
             self.metrics.rejections.labels(client=client.name, reason="model").inc()
             raise APIError(
@@ -123,21 +129,52 @@ class Access:
                 param="model",
                 code="model_not_allowed",
             )
-        refusal = self.budgets.admit(client)
+        refusal = self.budgets.refusal(client)
         if refusal is not None:
-            self.metrics.rejections.labels(client=client.name, reason=refusal.reason).inc()
-            retry_after = str(max(1, round(refusal.retry_after + 0.5)))
-            raise APIError(
-                429,
-                f"Rate limit reached: {refusal.message}. Retry after {retry_after} s.",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": retry_after, **self.budgets.headers(client)},
-            )
-        return Admission(client, self.upstream.authorization(model))
+            self._refuse(client, refusal)
+
+    def counts_tokens(self, client: ClientKey) -> bool:
+        """Whether the key has a token budget, so each request's worst case must be worked out before it runs."""
+        return client.tokens_per_minute is not None
+
+    def admit(self, client: ClientKey, tokens: int = 0, prompt_tokens: int = 0) -> Admission:
+        """Raise 429, or take a request, a concurrency slot and `tokens` (its worst case) until `finish`."""
+        taken = self.budgets.admit(client, tokens)
+        if isinstance(taken, Refusal):
+            self._refuse(client, taken)
+        assert isinstance(taken, Reservation)
+        return Admission(client, taken, prompt_tokens)
+
+    def _refuse(self, client: ClientKey, refusal: Refusal) -> None:
+        self.metrics.rejections.labels(client=client.name, reason=refusal.reason).inc()
+        retry_after = str(max(1, math.ceil(refusal.retry_after)))
+        raise APIError(
+            429,
+            f"Rate limit reached: {refusal.message}. Retry after {retry_after} s.",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": retry_after, **self.budgets.headers(client)},
+        )
+
+    def settle(
+        self, admission: Admission, code: int, meter: UsageMeter, fields: GenerationFields | None, reached: bool
+    ) -> None:
+        """End the request's hold on its budget: the replica's usage where it came, else what it can have used.
+        reached: the request got to a replica (else nothing ran)."""
+        prompt, reserved = admission.prompt_tokens, admission.reservation.tokens
+        if meter.saw_usage:
+            charge = (meter.prompt_tokens, meter.completion_tokens)
+        elif not reached or (code >= 400 and code != CLIENT_CLOSED):  # refused, by us or the replica: nothing ran
+            charge = (0, 0)
+        elif meter.streaming or (fields is not None and fields.stream):  # cut short: the prompt and what it delivered
+            charge = (prompt, min(meter.delivered, reserved - prompt) if reserved else meter.delivered)
+        else:  # an answer nobody read (or too large to read): the gateway cannot see what ran, so its worst case
+            charge = (prompt, reserved - prompt)
+        self.finish(admission, code, *charge)
 
     def finish(self, admission: Admission, code: int, prompt_tokens: int, completion_tokens: int) -> None:
+        """Settle the request's reservation with the tokens it used, and count them."""
         name = admission.client.name
-        self.budgets.finish(admission.client, prompt_tokens + completion_tokens)
+        self.budgets.settle(admission.reservation, prompt_tokens + completion_tokens)
         self.metrics.requests.labels(client=name, code=str(code)).inc()
         self.metrics.tokens.labels(client=name, kind="prompt").inc(prompt_tokens)
         self.metrics.tokens.labels(client=name, kind="completion").inc(completion_tokens)

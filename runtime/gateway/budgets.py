@@ -1,9 +1,12 @@
 """Per-client budgets: requests and tokens per window (a fixed window, one minute unless the flag says otherwise)
 and requests open at once.
 
-A request is admitted while its client has requests and tokens left in the window and a free concurrency slot;
-its tokens (prompt + completion, from the replica's `usage`) are charged when it finishes, so the one request that
-spends the last tokens may take the window past its budget by its own size, and the next one is refused.
+A request is admitted only when all of it fits: one more request in the window, a free concurrency slot, and its
+worst case in tokens (request_cost.py: its prompt plus every choice's max_tokens) besides what the window has
+charged and what requests still running have reserved. That worst case is reserved at admission and settled when
+the request ends: the reservation is replaced by the tokens it used. So a burst of concurrent requests cannot take
+a window past its budget: the charged total of a window never exceeds it. A request is charged to the window that
+admitted it, even when it ends in the next one.
 
 Several gateway replicas: each enforces `1/shares` of every budget (`--budget-shares`, the chart sets it to the
 replica count), so together they never admit more than the budget; a client whose requests the Service spreads
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from .client_keys import ClientKey
 
 DEFAULT_WINDOW_SECONDS = 60.0
+CONCURRENCY_RETRY_SECONDS = 1.0  # a slot frees when any open request ends: try again soon
 
 
 @dataclass
@@ -29,10 +33,21 @@ class Refusal:
 
 
 @dataclass
+class Reservation:
+    """An admitted request's hold on its client's budget; `Budgets.settle` ends it, once."""
+
+    client: str
+    window: int
+    tokens: int
+    settled: bool = False
+
+
+@dataclass
 class _Usage:
     window: int = -1  # the window these counts belong to
     requests: int = 0
-    tokens: int = 0
+    tokens: int = 0  # charged: requests of this window that ended
+    reserved: int = 0  # the worst cases of requests of this window still running
     open: int = 0
 
 
@@ -53,50 +68,78 @@ class Budgets:
         concurrency = None if client.max_concurrent is None else max(1, client.max_concurrent // self.shares)
         return per_window(client.requests_per_minute), per_window(client.tokens_per_minute), concurrency
 
-    def _current(self, client: ClientKey) -> tuple[_Usage, float]:
+    def _current(self, name: str) -> tuple[_Usage, float]:
         now = self.clock()
         window = int(now // self.window_seconds)
-        usage = self._usage.setdefault(client.name, _Usage())
-        if usage.window != window:
-            usage.window, usage.requests, usage.tokens = window, 0, 0
+        usage = self._usage.setdefault(name, _Usage())
+        if usage.window != window:  # open requests stay open; what they reserved belongs to the window they left
+            usage.window, usage.requests, usage.tokens, usage.reserved = window, 0, 0, 0
         return usage, (window + 1) * self.window_seconds - now
 
-    def admit(self, client: ClientKey) -> Refusal | None:
-        """Take one request and one concurrency slot, or say why not and when to retry."""
-        usage, reset = self._current(client)
-        requests, tokens, concurrency = self.limits(client)
+    def refusal(self, client: ClientKey, tokens: int = 0) -> Refusal | None:
+        """Why a request that may cost up to `tokens` would be refused now (and when to retry), or None."""
+        usage, reset = self._current(client.name)
+        requests, budget, concurrency = self.limits(client)
+        window = f"this {self.window_seconds:g} s window"
         if requests is not None and usage.requests >= requests:
-            return Refusal(
-                "requests",
-                f"client {client.name!r} used its {requests} requests of this {self.window_seconds:g} s window",
-                reset,
-            )
-        if tokens is not None and usage.tokens >= tokens:
+            return Refusal("requests", f"client {client.name!r} used its {requests} requests of {window}", reset)
+        if budget is not None and tokens > budget:
             return Refusal(
                 "tokens",
-                f"client {client.name!r} used its {tokens} tokens of this {self.window_seconds:g} s window",
+                f"this request may use up to {tokens} tokens (its prompt plus max_tokens for each choice), more "
+                f"than client {client.name!r}'s whole budget of {budget} tokens a window; lower max_tokens",
+                reset,
+            )
+        if budget is not None and usage.tokens + usage.reserved + tokens > budget:
+            return Refusal(
+                "tokens",
+                f"client {client.name!r} has {usage.tokens} of its {budget} tokens of {window} used and "
+                f"{usage.reserved} reserved by requests running; this one may use up to {tokens}",
                 reset,
             )
         if concurrency is not None and usage.open >= concurrency:
-            return Refusal("concurrency", f"client {client.name!r} has {usage.open} requests open, its limit", 1.0)
-        usage.requests += 1
-        usage.open += 1
+            return Refusal(
+                "concurrency",
+                f"client {client.name!r} has {usage.open} requests open, its limit",
+                CONCURRENCY_RETRY_SECONDS,
+            )
         return None
 
-    def finish(self, client: ClientKey, tokens: int) -> None:
-        """The request is done: free its slot and charge its tokens to the current window."""
-        usage, _ = self._current(client)
+    def admit(self, client: ClientKey, tokens: int = 0) -> Reservation | Refusal:
+        """Take one request, one concurrency slot and `tokens` (the request's worst case), or say why not."""
+        refusal = self.refusal(client, tokens)
+        if refusal is not None:
+            return refusal
+        usage, _ = self._current(client.name)
+        usage.requests += 1
+        usage.open += 1
+        usage.reserved += tokens
+        return Reservation(client.name, usage.window, tokens)
+
+    def settle(self, reservation: Reservation, tokens: int) -> None:
+        """The request is done: free its slot, and charge the tokens it used in place of what it reserved."""
+        assert not reservation.settled, "a reservation is settled once"
+        reservation.settled = True
+        usage, _ = self._current(reservation.client)
         usage.open -= 1
-        usage.tokens += tokens
+        if usage.window == reservation.window:  # else its window is over, and what it used counted there
+            usage.reserved -= reservation.tokens
+            usage.tokens += tokens
 
     def headers(self, client: ClientKey) -> dict[str, str]:
-        """OpenAI's rate-limit headers for this client now (only for the budgets it has)."""
-        usage, reset = self._current(client)
+        """OpenAI's rate-limit headers for this client now (only for the budgets it has); reserved tokens count as
+        used until their requests end."""
+        usage, reset = self._current(client.name)
         requests, tokens, _ = self.limits(client)
         headers = {}
-        for kind, limit, used in (("requests", requests, usage.requests), ("tokens", tokens, usage.tokens)):
+        used = (("requests", requests, usage.requests), ("tokens", tokens, usage.tokens + usage.reserved))
+        for kind, limit, spent in used:
             if limit is not None:
                 headers[f"x-ratelimit-limit-{kind}"] = str(limit)
-                headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, limit - used))
+                headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, limit - spent))
                 headers[f"x-ratelimit-reset-{kind}"] = f"{reset:.3f}s"
         return headers
+
+    def charged(self, client: ClientKey) -> int:
+        """Tokens charged to this client in the current window (requests that ended)."""
+        return self._current(client.name)[0].tokens

@@ -3,7 +3,9 @@ responses stream through as they come, never buffered.
 
 A request that fails before its first byte (connection refused or reset, or a replica answering 429/502/503) goes
 to another replica, up to `max_attempts`; once a response has begun it is the client's, so nothing is ever sent
-twice. A model with no ready replica holds its requests (hold_queue.py) and signals demand (demand.py).
+twice. A model with no ready replica holds its requests (hold_queue.py) and signals demand (demand.py). A client
+that hangs up, at any point, closes the upstream connection within DISCONNECT_CHECK_SECONDS, and the replica aborts
+the request and frees its pages.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
@@ -22,17 +25,27 @@ from fastapi.responses import StreamingResponse
 from ..server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from ..server.drain import Drain, DrainMiddleware
 from ..server.error_body import APIError, error_body, error_response
+from ..server.json_body import BodyError, parse_json_body
 from ..server.metrics import CONTENT_TYPE
-from .access import Access, Admission
+from .access import CLIENT_CLOSED, Access, Admission
 from .demand import DemandSignal
 from .gateway_metrics import GatewayMetrics
 from .hold_queue import HoldQueue
+from .prompt_count import count_prompts
 from .replica_pool import Replica, ReplicaPool
+from .request_cost import GenerationFields, generation_fields, prompt_pieces, worst_case
 from .routing_policy import DEFAULT_PREFIX_CHARS, RoutingPolicy, routing_key
 from .usage_meter import UsageMeter, ask_for_usage
 
 log = logging.getLogger("capstan.gateway")
-PROXIED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+PROXIED_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+)
 RETRYABLE_STATUS = {429, 502, 503}  # the replica took nothing on: queue full, draining, not ready
 FORWARDED_REQUEST_HEADERS = {"authorization", "content-type", "accept", "traceparent", "tracestate", "x-request-id"}
 HOP_BY_HOP = {
@@ -46,8 +59,12 @@ HOP_BY_HOP = {
     "proxy-authenticate",
     "proxy-authorization",
 }
-DISCONNECT_CHECK_SECONDS = 0.5  # how often a held request looks whether its client is still there
+DISCONNECT_CHECK_SECONDS = 0.25  # how often a request held, or waiting for its answer's headers, looks for its client
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)  # a long generation may be silent
+
+
+class ClientGone(APIError):
+    """The client hung up while its request was at a replica (it may have run for a while)."""
 
 
 @dataclass
@@ -79,29 +96,62 @@ class Gateway:
         raw = await request.body()
         body = _parse_body(raw)
         model = body["model"]
+        try:
+            return await self._forward(request, path, model, body, raw, arrival, client)
+        except RecursionError:  # a body within json's depth but too deep to walk or write again
+            raise APIError(400, "the request body nests too deeply to parse") from None
+
+    async def _forward(
+        self, request: Request, path: str, model: str, body: dict, raw: bytes, arrival: float, client
+    ) -> Response:
+        access = self.access
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         if access is None or client is None:  # no client keys: open (authenticate returns a key or refuses)
             return await self._route(request, path, model, body, raw, headers, arrival, None, None)
-        admission = access.admit(client, model)  # 403 before 404: a key learns nothing of others' models
-        upstream_body, client_wants_usage = ask_for_usage(body)
+        access.check(client, model)  # 403 before 404: a key learns nothing of others' models
+        fields = generation_fields(path, body)
+        headers.pop("authorization", None)  # the client's key stays here; replicas get the service's own
+        if upstream_authorization := access.upstream.authorization(model):
+            headers["authorization"] = upstream_authorization
+        tokens, prompt_tokens = 0, 0
+        if access.counts_tokens(client):
+            tokens, prompt_tokens = await self._worst_case(request, path, model, body, fields, headers)
+        admission = access.admit(client, tokens, prompt_tokens)
+        upstream_body, client_wants_usage = ask_for_usage(body, fields)
         if upstream_body is not body:
             raw = json.dumps(upstream_body).encode()
-        headers.pop("authorization", None)  # the client's key stays here; replicas get the service's own
-        if admission.upstream_authorization:
-            headers["authorization"] = admission.upstream_authorization
-        meter = UsageMeter(streaming=bool(body.get("stream")), client_wants_usage=client_wants_usage)
+        meter = UsageMeter(client_wants_usage=client_wants_usage)
         try:
             response = await self._route(request, path, model, body, raw, headers, arrival, admission, meter)
         except APIError as error:
-            access.finish(admission, error.status, 0, 0)
+            access.settle(admission, error.status, meter, fields, reached=isinstance(error, ClientGone))
             raise
         except BaseException:
-            access.finish(admission, 499, 0, 0)
+            access.settle(admission, CLIENT_CLOSED, meter, fields, reached=True)
             raise
         if not isinstance(response, StreamingResponse):  # answered here, nothing relayed: no tokens
-            access.finish(admission, response.status_code, 0, 0)
+            access.settle(admission, response.status_code, meter, fields, reached=False)
         response.headers.update(access.budgets.headers(client))
         return response
+
+    async def _worst_case(
+        self, request: Request, path: str, model: str, body: dict, fields: GenerationFields | None, headers: dict
+    ) -> tuple[int, int]:
+        """The request's worst case in tokens and its prompt tokens, counted by a replica of the model (held for
+        one, as the request itself would be, when none is ready)."""
+        pieces = prompt_pieces(path, body)
+        if not pieces:  # tokenize, detokenize: nothing generated, nothing charged
+            return 0, 0
+        self._require(model)
+        self.demand.note(model)
+        while (replica := self.choose(model, routing_key(body, self.prefix_chars), set())) is None:
+            await self._hold(request, model)
+        auth = {"authorization": headers["authorization"]} if "authorization" in headers else {}
+        try:
+            prompts, max_model_len = await count_prompts(self.client, replica.url, model, auth, pieces)
+        except LookupError as error:
+            raise APIError(502, str(error), code="upstream_unavailable", headers={"Retry-After": "1"}) from None
+        return worst_case(path, fields, prompts, max_model_len), sum(prompts)
 
     async def _route(
         self,
@@ -115,8 +165,7 @@ class Gateway:
         admission: Admission | None,
         meter: UsageMeter | None,
     ) -> Response:
-        if not self.pool.serves(model):
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        self._require(model)
         self.demand.note(model)
         key = routing_key(body, self.prefix_chars)
         tried: set[str] = set()
@@ -136,9 +185,12 @@ class Gateway:
             tried.add(replica.url)
             replica.in_flight += 1
             try:
-                upstream = await self.client.send(
-                    self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers), stream=True
+                upstream = await self._send(
+                    request, self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers)
                 )
+            except APIError:
+                replica.in_flight -= 1
+                raise
             except httpx.TransportError as error:
                 replica.in_flight -= 1
                 log.warning("replica %s failed before a byte (%s); trying another", replica.url, error)
@@ -167,6 +219,8 @@ class Gateway:
             self.metrics.routed.labels(replica=replica.url).inc()
             self.metrics.time_to_first_byte.observe(time.perf_counter() - arrival)
             self.metrics.requests.labels(model=model, code=str(upstream.status_code)).inc()
+            if meter is not None:
+                meter.streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
             return StreamingResponse(
                 self._relay(upstream, replica, admission, meter),
                 status_code=upstream.status_code,
@@ -183,6 +237,10 @@ class Gateway:
             headers={"Retry-After": "1"},
         )
 
+    def _require(self, model: str) -> None:
+        if not self.pool.serves(model):
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
     async def _hold(self, request: Request, model: str) -> None:
         """Wait for a replica of `model`; a client that hangs up stops waiting (and leaves the queue) at once."""
         waiting = asyncio.ensure_future(self.holds.wait_for_replica(model))
@@ -191,11 +249,28 @@ class Gateway:
                 await asyncio.wait({waiting}, timeout=DISCONNECT_CHECK_SECONDS)
                 if not waiting.done() and await request.is_disconnected():
                     raise APIError(
-                        499, "the client closed the connection while its request was held", code="client_closed"
+                        CLIENT_CLOSED,
+                        "the client closed the connection while its request was held",
+                        code="client_closed",
                     )
             waiting.result()
         finally:
             waiting.cancel()
+
+    async def _send(self, request: Request, upstream_request: httpx.Request) -> httpx.Response:
+        """Send, and wait for the answer's headers (a whole answer's time, when it does not stream) while watching
+        the client: one that hangs up cancels the send, which closes the connection, and the replica aborts."""
+        sending = asyncio.ensure_future(self.client.send(upstream_request, stream=True))
+        try:
+            while not sending.done():
+                await asyncio.wait({sending}, timeout=DISCONNECT_CHECK_SECONDS)
+                if not sending.done() and await request.is_disconnected():
+                    raise ClientGone(CLIENT_CLOSED, "the client closed the connection before the answer")
+            return sending.result()
+        finally:
+            if not sending.done():
+                sending.cancel()
+                await asyncio.wait({sending})
 
     async def _relay(
         self,
@@ -204,6 +279,7 @@ class Gateway:
         admission: Admission | None = None,
         meter: UsageMeter | None = None,
     ):
+        ended = False  # the upstream's answer ended (whole, or broken off by the replica): else the client left
         try:
             async for chunk in upstream.aiter_raw():
                 if meter is not None:
@@ -212,7 +288,9 @@ class Gateway:
                     yield chunk
             if meter is not None and (tail := meter.close()):
                 yield tail
+            ended = True
         except httpx.HTTPError as error:  # the replica died mid-response; part of it is the client's: no retry
+            ended = True
             log.warning("replica %s broke off a response: %s", replica.url, error)
             self.metrics.broken.inc()
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
@@ -226,10 +304,12 @@ class Gateway:
                 yield b"\n\ndata: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             replica.in_flight -= 1
-            await upstream.aclose()
             if admission is not None:
                 assert self.access is not None and meter is not None, "an admitted request is metered"
-                self.access.finish(admission, upstream.status_code, meter.prompt_tokens, meter.completion_tokens)
+                code = upstream.status_code if ended else CLIENT_CLOSED
+                self.access.settle(admission, code, meter, None, reached=True)
+            with anyio.CancelScope(shield=True):  # a client that left cancelled us: close the upstream all the same
+                await upstream.aclose()
 
     async def list_models(self) -> dict:
         """Every model and adapter the gateway knows; a replica's own card where one lists it (an adapter's names
@@ -244,9 +324,12 @@ class Gateway:
 
 
 def _parse_body(raw: bytes) -> dict:
+    """The body by the server's own rule (json_body.py): what it refuses with a 400, the gateway refuses alike."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
+        body = parse_json_body(raw)
+    except BodyError as error:
+        raise APIError(400, error.detail) from None
+    except ValueError as error:
         raise APIError(400, f"malformed JSON body: {error}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from capstan.runtime.gateway.budgets import Budgets
+from capstan.runtime.gateway.budgets import Budgets, Refusal, Reservation
 from capstan.runtime.gateway.client_keys import ClientKey, KeyRing, digest_of, parse_clients
+from capstan.runtime.gateway.request_cost import generation_fields
 from capstan.runtime.gateway.usage_meter import UsageMeter, ask_for_usage
 
 KEY_A = "sk-team-a-0123456789abcdef"
@@ -92,8 +93,7 @@ def test_requests_budget_refuses_then_recovers_in_the_next_window():
     clock = Clock(1200.0)
     budgets, c = Budgets(window_seconds=60, clock=clock), client(requests_per_minute=3)
     for _ in range(3):
-        assert budgets.admit(c) is None
-        budgets.finish(c, 10)
+        budgets.settle(budgets.admit(c), 10)
     refusal = budgets.admit(c)
     assert refusal.reason == "requests" and refusal.retry_after == 60
     assert budgets.headers(c) == {
@@ -102,20 +102,49 @@ def test_requests_budget_refuses_then_recovers_in_the_next_window():
         "x-ratelimit-reset-requests": "60.000s",
     }
     clock.now += 60
-    assert budgets.admit(c) is None
+    assert isinstance(budgets.admit(c), Reservation)
 
 
-def test_tokens_are_charged_when_a_request_finishes_and_concurrency_is_capped():
+def test_a_burst_reserves_each_worst_case_so_the_window_never_passes_its_budget():
+    """The issue's burst: 8 requests at once, each of which may use 30 tokens, against 100 tokens a minute."""
     clock = Clock(0.0)
-    budgets, c = Budgets(window_seconds=60, clock=clock), client(tokens_per_minute=100, max_concurrent=2)
-    assert budgets.admit(c) is None and budgets.admit(c) is None
-    assert budgets.admit(c).reason == "concurrency"
-    budgets.finish(c, 60)
-    budgets.finish(c, 60)  # the request that spends the last tokens may overshoot by its own size
-    assert budgets.headers(c)["x-ratelimit-remaining-tokens"] == "0"
-    assert budgets.admit(c).reason == "tokens"
-    clock.now = 61.0
-    assert budgets.admit(c) is None
+    budgets, c = Budgets(window_seconds=60, clock=clock), client(tokens_per_minute=100, max_concurrent=16)
+    taken = [budgets.admit(c, 30) for _ in range(8)]
+    admitted = [t for t in taken if isinstance(t, Reservation)]
+    refused = [t for t in taken if isinstance(t, Refusal)]
+    assert len(admitted) == 3 and {r.reason for r in refused} == {"tokens"} and refused[0].retry_after == 60
+    assert budgets.headers(c)["x-ratelimit-remaining-tokens"] == "10"  # reserved counts as used until it ends
+    budgets.settle(admitted[0], 2)  # it used less than its worst case: the rest is free again
+    assert budgets.charged(c) == 2 and isinstance(budgets.admit(c, 30), Reservation)
+    for r in admitted[1:]:
+        budgets.settle(r, 30)
+    assert budgets.charged(c) == 62 and budgets.refusal(c, 30).reason == "tokens"
+    too_large = budgets.admit(c, 101)
+    assert too_large.reason == "tokens" and "whole budget" in too_large.message
+
+
+def test_a_request_is_charged_to_the_window_that_admitted_it():
+    clock = Clock(50.0)
+    budgets, c = Budgets(window_seconds=60, clock=clock), client(tokens_per_minute=100)
+    late = budgets.admit(c, 90)
+    assert budgets.refusal(c, 20).reason == "tokens"
+    clock.now = 61.0  # a new window: the old one's reservation is not this one's
+    assert budgets.refusal(c, 100) is None
+    budgets.settle(late, 90)
+    assert budgets.charged(c) == 0 and budgets.refusal(c, 100) is None
+
+
+def test_concurrency_is_capped_and_a_slot_frees_when_a_request_ends():
+    clock = Clock(0.0)
+    budgets, c = Budgets(window_seconds=60, clock=clock), client(max_concurrent=2)
+    first, second = budgets.admit(c), budgets.admit(c)
+    refusal = budgets.admit(c)
+    assert refusal.reason == "concurrency" and refusal.retry_after == 1.0
+    budgets.settle(first, 0)
+    assert isinstance(budgets.admit(c), Reservation)
+    with pytest.raises(AssertionError):
+        budgets.settle(first, 0)  # settled once only
+    assert isinstance(second, Reservation)
 
 
 def test_shares_split_every_budget_so_replicas_together_stay_within_it():
@@ -126,9 +155,19 @@ def test_shares_split_every_budget_so_replicas_together_stay_within_it():
 
 
 def test_the_meter_reads_usage_and_drops_only_the_usage_chunk_it_asked_for():
-    body, wanted = ask_for_usage({"model": "m", "stream": True})
+    def ask(path: str, body: dict) -> tuple[dict, bool]:
+        return ask_for_usage(body, generation_fields(path, body))
+
+    body, wanted = ask("/v1/completions", {"model": "m", "stream": True})
     assert body["stream_options"] == {"include_usage": True} and not wanted
-    assert ask_for_usage({"model": "m", "stream": True, "stream_options": {"include_usage": True}})[1]
+    assert ask("/v1/completions", {"model": "m", "stream": True, "stream_options": {"include_usage": True}})[1]
+    # read as the server reads them: the string "false" is false, so the gateway asks for the usage itself
+    body, wanted = ask(
+        "/v1/chat/completions", {"model": "m", "stream": "true", "stream_options": {"include_usage": "false"}}
+    )
+    assert body["stream_options"] == {"include_usage": True} and not wanted
+    assert ask("/v1/responses", {"model": "m", "stream": "false"}) == ({"model": "m", "stream": "false"}, True)
+    assert ask("/v1/embeddings", {"model": "m", "stream": "garbage"})[1]  # a field embeddings do not read
     events = [
         {"choices": [{"text": "a"}], "usage": None},
         {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}},
@@ -139,7 +178,7 @@ def test_the_meter_reads_usage_and_drops_only_the_usage_chunk_it_asked_for():
         for i in range(0, len(stream), 7):  # events split across reads
             out += meter.feed(stream[i : i + 7])
         out += meter.close()
-        assert (meter.prompt_tokens, meter.completion_tokens) == (7, 3)
+        assert (meter.prompt_tokens, meter.completion_tokens, meter.delivered) == (7, 3, 1)
         assert (b'"prompt_tokens"' in out) == wants and out.endswith(b"data: [DONE]\n\n") and b'"text": "a"' in out
     meter = UsageMeter(streaming=False)
     whole = json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}).encode()

@@ -54,7 +54,7 @@ def keyfiles(tmp_path_factory):
         folder / "clients.yaml",
         KEYS,
         small={"requestsPerMinute": 20},  # 2 per window
-        tokens={"tokensPerMinute": 100},  # 10 per window: one request spends them
+        tokens={"tokensPerMinute": 300},  # 30 per window: a request's worst case is reserved at admission
         **{"other-model": {"models": ["not-tiny"]}},
     )
     upstream = folder / "upstream.yaml"
@@ -136,10 +136,14 @@ def test_a_spent_request_budget_is_429_with_headers_then_recovers(gateway):
 def test_a_spent_token_budget_is_429(gateway):
     tokens = client_for(gateway, "tokens")
     fresh_window(WINDOW, 4)
-    tokens.completions.create(model="tiny", prompt="Count the tokens of this prompt", max_tokens=4)
-    with pytest.raises(openai.RateLimitError) as error:
-        tokens.completions.create(model="tiny", prompt="x", max_tokens=1)
-    assert error.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+    first = tokens.completions.with_raw_response.create(model="tiny", prompt="Count the tokens", max_tokens=4)
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) < 30  # its worst case, held while it ran
+    with pytest.raises(openai.RateLimitError) as error:  # its worst case does not fit what is left
+        tokens.completions.create(model="tiny", prompt="x", max_tokens=29)
+    assert error.value.response.headers["retry-after"] and error.value.body["code"] == "rate_limit_exceeded"
+    with pytest.raises(openai.RateLimitError) as error:  # nor would it in a whole window
+        tokens.completions.create(model="tiny", prompt="x", max_tokens=40)
+    assert "whole budget" in error.value.body["message"]
 
 
 def test_usage_metrics_count_tokens_exactly(gateway):
