@@ -12,6 +12,7 @@ from typing import Any
 from capstan.operator import adapters, api, pod_security
 from capstan.operator.accelerators import ACCELERATORS, TPU_TOPOLOGY_LABEL, is_tpu
 from capstan.operator.model_source import CACHE_MOUNT, model_source, served_model_name
+from capstan.runtime.server.frontend_count import cpu_quantity, frontends_for
 
 SERVER_PORT = 8000
 SERVICE_PORT = 80
@@ -90,11 +91,20 @@ def serve_args(spec: api.InferenceServiceSpec, model_argument: str) -> list[str]
         "--tensor-parallel-size": spec.tensor_parallel_size() if spec.tensor_parallel_size() > 1 else None,
         "--data-parallel-size": spec.parallelism.data if spec.parallelism.data > 1 else None,
         "--drain-timeout": spec.drain_timeout_seconds,
+        "--api-server-count": _frontends(spec),
     }
     for flag, value in flags.items():
         if value is not None:
             args += [flag, str(value)]
     return args + adapters.serve_flags(spec) + list(runtime.extra_args)
+
+
+def _frontends(spec: api.InferenceServiceSpec) -> int | None:
+    """Frontend processes from the pod's CPU request, as `--api-server-count auto` decides from the CPUs it may use;
+    None without a CPU request (the server decides from its own cgroup limit)."""
+    cpu = ((spec.resources or {}).get("requests") or {}).get("cpu")
+    cpus = cpu_quantity(cpu) if cpu is not None else None
+    return None if cpus is None else frontends_for(cpus, accelerator=spec.accelerator.type != "cpu")
 
 
 def _env(spec: api.InferenceServiceSpec) -> list[dict[str, Any]]:

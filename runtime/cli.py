@@ -15,6 +15,7 @@ from .config import COMPILATION_CACHE, KV_CACHE_DTYPES, EngineConfig
 from .speculative_config import SpeculativeConfig
 
 log = logging.getLogger("capstan")
+MAX_PROCESSES = 64  # --api-server-count and --data-parallel-size
 GENERATE_MAX_TOKENS = 64  # `capstan generate` without --max-tokens, when the model sets no max_new_tokens
 CPU_MAX_NUM_SEQS = 4  # decode runs at its row bucket (1, 4): more rows only add warm-up programs on a 2-core CPU
 
@@ -325,10 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--api-server-count",
-        type=int,
-        default=1,
+        type=_api_server_count,
+        default="auto",
         help="frontend processes (HTTP, tokenization, detokenization, streaming) on the port, in front "
-        "of one engine core process",
+        "of one engine core process; auto (default): 1 on a CPU-only host, one per 4 CPUs (1-4) beside a GPU/TPU",
     )
 
     gateway = commands.add_parser("gateway", help="route OpenAI requests to replicas by model, prefix and load")
@@ -360,14 +361,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _api_server_count(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a count of at least 1 or auto, got {text!r}") from None
+
+
+def _auto_api_server_count() -> int:
+    from .server.frontend_count import frontends_for, host_cpus, host_has_accelerator
+
+    cpus, accelerator = host_cpus(), host_has_accelerator()
+    count = frontends_for(cpus, accelerator)
+    log.info(
+        "--api-server-count auto: %d frontend process(es) (%g CPUs, %s)",
+        count,
+        cpus,
+        "a GPU/TPU" if accelerator else "no GPU/TPU",
+    )
+    return count
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .parallel.distributed import initialize_from_env
     from .server.auth import load_api_keys
     from .server.tls import serving_certificate
 
+    if args.api_server_count == "auto":
+        args.api_server_count = _auto_api_server_count()
     for flag in ("api_server_count", "data_parallel_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+        if not 1 <= getattr(args, flag) <= MAX_PROCESSES:  # each one a process: a typo must not fork thousands
+            raise ValueError(
+                f"--{flag.replace('_', '-')} must be between 1 and {MAX_PROCESSES}, got {getattr(args, flag)}"
+            )
     several_hosts = initialize_from_env()  # before anything starts JAX's backend (_engine_config may ask it)
     api_keys = load_api_keys(args.api_key, args.api_key_file)
     serving_certificate(args.ssl_keyfile, args.ssl_certfile)  # a missing or broken pair: a message, before loading

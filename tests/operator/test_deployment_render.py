@@ -66,6 +66,21 @@ def test_data_parallel_replicas_share_a_pod_of_gpus():
     assert "--data-parallel-size" not in container(render.render_deployment(OWNER, spec(), replicas=1))["args"]
 
 
+def test_frontend_processes_follow_the_pods_cpu_request():
+    def frontends(resources, accelerator="nvidia-h200"):
+        s = spec(resources=resources, accelerator={"type": accelerator, "count": 1})
+        args = container(render.render_deployment(OWNER, s, replicas=1))["args"]
+        return args[args.index("--api-server-count") + 1] if "--api-server-count" in args else None
+
+    assert frontends({"requests": {"cpu": "16"}}) == "4"  # one per 4 CPUs beside a GPU, at most 4
+    assert frontends({"requests": {"cpu": "64"}}) == "4"
+    assert frontends({"requests": {"cpu": "8000m"}}) == "2"
+    assert frontends({"requests": {"cpu": "2"}}) == "1"
+    assert frontends({"requests": {"cpu": "16"}}, accelerator="cpu") == "1"  # the engine needs the cores
+    assert frontends({"limits": {"cpu": "16"}}) is None  # no request: the server reads its own cgroup (auto)
+    assert frontends(None) is None
+
+
 def test_probes_and_graceful_drain_contract():
     s = spec(drainTimeoutSeconds=60, startupTimeoutSeconds=1200)
     d = render.render_deployment(OWNER, s, replicas=1)

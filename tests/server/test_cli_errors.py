@@ -27,6 +27,8 @@ def serve(*flags: str, timeout: float = 180) -> subprocess.CompletedProcess:
         (["--page-size", str(2**40)], "page_size must be at most 1024"),
         (["--decode-steps", str(2**40)], "decode_steps must be at most 256"),
         (["--max-model-len", str(2**63)], "max_model_len must be at most 16777216"),
+        (["--api-server-count", str(2**63)], f"--api-server-count must be between 1 and 64, got {2**63}"),
+        (["--api-server-count", "some"], "argument --api-server-count: a count of at least 1 or auto, got 'some'"),
         (
             ["--ssl-keyfile", str(CHECKPOINT / "config.json"), "--ssl-certfile", "/nonexistent/cert.pem"],
             "--ssl-certfile /nonexistent/cert.pem: no such file",

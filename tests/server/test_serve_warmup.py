@@ -22,7 +22,9 @@ QUESTION = {
 
 def compiling(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return float(re.search(r"^capstan_programs_compiling (\S+)$", text, re.M).group(1))
+    found = re.search(r"^capstan_programs_compiling (\S+)$", text, re.M)
+    assert found is not None, "no capstan_programs_compiling gauge in /metrics"
+    return float(found.group(1))
 
 
 def test_a_request_is_answered_while_programs_compile_and_the_same_after(tmp_path):
