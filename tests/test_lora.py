@@ -3,6 +3,7 @@ merged by tests/lora_adapters.py from PEFT's format alone), in mixed batches, th
 eviction, with the prefix cache keyed by adapter; bad adapters are refused naming the field."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -331,6 +332,41 @@ def test_unloading_or_replacing_an_adapter_lets_admitted_requests_finish_with_it
     assert engine.loras.slots_used == 0
 
 
+def registered_past_the_checks(llm, name: str, like: LoRARequest, value: float) -> LoRARequest:
+    """An adapter with `like`'s files but every A and B weight `value` (NaN, Inf, or finite and huge), registered with
+    those weights as they are: the loader's own checks (peft.py) never see them."""
+    from capstan.runtime.models.lora import slot_weights
+
+    manager = llm.engine.lora_manager()
+    modules = read_adapter(Path(like.lora_path), manager.cfg, manager.max_lora_rank)
+    bad = {k: (np.full_like(a, value), np.full_like(b, value)) for k, (a, b) in modules.items()}
+    request = LoRARequest(name, like.lora_int_id + 100, like.lora_path)
+    llm.engine.add_lora(request, slot_weights(manager.layout, manager.max_lora_rank, bad, manager.dtype))
+    return request
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 3e38])
+def test_an_adapter_with_non_finite_weights_or_activations_changes_no_other_row(adapters, value):
+    """Issue 69: one row never changes another's tokens. An adapter whose weights are NaN or Inf (past the loader's
+    check), or finite but so large its activations overflow, shares batches with base rows and a good adapter: in
+    prefill steps (every slot's rank space, the dense way) and decode steps (each token's own slot gathered), its
+    slot first, the others' rows give what they give alone, and so do requests after it on its freed pages."""
+    llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=3, max_lora_rank=8, **ENGINE)
+    good = adapters[1]
+    single = alone(llm, [good], GREEDY)
+    poisoned = registered_past_the_checks(llm, "poisoned", adapters[0], value)
+    pairs = [(i, a) for a in (poisoned, None, good) for i in range(len(PROMPTS))]
+    batch = outputs(
+        llm.generate([PROMPTS[i] for i, _ in pairs], GREEDY, use_tqdm=False, lora_request=[a for _, a in pairs])
+    )
+    n = len(PROMPTS)
+    expected = [single[(i, a.lora_name if a else None)] for i, a in pairs[n:]]
+    assert_same(batch[n:], expected, f"rows beside an adapter of {value}")
+    after = outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert_same(after, [single[(i, None)] for i in range(n)], f"base rows after an adapter of {value}")
+    llm.engine.pool.check_all_free()
+
+
 def test_an_adapter_without_enable_lora_is_refused(adapters):
     llm = LLM(str(GOLDEN / "llama-s11"), **ENGINE)
     with pytest.raises(ValueError, match="enable_lora"):
@@ -369,6 +405,71 @@ def test_bad_adapters_are_refused_naming_the_field(tmp_path):
     config = json.loads((folder / "adapter_config.json").read_text())
     (folder / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": "high"}))
     assert refusal(folder).field == "lora_alpha"
+
+
+def test_malformed_adapter_files_are_refused_naming_the_file_and_the_problem(tmp_path):
+    """Issue 68/69: non-finite weights, truncated or corrupt safetensors and oversized files are LoRAErrors that name
+    the file and what is wrong (not struct.error, KeyError or 'holds no LoRA weights'), read no more than bounded."""
+    import struct
+
+    from safetensors.numpy import load_file, save_file
+
+    base = GOLDEN / "llama-s11"
+
+    def adapter(name: str, **changes) -> Path:
+        folder = write_adapter(tmp_path / name, base, seed=0, targets=("q_proj",))
+        weights = folder / "adapter_model.safetensors"
+        tensors = load_file(str(weights))
+        for key, value in changes.items():
+            tensors[f"base_model.model.model.layers.0.self_attn.q_proj.{key}.weight"].flat[3] = value
+        save_file(tensors, str(weights))
+        return folder
+
+    def says(folder: Path, *parts: str, file: str = "adapter_model.safetensors") -> None:
+        message = str(refusal(folder))
+        assert str(folder / file) in message and all(p in message for p in parts), message
+
+    says(adapter("nan", lora_A=np.nan), "layers.0.q_proj.lora_A", "1 NaN or infinite value(s)")
+    says(adapter("inf", lora_B=-np.inf), "layers.0.q_proj.lora_B", "NaN or infinite")
+    overflow = adapter("overflow", lora_B=3e38)
+    config = json.loads((overflow / "adapter_config.json").read_text())
+    (overflow / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e6}))
+    says(overflow, "lora_B times the scale 125000 (lora_alpha / r) overflows")
+
+    weights = adapter("short") / "adapter_model.safetensors"
+    weights.write_bytes(b"\x01\x02\x03")
+    says(weights.parent, "3 bytes: not a safetensors file")
+    weights.write_bytes(struct.pack("<Q", 1 << 62) + b"{}")
+    says(weights.parent, f"header length {1 << 62} is more than the file's 2 bytes")
+    weights.write_bytes(struct.pack("<Q", 5) + b"{nope")
+    says(weights.parent, "header is not valid JSON")
+    header = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": {"shape": [8, 64], "data_offsets": [0, 4]}
+    }
+    raw = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4))
+    says(weights.parent, "q_proj.lora_A.weight: expected dtype, shape and data_offsets")
+    header = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": {
+            "dtype": "F32",
+            "shape": [8, 64],
+            "data_offsets": [0, 2048],
+        }
+    }
+    raw = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(100))
+    says(weights.parent, "data_offsets [0, 2048] do not hold its F32 [8, 64] within the 100 bytes")
+    with weights.open("r+b") as f:  # sparse: nothing is written, and nothing may be read
+        f.truncate(1 << 40)
+    says(weights.parent, f"{1 << 40} bytes, more than an adapter of this model at --max-lora-rank can hold")
+
+    config_file = adapter("big-config") / "adapter_config.json"
+    config_file.write_text(config_file.read_text() + " " * (2 << 20))
+    says(
+        config_file.parent,
+        f"{config_file.stat().st_size} bytes, more than an adapter config holds",
+        file=config_file.name,
+    )
 
 
 def test_engine_flags_are_checked():

@@ -22,7 +22,7 @@ import numpy as np
 from ..models.config import ModelConfig
 from ..models.lora import slot_weights
 from .peft import read_adapter, resolve_adapter
-from .request import Adapter, LoRARequest, check_name
+from .request import Adapter, LoRAError, LoRARequest, check_name
 
 log = logging.getLogger("capstan.lora")
 SlotWeights = tuple[dict[str, np.ndarray], ...]
@@ -61,7 +61,16 @@ class LoRAManager:
     def read(self, request: LoRARequest) -> SlotWeights:
         """An adapter's files read, checked and laid out as one slot (LoRAError naming the field); thread-safe."""
         modules = read_adapter(resolve_adapter(request.lora_path), self.cfg, self.max_lora_rank)
-        return slot_weights(self.layout, self.max_lora_rank, modules, self.dtype)
+        weights = slot_weights(self.layout, self.max_lora_rank, modules, self.dtype)
+        for layer, arrays in enumerate(weights):  # finite in float32 (read_adapter checked), maybe not in the model's
+            for name, w in arrays.items():
+                if not np.isfinite(w.astype(np.float32)).all():
+                    raise LoRAError(
+                        f"{request.lora_path}: layer {layer}'s {name} weights overflow the model's dtype "
+                        f"({np.dtype(self.dtype).name}); an adapter's scaled weights must fit it",
+                        "lora_path",
+                    )
+        return weights
 
     def add(self, request: LoRARequest, weights: SlotWeights | None = None) -> Adapter:
         """Registers the adapter under its name (reading it unless weights are given); an adapter of that name is

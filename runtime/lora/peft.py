@@ -27,6 +27,8 @@ SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (any prefix before layers.N)
 TENSOR = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes; read no more than this
+MAX_HEADER_BYTES = 16 << 20  # a safetensors header of an adapter: a few hundred tensors' names, shapes and offsets
 # fields that change the function when set, and the value that means "not used"
 UNSUPPORTED: dict[str, object] = {
     "use_dora": False,
@@ -59,7 +61,12 @@ def read_config(folder: Path) -> dict:
     if not file.is_file():
         raise LoRAError(f"{folder}: no {CONFIG} (is this a PEFT LoRA adapter folder?)", "lora_path")
     try:
-        config = json.loads(file.read_text())
+        size = file.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise LoRAError(f"{file}: {size} bytes, more than an adapter config holds (at most {MAX_CONFIG_BYTES})")
+        config = json.loads(file.read_bytes())
+    except LoRAError as e:
+        raise LoRAError(str(e), "lora_path") from None
     except (OSError, ValueError) as e:
         raise LoRAError(f"{file}: not readable JSON: {e}", "lora_path") from None
     if not isinstance(config, dict):
@@ -94,25 +101,69 @@ def check_config(config: dict, where: str) -> None:
         raise LoRAError(f"{where}: target_modules must be a list or a string, got {targets!r}", "target_modules")
 
 
-def read_safetensors(file: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as numpy (its header: 8-byte length, JSON, then the data)."""
+def read_safetensors(file: Path, max_bytes: int) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as numpy (its header: 8-byte length, JSON, then the data), each part checked
+    before it is used: a LoRAError names the file and what is wrong. max_bytes: the largest file read at all."""
+
+    def bad(problem: str) -> LoRAError:
+        return LoRAError(f"{file}: {problem}", "lora_path")
+
+    size = file.stat().st_size
+    if size > max_bytes:
+        raise bad(f"{size} bytes, more than an adapter of this model at --max-lora-rank can hold ({max_bytes})")
     data = file.read_bytes()
+    if len(data) < 8:
+        raise bad(f"{len(data)} bytes: not a safetensors file (it starts with an 8-byte header length)")
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
+    if n > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise bad(f"its header length {n} is more than the file's {len(data) - 8} bytes after it (truncated?)")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as e:
+        raise bad(f"its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object of tensors")
+    payload = len(data) - 8 - n
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise LoRAError(f"{file}: tensor {name} has dtype {entry['dtype']}, not a float type", name)
-        begin, end = entry["data_offsets"]
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise bad(f"tensor {name}: expected dtype, shape and data_offsets in the header, got {entry!r:.200}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in SAFETENSORS_DTYPES:
+            raise LoRAError(f"{file}: tensor {name} has dtype {dtype}, not a float type", name)
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"tensor {name}: shape {shape!r:.200} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise bad(f"tensor {name}: data_offsets {offsets!r:.200} is not [begin, end]")
+        begin, end = offsets
+        itemsize = np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+        if not 0 <= begin <= end <= payload or end - begin != math.prod(shape) * itemsize:
+            raise bad(
+                f"tensor {name}: data_offsets {offsets} do not hold its {dtype} {shape} within the "
+                f"{payload} bytes of data (truncated or corrupt?)"
+            )
         tensors[name] = np.frombuffer(
-            data,
-            SAFETENSORS_DTYPES[entry["dtype"]],
-            count=(end - begin) // np.dtype(SAFETENSORS_DTYPES[entry["dtype"]]).itemsize,
-            offset=8 + n + begin,
-        ).reshape(entry["shape"])
+            data, SAFETENSORS_DTYPES[dtype], count=(end - begin) // itemsize, offset=8 + n + begin
+        ).reshape(shape)
     return tensors
+
+
+def _max_file_bytes(cfg: ModelConfig, max_rank: int) -> int:
+    """The largest adapter file this model can serve: every projection of every layer at max_rank in float64."""
+    per_layer = sum(fan_in + fan_out for fan_in, fan_out in cfg.linear_shapes().values())
+    return 8 + MAX_HEADER_BYTES + cfg.num_layers * per_layer * max_rank * 8
+
+
+def _check_finite(where: str, label: str, half: str, x: np.ndarray, what: str = "holds") -> None:
+    bad = x.size - int(np.count_nonzero(np.isfinite(x)))
+    if bad:
+        raise LoRAError(
+            f"{where}: {label}.lora_{half} {what} {bad} NaN or infinite value(s) of {x.size}; an adapter's weights "
+            "must be finite (was it saved from a diverged training run?)",
+            label,
+        )
 
 
 def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
@@ -133,7 +184,7 @@ def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int) -> dict[tuple[in
         raise LoRAError(f"{where}: no {WEIGHTS}{hint}", "lora_path")
     alpha, rslora = float(config["lora_alpha"]), bool(config.get("use_rslora", False))
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for name, tensor in read_safetensors(file).items():
+    for name, tensor in read_safetensors(file, _max_file_bytes(cfg, max_rank)).items():
         m = TENSOR.fullmatch(name)
         if m is None:
             raise LoRAError(
@@ -151,7 +202,7 @@ def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int) -> dict[tuple[in
             raise LoRAError(f"{where}: tensor {name} is for layer {layer}; the model has {num_layers}", name)
         halves.setdefault((layer, module), {})[half] = tensor
     if not halves:
-        raise LoRAError(f"{where}: {WEIGHTS} holds no LoRA weights", "target_modules")
+        raise LoRAError(f"{file}: holds no LoRA weights", "target_modules")
     modules = {}
     for (layer, module), pair in sorted(halves.items()):
         label = f"layers.{layer}.{module}"
@@ -171,7 +222,13 @@ def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int) -> dict[tuple[in
                 f"{where}: r={r} ({label}) exceeds --max-lora-rank={max_rank}; raise --max-lora-rank to serve it", "r"
             )
         scale = alpha / math.sqrt(r) if rslora else alpha / r
-        modules[(layer, module)] = (np.asarray(a, np.float32), np.asarray(b, np.float32) * np.float32(scale))
+        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        _check_finite(str(file), label, "A", a32)
+        _check_finite(str(file), label, "B", b32)
+        with np.errstate(over="ignore"):
+            scaled = b32 * np.float32(scale)
+        _check_finite(str(file), label, "B", scaled, f"times the scale {scale:g} (lora_alpha / r) overflows to")
+        modules[(layer, module)] = (a32, scaled)
     return modules
 
 

@@ -124,9 +124,16 @@ def slot_weights(
     return tuple(layers)
 
 
+def _finite(w: jax.Array) -> jax.Array:
+    """w with its NaN and infinite values zeroed. The loader refuses such adapters (peft.py); this keeps one that got
+    past it (a dtype's overflow, a caller's own weights) in its own rows: the dense expand contracts every slot's B for
+    every token, and 0 * NaN is NaN, so a non-finite weight in any slot would reach every row of the step."""
+    return jnp.where(jnp.isfinite(w), w, jnp.zeros((), w.dtype))
+
+
 def _write_slot(stack: LoRAStack, slot: jax.Array, weights: tuple[dict[str, jax.Array], ...]) -> LoRAStack:
     layers = tuple(
-        LoRALayer(**{name: getattr(layer, name).at[slot].set(w[name].astype(layer.qkv_a.dtype)) for name in w})
+        LoRALayer(**{name: getattr(layer, name).at[slot].set(_finite(w[name].astype(layer.qkv_a.dtype))) for name in w})
         for layer, w in zip(stack.layers, weights, strict=True)
     )
     return LoRAStack(layers)
@@ -178,7 +185,7 @@ def fold_weights(model):
 def _write_folded(folded: list[FoldedWeight], slot: jax.Array, weights: tuple[dict[str, jax.Array], ...]) -> list:
     out = []
     for w, (layer, kind) in _with_kinds(folded, weights):
-        rows = layer[SPECS[kind][0]].reshape(-1, w.matrix.shape[1])  # one slot's A (no slots axis) as rows
+        rows = _finite(layer[SPECS[kind][0]].reshape(-1, w.matrix.shape[1]))  # one slot's A (no slots axis) as rows
         out.append(w.with_rows(slot * rows.shape[0], rows))
     return out
 
@@ -290,17 +297,21 @@ class LayerAdapters(eqx.Module):
         T, L = self.slots.shape[0], h.shape[1]
         if T <= GATHER_MAX_TOKENS:
             return self._expand_own(h[jnp.arange(T), jnp.maximum(self.slots, 0)], b, expand)
-        rows = (self.slots[:, None] == jnp.arange(L)[None, :]).astype(h.dtype)  # one-hot; a row of zeros for -1
-        return jnp.einsum(expand, h * rows.reshape((T, L) + (1,) * (h.ndim - 2)), b)
+        # one-hot, a row of zeros for -1; selected, not multiplied: another slot's Inf or NaN times 0 would be NaN
+        rows = self.slots[:, None] == jnp.arange(L)[None, :]
+        return jnp.einsum(expand, jnp.where(rows.reshape((T, L) + (1,) * (h.ndim - 2)), h, 0), b)
 
     def _base_rows_zeroed(self, h: jax.Array) -> jax.Array:
-        """h [T, ...] with the rows of tokens that have no adapter (slot -1) zeroed."""
-        return h * (self.slots >= 0).astype(h.dtype).reshape((self.slots.shape[0],) + (1,) * (h.ndim - 1))
+        """h [T, ...] with the rows of tokens that have no adapter (slot -1) zeroed (selected: NaN * 0 is NaN)."""
+        return jnp.where((self.slots >= 0).reshape((self.slots.shape[0],) + (1,) * (h.ndim - 1)), h, 0)
 
     def _expand_own(self, h: jax.Array, b: jax.Array, expand: str) -> jax.Array:
-        """h [T, ..., R], each token's own slot's rank space, back through its slot's B (zeros for base rows)."""
+        """h [T, ..., R], each token's own slot's rank space, back through its slot's B (zeros for base rows: they
+        gathered slot 0's weights, whose values must not reach them)."""
         contract = _products if GATHER_WAY == "products" else jnp.einsum
-        return contract(_gathered(expand, 1), self._base_rows_zeroed(h), b[jnp.maximum(self.slots, 0)])
+        return self._base_rows_zeroed(
+            contract(_gathered(expand, 1), self._base_rows_zeroed(h), b[jnp.maximum(self.slots, 0)])
+        )
 
     def _folded(self, kind: str, x: NamedArray, w, axis) -> NamedArray | None:
         """x through the projection `kind` (SPECS) with its adapters' deltas, the shrink folded into the weight's
