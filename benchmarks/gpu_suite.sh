@@ -263,7 +263,7 @@ for part in $parts; do
     # offline with detokenize on and off. API_SERVERS=N: --api-server-count; SERVE_ARGS: more flags, both sides
     serve) python3 benchmarks/online.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --max-model-len 2048 \
-        --single-stream-tokens 256 --client-processes 4 8 --api-server-count ${API_SERVERS:-1} ${SERVE_ARGS:+--server-args="$SERVE_ARGS"} \
+        --single-stream-tokens 256 --client-processes 4 8 --api-server-count ${API_SERVERS:-auto} ${SERVE_ARGS:+--server-args="$SERVE_ARGS"} \
         --json "$OUT/online-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning
       cp /tmp/capstan-online-server-*.log "$OUT/" 2>/dev/null ;;
     # issue 31: --data-parallel-size through the server, each run "DP:API_SERVERS:CLIENT_PROCESSES" (DP_RUNS), the

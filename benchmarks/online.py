@@ -23,6 +23,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import re
 import shlex
 import signal
 import socket
@@ -37,6 +38,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 import serve  # noqa: E402  (the load client: benchmarks/serve.py)
 from proc_usage import Usage  # noqa: E402
+
+from capstan.runtime.server.frontend_count import frontends_for, host_cpus, host_has_accelerator  # noqa: E402
 
 WARMUP_REQUESTS = 8
 ADAPTER = "adapter0"  # --lora-rank's adapter, as benchmarks/lora.py names it
@@ -95,7 +98,20 @@ class Server:
             self.stop()
             raise
         self.ready_s = time.monotonic() - t0
+        self.compiled_s = self.wait_compiled(t0, deadline)
         return self
+
+    def wait_compiled(self, t0: float, deadline: float) -> float:
+        """Seconds from start until the warm-up's background compilation ended (capstan_programs_compiling 0): the
+        figures below are of every program compiled, not of stand-ins."""
+        while time.monotonic() < deadline:
+            metrics = httpx.get(self.url + "/metrics", timeout=10).text
+            found = re.search(r"^capstan_programs_compiling (\S+)$", metrics, re.M)
+            if found is None or float(found.group(1)) == 0:
+                return time.monotonic() - t0
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"capstan serve still compiling after {self.timeout:.0f} s:\n{self.log_tail()}")
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -325,7 +341,7 @@ def prompt_sets(a: argparse.Namespace, id_limit: int, id_low: int = 0) -> dict[s
 def online(server: Server, sets: dict, a: argparse.Namespace) -> dict:
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     go = dict(url=server.url, model=model, timeout=a.request_timeout, sid=server.proc.pid if server.proc else None)
-    figures: dict = {"server_ready_s": server.ready_s}
+    figures: dict = {"server_ready_s": server.ready_s, "server_compiled_s": server.compiled_s}
     load(prompts=sets["warmup"], max_tokens=4, **go)
     load(prompts=sets["warmup"], max_tokens=4, stream=False, **go)
     if a.single_stream_tokens:
@@ -421,6 +437,12 @@ def table(report: dict) -> None:
         )
         if isinstance(v, dict) and v.get("single_stream_ms_per_token")
     ]
+    online_figures = report.get("online", {})
+    if "server_ready_s" in online_figures:
+        print(
+            f"capstan serve, {report['api_server_count']} frontend(s): ready {online_figures['server_ready_s']:.1f} s "
+            f"after start, every program compiled {online_figures['server_compiled_s']:.1f} s after start"
+        )
     if singles:
         print(
             "one stream, ms a token (whole request / after the first token): "
@@ -453,7 +475,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--smallest-bucket", type=int, default=256, help="capstan serve --smallest-token-bucket")
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--api-server-count", type=int, default=1)
+    ap.add_argument(
+        "--api-server-count", default="auto", help="the server's frontends: a count, or auto (the server's default)"
+    )
     ap.add_argument(
         "--client-processes",
         type=int,
@@ -532,9 +556,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if "online" in a.phases:
         log = Path(f"/tmp/capstan-online-server-{os.getpid()}.log")
-        with Server(
-            [*serve_argv, "--api-server-count", str(a.api_server_count)], log, a.ready_timeout, a.api_server_count
-        ) as server:
+        frontends = frontends_for(host_cpus(), host_has_accelerator()) if a.api_server_count == "auto" else None
+        count = ["--api-server-count", a.api_server_count] if frontends is None else []  # auto: the default, unsaid
+        report["api_server_count"] = frontends or int(a.api_server_count)
+        with Server([*serve_argv, *count], log, a.ready_timeout, report["api_server_count"]) as server:
             report["online"] = online(server, sets, a)
         problems = server.log_problems()
         report["server_log"], report["server_log_problems"] = str(log), problems
