@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
+#   bash benchmarks/gpu_suite.sh [parity warmuptests samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -30,6 +30,8 @@ for part in $parts; do
       # the 8B shape with a 1B-shaped draft of its vocabulary (random weights: the cost of a draft, not its gain)
       python3 benchmarks/speculative.py --shape llama-3-8b --batch-sizes 1 8 --tokens 64 --smallest-bucket 64 2>&1 \
         | grep --line-buffered -v Warning ;;
+    # issue 63: serve's background warm-up on the GPU (same tokens as a full warm-up, nothing compiled on a request's path)
+    warmuptests) python3 -m pytest -q -p no:cacheprovider tests/test_warmup.py 2>&1 | grep --line-buffered -E "passed|failed|FAILED|Error|assert" | tail -30 ;;
     samplertests) python3 -m pytest -q -p no:cacheprovider tests/test_sampler.py tests/test_sampler_filters.py 2>&1 \
         | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30 ;;
     parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30 ;;
