@@ -42,3 +42,9 @@ MAX_JSON_DEPTH = 32  # nesting of free-form JSON fields (response_format, tools,
 # embeddings and tokenization
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit); also at most --max-waiting
 MAX_DETOKENIZE_TOKENS = 131072  # ids in one /detokenize request: the longest contexts served
+
+# an HTTP request's head (request line and headers), before any route sees it: capstan serve's frontends and the
+# gateway (server/header_limits.py); nginx allows 4 x 8 KiB and 60 s, Apache 100 fields
+MAX_HEADER_BYTES = 65536  # request line plus headers (431 past it)
+MAX_HEADER_COUNT = 100  # header fields (431 past it)
+HEADER_TIMEOUT_S = 10.0  # from a connection's (or a request's) first byte to its last header (408 past it)

@@ -296,8 +296,9 @@ class EngineCoreClient(FrontendEngine):
                     self.abort(out.request_id, index)
             self._deliver(out.request_id, out)
         for outs in message.embeddings:
-            self._loads.done(outs[0].request_id)
-            self._deliver(outs[0].request_id, outs)
+            request_id = outs[0].request_id.rpartition("-")[0]  # each input's id is its request's, then -index
+            self._loads.done(request_id)
+            self._deliver(request_id, outs)
         for f in message.failures:
             self._open.pop(f.request_id, None)
             self._loads.done(f.request_id)

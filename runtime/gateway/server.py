@@ -11,6 +11,7 @@ import uvicorn
 
 from ..arg_types import port
 from ..server.drain import DrainingServer
+from ..server.header_limits import HeaderLimitedProtocol
 from ..server.tls import add_tls_flags, serving_certificate
 from .access import Access, UpstreamKeys
 from .budgets import DEFAULT_WINDOW_SECONDS, Budgets
@@ -174,6 +175,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
         **(certificate.uvicorn_options() if certificate else {}),
+        http=HeaderLimitedProtocol,  # bounded request heads (431, 408)
     )
     on_start, watches = None, []  # the list keeps the certificate's watch task referenced
     if certificate:

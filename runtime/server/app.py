@@ -14,23 +14,13 @@ from fastapi import FastAPI
 from ..engine.errors import RequestCancelledError
 from ..generation_config import describe as describe_defaults
 from ..generation_config import sampling_defaults
-from . import (
-    chat,
-    completions,
-    embeddings,
-    header_limits,
-    lora_adapters,
-    model_list,
-    probes,
-    responses,
-    tokenize,
-    version,
-)
+from . import chat, completions, embeddings, lora_adapters, model_list, probes, responses, tokenize, version
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from .context import ServerContext
 from .drain import Drain, DrainingServer, DrainMiddleware
 from .errors import install_error_handlers
+from .header_limits import HeaderLimitedProtocol
 from .lora_sync import LoRAModulesFile
 from .metrics import ServerMetrics
 from .tls import serving_certificate
@@ -162,7 +152,7 @@ def serve(
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
         **(certificate.uvicorn_options() if certificate else {}),
-        **header_limits.uvicorn_options(),
+        http=HeaderLimitedProtocol,  # bounded request heads (431, 408)
     )
     watches = []  # keeps the certificate's reload task referenced
     if certificate is not None:

@@ -125,7 +125,7 @@ def serve_with_engine_core(
                 def exited(process=process, fd=fd) -> None:
                     loop.remove_reader(fd)
                     os.close(fd)
-                    if not stopping:
+                    if not stopping and not server.drain.draining:  # draining, each frontend ends when it is done
                         server.fail(f"frontend process {process.pid} exited ({process.wait()})")
 
                 loop.add_reader(fd, exited)
