@@ -10,6 +10,7 @@ import logging
 import uvicorn
 
 from ..arg_types import port
+from ..server.access_log import quiet_probes
 from ..server.drain import DrainingServer
 from ..server.header_limits import HeaderLimitedProtocol
 from ..server.tls import add_tls_flags, serving_certificate
@@ -177,6 +178,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         **(certificate.uvicorn_options() if certificate else {}),
         http=HeaderLimitedProtocol,  # bounded request heads (431, 408)
     )
+    quiet_probes()  # successful probes at DEBUG
     on_start, watches = None, []  # the list keeps the certificate's watch task referenced
     if certificate:
         certificate.attach(config)

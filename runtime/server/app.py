@@ -15,6 +15,7 @@ from ..engine.errors import RequestCancelledError
 from ..generation_config import describe as describe_defaults
 from ..generation_config import sampling_defaults
 from . import chat, completions, embeddings, lora_adapters, model_list, probes, responses, tokenize, version
+from .access_log import quiet_probes
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from .context import ServerContext
@@ -154,6 +155,7 @@ def serve(
         **(certificate.uvicorn_options() if certificate else {}),
         http=HeaderLimitedProtocol,  # bounded request heads (431, 408)
     )
+    quiet_probes()  # successful probes at DEBUG
     watches = []  # keeps the certificate's reload task referenced
     if certificate is not None:
         certificate.attach(config)

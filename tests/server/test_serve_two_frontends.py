@@ -1,7 +1,8 @@
 """`capstan serve runtime/default_model --api-server-count 2 --enable-lora` as users run it (issues 68 and 69):
 /v1/embeddings answers through either frontend; adapters with NaN weights or corrupt files are refused at start and
 at /v1/load_lora_adapter naming the file and the problem; request heads are bounded in size, field count and time
-(431, 408) on both frontends; and a SIGTERM drain exits 0 even when the other frontend ends its drain first (last)."""
+(431, 408) on both frontends; successful probes stay out of the INFO log; and a SIGTERM drain exits 0 even when the
+other frontend ends its drain first (last)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,19 @@ def test_request_heads_are_bounded_on_both_frontends(serve):
     assert len(pids) == 2, pids
     check_request_heads_are_bounded(serve.port, pids)
     check_half_sent_heads_are_closed(serve.port, f"{serve.url}/health")
+
+
+def test_successful_probes_are_logged_at_debug_only(serve):
+    for path in ("/health", "/ready", "/metrics", "/v1/models", "/health"):
+        for _ in range(3):  # a new connection each: both frontends
+            assert httpx.get(f"{serve.url}{path}", timeout=10).status_code == 200
+    deadline = time.monotonic() + 10
+    while '"GET /v1/models HTTP/1.1" 200' not in "".join(serve.output):
+        assert time.monotonic() < deadline, "".join(serve.output)[-3000:]
+        time.sleep(0.1)
+    log = "".join(serve.output)
+    for probe in ("/health", "/ready", "/metrics"):
+        assert f'"GET {probe} HTTP/1.1" 200' not in log, log[-3000:]
 
 
 def accepted_by(sock: socket.socket, port: int, pids: list[int], timeout: float = 10) -> int:
