@@ -352,18 +352,18 @@ def test_an_adapter_with_non_finite_weights_or_activations_changes_no_other_row(
     prefill steps (every slot's rank space, the dense way) and decode steps (each token's own slot gathered), its
     slot first, the others' rows give what they give alone, and so do requests after it on its freed pages."""
     llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=3, max_lora_rank=8, **ENGINE)
-    good = adapters[1]
-    single = alone(llm, [good], GREEDY)
+    good, n = adapters[1], len(PROMPTS)
+    single = {params.temperature: alone(llm, [good], params) for params in (GREEDY, SAMPLED)}
     poisoned = registered_past_the_checks(llm, "poisoned", adapters[0], value)
-    pairs = [(i, a) for a in (poisoned, None, good) for i in range(len(PROMPTS))]
-    batch = outputs(
-        llm.generate([PROMPTS[i] for i, _ in pairs], GREEDY, use_tqdm=False, lora_request=[a for _, a in pairs])
-    )
-    n = len(PROMPTS)
-    expected = [single[(i, a.lora_name if a else None)] for i, a in pairs[n:]]
-    assert_same(batch[n:], expected, f"rows beside an adapter of {value}")
+    pairs = [(i, a) for a in (poisoned, None, good) for i in range(n)]
+    for params in (GREEDY, SAMPLED):  # greedy, and seeded sampling (top_p): the sampler must not cross rows either
+        batch = outputs(
+            llm.generate([PROMPTS[i] for i, _ in pairs], params, use_tqdm=False, lora_request=[a for _, a in pairs])
+        )
+        expected = [single[params.temperature][(i, a.lora_name if a else None)] for i, a in pairs[n:]]
+        assert_same(batch[n:], expected, f"rows beside an adapter of {value}, temperature {params.temperature}")
     after = outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    assert_same(after, [single[(i, None)] for i in range(n)], f"base rows after an adapter of {value}")
+    assert_same(after, [single[0.0][(i, None)] for i in range(n)], f"base rows after an adapter of {value}")
     llm.engine.pool.check_all_free()
 
 
