@@ -345,12 +345,20 @@ def registered_past_the_checks(llm, name: str, like: LoRARequest, value: float) 
     return request
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), 3e38])
-def test_an_adapter_with_non_finite_weights_or_activations_changes_no_other_row(adapters, value):
+@pytest.mark.parametrize(
+    "value, fold_stored", [(float("nan"), "0"), (float("inf"), "0"), (3e38, "0"), (float("nan"), "1"), (3e38, "1")]
+)
+def test_an_adapter_with_non_finite_weights_or_activations_changes_no_other_row(
+    adapters, value, fold_stored, monkeypatch
+):
     """Issue 69: one row never changes another's tokens. An adapter whose weights are NaN or Inf (past the loader's
     check), or finite but so large its activations overflow, shares batches with base rows and a good adapter: in
     prefill steps (every slot's rank space, the dense way) and decode steps (each token's own slot gathered), its
-    slot first, the others' rows give what they give alone, and so do requests after it on its freed pages."""
+    slot first, the others' rows give what they give alone, and so do requests after it on its freed pages. Also with
+    every slot's A rows stored in the projections' weights (CAPSTAN_LORA_FOLD_STORED, a GPU's default)."""
+    from capstan.runtime.models import lora
+
+    monkeypatch.setattr(lora, "FOLD_STORED", fold_stored)
     llm = LLM(str(GOLDEN / "llama-s11"), enable_lora=True, max_loras=3, max_lora_rank=8, **ENGINE)
     good, n = adapters[1], len(PROMPTS)
     single = {params.temperature: alone(llm, [good], params) for params in (GREEDY, SAMPLED)}
@@ -364,6 +372,7 @@ def test_an_adapter_with_non_finite_weights_or_activations_changes_no_other_row(
         assert_same(batch[n:], expected, f"rows beside an adapter of {value}, temperature {params.temperature}")
     after = outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert_same(after, [single[0.0][(i, None)] for i in range(n)], f"base rows after an adapter of {value}")
+    assert lora.is_folded(llm.engine.model) == (fold_stored == "1")
     llm.engine.pool.check_all_free()
 
 
