@@ -262,10 +262,11 @@ for part in $parts; do
     # issue 28: capstan serve (engine core process, HTTP frontends) against LLMEngine with the same flags on one random
     # 1B checkpoint: 256 streams of 256 -> 256 token ids from 4 and 8 client processes (the client is no bottleneck
     # when they agree; 1 and 2 were: 19.4k and 31.8k tok/s), not streamed, one stream, serve.py's five workloads;
-    # offline with detokenize on and off. API_SERVERS=N: --api-server-count; SERVE_ARGS: more flags, both sides
-    serve) python3 benchmarks/online.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
+    # offline with detokenize on and off. API_SERVERS=N: --api-server-count (default auto); SERVE_ARGS: more flags, both sides;
+    # SERVE_REQUESTS, SERVE_CLIENTS: requests and client processes; ONLINE_ARGS: more flags of online.py
+    serve) python3 benchmarks/online.py --shape llama-3.2-1b --requests ${SERVE_REQUESTS:-256} --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --max-model-len 2048 \
-        --single-stream-tokens 256 --client-processes 4 8 --api-server-count ${API_SERVERS:-auto} ${SERVE_ARGS:+--server-args="$SERVE_ARGS"} \
+        --single-stream-tokens 256 --client-processes ${SERVE_CLIENTS:-4 8} --api-server-count ${API_SERVERS:-auto} ${SERVE_ARGS:+--server-args="$SERVE_ARGS"} ${ONLINE_ARGS:-} \
         --json "$OUT/online-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning
       cp /tmp/capstan-online-server-*.log "$OUT/" 2>/dev/null ;;
     # issue 31: --data-parallel-size through the server, each run "DP:API_SERVERS:CLIENT_PROCESSES" (DP_RUNS), the

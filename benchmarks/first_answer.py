@@ -1,0 +1,101 @@
+"""The first minute (issue 63): seconds from starting `capstan serve` until /ready answers 200 and until the first
+chat answer arrives, with an empty compilation cache (the first start of a model) and then with the cache that
+start left (every later start), `--rounds` times each. The question is asked at the API's defaults.
+
+    python3 benchmarks/first_answer.py [--model PATH] [--rounds 2] [-- more capstan serve flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+QUESTION = "What is the capital of France?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_start(cache: Path, model: list[str], flags: list[str], log: Path) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    command = [sys.executable, "-m", "capstan.runtime.cli", "serve", *model, "--port", str(port), *flags]
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"capstan serve exited ({server.returncode}); see {log}")
+            if time.monotonic() - t0 > 600:
+                raise SystemExit(f"not ready within 600 s; see {log}")
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        ready = time.monotonic() - t0
+        name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": name, "messages": [{"role": "user", "content": QUESTION}]}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()
+        answered = time.monotonic() - t0
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        gauge = [line.split()[1] for line in metrics.splitlines() if line.startswith("capstan_programs_compiling")]
+        compiling = gauge[0] if gauge else "0"  # (servers before the background warm-up have no such gauge)
+        choice = answer["choices"][0]
+        return {
+            "ready_s": ready,
+            "answer_s": answered,
+            "tokens": answer["usage"]["completion_tokens"],
+            "finish": choice["finish_reason"],
+            "text": choice["message"]["content"],
+            "compiling_after": float(compiling),
+        }
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a checkpoint (default: capstan serve's default model)")
+    ap.add_argument("--rounds", type=int, default=2, help="cold and warm starts, each with a new empty cache")
+    ap.add_argument("flags", nargs="*", help="more capstan serve flags (after --)")
+    a = ap.parse_args()
+    model = [a.model] if a.model else []
+    runs: dict[str, list[dict]] = {"cold": [], "warm": []}
+    with tempfile.TemporaryDirectory(prefix="capstan-first-answer-") as tmp:
+        for r in range(a.rounds):
+            cache = Path(tmp) / f"xla-{r}"
+            for kind in ("cold", "warm"):
+                run = one_start(cache, model, a.flags, Path(tmp) / f"serve-{r}-{kind}.log")
+                runs[kind].append(run)
+                print(
+                    f"{kind} start {r + 1}: ready {run['ready_s']:.1f} s, first answer {run['answer_s']:.1f} s "
+                    f"({run['tokens']} tokens, {run['finish']}; {run['compiling_after']:.0f} programs still "
+                    f"compiling): {run['text']!r}",
+                    flush=True,
+                )
+    for kind, done in runs.items():
+        print(
+            f"{kind}: ready median {statistics.median(r['ready_s'] for r in done):.1f} s, first answer median "
+            f"{statistics.median(r['answer_s'] for r in done):.1f} s over {len(done)} starts"
+        )
+
+
+if __name__ == "__main__":
+    main()
