@@ -178,7 +178,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         type=_json_object,
         default=None,
         help='sampling defaults as JSON, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\' (keys: '
-        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): beat the model's, "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, dry_multiplier, dry_base, "
+        "dry_allowed_length, dry_penalty_last_n, dry_sequence_breakers): beat the model's, "
         "lose to a request's own fields",
     )
 

@@ -19,6 +19,14 @@ LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100] (OpenAI)
 MAX_LOGIT_BIAS = 300  # entries: sizes the step's bias arrays (OpenAI and vLLM document none)
 MAX_LOGPROBS = 20  # vLLM's --max-logprobs default; OpenAI's top_logprobs limit
 MAX_TOP_LOGPROBS = 20  # OpenAI chat's top_logprobs
+# DRY (sampling/dry.py): the device reads the last DRY_WINDOW tokens and matches at most DRY_MAX_MATCH of them (one
+# fixed shape; past 64 a repeat's penalty is base^62 already); llama.cpp bounds neither but truncates breakers to 40
+MAX_DRY_MULTIPLIER = 100.0
+MAX_DRY_BASE = 100.0  # >= 1 (llama.cpp turns DRY off below 1)
+DRY_WINDOW = 1024  # dry_penalty_last_n -1 (the whole context) or larger reads this many
+DRY_MAX_MATCH = 64  # also dry_allowed_length's cap
+MAX_DRY_BREAKERS = 32  # dry_sequence_breakers entries
+MAX_DRY_BREAKER_CHARS = 40  # each breaker (llama.cpp's MAX_CHAR_LEN)
 
 # stopping
 MAX_STOP_STRINGS = 16  # OpenAI allows 4, vLLM any number; the matcher checks each one on every token

@@ -15,6 +15,12 @@ SAMPLING_KEYS = {
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
+    # llama.cpp's DRY (sampling/dry.py)
+    "dry_multiplier": "dry_multiplier",
+    "dry_base": "dry_base",
+    "dry_allowed_length": "dry_allowed_length",
+    "dry_penalty_last_n": "dry_penalty_last_n",
+    "dry_sequence_breakers": "dry_sequence_breakers",
 }
 
 
@@ -27,6 +33,11 @@ class SamplingDefaults(TypedDict, total=False):
     min_p: float
     repetition_penalty: float
     max_tokens: int
+    dry_multiplier: float
+    dry_base: float
+    dry_allowed_length: int
+    dry_penalty_last_n: int
+    dry_sequence_breakers: list[str]
 
 
 def parse_sampling_keys(raw: dict, source: str, strict: bool = False) -> SamplingDefaults:

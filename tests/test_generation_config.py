@@ -129,6 +129,18 @@ def test_a_request_field_beats_every_default():
     assert CompletionRequest(prompt="x", max_tokens=4).to_sampling_params(defaults=defaults).max_tokens == 4
 
 
+def test_dry_fields_are_defaults_as_the_others_are(tmp_path):
+    override = {"dry_multiplier": 0.8, "dry_sequence_breakers": ["\n"]}
+    defaults = sampling_defaults(
+        EngineConfig(model=checkpoint(tmp_path, QWEN3_STYLE), override_generation_config=override)
+    )
+    params = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], dry_base=2.0).to_sampling_params(
+        defaults=defaults
+    )
+    assert (params.dry_multiplier, params.dry_base, params.dry_sequence_breakers) == (0.8, 2.0, ["\n"])
+    assert params.uses_dry and params.breakers == ("\n",)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -137,6 +149,8 @@ def test_a_request_field_beats_every_default():
         ({"top_p": 0}, r"top_p: must be in \(0, 1\]"),
         ({"top_k": 2.5}, "top_k: must be"),
         ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+        ({"dry_base": 0.5}, "dry_base: must be between 1 and 100"),
+        ({"dry_sequence_breakers": ["x"] * 33}, "dry_sequence_breakers: must be a list of at most 32"),
     ],
 )
 def test_a_bad_override_is_refused_by_name(override, message):

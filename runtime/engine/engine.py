@@ -25,6 +25,7 @@ from ..models.decoder import DecoderModel
 from ..models.loader import load_model, parse_dtype, resolve_checkpoint
 from ..models.lora import LoRAStack, fold_weights, folds_stored, is_folded, write_folded_slot, write_slot_fn
 from ..parallel.tensor_parallel import TensorParallel
+from ..sampling.dry import BreakerMasks
 from ..sampling.grammar import GrammarTokenizer
 from ..sampling.logprobs import position_logprobs, prompt_logprobs
 from ..sampling.sampler import SampleResult, StepOutputs
@@ -154,6 +155,7 @@ class LLMEngine:
             decode_row_buckets=config.uses_decode_row_buckets(),
             placement=self.parallel.inputs_sharding(),
         )
+        self.builder.breaker_masks = BreakerMasks(self.tokenizer, cfg.vocab_size)
         self.speculator: Speculator | None = None  # None: every step decodes plainly
         if spec is not None:
             self.speculator = Speculator(self, spec, draft, rows)

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
+from ..limits import DRY_WINDOW
 from ..models.decoder import HALVES_COMPILER_OPTIONS, HALVES_MIN_ROWS, DecoderModel
 from ..parallel.mesh import model_parallel_size
 from ..parallel.placement import put
@@ -319,6 +320,7 @@ class MultiStepDecoder:
                 or c.seq.pending_forks
                 or p.uses_penalties
                 and grammars
+                or p.uses_dry  # single steps until the scan carries DRY's window
                 or c.seq.num_output < p.min_tokens
                 or p.prompt_logprobs is not None
                 and not c.seq.prompt_logprobs_done
@@ -524,8 +526,9 @@ class MultiStepDecoder:
         if rows not in self._zero_counts:
             V, sharding = self.engine.model.cfg.vocab_size, self._outputs_sharding()
             output, seen = np.zeros((rows, V), np.float32), np.zeros((rows, V), np.bool_)
+            recent = np.full((rows, DRY_WINDOW), V, np.int32)  # DRY's window: the builder always gives DryParams
             # placed as _no_previous places its zeros
-            self._zero_counts[rows] = PenaltyCounts(*put([output, seen], sharding))
+            self._zero_counts[rows] = PenaltyCounts(*put([output, seen, recent], sharding))
         return self._zero_counts[rows]
 
     def _block_tables(self, chunks: list[ScheduledChunk], rows: int) -> np.ndarray:

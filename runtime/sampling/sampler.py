@@ -19,6 +19,7 @@ from jax.extend.random import threefry2x32_p
 from ..arrays import HostOrDevice
 from ..limits import MAX_LOGPROBS
 from .candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, ordered_keys
+from .dry import DryParams, dry_penalty, push_recent, recent_tokens
 
 
 class SamplingBatch(eqx.Module, Generic[HostOrDevice]):
@@ -44,6 +45,7 @@ class SamplingBatch(eqx.Module, Generic[HostOrDevice]):
     plain_greedy: (
         HostOrDevice  # [] bool: every row greedy without bias, bans or penalties: the argmax of the raw logits
     )
+    dry: DryParams[HostOrDevice] | None = None  # DRY's parameters (sampling/dry.py); None: a batch without DRY
 
 
 class SampleResult(eqx.Module):
@@ -74,6 +76,7 @@ class PenaltyCounts(eqx.Module):
 
     output: jax.Array  # [S, V] f32: times each token was generated (frequency and presence penalties)
     seen: jax.Array  # [S, V] bool: in the prompt or generated (repetition penalty)
+    recent: jax.Array | None = None  # [S, DRY_WINDOW] i32: the last tokens, for DRY (None: a batch without DRY)
 
 
 def penalty_counts(b: SamplingBatch[jax.Array], vocab: int) -> PenaltyCounts:
@@ -82,13 +85,15 @@ def penalty_counts(b: SamplingBatch[jax.Array], vocab: int) -> PenaltyCounts:
     rows = jnp.arange(S)[:, None]
     is_output = jnp.arange(b.history.shape[1])[None, :] >= b.prompt_lens[:, None]
     output = jnp.zeros((S, vocab), jnp.float32).at[rows, b.history].add(is_output.astype(jnp.float32), mode="drop")
-    return PenaltyCounts(output, jnp.zeros((S, vocab), jnp.bool_).at[rows, b.history].set(True, mode="drop"))
+    seen = jnp.zeros((S, vocab), jnp.bool_).at[rows, b.history].set(True, mode="drop")
+    return PenaltyCounts(output, seen, None if b.dry is None else recent_tokens(b.history, vocab))
 
 
 def count_sampled(counts: PenaltyCounts, tokens: jax.Array) -> PenaltyCounts:
     """The counts after each row's sampled token [S] joined its output."""
     rows = jnp.arange(tokens.shape[0])
-    return PenaltyCounts(counts.output.at[rows, tokens].add(1.0), counts.seen.at[rows, tokens].set(True))
+    recent = None if counts.recent is None else push_recent(counts.recent, tokens)
+    return PenaltyCounts(counts.output.at[rows, tokens].add(1.0), counts.seen.at[rows, tokens].set(True), recent)
 
 
 class Branches(NamedTuple):
@@ -103,6 +108,7 @@ class Branches(NamedTuple):
     any_filter: bool | None
     all_greedy: bool | None
     want_logprobs: bool | None
+    any_dry: bool | None = None  # inside the penalties' branch
 
 
 def _branch(static: bool | None, traced: jax.Array, yes, no, *args):
@@ -184,7 +190,7 @@ def _processed_sample(
     x = _branch(
         branches and branches.any_penalty,
         b.any_penalty,
-        lambda x: _apply_penalties(biased(x, 1.0), b, counts) / t,
+        lambda x: _apply_penalties(biased(x, 1.0), b, counts, branches) / t,
         lambda x: biased(x / t, t),
         logits,
     )
@@ -245,12 +251,25 @@ def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(bits.reshape(S, -1)[:, :V].astype(jnp.bool_), x, -jnp.inf)
 
 
-def _apply_penalties(x: jax.Array, b: SamplingBatch[jax.Array], counts: PenaltyCounts | None = None) -> jax.Array:
+def _apply_penalties(
+    x: jax.Array,
+    b: SamplingBatch[jax.Array],
+    counts: PenaltyCounts | None = None,
+    branches: Branches | None = None,
+) -> jax.Array:
+    """Repetition, frequency and presence penalties, then DRY (llama.cpp's order)."""
     counts = penalty_counts(b, x.shape[1]) if counts is None else counts
     rep = b.repetition_penalty[:, None]
     x = jnp.where(counts.seen, jnp.where(x > 0, x / rep, x * rep), x)
     x = x - b.frequency_penalty[:, None] * counts.output
-    return x - b.presence_penalty[:, None] * (counts.output > 0)
+    x = x - b.presence_penalty[:, None] * (counts.output > 0)
+    if b.dry is None:
+        return x
+    dry, V = b.dry, x.shape[1]
+    recent = recent_tokens(b.history, V) if counts.recent is None else counts.recent
+    return _branch(
+        branches and branches.any_dry, dry.any_dry, lambda x: x - dry_penalty(recent, dry, V), lambda x: x, x
+    )
 
 
 def filters_by_search(x: jax.Array, b: SamplingBatch[jax.Array], pivots: int = 1) -> jax.Array:

@@ -7,9 +7,14 @@ import math
 import numbers
 
 from ..limits import (
+    DRY_MAX_MATCH,
     INT32_MAX,
     INT64_MIN,
     LOGIT_BIAS_RANGE,
+    MAX_DRY_BASE,
+    MAX_DRY_BREAKER_CHARS,
+    MAX_DRY_BREAKERS,
+    MAX_DRY_MULTIPLIER,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
@@ -22,6 +27,7 @@ from ..limits import (
 )
 from .grammar import StructuredOutput
 
+DEFAULT_BREAKERS = ("\n", ":", '"', "*")  # DRY's sequence breakers: llama.cpp's and koboldcpp's
 __all__ = ["InvalidRequestError", "SamplingParams", "MAX_LOGIT_BIAS", "MAX_LOGPROBS"]
 
 
@@ -45,6 +51,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # DRY (sampling/dry.py), llama.cpp's fields and defaults; a multiplier of 0 turns it off
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context (the last DRY_WINDOW tokens); 0: off
+    dry_sequence_breakers: list[str] | None = None  # None: DEFAULT_BREAKERS
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: list[str] | None = None
@@ -62,7 +74,15 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.uses_dry)
+
+    @property
+    def uses_dry(self) -> bool:
+        return bool(self.dry_multiplier) and self.dry_penalty_last_n != 0
+
+    @property
+    def breakers(self) -> tuple[str, ...]:
+        return DEFAULT_BREAKERS if self.dry_sequence_breakers is None else tuple(self.dry_sequence_breakers)
 
     def validate(self, *, vocab_size: int, max_n: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Every field within its limit (runtime/limits.py), before anything is built from it."""
@@ -96,6 +116,17 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             number(name, -PENALTY_RANGE, PENALTY_RANGE, f"between {-PENALTY_RANGE:g} and {PENALTY_RANGE:g}")
         number("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, f"in (0, {MAX_REPETITION_PENALTY:g}]", low_open=True)
+        number("dry_multiplier", 0.0, MAX_DRY_MULTIPLIER, f"between 0 (off) and {MAX_DRY_MULTIPLIER:g}")
+        number("dry_base", 1.0, MAX_DRY_BASE, f"between 1 and {MAX_DRY_BASE:g}")
+        integer("dry_allowed_length", 0, DRY_MAX_MATCH, f"between 0 and {DRY_MAX_MATCH}")
+        integer("dry_penalty_last_n", -1, INT32_MAX, f"-1 (the whole context), 0 (off) or up to {INT32_MAX}")
+        breakers = self.dry_sequence_breakers
+        if breakers is not None:
+            if not isinstance(breakers, list | tuple) or len(breakers) > MAX_DRY_BREAKERS:
+                bad("dry_sequence_breakers", f"must be a list of at most {MAX_DRY_BREAKERS} strings")
+            for s in breakers:
+                if not isinstance(s, str) or not s or len(s) > MAX_DRY_BREAKER_CHARS:
+                    bad("dry_sequence_breakers", f"each breaker must have 1 to {MAX_DRY_BREAKER_CHARS} characters")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")

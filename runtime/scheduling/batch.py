@@ -17,6 +17,7 @@ from ..arrays import HostLeaf, HostOrDevice
 from ..attention import INVALID_SLOT, AttentionMetadata, query_blocks
 from ..limits import MAX_LOGIT_BIAS
 from ..parallel.placement import put
+from ..sampling.dry import BreakerMasks, DryParams
 from ..sampling.grammar import fill_masks, mask_words
 from ..sampling.sampler import SamplingBatch
 from .packing import Packed, pack
@@ -108,6 +109,9 @@ class BatchBuilder:
         # bans), kept on the device by (name, rows): no per-step copy (the bias arrays alone are 600 KB at 256 rows)
         self._constants: dict[tuple[str, int], jax.Array] = {}
         self.all_allowed = self.allowed_for(self.S)
+        self.breaker_masks: BreakerMasks | None = (
+            None  # DRY's sequence breakers as token masks (the engine's tokenizer)
+        )
 
     def _constant(self, name: str, rows: int, width: int, fill, dtype) -> jax.Array:
         if (name, rows) not in self._constants:
@@ -200,7 +204,9 @@ class BatchBuilder:
         bias: tuple[np.ndarray, np.ndarray] | None = None  # ids and values, made when a row has a bias
         banned: np.ndarray | None = None  # made when a row is below its min_tokens
         prompt_lens = np.zeros(S, np.int32)
-        history = allowed = None
+        history = allowed = breakers = None
+        dry_multiplier, dry_base = np.zeros(S, np.float32), np.ones(S, np.float32)
+        dry_allowed, dry_last_n = np.zeros(S, np.int32), np.zeros(S, np.int32)
         constrained = []  # (constraint, row): their masks are computed together, in parallel
         want_prompt = any_filter = want_logprobs = processing = False
         for r, c in enumerate(chunks):  # what only some requests ask for
@@ -234,6 +240,13 @@ class BatchBuilder:
                 prompt_lens[r] = len(seq.prompt_ids)
                 presence[r], frequency[r] = p.presence_penalty, p.frequency_penalty
                 repetition[r] = p.repetition_penalty
+            if p.uses_dry:
+                assert self.breaker_masks is not None, "the engine sets breaker_masks"
+                if breakers is None:
+                    breakers = np.zeros((S, mask_words(V)), np.int32)
+                breakers[r] = self.breaker_masks.words(p.breakers)
+                dry_multiplier[r], dry_base[r] = p.dry_multiplier, p.dry_base
+                dry_allowed[r], dry_last_n[r] = p.dry_allowed_length, p.dry_penalty_last_n
         if constrained:
             allowed = np.full((S, mask_words(V)), -1, np.int32)
             fill_masks(constrained, allowed)
@@ -276,6 +289,14 @@ class BatchBuilder:
             want_logprobs=np.asarray(want_logprobs, np.bool_),
             plain_greedy=np.asarray(
                 not (processing or any_filter or history is not None or allowed is not None), np.bool_
+            ),
+            dry=DryParams(
+                multiplier=dry_multiplier,
+                base=dry_base,
+                allowed_length=dry_allowed,
+                last_n=dry_last_n,
+                breakers=on_device(breakers, "breakers", mask_words(V), 0, np.int32),
+                any_dry=np.asarray(breakers is not None, np.bool_),
             ),
         )
         inputs: StepInputs[HostLeaf] = StepInputs(

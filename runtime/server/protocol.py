@@ -37,7 +37,19 @@ Penalty = Annotated[float, finite(-limits.PENALTY_RANGE, limits.PENALTY_RANGE)]
 TokenId = Annotated[int, Field(ge=0, le=limits.INT32_MAX)]
 StopString = Annotated[Text, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
 # request fields that fall back to the model's generation config when left out (sampling_keys.SAMPLING_KEYS)
-DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+DEFAULTED_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+)
+DryBreaker = Annotated[Text, Field(min_length=1, max_length=limits.MAX_DRY_BREAKER_CHARS)]
 
 
 class _Request(BaseModel):
@@ -80,6 +92,12 @@ class _SamplingFields(StructuredFields):
     min_tokens: Count = 0
     stop_token_ids: Annotated[list[TokenId], Field(max_length=limits.MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
+    # llama-server's DRY fields (sampling/dry.py)
+    dry_multiplier: Annotated[float, finite(0.0, limits.MAX_DRY_MULTIPLIER)] | None = None
+    dry_base: Annotated[float, finite(1.0, limits.MAX_DRY_BASE)] | None = None
+    dry_allowed_length: Annotated[int, Field(ge=0, le=limits.DRY_MAX_MATCH)] | None = None
+    dry_penalty_last_n: Annotated[int, Field(ge=-1, le=limits.INT32_MAX)] | None = None
+    dry_sequence_breakers: Annotated[list[DryBreaker], Field(max_length=limits.MAX_DRY_BREAKERS)] | None = None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:

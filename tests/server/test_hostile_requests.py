@@ -93,6 +93,16 @@ def send(url: str, path: str, content: bytes, content_type: str = "application/j
         ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": float("nan")}}, "logit_bias"),
         ("/v1/completions", {"prompt": ["hi"] * 257}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "dry_multiplier": -1}, "dry_multiplier"),
+        ("/v1/completions", {"prompt": "hi", "dry_base": float("nan")}, "dry_base"),
+        ("/v1/completions", {"prompt": "hi", "dry_allowed_length": -3}, "dry_allowed_length"),
+        ("/v1/completions", {"prompt": "hi", "dry_penalty_last_n": 2**31}, "dry_penalty_last_n"),
+        ("/v1/completions", {"prompt": "hi", "dry_sequence_breakers": ["x"] * 10_000}, "dry_sequence_breakers"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "dry_sequence_breakers": ["x" * 2**20]},
+            "dry_sequence_breakers",
+        ),
         ("/v1/completions", {"prompt": [2**63]}, "prompt"),
         ("/v1/completions", {"prompt": "many words " * 300_000}, "prompt"),  # refused before it is tokenized
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "words " * 500_000}]}, "messages"),
