@@ -129,8 +129,12 @@ def test_dry_ends_a_loop_and_keeps_multi_step_decodings_tokens(engines):
         SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True, repetition_penalty=1.2, dry_multiplier=0.5),
         plain,
     ]
+    runs = []
+    plan = chained.engine.multi_step.plan
+    chained.engine.multi_step.plan = lambda chunks: runs.append(r := plan(chunks)) or r
     got = [o.outputs[0].token_ids for o in chained.generate(prompts, batch)]
     assert got == [o.outputs[0].token_ids for o in single.generate(prompts, batch)]
+    assert any(r is not None for r in runs)  # DRY rows ran several steps a dispatch
     assert got[3] == single.generate(prompts[3:], plain)[0].outputs[0].token_ids  # DRY off: unchanged
     chained.engine.pool.check_all_free()
 

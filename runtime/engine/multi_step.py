@@ -1,6 +1,6 @@
 """Several decode steps in one engine step, when every scheduled sequence is decoding and nothing needs the host
 between tokens (no min_tokens bans or prompt logprobs). Penalties run inside: the scan carries what they read
-(each row's token counts, PenaltyCounts) and adds every step's samples to it, and a run's next dispatch takes
+(each row's token counts, PenaltyCounts, and for DRY its last DRY_WINDOW tokens) and adds every step's samples to it, and a run's next dispatch takes
 the counts its last one left.
 
 Free batches run as one dispatch: a lax.scan that feeds each step's sampled tokens to the next. Batches with
@@ -320,7 +320,6 @@ class MultiStepDecoder:
                 or c.seq.pending_forks
                 or p.uses_penalties
                 and grammars
-                or p.uses_dry  # single steps until the scan carries DRY's window
                 or c.seq.num_output < p.min_tokens
                 or p.prompt_logprobs is not None
                 and not c.seq.prompt_logprobs_done
