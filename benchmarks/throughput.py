@@ -47,7 +47,7 @@ def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
         kind: SamplingDefaults = {"temperature": 0.0} if a.all_greedy else kinds[i % 3]
         params.append(
             dataclasses.replace(
-                SamplingParams(**kind),
+                SamplingParams(**kind, **a.sampling),
                 max_tokens=int(rng.integers(max(1, a.output_len // 8), 2 * a.output_len)),
                 ignore_eos=True,
                 detokenize=False,
@@ -231,6 +231,13 @@ def main(argv=None) -> dict:
         "temperature 0.8 + top-p 0.9, a third temperature 1.0 + top-k 50 + min-p 0.05",
     )
     ap.add_argument("--all-greedy", action="store_true", help="the mixed workload's lengths, every request greedy")
+    ap.add_argument(
+        "--sampling",
+        type=json.loads,
+        default={},
+        help='SamplingParams fields every mixed request also sets, e.g. \'{"repetition_penalty": 1.1, '
+        '"dry_multiplier": 0.8}\' (penalties, DRY)',
+    )
     ap.add_argument(
         "--constrained-fraction",
         type=float,

@@ -113,16 +113,16 @@ def dry_penalty(recent: jax.Array, d: DryParams[jax.Array], vocab: int) -> jax.A
     on = (available > d.allowed_length) & (limit >= d.allowed_length)
     limit = jnp.minimum(limit, DRY_MAX_MATCH)
 
-    def extend(k, carry):  # matches of length > k: ctx[j - k] equals the suffix's token k from the end
-        alive, m = carry
-        earlier = jnp.where(idx >= k, jnp.roll(ctx, k, axis=1), vocab)
-        last = jax.lax.dynamic_index_in_dim(ctx, W - 1 - k, axis=1)
-        alive &= (earlier == last) & (earlier < vocab) & (k < limit[:, None])
-        return alive, m + alive
-
-    _, m = jax.lax.fori_loop(
-        0, DRY_MAX_MATCH, extend, (jnp.broadcast_to(idx < W - 1, (S, W)), jnp.zeros((S, W), jnp.int32))
-    )
+    # m[j]: how many tokens ending at j equal the context's last ones, up to the first that differs: one [S, W, L]
+    # comparison and a reduction, no loop (XLA:GPU reads a while loop's predicate back to the host every iteration)
+    L = DRY_MAX_MATCH
+    k = jnp.arange(L)
+    padded = jnp.pad(ctx, ((0, 0), (L, 0)), constant_values=vocab)
+    earlier = jnp.take(padded, jnp.arange(W)[:, None] - k[None, :] + L, axis=1)  # [S, W, L]: ctx[j - k]
+    suffix = jnp.take(padded, W - 1 - k + L, axis=1)  # [S, L]: ctx[W - 1 - k]
+    same = (earlier == suffix[:, None, :]) & (earlier < vocab) & (k[None, None, :] < limit[:, None, None])
+    same = jnp.concatenate([same, jnp.zeros((S, W, 1), jnp.bool_)], axis=-1)  # the first that differs: at most L
+    m = jnp.where(idx < W - 1, jnp.argmin(same, axis=-1), 0).astype(jnp.int32)
     eligible = (m[:, :-1] >= d.allowed_length[:, None]) & valid[:, :-1] & on[:, None]
     rows = jnp.arange(S)[:, None]
     longest = (
