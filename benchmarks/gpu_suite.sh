@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity warmuptests samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
+#   bash benchmarks/gpu_suite.sh [parity warmuptests roofline samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -36,6 +36,10 @@ for part in $parts; do
         | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30 ;;
     parity) python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_models.py tests/test_engine_golden.py tests/test_rope_and_compat.py 2>&1 | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30 ;;
     prefill) python3 benchmarks/prefill.py --shape llama-3.2-1b --tokens 2048 ;;
+    # issue 64: every throughput.py report this call wrote ($OUT/capstan-*.json: run throughput and throughput8b
+    # first) against the GPU's measured copy bandwidth and bf16 matmul rate (benchmarks/roofline.py)
+    roofline) python3 benchmarks/roofline.py $(for f in "$OUT"/capstan-*.json; do [ -e "$f" ] && echo "--report $f"; done) \
+        2>&1 | grep --line-buffered -v Warning ;;
     throughput) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --single-stream-tokens 256 --timeline \
         --json "$OUT/capstan-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
