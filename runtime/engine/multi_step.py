@@ -325,8 +325,8 @@ class MultiStepDecoder:
                 and not c.seq.prompt_logprobs_done
             ):
                 return None
-        if not e.compiled(self._program_key(chunks, k, grammars)):  # serve's warm-up compiles it still: single steps
-            return None
+        if e.warming is not None and not e.compiled(self._program_key(chunks, k, grammars)):  # still compiling
+            return None  # single steps meanwhile
         active = [
             max(1, min(k, c.seq.max_tokens - c.seq.num_output, e.max_model_len - c.seq.num_tokens)) for c in chunks
         ]
