@@ -149,3 +149,30 @@ def longest_repeat(tokens: list[int]) -> int:
                 n += 1
             best = max(best, n)
     return best
+
+
+def test_the_gpus_programs_decide_dry_on_the_host(engines, monkeypatch):
+    """On GPUs a lax.cond's predicate is read back to the host (sampling/programs.py): DRY is a program of its own
+    there, and a batch without it runs the penalties' program with no DRY branch at all. Run here with the GPU's
+    choice of programs: the tokens are the single-step ones either way."""
+    import capstan.runtime.engine.multi_step as multi_step
+    import capstan.runtime.sampling.programs as programs
+
+    real, chosen = multi_step.scan_branches, []
+    monkeypatch.setattr(multi_step, "scan_branches", lambda p, backend: chosen.append(real(p, "gpu")) or chosen[-1])
+    chained, single = engines
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(10, 500, int(rng.integers(1, 30))).tolist() for _ in range(3)]
+    with_dry = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, dry_multiplier=0.8, dry_sequence_breakers=[]),
+        SamplingParams(temperature=0.7, seed=2, max_tokens=36, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    without = [with_dry[1], with_dry[2], SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3)]
+    for batch, scans in ((with_dry, programs.DRY_SCANS), (without, programs.PENALTY_SCANS)):
+        chosen.clear()
+        got = [o.outputs[0].token_ids for o in chained.generate(prompts, batch)]
+        assert got == [o.outputs[0].token_ids for o in single.generate(prompts, batch)]
+        assert chosen and set(chosen) <= set(scans.values())
+    assert all(b.any_dry is False for b in programs.PENALTY_SCANS.values())
+    chained.engine.pool.check_all_free()

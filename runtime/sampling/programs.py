@@ -27,13 +27,14 @@ SAMPLED_SCANS = {
     )
     for w in (False, True)
 }
-PENALTY_SCANS = {w: b._replace(any_penalty=True) for w, b in SAMPLED_SCANS.items()}
+PENALTY_SCANS = {w: b._replace(any_penalty=True, any_dry=False) for w, b in SAMPLED_SCANS.items()}
+DRY_SCANS = {w: b._replace(any_dry=True) for w, b in PENALTY_SCANS.items()}  # (DRY is decided on the host too)
 
 
 def scans(backend: str) -> tuple[Branches, ...]:
     """The decode scan's programs on this backend (each compiled at warm-up, once per row bucket)."""
     if backend == "gpu":
-        return (GREEDY_SCAN, *SAMPLED_SCANS.values(), *PENALTY_SCANS.values())
+        return (GREEDY_SCAN, *SAMPLED_SCANS.values(), *PENALTY_SCANS.values(), *DRY_SCANS.values())
     return (GREEDY_SCAN, SCAN_BRANCHES)
 
 
@@ -44,7 +45,8 @@ def scan_branches(params: list[SamplingParams], backend: str) -> Branches:
         return GREEDY_SCAN
     if backend != "gpu":
         return SCAN_BRANCHES
-    return (PENALTY_SCANS if penalties else SAMPLED_SCANS)[any(p.logprobs is not None for p in params)]
+    scans = (DRY_SCANS if any(p.uses_dry for p in params) else PENALTY_SCANS) if penalties else SAMPLED_SCANS
+    return scans[any(p.logprobs is not None for p in params)]
 
 
 def carries_counts(branches: Branches) -> bool:
