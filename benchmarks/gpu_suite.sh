@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity warmuptests roofline samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
+#   bash benchmarks/gpu_suite.sh [parity warmuptests roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -220,6 +220,12 @@ for part in $parts; do
         python3 benchmarks/throughput.py --shape $shape --workload mixed $greedy --requests 256 --prompt-len 256 \
           --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
           --timeline --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep --line-buffered -E "output_tokens|phase|timeline|Error"; done; done ;;
+    # issue 67: DRY's cost on the mixed workload (every request: the repetition penalty, then it and DRY 0.8)
+    drycost) for fields in '{"repetition_penalty": 1.1}' '{"repetition_penalty": 1.1, "dry_multiplier": 0.8}'; do
+        echo "--- llama-3.2-1b mixed --sampling '$fields'"
+        python3 benchmarks/throughput.py --shape llama-3.2-1b --workload mixed --sampling "$fields" --requests 256 \
+          --prompt-len 256 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+          2>&1 | grep --line-buffered -E "output_tokens_per_s|compiles_in_run|Error"; done ;;
     sampler) python3 benchmarks/sampler.py --rows 256 --vocab 128256 --methods sort search15 candidates-fused kernels --repeats 10 \
         --breakdown 2>&1 | grep --line-buffered -v Warning ;;
     structured) for f in 0 0.5; do python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 \
