@@ -220,3 +220,53 @@ def test_json_nested_too_deep_is_a_400_as_from_the_server(replica, one):
             timeout=30,
         )
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (url, r.text[:200])
+
+
+@pytest.fixture(scope="module")
+def full_replica():
+    """A replica that refuses with 429 while one request runs and one waits (one sequence, one waiting); its
+    requests may be 4,000 tokens long (~12 s at one token a step)."""
+    extra = ["--decode-steps", "1", "--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "4096"]
+    r = start_replica("tiny", extra=extra)
+    try:
+        yield r.wait_ready()
+    finally:
+        r.stop()
+
+
+def test_a_hang_up_during_a_retried_request_aborts_it_on_the_replica_that_took_it(replica, full_replica):
+    """The retry path: the gateway's first pick answers 429 (its queue is full), the request runs on the other
+    replica, and the client's hang-up reaches that replica within a second."""
+    front = start_gateway([f"tiny={replica.url}", f"tiny={full_replica.url}"], "--routing", "round-robin")
+    fill = {**LONG, "prompt": "x", "max_tokens": 4000}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            front.wait_ready(30)
+            wait_for(lambda: replica_gauges(replica)[1] == 0, 60, "an idle replica")
+            for _ in range(2):  # one runs, one waits: the next is refused
+                pool.submit(httpx.post, f"{full_replica.url}/v1/completions", json=fill, timeout=120)
+            wait_for(lambda: metric(full_replica.url, "capstan_requests_waiting") == 1, 30, "a request waiting")
+            # Round robin over two: after any answered request, whether it was retried or not, the next pick is
+            # the full replica (a retry takes a turn too).
+            primed = httpx.post(
+                f"{front.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=30
+            )
+            assert primed.status_code == 200, primed.text
+            retries = metric(front.url, "capstan_gateway_retries_total")
+            aborted, _ = replica_gauges(replica)
+            host, port = front.url.removeprefix("http://").split(":")
+            payload = json.dumps({**LONG, "prompt": "tell me a long story " * 4}).encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+            )
+            with socket.create_connection((host, int(port)), timeout=10) as connection:
+                connection.sendall(head.encode() + payload)
+                wait_for(lambda: replica_gauges(replica)[1] == 1, 30, "the retried request running on the replica")
+                assert metric(front.url, "capstan_gateway_retries_total") == retries + 1, "it was not retried"
+                assert metric(full_replica.url, "capstan_requests_waiting") == 1  # the other is still full
+            took = wait_for(lambda: replica_gauges(replica) == (aborted + 1, 0), 10, "the abort on the replica")
+            assert took < 1.0, f"the replica aborted {took:.2f} s after the hang-up"
+        finally:
+            front.stop()
+            full_replica.stop()  # its two long requests end with it
