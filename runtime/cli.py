@@ -12,6 +12,7 @@ import sys
 
 from .arg_types import port
 from .config import COMPILATION_CACHE, KV_CACHE_DTYPES, EngineConfig
+from .lora.request import LoRAError
 from .speculative_config import SpeculativeConfig
 
 log = logging.getLogger("capstan")
@@ -513,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_gateway(args)
         persist_compilations()
         return _serve(args) if args.command == "serve" else _generate(args)
+    except LoRAError as e:  # an adapter refused at start exits 1, as when the engine core refuses a GGUF model's
+        print(f"capstan {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:  # a flag or a checkpoint the user can fix: no stack trace
         print(f"capstan {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from safetensors.numpy import load_file, save_file
 from servers import CHECKPOINT, ENGINE_FLAGS, MODEL, START_TIMEOUT, ServeProcess, ThreadServer
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -159,7 +161,15 @@ def test_a_bad_adapter_at_start_is_a_cli_error_naming_the_field(adapters):
     done = subprocess.run(
         [*command, "--lora-modules", f"big={adapters['too-big']}"], capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == 2 and "big=" in done.stderr and "r=32" in done.stderr and "--max-lora-rank" in done.stderr
+    assert done.returncode == 1 and "big=" in done.stderr and "r=32" in done.stderr and "--max-lora-rank" in done.stderr
+    nan = write_adapter(adapters["a0"].parent / "nan", CHECKPOINT, seed=5, rank=8)  # issue 68: checked when loaded
+    tensors = load_file(str(nan / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first] = np.where(np.arange(tensors[first].size).reshape(tensors[first].shape) == 0, np.nan, tensors[first])
+    save_file(tensors, str(nan / "adapter_model.safetensors"))
+    done = subprocess.run([*command, "--lora-modules", f"nan={nan}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and f"nan={nan}" in done.stderr and "NaN or infinite" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
     done = subprocess.run(
         [sys.executable, "-m", "capstan.runtime.cli", "serve", str(CHECKPOINT), "--lora-modules-file", "x"],
         capture_output=True,
