@@ -255,6 +255,27 @@ class PodTemplateOverrides(_Resource):
     spec: dict[str, Any] = Field(default_factory=dict)
 
 
+class PickerSpec(_Resource):
+    """The endpoint picker (`capstan picker`) that a Gateway consults, over Envoy's ext_proc, for every request."""
+
+    replicas: int = Field(1, ge=1, le=16, description="picker pods")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        "FailClose",
+        description="when the picker cannot answer: FailOpen lets the Gateway pick a pod itself, FailClose refuses"
+        " the request (the InferencePool's endpointPickerRef.failureMode)",
+    )
+    image: str | None = Field(None, max_length=1024, description="picker image (default: the service's image)")
+    resources: dict[str, Any] | None = Field(None, description="the picker container's resources (requests, limits)")
+
+
+class InferencePoolSpec(_Resource):
+    """An InferencePool (Gateway API Inference Extension, inference.networking.k8s.io/v1) of the serving pods and
+    its endpoint picker, so that an HTTPRoute of a GIE-capable Gateway routes to them (docs/operator.md)."""
+
+    enabled: bool = Field(True, description="render the InferencePool and its picker; false removes them")
+    picker: PickerSpec = Field(default_factory=PickerSpec)
+
+
 _DIMS = "self.accelerator.topology.split('x')"
 _DIM = [f"int({_DIMS}[{i}])" for i in range(3)]
 _SLICE_CHIPS = f"(size({_DIMS}) == 2 ? {_DIM[0]} * {_DIM[1]} : {_DIM[0]} * {_DIM[1]} * {_DIM[2]})"  # no reduce in CEL
@@ -354,6 +375,9 @@ class InferenceServiceSpec(_Resource):
     affinity: dict[str, Any] | None = None
     security: SecuritySpec = Field(default_factory=SecuritySpec)
     pod_template: PodTemplateOverrides | None = None
+    inference_pool: InferencePoolSpec | None = Field(
+        None, description="route through the Gateway API Inference Extension: an InferencePool and its picker"
+    )
 
     @model_validator(mode="after")
     def _adapters_do_not_shadow_the_model(self) -> InferenceServiceSpec:
@@ -366,6 +390,9 @@ class InferenceServiceSpec(_Resource):
     def lora_enabled(self) -> bool:
         """`--enable-lora` is rendered: adapters are listed, or spec.lora keeps LoRA on without any."""
         return bool(self.adapters) or self.lora is not None
+
+    def inference_pool_enabled(self) -> bool:
+        return self.inference_pool is not None and self.inference_pool.enabled
 
     def bounds(self) -> tuple[int, int]:
         """The replica range the autoscaler moves within."""
@@ -413,6 +440,17 @@ class ReplicaAdapters(_Resource):
     adapters: list[str] = Field(default_factory=list)  # what its /v1/models lists, sorted
 
 
+class PickerStatus(_Resource):
+    name: str
+    replicas: int = 0
+    ready_replicas: int = 0
+
+
+class InferencePoolStatus(_Resource):
+    name: str  # the InferencePool an HTTPRoute's backendRef names
+    picker: PickerStatus
+
+
 class InferenceServiceStatus(_Resource):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})  # kopf's bookkeeping
 
@@ -427,6 +465,7 @@ class InferenceServiceStatus(_Resource):
     autoscaling: AutoscalingStatus | None = None
     adapters: list[AdapterStatus] | None = None
     replica_adapters: list[ReplicaAdapters] | None = None
+    inference_pool: InferencePoolStatus | None = None
 
 
 class InferenceService(_Resource):

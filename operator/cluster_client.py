@@ -25,6 +25,10 @@ PATHS = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),  # the GIE's CRD, where installed
     api.KIND: (f"/apis/{api.GROUP}/{api.VERSION}", api.PLURAL),
 }
 

@@ -15,7 +15,7 @@ from typing import Any
 import pydantic
 from kubernetes.client.exceptions import ApiException
 
-from capstan.operator import adapters, api, autoscaler, host_groups, render, render_group
+from capstan.operator import adapters, api, autoscaler, host_groups, pool_status, render, render_group, render_pool
 from capstan.operator.cluster_client import ClusterClient
 from capstan.operator.pod_metrics import PodAddresses, fetch_loads
 from capstan.operator.pod_models import fetch_pod_adapters
@@ -98,6 +98,9 @@ class Reconciler:
         if status.get("observedGeneration") != generation:
             kinds = ", ".join(dict.fromkeys(obj["kind"] for obj in applied))
             self.emit(body, "Normal", "Applied", f"generation {generation}: applied {kinds} ({replicas} replicas)")
+        pool = self._apply_inference_pool(body, spec, desired) if spec.inference_pool_enabled() else None
+        if pool is None:
+            self._prune_inference_pool(body)
         self._prune_model_cache_claim(body, spec)
         self._prune_adapters_configmap(body, spec)
         self._prune_workloads(body, applied, leader_worker_set)
@@ -114,6 +117,7 @@ class Reconciler:
             now=_now(),
             url=self.config.gateway_url,
             reported_adapters=self._reported_adapters(pods) if spec.lora_enabled() else None,
+            pool=pool,
         )
         if autoscaling_status is not None:
             new_status["autoscaling"] = autoscaling_status
@@ -152,6 +156,37 @@ class Reconciler:
             recommendations=decision.recommendations,
         )
         return decision.replicas, result.model_dump(by_alias=True, exclude_none=True)
+
+    def _apply_inference_pool(
+        self, body: dict[str, Any], spec: api.InferenceServiceSpec, desired: list[dict[str, Any]]
+    ) -> pool_status.PoolReport:
+        """The InferencePool, then its picker; without the GIE CRD in the cluster, neither (the status says so)."""
+        name = body["metadata"]["name"]
+        try:
+            applied = [self.client.apply(obj) for obj in render_pool.render_all(body, spec, desired)]
+        except ApiException as error:
+            if error.status == 404:  # the first, the InferencePool: the API server serves no such resource
+                return pool_status.pool_report(name, spec, crd_served=False, picker=None)
+            if error.status not in (400, 403, 422):
+                raise
+            # Refused: the picker's fields (e.g. its resources), or the operator's RBAC from an older chart.
+            reason = "Forbidden" if error.status == 403 else "InvalidPicker"
+            return pool_status.refused(name, spec, reason, _api_message(error))
+        return pool_status.pool_report(name, spec, crd_served=True, picker=applied[-1])
+
+    def _prune_inference_pool(self, body: dict[str, Any]) -> None:
+        """Delete the pool and its picker once spec.inferencePool is gone or off. The pool is applied first and the
+        picker's Deployment last, so when neither is there, nothing of it is."""
+        meta = body["metadata"]
+        objects = render_pool.rendered_objects(meta["name"])
+        probes = [self.client.get(kind, meta["namespace"], name) for kind, name in objects[:2]]
+        if not any(_owned_by(obj, meta) for obj in probes):
+            return
+        for kind, name in objects:
+            obj = self.client.get(kind, meta["namespace"], name)
+            if _owned_by(obj, meta):
+                self.client.delete(kind, meta["namespace"], name)
+        self.emit(body, "Normal", "Deleted", f"InferencePool {objects[0][1]} and its picker are no longer requested")
 
     def _reported_adapters(self, pods: list[dict[str, Any]]) -> dict[str, list[str] | None]:
         """Each ready serving pod (leaders only: workers take no requests) -> the adapters it lists."""
@@ -234,6 +269,9 @@ class Reconciler:
                 self.emit(body, "Warning", condition["reason"], condition["message"])
             elif condition["type"] == "Ready" and condition["reason"] in ("Serving", "Starting", "ScaledToZero"):
                 self.emit(body, "Normal", condition["reason"], condition["message"])  # problems: Degraded's event
+            elif condition["type"] == pool_status.CONDITION and condition["reason"] != "PickerStarting":
+                kind = "Normal" if condition["status"] == "True" else "Warning"
+                self.emit(body, kind, condition["reason"], condition["message"])
 
     def _report_invalid(self, body: dict[str, Any], generation: int, reason: str, message: str) -> None:
         meta, status = body["metadata"], body.get("status") or {}
@@ -259,6 +297,12 @@ class Reconciler:
         self.client.patch_status(
             meta["namespace"], meta["name"], {"observedGeneration": generation, "conditions": conditions}
         )
+
+
+def _owned_by(obj: dict[str, Any] | None, owner_meta: dict[str, Any]) -> bool:
+    return obj is not None and any(
+        o.get("uid") == owner_meta["uid"] for o in obj["metadata"].get("ownerReferences", [])
+    )
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:

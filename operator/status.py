@@ -13,6 +13,8 @@ from typing import Any
 from capstan.operator import api
 from capstan.operator.accelerators import ACCELERATORS
 from capstan.operator.adapter_status import adapter_report
+from capstan.operator.pool_status import CONDITION as POOL_CONDITION
+from capstan.operator.pool_status import PoolReport
 from capstan.operator.render import selector_string, service_url
 
 IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
@@ -124,9 +126,11 @@ def compute_status(
     now: str,
     url: str | None = None,
     reported_adapters: dict[str, list[str] | None] | None = None,
+    pool: PoolReport | None = None,
 ) -> dict[str, Any]:
     """The status subresource body (camelCase), without the autoscaling part. `url`: the gateway's, when one routes.
-    `reported_adapters`: with LoRA on, each ready serving pod -> the adapters its /v1/models lists (None: no answer)."""
+    `reported_adapters`: with LoRA on, each ready serving pod -> the adapters its /v1/models lists (None: no answer).
+    `pool`: with spec.inferencePool on, what the cluster holds of it."""
     observed = (deployment or {}).get("status", {})
     replicas, ready = observed.get("replicas", 0), observed.get("readyReplicas", 0)
     updated, available = observed.get("updatedReplicas", 0), observed.get("availableReplicas", 0)
@@ -183,8 +187,13 @@ def compute_status(
         conditions.append(
             _condition("AdaptersLoaded", report.loaded, report.reason, report.message, generation, previous, now)
         )
+    pool_fields: dict[str, Any] = {"inferencePool": None}
+    if pool is not None:
+        pool_fields = pool.fields
+        conditions.append(_condition(POOL_CONDITION, pool.ready, pool.reason, pool.message, generation, previous, now))
     return {
         **adapter_fields,
+        **pool_fields,
         "observedGeneration": generation,
         "conditions": conditions,
         "replicas": replicas,

@@ -40,13 +40,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: [update]  # owner references that block deletion, where OwnerReferencesPermissionEnforcement is on
 - apiGroups: [apps]
   resources: [deployments, statefulsets]
-  verbs: [list, create, patch, delete]  # server-side apply; delete what the spec no longer renders
+  verbs: [get, list, create, patch, delete]  # server-side apply; delete what the spec no longer renders
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [list, create, patch, delete]  # multi-host replicas, where the cluster serves LeaderWorkerSet
 - apiGroups: [""]
   resources: [services]
-  verbs: [list, create, patch, delete]
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [create, patch]
@@ -58,7 +58,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: [get, create, patch, delete]  # the adapters' list the pods mount (spec.adapters), removed with LoRA off
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, delete]  # status and autoscaling read the pods; a multi-host group is replaced as a whole
+  verbs: [get, list, watch, delete]  # status and autoscaling read the pods; a multi-host group is replaced as a whole; get, watch: granted to endpoint pickers
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]  # spec.inferencePool; get, list, watch: granted to its picker
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch, delete]  # the endpoint picker's identity
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch, delete]  # the picker's Role grants only rights the operator holds itself (above)
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
