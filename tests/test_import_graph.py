@@ -135,6 +135,7 @@ def test_the_operator_never_reaches_jax():
 # file; a module that ranks apart from its folder is named in full (parallel.mesh, which every device room reads).
 LAYERS: list[tuple[str, ...]] = [
     ("cli",),
+    ("picker",),  # capstan picker: picks with the gateway's replica pool and routing policy
     ("gateway",),
     ("operator",),  # capstan.operator: the gateway reads its CRD and cluster client; it reads server's metric names
     ("server",),

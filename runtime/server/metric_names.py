@@ -48,3 +48,9 @@ GATEWAY_CLIENT_REQUESTS = PREFIX + "gateway_client_requests"  # counter (_total)
 GATEWAY_CLIENT_TOKENS = PREFIX + "gateway_client_tokens"  # counter (_total), labels client, kind (prompt, completion)
 GATEWAY_CLIENT_REJECTIONS = PREFIX + "gateway_client_rejections"  # counter (_total), labels client, reason
 GATEWAY_UNAUTHENTICATED = PREFIX + "gateway_unauthenticated"  # counter (_total): 401s, no key or an unknown one
+# capstan picker (the GIE endpoint picker), from its own pod's --metrics-port
+PICKER_REQUESTS = PREFIX + "picker_requests"  # counter (_total), labels model, result (picked, failed_open, 4xx/5xx)
+PICKER_PICKED = PREFIX + "picker_picked"  # counter (_total), label endpoint: requests sent there first
+PICKER_STREAMS = PREFIX + "picker_streams_open"  # gauge: ext_proc streams (HTTP requests) in progress
+PICKER_REPLICAS_READY = PREFIX + "picker_replicas_ready"  # gauge, label model
+PICKER_REPLICA_LOAD = PREFIX + "picker_replica_load"  # gauge, label endpoint: the load the policy sees

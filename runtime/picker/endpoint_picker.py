@@ -1,0 +1,92 @@
+"""Which pod of the pool a request goes to: the replicas that serve its model (or adapter) and are ready, as
+runtime/gateway's ReplicaPool knows them (their /ready, /v1/models and /metrics: queue depth, KV-cache use), ordered
+by the gateway's routing policy (prefix affinity with bounded load). The first is the destination; the next few
+are the fallbacks Envoy tries on a retry.
+
+When the picker knows of no ready replica, the failure mode decides: FailClose answers 503; FailOpen sends the
+request to an endpoint the pool lists anyway (Kubernetes thinks it ready), and its own answer reaches the client.
+A model that no ready replica serves is a 404 either way: the picker then knows the pool's models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ..gateway.replica_pool import Replica, ReplicaPool
+from ..gateway.routing_policy import RoutingPolicy
+from .pick_request import PickError, PickRequest
+
+MAX_ENDPOINTS = 3  # the destination and two fallbacks: a retry that fails on all three has a bigger problem
+
+
+class FailureMode(StrEnum):
+    """GIE's InferencePool spec.endpointPickerRef.failureMode."""
+
+    FAIL_OPEN = "FailOpen"
+    FAIL_CLOSE = "FailClose"
+
+
+@dataclass(frozen=True)
+class Pick:
+    replicas: list[Replica]  # preferred first
+    failed_open: bool = False  # no ready replica known: an endpoint of the pool, unscored
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [endpoint_of(r.url) for r in self.replicas]
+
+
+def endpoint_of(url: str) -> str:
+    """http://10.0.0.7:8000 -> 10.0.0.7:8000, the `ip:port` form GIE's header and metadata carry."""
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+class EndpointPicker:
+    def __init__(self, pool: ReplicaPool, policy: RoutingPolicy, failure_mode: FailureMode | None = None):
+        self.pool, self.policy, self._failure_mode = pool, policy, failure_mode
+
+    @property
+    def failure_mode(self) -> FailureMode:
+        """--failure-mode when given, else the InferencePool's (its discovery reads it), else FailClose."""
+        from_pool = getattr(self.pool.discovery, "failure_mode", None)
+        return self._failure_mode or from_pool or FailureMode.FAIL_CLOSE
+
+    def pick(self, request: PickRequest) -> Pick:
+        allowed = [
+            r for r in self.pool.replicas.values() if request.subset is None or endpoint_of(r.url) in request.subset
+        ]
+        if request.subset is not None and not allowed:
+            raise PickError(
+                503,
+                "none of the endpoints the Gateway allows for this request (its subset hint) is in the pool",
+                code="no_ready_endpoint",
+            )
+        model = request.model
+        candidates = [r for r in allowed if r.ready and (model is None or model in r.models)]
+        if candidates:
+            return Pick(self._order(request.key, candidates))
+        knows_models = any(r.ready for r in self.pool.replicas.values())
+        if model is not None and knows_models and not self.pool.serves(model):
+            raise PickError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        if self.failure_mode == FailureMode.FAIL_OPEN and allowed:
+            return Pick([min(allowed, key=lambda r: (r.in_flight, r.url))], failed_open=True)
+        what = f"`{model}`" if model else "this pool"
+        raise PickError(
+            503,
+            f"no ready replica of {what} (endpoints in the pool: {len(allowed)}); retry shortly",
+            code="no_ready_endpoint",
+        )
+
+    def _order(self, key: str, candidates: list[Replica]) -> list[Replica]:
+        """The policy's choice, then its choice among the rest, and so on: MAX_ENDPOINTS in order of preference."""
+        by_url = {r.url: r for r in candidates}
+        ordered: list[Replica] = []
+        while by_url and len(ordered) < MAX_ENDPOINTS:
+            chosen = self.policy.choose(key, [r.load() for r in by_url.values()])
+            assert chosen is not None, "a policy chooses among a non-empty list"
+            ordered.append(by_url.pop(chosen.url))
+        return ordered
+
+    def replica_at(self, endpoint: str) -> Replica | None:
+        return next((r for r in self.pool.replicas.values() if endpoint_of(r.url) == endpoint), None)

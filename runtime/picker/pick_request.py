@@ -1,0 +1,98 @@
+"""What the picker reads of a request before it picks: the body (bounded as the server bounds it), its model and
+routing key, and the endpoints the Gateway allows (the subset hint). Pure; a request the picker must refuse raises
+PickError with the HTTP status the client gets."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+
+from ..gateway.routing_policy import DEFAULT_PREFIX_CHARS, routing_key
+from ..server.json_body import BodyError, parse_json_body
+from .ext_proc_replies import SUBSET_KEY, SUBSET_NAMESPACE, metadata_value
+
+
+class PickError(Exception):
+    """The request gets this HTTP status and OpenAI error instead of an endpoint."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+@dataclass(frozen=True)
+class PickRequest:
+    model: str | None  # None: a request without a body (GET /v1/models, /health): any ready replica serves it
+    key: str  # routing key: the model and the leading characters of the prompt (routing_policy.routing_key)
+    subset: frozenset[str] | None = None  # `ip:port`s the Gateway allows; None: every endpoint of the pool
+
+
+class RequestBody:
+    """The body's chunks as they stream in, refused once they pass `max_bytes` (no more is kept)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._chunks: list[bytes] = []
+        self.size = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.max_bytes:
+            self._chunks.clear()
+            raise PickError(
+                413,
+                f"the request body is over the picker's limit of {self.max_bytes} bytes",
+                code="request_too_large",
+            )
+        self._chunks.append(chunk)
+
+    def bytes(self) -> bytes:
+        return b"".join(self._chunks)
+
+
+def read_request(
+    raw: bytes | None, metadata: base_pb2.Metadata | None = None, prefix_chars: int = DEFAULT_PREFIX_CHARS
+) -> PickRequest:
+    """A request's model, routing key and subset; `raw` None or empty: a request without a body."""
+    subset = subset_hint(metadata)
+    if not raw:
+        return PickRequest(None, "", subset)
+    body = _json_object(raw)
+    try:
+        return PickRequest(body["model"], routing_key(body, prefix_chars), subset)
+    except RecursionError:  # within json's depth, too deep to walk
+        raise PickError(400, "the request body nests too deeply to parse") from None
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body by the server's own rule (server/json_body.py): what a replica refuses with a 400, so does the
+    picker, before a replica is bothered."""
+    try:
+        body = parse_json_body(raw)
+    except BodyError as error:
+        raise PickError(400, str(error.detail)) from None
+    except json.JSONDecodeError as error:
+        raise PickError(400, f"malformed JSON body: {error}") from None
+    if not isinstance(body, dict):
+        raise PickError(400, "the request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise PickError(
+            400, "`model` is required: the name of the model to use (GET /v1/models lists them)", param="model"
+        )
+    return body
+
+
+def subset_hint(metadata: base_pb2.Metadata | None) -> frozenset[str] | None:
+    """`envoy.lb.subset_hint`'s endpoints: a list of `ip:port` (or of comma-separated ones), or one such string."""
+    if metadata is None:
+        return None
+    value = metadata_value(metadata, SUBSET_NAMESPACE, SUBSET_KEY)
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    return frozenset(
+        part.strip() for item in items if isinstance(item, str) for part in item.split(",") if part.strip()
+    )

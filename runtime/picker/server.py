@@ -1,0 +1,190 @@
+"""`capstan picker`'s flags -> a running endpoint picker: the replicas (an InferencePool's pods, or --replica URLs)
+kept fresh by runtime/gateway's ReplicaPool, Envoy's ext_proc on --grpc-port, the gRPC health service on
+--grpc-health-port, Prometheus metrics on --metrics-port. The flags are the reference picker's (GIE's EPP), so a
+Deployment rendered for it needs no change. SIGTERM: health turns NOT_SERVING, open streams get a grace period."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from ..arg_types import port
+from ..gateway.discovery import Discovery, StaticDiscovery, parse_replica
+from ..gateway.replica_pool import ReplicaPool
+from ..gateway.routing_policy import DEFAULT_LOAD_FACTOR, DEFAULT_PREFIX_CHARS, POLICIES, PrefixAffinityPolicy
+from ..server.body_limit import DEFAULT_MAX_BODY_BYTES
+from .endpoint_picker import EndpointPicker, FailureMode
+from .external_processor import BODY_TIMEOUT_SECONDS, ExternalProcessor
+from .picker_metrics import PickerMetrics
+
+log = logging.getLogger("capstan.picker")
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)  # GIE's: liveness, readiness, the ext_proc service
+STOP_GRACE_SECONDS = 5.0  # open streams (requests being answered) get this long after SIGTERM
+
+
+def add_picker_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool-name", default=None, help="the InferencePool whose pods to pick among")
+    parser.add_argument(
+        "--pool-namespace",
+        default=os.environ.get("POD_NAMESPACE") or os.environ.get("NAMESPACE") or "default",
+        help="its namespace (default: $POD_NAMESPACE, else default)",
+    )
+    parser.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a replica to pick among, http://host:port (repeatable; instead of --pool-name, outside a cluster)",
+    )
+    parser.add_argument("--grpc-port", type=port, default=9002, help="Envoy's ext_proc service")
+    parser.add_argument("--grpc-health-port", type=port, default=9003, help="the gRPC health service (grpc.health.v1)")
+    parser.add_argument("--metrics-port", type=port, default=9090, help="Prometheus metrics, at /metrics")
+    parser.add_argument("--host", default="0.0.0.0", help="address the three ports listen on")
+    parser.add_argument(
+        "--failure-mode",
+        choices=[m.value for m in FailureMode],
+        default=None,
+        help="with no ready replica known: FailClose answers 503, FailOpen sends the request to an endpoint of the "
+        "pool anyway (default: the InferencePool's spec.endpointPickerRef.failureMode, else FailClose)",
+    )
+    parser.add_argument("--routing", choices=sorted(POLICIES), default=PrefixAffinityPolicy.name)
+    parser.add_argument("--prefix-chars", type=int, default=DEFAULT_PREFIX_CHARS)
+    parser.add_argument("--load-factor", type=float, default=DEFAULT_LOAD_FACTOR)
+    parser.add_argument(
+        "--poll-interval", type=float, default=1.0, help="seconds between reads of the pool and each replica"
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413"
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_SECONDS,
+        help="seconds a request may take to arrive whole (headers to the body's end); slower ones get 408",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+@dataclass
+class Picker:
+    pool: ReplicaPool
+    picker: EndpointPicker
+    metrics: PickerMetrics
+    processor: ExternalProcessor
+
+
+def build_picker(args: argparse.Namespace) -> Picker:
+    if (
+        args.load_factor < 1.0
+        or args.prefix_chars < 1
+        or args.poll_interval <= 0
+        or args.max_body_bytes < 1
+        or args.body_timeout <= 0
+    ):
+        raise ValueError(
+            "--load-factor must be at least 1, --prefix-chars and --max-body-bytes at least 1, --poll-interval and "
+            "--body-timeout above 0"
+        )
+    if bool(args.replica) == bool(args.pool_name):
+        raise ValueError("name the replicas: --pool-name NAME (in a cluster) or --replica URL (repeatable), not both")
+    discovery: Discovery
+    if args.replica:
+        targets = [parse_replica(r) for r in args.replica]
+        if any(t.model for t in targets):
+            raise ValueError("--replica takes a URL: the picker reads each replica's models from its /v1/models")
+        discovery = StaticDiscovery(targets)
+    else:
+        from kubernetes.config import ConfigException
+
+        from .inference_pool import InferencePoolDiscovery
+
+        try:
+            discovery = InferencePoolDiscovery(args.pool_name, args.pool_namespace)
+        except ConfigException as error:
+            raise ValueError(
+                f"--pool-name needs the Kubernetes API ({error}): run it in a cluster, or set KUBECONFIG"
+            ) from None
+    pool = ReplicaPool(discovery, poll_interval=args.poll_interval)
+    policy = (
+        POLICIES[args.routing](args.load_factor)
+        if args.routing == PrefixAffinityPolicy.name
+        else POLICIES[args.routing]()
+    )
+    mode = FailureMode(args.failure_mode) if args.failure_mode else None
+    picker = EndpointPicker(pool, policy, mode)
+    metrics = PickerMetrics(pool)
+    processor = ExternalProcessor(picker, metrics, args.max_body_bytes, args.prefix_chars, args.body_timeout)
+    return Picker(pool, picker, metrics, processor)
+
+
+async def serve_picker(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set."""
+    built = build_picker(args)
+    health_servicer = health.aio.HealthServicer()
+    for service in HEALTH_SERVICES:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    health_server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+    _listen(health_server, args.host, args.grpc_health_port)
+    await health_server.start()
+    metrics_server, metrics_thread = start_http_server(
+        args.metrics_port, addr=args.host, registry=built.metrics.registry
+    )
+    ext_proc_server = grpc.aio.server()
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(built.processor, ext_proc_server)
+    _listen(ext_proc_server, args.host, args.grpc_port)
+    await ext_proc_server.start()
+    await built.pool.refresh()  # the pool is known before the picker says it is ready
+    for service in HEALTH_SERVICES:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    poller = asyncio.create_task(built.pool.run())
+    source = f"InferencePool {args.pool_namespace}/{args.pool_name}" if args.pool_name else "static replicas"
+    log.info(
+        "picker: ext_proc on %s:%d, health on %d, metrics on %d, %d endpoint(s) of %s, %s",
+        args.host,
+        args.grpc_port,
+        args.grpc_health_port,
+        args.metrics_port,
+        len(built.pool.replicas),
+        source,
+        built.picker.failure_mode.value,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await health_servicer.enter_graceful_shutdown()  # NOT_SERVING: the Gateway stops sending streams here
+        await ext_proc_server.stop(STOP_GRACE_SECONDS)
+        await health_server.stop(0)
+        poller.cancel()
+        await built.pool.close()
+        metrics_server.shutdown()
+        metrics_thread.join(5)
+
+
+def _listen(server: grpc.aio.Server, host: str, number: int) -> None:
+    address = f"[{host}]:{number}" if ":" in host else f"{host}:{number}"
+    if server.add_insecure_port(address) == 0:
+        raise ValueError(f"cannot listen on {address}: is the port in use?")
+
+
+def run_picker(args: argparse.Namespace) -> int:
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await serve_picker(args, stop)
+
+    asyncio.run(main())
+    return 0
