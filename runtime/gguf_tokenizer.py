@@ -11,7 +11,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from .models.config import UnsupportedModelError
-from .models.gguf_checkpoint import field, read_gguf
+from .models.gguf_checkpoint import GGUFFile, field, read_gguf
 from .special_tokens import bos_eos_processor
 
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -87,7 +87,7 @@ def gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:
     )
 
 
-def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str], path) -> tokenizers.Tokenizer:
+def _byte_level_bpe(reader: GGUFFile, tokens: list[str], path) -> tokenizers.Tokenizer:
     pre = field(reader, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_PATTERNS:
         raise UnsupportedModelError(
@@ -104,7 +104,7 @@ def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str], path) -> tokeniz
     return backend
 
 
-def _sentencepiece_bpe(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+def _sentencepiece_bpe(reader: GGUFFile, tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
     """SentencePiece BPE (Llama 2, Gemma): pieces merge highest score first, unknown bytes fall back to <0xNN>."""
     scores = field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}

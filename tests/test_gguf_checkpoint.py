@@ -66,3 +66,39 @@ def test_other_architectures_are_refused_by_name(tmp_path):
 def test_a_missing_gguf_file_is_named(tmp_path):
     with pytest.raises(UnsupportedModelError, match="no such checkpoint folder or .gguf file"):
         resolve_checkpoint(tmp_path / "absent.gguf")
+
+
+def test_a_later_read_loads_the_index_of_the_same_file(converted, tmp_path, monkeypatch):
+    """The first read parses the file and leaves an index; the next process loads it instead (the same fields,
+    tensor types, shapes and bytes); a file changed since, or a broken index, is parsed again."""
+    import os
+
+    import gguf
+
+    from capstan.runtime.models import gguf_index
+    from capstan.runtime.models.gguf_checkpoint import read_gguf
+
+    _, file = converted
+    monkeypatch.setattr(gguf_index, "GGUF_INDEXES", tmp_path / "indexes")
+
+    def fresh_read():
+        read_gguf.cache_clear()  # as a new process would
+        return read_gguf(str(file))
+
+    parsed, indexed = fresh_read(), fresh_read()
+    assert isinstance(parsed, gguf.GGUFReader) and isinstance(indexed, gguf_index.GGUFIndex)
+    assert {k: f.contents() for k, f in indexed.fields.items()} == {k: f.contents() for k, f in parsed.fields.items()}
+    for a, b in zip(parsed.tensors, indexed.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape.tolist(), a.data.dtype) == (
+            b.name,
+            b.tensor_type,
+            b.shape.tolist(),
+            b.data.dtype,
+        )
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    stat = file.stat()
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert isinstance(fresh_read(), gguf.GGUFReader)  # changed: parsed again (and indexed again)
+    next((tmp_path / "indexes").glob("*.json")).write_text('{"fields": {}, "tensors": [{"offset": -1}]}')
+    assert isinstance(fresh_read(), gguf.GGUFReader)
+    read_gguf.cache_clear()

@@ -18,12 +18,14 @@ import numpy as np
 
 from .builder import build_model
 from .config import ModelConfig, UnsupportedModelError
+from .gguf_index import GGUFIndex, load_index, save_index
 from .quantization import NONE, QuantizedTensor, quantize_blocks
 
 if TYPE_CHECKING:
     from .decoder import DecoderModel
 
 log = logging.getLogger("capstan")
+GGUFFile = gguf.GGUFReader | GGUFIndex  # the file as parsed, or its index (the same fields and tensors)
 Q8_0_BLOCK = 32
 FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
 # general.architecture -> the Hugging Face architecture whose block we build
@@ -66,20 +68,25 @@ def is_gguf(path: str | Path) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def read_gguf(path: str) -> gguf.GGUFReader:
-    """Parsed once per file: the model and the tokenizer both read it (parsing a 49k vocab takes seconds)."""
+def read_gguf(path: str) -> GGUFFile:
+    """Parsed once per file and process: the model and the tokenizer both read it. Parsing a 49k vocabulary takes
+    seconds, so the first read leaves an index on disk that later processes load instead (gguf_index.py)."""
+    if (index := load_index(path)) is not None:
+        return index
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except (ValueError, OSError) as e:
         raise UnsupportedModelError(f"{path}: not a readable GGUF file: {e}") from None
+    save_index(reader, path)
+    return reader
 
 
-def field(reader: gguf.GGUFReader, key: str, default=None):
+def field(reader: GGUFFile, key: str, default=None):
     f = reader.get_field(key)
     return default if f is None else f.contents()
 
 
-def architecture(reader: gguf.GGUFReader, path: str | Path) -> str:
+def architecture(reader: GGUFFile, path: str | Path) -> str:
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
@@ -88,7 +95,7 @@ def architecture(reader: gguf.GGUFReader, path: str | Path) -> str:
     return arch
 
 
-def hf_config(reader: gguf.GGUFReader, path: str | Path) -> dict:
+def hf_config(reader: GGUFFile, path: str | Path) -> dict:
     """The GGUF metadata as the config.json it came from, for ModelConfig.from_hf to validate."""
     arch = architecture(reader, path)
 
@@ -175,7 +182,7 @@ def load_gguf_model(path: str | Path, dtype, quantization: str | None = None, ke
     return build_model(cfg, gguf_tensor_source(reader, cfg, path, keep_q8_0, in_blocks), dtype, quantization)
 
 
-def quantized_linears(reader: gguf.GGUFReader) -> bool:
+def quantized_linears(reader: GGUFFile) -> bool:
     """Whether any linear weight of the file is in a llama.cpp quantized type (not F32, F16 or BF16)."""
     linear = {name for name in LAYER_TENSORS.values() if not name.endswith("norm")}
     return any(
@@ -205,7 +212,7 @@ def q8_0_blocks(data: np.ndarray, dims: tuple[int, ...]) -> QuantizedTensor:
 
 
 def gguf_tensor_source(
-    reader: gguf.GGUFReader, cfg: ModelConfig, path: str | Path, keep_q8_0: bool = True, in_blocks: bool = False
+    reader: GGUFFile, cfg: ModelConfig, path: str | Path, keep_q8_0: bool = True, in_blocks: bool = False
 ):
     """keep_q8_0: linear weights in Q8_0 come as QuantizedTensors in their blocks; every other tensor, and those
     too without it, dequantized to float32. in_blocks: linear weights of the other quantized types too, requantized
