@@ -12,6 +12,7 @@ import sys
 
 from .arg_types import port
 from .config import COMPILATION_CACHE, KV_CACHE_DTYPES, EngineConfig
+from .kv.kv_events import KVEventsConfig
 from .lora.request import LoRAError
 from .speculative_config import SpeculativeConfig
 
@@ -72,6 +73,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         metavar="GiB",
         help="host memory for K/V pages evicted from the prefix cache: a prefix that comes back is "
         "copied to the device instead of recomputed (default 0: off)",
+    )
+    parser.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        help='publish the prefix cache\'s block stored/removed events as vLLM does, as JSON: {"enable_kv_cache_events": '
+        'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"} (ZeroMQ PUB, msgpack; '
+        '"replay_endpoint": "tcp://*:5558" answers gaps); `capstan gateway --routing kv-events` reads them (default: off)',
     )
     parser.add_argument(
         "--tensor-parallel-size",
@@ -192,6 +201,13 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-events-config: ")) from None
+
+
 def _lora_module(text: str) -> tuple[str, str]:
     """vLLM's forms: name=path, or a JSON object with name and path."""
     if text.startswith("{"):
@@ -247,6 +263,7 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
         kv_offloading_size=args.kv_offloading_size,
+        kv_events_config=args.kv_events_config,
         quantization=args.quantization,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,

@@ -8,6 +8,7 @@ import logging
 import os
 from pathlib import Path
 
+from .kv.kv_events import KVEventsConfig
 from .limits import INT32_MAX, MAX_LOGPROBS
 from .sampling_keys import parse_sampling_keys
 from .speculative_config import SpeculativeConfig
@@ -101,6 +102,7 @@ class EngineConfig:
     # "none": dense, a quantized GGUF's weights dequantized on CPU too
     quantization: str | None = None
     kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix-cache pages (vLLM's flag); 0: no such tier
+    kv_events_config: KVEventsConfig | None = None  # publish the prefix cache's events (vLLM's flag; kv/kv_events.py)
     generation_config: str = "auto"  # vLLM's: "auto" (the model's sampling defaults), "vllm" (none), or a folder
     override_generation_config: dict | None = None  # e.g. {"temperature": 0.5}: beats the model's, loses to a request's
     enable_lora: bool = False  # serve LoRA adapters (docs/lora.md): the step carries their device slots
@@ -171,6 +173,8 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             self.speculative_config.validate()
+        if self.kv_events_config is not None:
+            self.kv_events_config.validate()
         if self.embedding_pooling not in ("last", "mean"):
             raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
         if self.quantization is not None and self.quantization not in ("fp8", "int8", "none"):

@@ -125,6 +125,11 @@ class EngineCoreClient(FrontendEngine):
             self._pidfds.append(fd)
             loop.add_reader(fd, self._core_died, f"engine core {core} exited; this server is restarting")
 
+    @property
+    def cores(self) -> int:
+        """Engine cores (--data-parallel-size), each with its own prefix cache (and KV events endpoint)."""
+        return len(self._core_pids)
+
     async def stop(self) -> None:
         """Closes this frontend's sockets; the serving process stops the cores itself, after every frontend."""
         if self._reader is not None:

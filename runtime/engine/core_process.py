@@ -20,6 +20,8 @@ import jax
 import msgspec
 import zmq
 
+from ..kv.kv_event_publisher import KVEventPublisher
+from ..kv.kv_events import KVEventLog
 from ..lora.request import LoRAError, LoRARequest
 from ..sampling.sampling_params import InvalidRequestError
 from .core_messages import (
@@ -74,6 +76,7 @@ class EngineCore:
         self._lora_ids = itertools.count(1)
         self._compiling_told = 0  # programs_compiling as the frontends last heard it
         self.engine: LLMEngine | None = None
+        self.kv_events: KVEventPublisher | None = None  # --kv-events-config: the prefix cache's events, each step
 
     def run(self) -> int:
         """Loads, warms up, serves until a Shutdown; a fault tells every frontend before the process exits."""
@@ -81,6 +84,10 @@ class EngineCore:
         try:
             self.engine = engine = LLMEngine(self.config)
             self._lora_ids = itertools.count(len(engine.list_loras()) + 1)
+            events = self.config.kv_events_config
+            if events is not None and events.publishes and engine.pool.enable_prefix_caching:
+                engine.pool.events = KVEventLog(engine.pool.page_size, events.max_queue_size)
+                self.kv_events = KVEventPublisher(events, engine.pool.events, self.core, self.zmq)
             self._broadcast(Loaded(engine.limits(), self.config, engine.model_name, self.core))
             self._broadcast(LoRAs(engine.list_loras(), self.core))
             if self.config.warmup:  # what a first request needs; the other programs compile while serving
@@ -104,6 +111,8 @@ class EngineCore:
             self._broadcast(Dead(f"the engine failed ({type(e).__name__}); this server is restarting", self.core))
             return 1
         finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
             for socket in (self.inbox, *self.outboxes):
                 socket.close(linger=1000)  # the last words (Dead, the final outputs) still go out
             self.zmq.term()
@@ -235,6 +244,8 @@ class EngineCore:
         failures: list[Failure],
     ) -> None:
         """Each frontend gets its own requests' news, and every frontend the stats (its gauges and 429s)."""
+        if self.kv_events is not None:  # the step's pages named and evicted (never blocks)
+            self.kv_events.publish()
         by_frontend: dict[int, Outputs] = {}
         stats = engine.stats()
         self._compiling_told = stats.programs_compiling

@@ -4,7 +4,9 @@ A full page of prompt or output tokens is named by a chained hash (its tokens pl
 before it), so identical prefixes map to identical pages. A page whose last reference goes away keeps its
 hash and waits in an LRU list: a later request with the same prefix revives it, and allocation evicts the
 least recently used one only when no never-hashed page is free. With a host-memory tier (host_offload.py), each
-evicted page is named to `on_evict` first, so its bytes can be copied out before its next owner writes it."""
+evicted page is named to `on_evict` first, so its bytes can be copied out before its next owner writes it. With KV
+events on (kv_events.py), each name evicted is recorded in `events` (and each page named, by the scheduler, which
+knows its tokens) for the engine to publish."""
 
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .kv_events import KVEventLog
+
 PageHash = bytes
+# how page_hash names a page, for a router that names a prompt's pages itself (GET /kv_events advertises it)
+HASH_SCHEME = "capstan-blake2b128-int64"
 
 
 def page_hash(parent: PageHash | None, tokens: Sequence[int]) -> PageHash:
@@ -55,6 +61,7 @@ class PagePool:
         self._hash_of: dict[int, PageHash] = {}
         self._page_of: dict[PageHash, int] = {}
         self.on_evict: Callable[[int, PageHash], None] | None = None  # the host tier's hook (HostOffload.on_evict)
+        self.events: KVEventLog | None = None  # set when the engine publishes KV events
 
     @property
     def num_free(self) -> int:
@@ -76,6 +83,8 @@ class PagePool:
                 page, _ = self._evictable.popitem(last=False)
                 h = self._hash_of.pop(page)
                 del self._page_of[h]
+                if self.events is not None:
+                    self.events.removed(h)
                 if self.on_evict is not None:
                     self.on_evict(page, h)
             self.ref_count[page] = 1
@@ -120,12 +129,14 @@ class PagePool:
         """A page named h is cached (a lookup would find it; nothing is referenced)."""
         return h in self._page_of
 
-    def register(self, page: int, h: PageHash) -> None:
-        """Names a page that now holds a full page of computed tokens, so later prefixes can find it."""
+    def register(self, page: int, h: PageHash) -> bool:
+        """Names a page that now holds a full page of computed tokens, so later prefixes can find it; False when it
+        was not named (a page or a hash already named, or no prefix caching)."""
         if not self.enable_prefix_caching or h in self._page_of or page in self._hash_of:
-            return
+            return False
         self._hash_of[page] = h
         self._page_of[h] = page
+        return True
 
     def check_all_free(self) -> None:
         """For tests and drain: every page is unreferenced."""

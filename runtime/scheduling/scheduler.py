@@ -283,7 +283,7 @@ class Scheduler:
         """The pages after seq's device hit hold what hashes name: the prefix cache can share them."""
         first = len(seq.page_hashes)
         for k, h in enumerate(hashes):
-            self.pool.register(seq.pages[first + k], h)
+            self._register(seq, first + k, h, hashes[k - 1] if k else seq.page_hashes[-1] if first else seq.hash_root)
         seq.page_hashes.extend(hashes)
         if self.prefill_seconds_per_token:  # (not measured yet: no estimate)
             recompute = len(hashes) * self.pool.page_size * self.prefill_seconds_per_token
@@ -366,4 +366,11 @@ class Scheduler:
         full = seq.full_page_hashes(self.pool.page_size, count)
         for k in range(len(seq.page_hashes), count):
             seq.page_hashes.append(full[k])
-            self.pool.register(seq.pages[k], full[k])
+            self._register(seq, k, full[k], full[k - 1] if k else seq.hash_root)
+
+    def _register(self, seq: Sequence, k: int, h: PageHash, parent: PageHash | None) -> None:
+        """Names seq's k-th page h (chained from parent) in the prefix cache; with KV events on, records it with what
+        a consumer needs to name it too."""
+        if self.pool.register(seq.pages[k], h) and self.pool.events is not None:
+            size = self.pool.page_size
+            self.pool.events.stored(h, parent, seq.token_ids[k * size : (k + 1) * size])

@@ -14,7 +14,18 @@ from fastapi import FastAPI
 from ..engine.errors import RequestCancelledError
 from ..generation_config import describe as describe_defaults
 from ..generation_config import sampling_defaults
-from . import chat, completions, embeddings, lora_adapters, model_list, probes, responses, tokenize, version
+from . import (
+    chat,
+    completions,
+    embeddings,
+    kv_events_info,
+    lora_adapters,
+    model_list,
+    probes,
+    responses,
+    tokenize,
+    version,
+)
 from .access_log import quiet_probes
 from .auth import APIKeyMiddleware
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
@@ -66,6 +77,7 @@ def build_app(
         model_list.router,
         probes.router,
         version.router,
+        kv_events_info.router,
         *([lora_adapters.router] if allow_runtime_lora_updating else []),
     ):
         app.include_router(router)
