@@ -31,6 +31,7 @@ from .access import CLIENT_CLOSED, Access, Admission
 from .demand import DemandSignal
 from .gateway_metrics import GatewayMetrics
 from .hold_queue import HoldQueue
+from .kv_subscriber import KVEventSubscriber
 from .prompt_count import count_prompts
 from .replica_pool import Replica, ReplicaPool
 from .request_cost import GenerationFields, generation_fields, prompt_pieces, worst_case
@@ -76,6 +77,7 @@ class Gateway:
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     max_attempts: int = 3
     access: Access | None = None  # client keys and budgets; None: open, Authorization passes through
+    kv_events: KVEventSubscriber | None = None  # --routing kv-events: the replicas' cached pages, from their events
 
     def __post_init__(self):
         self.metrics = GatewayMetrics(self.pool, self.holds)
@@ -84,10 +86,23 @@ class Gateway:
             timeout=UPSTREAM_TIMEOUT, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
 
-    def choose(self, model: str, key: str, tried: set[str]) -> Replica | None:
+    def choose(self, model: str, key: str, tried: set[str], scores: dict[str, int] | None = None) -> Replica | None:
         candidates = {r.url: r for r in self.pool.ready_for(model) if r.url not in tried}
-        chosen = self.policy.choose(key, [r.load() for r in candidates.values()])
+        chosen = self.policy.choose(key, [r.load() for r in candidates.values()], scores)
         return candidates[chosen.url] if chosen else None
+
+    async def kv_scores(self, model: str, path: str, body: dict, headers: dict) -> dict[str, int] | None:
+        """The ready replicas' cached leading pages of this request's prompt, where their KV events say (None:
+        unknown, and the policy routes by prompt hashing). Never fails the request."""
+        urls = [r.url for r in self.pool.ready_for(model)]
+        if self.kv_events is None or len(urls) < 2:
+            return None
+        auth = {"authorization": headers["authorization"]} if "authorization" in headers else {}
+        try:
+            return await self.kv_events.scores(model, path, body, urls, auth)
+        except Exception as error:  # noqa: BLE001 - scoring is advice: the request routes by hashing instead
+            log.warning("KV-event scores failed (%s); routing by prompt hashing", error)
+            return None
 
     async def forward(self, request: Request, path: str) -> Response:
         arrival = time.perf_counter()
@@ -168,11 +183,12 @@ class Gateway:
         self._require(model)
         self.demand.note(model)
         key = routing_key(body, self.prefix_chars)
+        scores = await self.kv_scores(model, path, body, headers)
         tried: set[str] = set()
         attempts = 0
         last: tuple[int, bytes, dict] | None = None
         while attempts < self.max_attempts:
-            replica = self.choose(model, key, tried)
+            replica = self.choose(model, key, tried, scores)
             if replica is None:
                 if self.pool.ready_for(model):  # every ready replica answered this request 429: pass that on
                     break
@@ -358,11 +374,14 @@ def build_gateway_app(gateway: Gateway, max_body_bytes: int = DEFAULT_MAX_BODY_B
     async def lifespan(app: FastAPI):
         await gateway.pool.refresh()  # know the replicas before the first request
         poller = asyncio.create_task(gateway.pool.run())
+        kv_events = asyncio.create_task(gateway.kv_events.run()) if gateway.kv_events else None
         key_watch = asyncio.create_task(gateway.access.watch()) if gateway.access else None
         try:
             yield
         finally:
             poller.cancel()
+            if kv_events:
+                kv_events.cancel()
             if key_watch:
                 key_watch.cancel()
             await gateway.client.aclose()

@@ -6,6 +6,11 @@ chat) hashes to a point, and the request goes to the first replica clockwise who
 ceil(c * (total load + 1) / replicas). Requests that share a prefix so meet the replica that has it cached;
 a hot prefix spills to the next replica on the ring (the same one every time, so the spill is cached too)
 rather than to a random one; and no replica is ever given more than the bound.
+
+KV-event routing knows instead of guessing: replicas publish which KV pages they hold (kv_subscriber.py), and a
+request goes to the replica under the same bound that holds the longest run of its prompt's leading pages. Where
+that is unknown (no exact scores, a replica whose picture is not trusted, or no replica holds any page) it routes
+as prefix affinity does.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ class ReplicaLoad:
 class RoutingPolicy(Protocol):
     name: str
 
-    def choose(self, key: str, replicas: list[ReplicaLoad]) -> ReplicaLoad | None:
-        """The replica for a request with this routing key, among ready ones; None when there are none."""
+    def choose(self, key: str, replicas: list[ReplicaLoad], scores: dict[str, int] | None = None) -> ReplicaLoad | None:
+        """The replica for a request with this routing key, among ready ones; None when there are none. scores:
+        each replica's cached leading pages of the prompt, by URL, where known (KVEventSubscriber.scores)."""
 
 
 def _hash(text: str) -> int:
@@ -86,7 +92,7 @@ class PrefixAffinityPolicy:
         assert self._ring is not None
         return self._ring
 
-    def choose(self, key: str, replicas: list[ReplicaLoad]) -> ReplicaLoad | None:
+    def choose(self, key: str, replicas: list[ReplicaLoad], scores: dict[str, int] | None = None) -> ReplicaLoad | None:
         if not replicas:
             return None
         by_url = {r.url: r for r in replicas}
@@ -107,7 +113,7 @@ class RoundRobinPolicy:
     def __init__(self):
         self._next = 0
 
-    def choose(self, key: str, replicas: list[ReplicaLoad]) -> ReplicaLoad | None:
+    def choose(self, key: str, replicas: list[ReplicaLoad], scores: dict[str, int] | None = None) -> ReplicaLoad | None:
         if not replicas:
             return None
         ordered = sorted(replicas, key=lambda r: r.url)
@@ -116,7 +122,33 @@ class RoundRobinPolicy:
         return replica
 
 
-POLICIES = {PrefixAffinityPolicy.name: PrefixAffinityPolicy, RoundRobinPolicy.name: RoundRobinPolicy}
+class KVEventPolicy(PrefixAffinityPolicy):
+    """The replica under the load bound with the most of the prompt's leading pages cached (ties: the one prefix
+    affinity would pick first); prefix affinity's choice when any such replica's score is unknown or none has one."""
+
+    name = "kv-events"
+
+    def choose(self, key: str, replicas: list[ReplicaLoad], scores: dict[str, int] | None = None) -> ReplicaLoad | None:
+        if not replicas or not scores:
+            return super().choose(key, replicas)
+        bound = load_bound(sum(r.load for r in replicas), len(replicas), self.load_factor)
+        eligible = {r.url: r for r in replicas if r.load + 1 <= bound and r.kv_cache_usage < KV_CACHE_FULL}
+        if not eligible or any(url not in scores for url in eligible):
+            return super().choose(key, replicas)
+        best = max(scores[url] for url in eligible)
+        if best == 0:
+            return super().choose(key, replicas)
+        for url in self._ring_for([r.url for r in replicas]).walk(key):
+            if url in eligible and scores[url] == best:
+                return eligible[url]
+        raise AssertionError("the ring walks every replica")
+
+
+POLICIES = {
+    PrefixAffinityPolicy.name: PrefixAffinityPolicy,
+    RoundRobinPolicy.name: RoundRobinPolicy,
+    KVEventPolicy.name: KVEventPolicy,
+}
 
 
 def _content_text(content: Any) -> str:

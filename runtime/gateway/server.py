@@ -20,9 +20,11 @@ from .client_keys import KeyRing
 from .demand import DemandSignal
 from .discovery import Discovery, EndpointSliceDiscovery, StaticDiscovery, parse_replica
 from .hold_queue import DEFAULT_HOLD_TIMEOUT_SECONDS, DEFAULT_MAX_HELD, HoldQueue
+from .kv_index import DEFAULT_RESYNC_SECONDS, KVEventIndex
+from .kv_subscriber import KVEventSubscriber
 from .proxy import Gateway, build_gateway_app
 from .replica_pool import ReplicaPool
-from .routing_policy import DEFAULT_LOAD_FACTOR, DEFAULT_PREFIX_CHARS, POLICIES, PrefixAffinityPolicy
+from .routing_policy import DEFAULT_LOAD_FACTOR, DEFAULT_PREFIX_CHARS, POLICIES, KVEventPolicy, PrefixAffinityPolicy
 
 log = logging.getLogger("capstan.gateway")
 DEFAULT_PORT = 8080
@@ -46,8 +48,15 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         "--routing",
         choices=sorted(POLICIES),
         default=PrefixAffinityPolicy.name,
-        help="prefix: consistent hashing of the prompt's prefix with bounded load; round-robin: "
-        "what a Kubernetes Service does",
+        help="prefix: consistent hashing of the prompt's prefix with bounded load; kv-events: the replica that "
+        "holds the longest run of the prompt's KV pages (from the replicas' KV events: `capstan serve "
+        "--kv-events-config`), under the same bound, else as prefix; round-robin: what a Kubernetes Service does",
+    )
+    parser.add_argument(
+        "--kv-events-resync",
+        type=float,
+        default=DEFAULT_RESYNC_SECONDS,
+        help="with --routing kv-events: seconds a replica whose events were lost is routed by prompt hashing",
     )
     parser.add_argument(
         "--prefix-chars",
@@ -136,7 +145,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     pool = ReplicaPool(discovery, poll_interval=args.poll_interval)
     policy = (
         POLICIES[args.routing](args.load_factor)
-        if args.routing == PrefixAffinityPolicy.name
+        if issubclass(POLICIES[args.routing], PrefixAffinityPolicy)
         else POLICIES[args.routing]()
     )
     access_parts = _access_parts(args)
@@ -148,6 +157,8 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         prefix_chars=args.prefix_chars,
         max_attempts=args.max_attempts,
     )
+    if args.routing == KVEventPolicy.name:
+        gateway.kv_events = KVEventSubscriber(pool, KVEventIndex(args.kv_events_resync))
     if access_parts:
         gateway.access = Access(*access_parts, registry=gateway.metrics.registry)
     return gateway
