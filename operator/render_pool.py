@@ -129,8 +129,15 @@ def render_picker_rbac(owner: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _grpc_probe(period: int, failures: int) -> dict[str, Any]:
-    return {"grpc": {"port": HEALTH_PORT}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5}
+def _grpc_probe(service: str, period: int, failures: int) -> dict[str, Any]:
+    """The picker's grpc.health.v1 services, as GIE's picker names them: `liveness` serves from the start, `readiness`
+    once the pool has been read (and no longer while it drains)."""
+    return {
+        "grpc": {"port": HEALTH_PORT, "service": service},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
 
 
 def render_picker_deployment(owner: dict[str, Any], spec: api.InferenceServiceSpec) -> dict[str, Any]:
@@ -148,8 +155,8 @@ def render_picker_deployment(owner: dict[str, Any], spec: api.InferenceServiceSp
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
         "resources": picker.resources if picker.resources is not None else PICKER_RESOURCES,
-        "readinessProbe": _grpc_probe(5, 2),
-        "livenessProbe": _grpc_probe(10, 6),
+        "readinessProbe": _grpc_probe("readiness", 5, 2),
+        "livenessProbe": _grpc_probe("liveness", 10, 6),
         "securityContext": pod_security.container_security_context(),
         "volumeMounts": [pod_security.scratch_mount()],
     }

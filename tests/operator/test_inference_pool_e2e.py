@@ -123,7 +123,7 @@ def test_inference_pool_and_picker_follow_the_crd_and_the_spec(
         "--failure-mode",
         "FailOpen",
     ]
-    assert container["readinessProbe"]["grpc"]["port"] == 9003
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert pod["serviceAccountName"] == "qwen3-epp"
     picker_service = cluster.get_json("service", "qwen3-epp", "-n", ns)
     ports = {p["name"]: p for p in picker_service["spec"]["ports"]}

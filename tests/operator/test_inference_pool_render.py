@@ -97,8 +97,8 @@ def test_the_picker_runs_capstan_picker_with_exactly_its_flags():
         "grpc-health": 9003,
         "metrics": 9090,
     }
-    assert container["readinessProbe"]["grpc"] == {"port": 9003}
-    assert container["livenessProbe"]["grpc"] == {"port": 9003}
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
     assert container["resources"] == render_pool.PICKER_RESOURCES
     assert pod["serviceAccountName"] == "qwen-epp"
 

@@ -1,7 +1,7 @@
-"""The contract between the operator and the runtime: the command line the operator renders is one
-that `capstan serve` accepts, meaning what the spec says."""
+"""The contract between the operator and the runtime: the command lines the operator renders are ones
+that `capstan serve` and `capstan picker` accept, meaning what the spec says."""
 
-from capstan.operator import api, render
+from capstan.operator import api, render, render_pool
 from capstan.runtime.cli import build_parser
 
 OWNER = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}}
@@ -55,3 +55,26 @@ def test_lora_flags_are_accepted_and_mean_the_spec():
     assert parsed.enable_lora is True and parsed.lora_modules_file == "/etc/capstan/adapters/adapters.json"
     assert (parsed.max_loras, parsed.max_lora_rank, parsed.max_cpu_loras) == (2, 32, 8)
     assert not parsed.allow_runtime_lora_updating  # the ConfigMap is the list: no second way to change it
+
+
+def test_the_rendered_picker_command_line_is_accepted_and_means_the_spec():
+    spec = api.InferenceServiceSpec.model_validate(
+        {
+            "model": {"uri": "hf://org/m"},
+            "image": "capstan:test",
+            "inferencePool": {"picker": {"failureMode": "FailOpen"}},
+        }
+    )
+    objects = render_pool.render_all(OWNER, spec, render.render_all(OWNER, spec, 1))
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["capstan", "picker"]
+    parsed, unknown = build_parser().parse_known_args(["picker", *container["args"]])
+    assert unknown == [], f"capstan picker does not know {unknown}"
+    assert (parsed.pool_name, parsed.pool_namespace, parsed.failure_mode) == ("m", "ns", "FailOpen")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (parsed.grpc_port, parsed.grpc_health_port, parsed.metrics_port) == (
+        ports["grpc"],
+        ports["grpc-health"],
+        ports["metrics"],
+    )
