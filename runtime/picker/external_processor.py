@@ -21,14 +21,15 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
+from ..gateway.replica_pool import Replica
 from . import ext_proc_replies as replies
 from .endpoint_picker import EndpointPicker, Pick
 from .pick_request import PickError, RequestBody, read_request
 from .picker_metrics import PickerMetrics
 
 log = logging.getLogger("capstan.picker")
-BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+NO_BODY = processing_mode_pb2.ProcessingMode.NONE  # Envoy sends no body: the pick cannot wait for one
 BODY_TIMEOUT_SECONDS = 60.0  # a request whose next message takes longer is answered 408, so no stream waits forever
 
 
@@ -65,7 +66,7 @@ class RequestStream:
         self.headers_answered = False
         self.metadata = ext_proc.ProcessingRequest().metadata_context
         self.pick: Pick | None = None
-        self.counted = None  # the replica whose in_flight this request holds
+        self.counted: Replica | None = None  # the replica whose in_flight this request holds
 
     async def run(self) -> None:
         while True:
@@ -104,7 +105,7 @@ class RequestStream:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self.metadata = message.metadata_context
-            if message.request_headers.end_of_stream:  # no body: pick now
+            if message.request_headers.end_of_stream or self.request_mode == NO_BODY:  # no body (sent): pick now
                 await self._picked(None, body_ends=True)
             elif self.request_mode != FULL_DUPLEX:
                 await self._write(replies.request_headers_reply())

@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-from envoy_client import BUFFERED, EnvoyStream, route, subset_metadata  # noqa: E402
+from envoy_client import BUFFERED, EnvoyStream, Mode, Routed, headers, route, subset_metadata  # noqa: E402
 from lora_adapters import write_adapter  # noqa: E402
 from picker_process import start_picker  # noqa: E402
 from processes import metric, start_replica  # noqa: E402
@@ -121,6 +121,10 @@ def test_models_and_adapters_pick_replicas_that_serve_them(channel, endpoints):
     assert route(channel, "/v1/models", None).endpoint in endpoints  # no body: any ready replica
     missing = route(channel, "/v1/completions", completion("hi", "no-such-model"))
     assert missing.status == 404 and missing.error["code"] == "model_not_found" and missing.error["param"] == "model"
+    no_body_sent = EnvoyStream(channel, request_mode=Mode.NONE)  # Envoy keeps the body: pick at the headers
+    no_body_sent.send(request_headers=headers("/v1/completions"))
+    assert Routed([no_body_sent.reply()]).endpoint in endpoints
+    no_body_sent.close()
     buffered = route(channel, "/v1/completions", completion("hi", "chat"), mode=BUFFERED)
     assert buffered.replies[0].request_headers == ext_proc.HeadersResponse()  # answered at once, unchanged
     assert buffered.endpoint == endpoints[1] and buffered.mutation_reply().HasField("request_body")
