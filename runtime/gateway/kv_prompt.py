@@ -12,10 +12,10 @@ from __future__ import annotations
 import httpx
 
 from ..kv.page_pool import PageHash, chained_page_hashes
-from .prompt_count import COUNT_TIMEOUT
 from .request_cost import prompt_pieces
 
 TOKENIZED_ROUTES = ("/v1/completions", "/v1/chat/completions")
+TOKENIZE_TIMEOUT = httpx.Timeout(2.0)  # routing advice: a slow answer routes by hashing instead of waiting
 
 
 def tokenize_body(path: str, body: dict) -> dict | list[int] | None:
@@ -43,7 +43,7 @@ async def prompt_token_ids(
         return asked
     try:
         answer = await client.post(
-            f"{url}/tokenize", json={"model": model, **asked}, headers=headers, timeout=COUNT_TIMEOUT
+            f"{url}/tokenize", json={"model": model, **asked}, headers=headers, timeout=TOKENIZE_TIMEOUT
         )
         tokens = answer.json().get("tokens") if answer.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError):

@@ -63,7 +63,10 @@ class KVEventSubscriber:
     async def run(self) -> None:
         try:
             while True:
-                await self.refresh()
+                try:
+                    await self.refresh()
+                except Exception:  # noqa: BLE001 - the next round retries; routing falls back to hashing meanwhile
+                    log.exception("following the replicas' KV events failed this round")
                 await asyncio.sleep(self.pool.poll_interval)
         finally:
             await self.close()
@@ -91,8 +94,8 @@ class KVEventSubscriber:
     async def refresh(self) -> None:
         """Follows replicas that became ready, drops those that left the pool."""
         for url in list(self._followers):
-            if url not in self.pool.replicas:
-                for task in self._followers.pop(url):
+            if url not in self.pool.replicas or any(task.done() for task in self._followers[url]):
+                for task in self._followers.pop(url):  # gone, or a stream failed: follow it afresh
                     task.cancel()
                 self.index.forget(url)
         now = time.monotonic()
@@ -111,24 +114,32 @@ class KVEventSubscriber:
             log.debug("replica %s did not say where its KV events are: %s", url, error)
             advert = None
         endpoints = advert.get("endpoints") if isinstance(advert, dict) and advert.get("enabled") else None
-        if not isinstance(endpoints, list) or advert.get("hash") != HASH_SCHEME:
+        block_size = advert.get("block_size") if isinstance(advert, dict) else None
+        if (
+            not isinstance(endpoints, list)
+            or not all(isinstance(e, str) for e in endpoints)
+            or advert.get("hash") != HASH_SCHEME
+            or not isinstance(block_size, int)
+            or block_size < 1
+        ):
             self._asked[url] = time.monotonic()
             log.info("replica %s publishes no KV events this gateway reads: it is routed by prompt hashing", url)
             return
         replays = advert.get("replay_endpoints") or [None] * len(endpoints)
+        replays = [r if isinstance(r, str) else None for r in replays] if isinstance(replays, list) else []
         reachable = [reachable_endpoint(e, url) for e in endpoints]
         if any(e is None for e in reachable):
             self._asked[url] = time.monotonic()
             log.warning("replica %s publishes KV events to %s, which this gateway cannot subscribe to", url, endpoints)
             return
-        streams = self.index.track(url, [e for e in reachable if e], int(advert["block_size"]))
+        streams = self.index.track(url, [e for e in reachable if e], block_size)
         topic = str(advert.get("topic", "")).encode()
         self._followers[url] = [
             asyncio.create_task(
                 self._stream(stream, topic, reachable_endpoint(replay, url) if replay else None),
                 name=f"kv-events {stream.endpoint}",
             )
-            for stream, replay in zip(streams, replays, strict=False)
+            for stream, replay in zip(streams, replays + [None] * len(streams), strict=False)
         ]
         log.info("following the KV events of replica %s at %s", url, ", ".join(s.endpoint for s in streams))
 
@@ -170,6 +181,9 @@ class KVEventSubscriber:
                     await self._take(stream, int.from_bytes(frames[1], "big"), batch, replay)
         except asyncio.CancelledError:
             raise
+        except Exception:  # noqa: BLE001 - this stream only: its replica routes by hashing until it is followed again
+            log.exception("KV events of %s: following them failed", stream.endpoint)
+            stream.lose(time.monotonic(), resync)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
