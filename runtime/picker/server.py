@@ -134,16 +134,22 @@ async def serve_picker(args: argparse.Namespace, stop: asyncio.Event) -> None:
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-    health_server = grpc.aio.server()
+    health_server, ext_proc_server = grpc.aio.server(), grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-    _listen(health_server, args.host, args.grpc_health_port)
-    await health_server.start()
-    metrics_server, metrics_thread = start_http_server(
-        args.metrics_port, addr=args.host, registry=built.metrics.registry
-    )
-    ext_proc_server = grpc.aio.server()
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(built.processor, ext_proc_server)
-    _listen(ext_proc_server, args.host, args.grpc_port)
+    try:  # every port bound before anything serves: a port in use is one clear error, not a half-started picker
+        _listen(health_server, args.host, args.grpc_health_port)
+        _listen(ext_proc_server, args.host, args.grpc_port)
+        try:
+            metrics_server, metrics_thread = start_http_server(
+                args.metrics_port, addr=args.host, registry=built.metrics.registry
+            )
+        except OSError as error:
+            raise ValueError(f"cannot listen on {args.host}:{args.metrics_port} ({error.strerror})") from None
+    except ValueError as error:
+        await asyncio.gather(health_server.stop(None), ext_proc_server.stop(None), built.pool.close())
+        raise ValueError(f"{error}: is another process on that port?") from None
+    await health_server.start()
     await ext_proc_server.start()
     await built.pool.refresh()  # the pool is known before the picker says it is ready
     for service in HEALTH_SERVICES:
@@ -174,8 +180,12 @@ async def serve_picker(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 def _listen(server: grpc.aio.Server, host: str, number: int) -> None:
     address = f"[{host}]:{number}" if ":" in host else f"{host}:{number}"
-    if server.add_insecure_port(address) == 0:
-        raise ValueError(f"cannot listen on {address}: is the port in use?")
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        bound = 0
+    if bound == 0:
+        raise ValueError(f"cannot listen on {address}")
 
 
 def run_picker(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ end early; and it keeps answering afterwards. The replicas here are ports nobody
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -114,7 +115,7 @@ def test_streams_that_end_early_leave_nothing_behind(picker, channel):
     assert picker.process.poll() is None
 
 
-def test_fail_open_sends_the_request_on(dead_replica):
+def test_fail_open_sends_the_request_on_and_sigterm_stops_it(dead_replica):
     p = start_picker("--replica", f"http://{dead_replica}", "--failure-mode", "FailOpen")
     try:
         p.wait_ready()
@@ -123,5 +124,7 @@ def test_fail_open_sends_the_request_on(dead_replica):
             assert routed.status is None and routed.endpoint == dead_replica  # the pool's endpoint, unscored
             assert routed.forwarded_body() == (COMPLETION, True)
             assert route(channel, "/v1/completions", b"{").status == 400  # bad input is refused all the same
+        p.process.send_signal(signal.SIGTERM)  # as the kubelet stops a pod: health NOT_SERVING, then a clean exit
+        assert p.process.wait(15) == 0
     finally:
         p.stop()
