@@ -122,6 +122,22 @@ def test_a_step_past_the_bound_is_dropped_counted_and_leaves_a_gap(context):
         sub.close()
 
 
+def test_a_subscriber_that_stops_reading_never_blocks_the_step(context):
+    pool = PagePool(num_pages=8, page_size=1)
+    publisher, sub = publisher_and_subscriber(context, pool, hwm=1)
+    try:
+        sub.setsockopt(zmq.RCVHWM, 1)
+        start = time.perf_counter()
+        for n in range(5000):  # never read: ZeroMQ's queues fill, then each batch is dropped and counted
+            pool.events.stored(n.to_bytes(16, "big"), None, [n])
+            publisher.publish()
+        assert publisher.dropped > 0 and publisher.sequence == 5001
+        assert time.perf_counter() - start < 2.0, "publishing waited on the subscriber"
+    finally:
+        publisher.close()
+        sub.close()
+
+
 def test_replay_answers_the_kept_batches_from_a_sequence_number(context):
     pool = PagePool(num_pages=8, page_size=1)
     replay = f"ipc:///tmp/capstan-kv-replay-{time.monotonic_ns()}"
