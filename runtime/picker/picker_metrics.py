@@ -16,14 +16,16 @@ class PoolCollector:
         self.pool = pool
 
     def collect(self):
+        # Scrapes run on the HTTP server's thread while the event loop changes the pool: read one snapshot.
+        replicas = list(self.pool.replicas.values())
         ready = GaugeMetricFamily(names.PICKER_REPLICAS_READY, "Ready replicas per model.", labels=["model"])
-        for model in self.pool.all_models():
-            ready.add_metric([model], len(self.pool.ready_for(model)))
+        for model in sorted({m for r in replicas for m in r.models}):
+            ready.add_metric([model], sum(1 for r in replicas if r.ready and model in r.models))
         yield ready
         load = GaugeMetricFamily(
             names.PICKER_REPLICA_LOAD, "Requests in flight or queued per endpoint, as picked on.", labels=["endpoint"]
         )
-        for replica in list(self.pool.replicas.values()):
+        for replica in replicas:
             load.add_metric([endpoint_of(replica.url)], replica.load().load)
         yield load
 
