@@ -77,8 +77,7 @@ class RequestStream:
                 self.request_mode = message.protocol_config.request_body_mode
                 self.response_mode = message.protocol_config.response_body_mode
             try:
-                if not await self._handle(message):
-                    return
+                await self._handle(message)
             except PickError as error:
                 await self._refuse(error)
                 return
@@ -90,7 +89,7 @@ class RequestStream:
             message = await asyncio.wait_for(self.context.read(), timeout)
         except TimeoutError:
             await self._refuse(
-                PickError(408, f"the request did not arrive whole within {timeout:.0f} s", code="request_timeout")
+                PickError(408, f"the request did not arrive whole within {timeout:g} s", code="request_timeout")
             )
             return None
         if message is grpc.aio.EOF:
@@ -100,8 +99,8 @@ class RequestStream:
         assert isinstance(message, ext_proc.ProcessingRequest)
         return message
 
-    async def _handle(self, message: ext_proc.ProcessingRequest) -> bool:
-        """Answer one message; False when the stream is done."""
+    async def _handle(self, message: ext_proc.ProcessingRequest) -> None:
+        """Answer one message (a PickError refuses the request)."""
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self.metadata = message.metadata_context
@@ -113,7 +112,7 @@ class RequestStream:
         elif kind == "request_body":
             if self.pick is not None:  # a body after the pick (more after trailers cannot come): relay
                 await self._write(replies.request_body_reply())
-                return True
+                return
             self.body.add(message.request_body.body)
             if message.request_body.end_of_stream:
                 await self._picked(self.body.bytes(), body_ends=True)
@@ -135,7 +134,6 @@ class RequestStream:
                 await self._write(replies.pass_through(kind))
         elif kind == "response_trailers":
             await self._write(replies.pass_through(kind))
-        return True
 
     async def _picked(self, raw: bytes | None, body_ends: bool) -> None:
         """The request is whole: pick, and send the destination (and, streaming, the body back)."""
