@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from .arg_types import port
@@ -438,8 +439,8 @@ def _serve(args: argparse.Namespace) -> int:
                 "run more replicas instead"
             )
         return _serve_several_hosts(args, config, names, api_keys)
-    from .server.frontend_process import ServeOptions
     from .server.processes import serve_with_engine_core
+    from .server.serve_options import ServeOptions
 
     options = ServeOptions(
         host=args.host,
@@ -514,17 +515,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 def persist_compilations() -> None:
     """Only the first start of a model and shape pays for XLA (about 40 s of CPU for SmolLM2 on this 2-core machine); later starts load
-    the programs, which JAX keys by program, JAX version and device. An unwritable cache folder just turns it off."""
-    import jax
-
-    if jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]  # JAX_COMPILATION_CACHE_DIR given: the user's choice
+    the programs, which JAX keys by program, JAX version and device. An unwritable cache folder just turns it off.
+    Chosen through JAX_COMPILATION_CACHE_DIR, which JAX reads when imported (here or in an engine core): `capstan
+    serve` starts its engine cores before it imports JAX itself."""
+    jax = sys.modules.get("jax")  # imported already only when main() runs inside a program that uses JAX
+    chosen = jax.config.jax_compilation_cache_dir if jax else os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if chosen:  # JAX_COMPILATION_CACHE_DIR given: the user's choice
         return
     try:
         COMPILATION_CACHE.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         log.warning("compilation cache off: %s", e)
         return
-    jax.config.update("jax_compilation_cache_dir", str(COMPILATION_CACHE))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(COMPILATION_CACHE)
+    if jax:
+        jax.config.update("jax_compilation_cache_dir", str(COMPILATION_CACHE))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,18 +14,6 @@ from .input_processor import EmbeddingRequest, EngineRequest, ModelLimits
 from .outputs import EmbeddingRequestOutput, RequestOutput
 
 
-class CoreSpec(msgspec.Struct):
-    """What the serving process tells its engine core: the engine's configuration and the sockets."""
-
-    config: EngineConfig
-    input_address: str  # the core binds it; every frontend pushes to it
-    output_addresses: list[str]  # one per frontend, which binds it; the core pushes to it
-    parent_pid: int
-    log_level: str = "INFO"
-    cpu_max_num_seqs: int | None = None  # max_num_seqs when the backend is a CPU (none was given)
-    core: int = 0  # which of --data-parallel-size engine cores this is
-
-
 # ---- frontend -> engine core --------------------------------------------------------------------------------------
 class Add(msgspec.Struct, tag="add", array_like=True):
     frontend: int  # whose output socket answers it

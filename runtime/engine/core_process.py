@@ -27,7 +27,6 @@ from ..sampling.sampling_params import InvalidRequestError
 from .core_messages import (
     Abort,
     Add,
-    CoreSpec,
     Dead,
     Embed,
     Failure,
@@ -42,6 +41,7 @@ from .core_messages import (
     decode_to_core,
     encode,
 )
+from .core_spec import CoreSpec
 from .engine import LLMEngine
 from .errors import ModelNotFoundError, QueueFullError
 from .outputs import EmbeddingRequestOutput, RequestOutput

@@ -20,9 +20,10 @@ from ..kv.host_offload import GIB, HostOffload
 from ..kv.page_pool import PagePool
 from ..lora.manager import LoRAManager, SlotWeights
 from ..lora.request import LoRARequest
+from ..models.checkpoint_path import resolve_checkpoint
 from ..models.cpu_layout import cpu_int8_layout
 from ..models.decoder import DecoderModel
-from ..models.loader import load_model, parse_dtype, resolve_checkpoint
+from ..models.loader import load_model, parse_dtype
 from ..models.lora import LoRAStack, fold_weights, folds_stored, is_folded, write_folded_slot, write_slot_fn
 from ..parallel.tensor_parallel import TensorParallel
 from ..sampling.dry import BreakerMasks

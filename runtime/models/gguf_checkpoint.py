@@ -63,10 +63,6 @@ TOP_TENSORS = {
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
-def is_gguf(path: str | Path) -> bool:
-    return str(path).endswith(".gguf") and Path(path).is_file()
-
-
 @functools.lru_cache(maxsize=1)
 def read_gguf(path: str) -> GGUFFile:
     """Parsed once per file and process: the model and the tokenizer both read it. Parsing a 49k vocabulary takes

@@ -15,9 +15,10 @@ import numpy as np
 from safetensors import safe_open
 
 from .builder import build_model
+from .checkpoint_path import is_gguf
 from .config import ModelConfig, UnsupportedModelError
 from .decoder import DecoderModel
-from .gguf_checkpoint import is_gguf, load_gguf_model
+from .gguf_checkpoint import load_gguf_model
 from .quantization import (
     FLAG,
     NONE,
@@ -34,27 +35,6 @@ def parse_dtype(name: str):
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is not supported; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def resolve_checkpoint(model: str | Path) -> Path:
-    """A local folder or .gguf file as is; hf://org/name[@revision] downloaded (or found in the cache)."""
-    text = str(model)
-    if text.startswith("hf://"):
-        repo, _, revision = text[len("hf://") :].partition("@")
-        from huggingface_hub import snapshot_download
-
-        try:
-            return Path(
-                snapshot_download(
-                    repo, revision=revision or None, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
-                )
-            )
-        except Exception as e:  # no network, no such repo, gated: say which and why
-            raise UnsupportedModelError(f"model {text}: download failed: {type(e).__name__}: {e}") from None
-    path = Path(text)
-    if not (path.is_dir() or is_gguf(path)):
-        raise UnsupportedModelError(f"model {text}: no such checkpoint folder or .gguf file (or use hf://org/name)")
-    return path
 
 
 def load_model(path: str | Path, dtype: str = "float32", quantization: str | None = None) -> DecoderModel:

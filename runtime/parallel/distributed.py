@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import os
 
-import jax
-
 log = logging.getLogger("capstan.multihost")
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
@@ -28,6 +26,8 @@ def initialize_from_env(timeout_s: int = 300) -> bool:
         local_ids = [int(i) for i in local.split(",")] if local else None
     except ValueError:
         raise ValueError(f"JAX_LOCAL_DEVICE_IDS={local!r}: not comma-separated device numbers") from None
+    import jax  # only with several hosts: one host's `capstan serve` starts its engine cores before importing JAX
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts' collectives across processes
     jax.distributed.initialize(
         os.environ["JAX_COORDINATOR_ADDRESS"],

@@ -8,40 +8,11 @@ import sys
 
 import msgspec
 
-from ..config import EngineConfig
 from ..engine.core_client import EngineCoreClient
 from ..engine.parent_death import die_with_parent
 from ..tokenizer import Tokenizer
 from .app import serve
-
-
-class ServeOptions(msgspec.Struct):
-    """serve()'s arguments, as every frontend process gets them."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: list[str] | None = None
-    api_keys: list[str] | None = None
-    drain_timeout: float = 30.0
-    log_prompts: bool = False
-    max_body_bytes: int | None = None
-    log_level: str = "info"
-    tool_call_parser: str | None = None
-    ssl_keyfile: str | None = None  # each frontend serves (and reloads) the same pair
-    ssl_certfile: str | None = None
-    allow_runtime_lora_updating: bool = False
-    lora_modules_file: str | None = None  # followed by the first frontend only (processes.py)
-
-
-class FrontendSpec(msgspec.Struct):
-    config: EngineConfig
-    model_name: str
-    frontend: int
-    input_addresses: list[str]  # one per engine core (--data-parallel-size)
-    output_address: str
-    core_pids: list[int]
-    parent_pid: int
-    options: ServeOptions
+from .serve_options import FrontendSpec, ServeOptions
 
 
 def serve_kwargs(options: ServeOptions) -> dict:

@@ -20,15 +20,14 @@ import tempfile
 import msgspec
 import zmq
 
+# Light imports only up here: the engine cores start before this process imports JAX and the HTTP stack, which it
+# then does while they load (serve_with_engine_core).
 from ..config import EngineConfig, served_model_name
-from ..engine.core_client import EngineCoreClient
-from ..engine.core_messages import CoreSpec, Shutdown, encode
-from ..models.loader import resolve_checkpoint
-from ..tokenizer import Tokenizer
-from .app import serve
-from .frontend_process import FrontendSpec, ServeOptions, serve_kwargs
+from ..engine.core_spec import CoreSpec
+from ..models.checkpoint_path import resolve_checkpoint
 from .lora_sync import adapters_at_start
 from .metrics import share_across_processes
+from .serve_options import FrontendSpec, ServeOptions
 
 log = logging.getLogger("capstan.server")
 CORE_STOP_TIMEOUT = 10.0  # seconds the core gets to leave its loop after Shutdown before it is killed
@@ -84,6 +83,11 @@ def serve_with_engine_core(
         for c in range(data_parallel_size)
     ]
     core_pids = [core.pid for core in cores]
+    from ..engine.core_client import EngineCoreClient  # while the cores start (each imports JAX as this does)
+    from ..tokenizer import Tokenizer
+    from .app import serve
+    from .frontend_process import serve_kwargs
+
     frontends: list[subprocess.Popen] = []
     stopping = False
     try:
@@ -171,12 +175,13 @@ def _core_devices(core: int, tensor_parallel_size: int) -> str:
 
 def _spawn(module: str, spec: msgspec.Struct, cpu_only: bool = False, devices: str | None = None) -> subprocess.Popen:
     """A child running `python -m module`, its spec on stdin (API keys never show in `ps`)."""
-    env = dict(os.environ)
-    import jax  # only its configuration is read here: this process never starts a JAX backend
+    env = dict(os.environ)  # JAX_COMPILATION_CACHE_DIR among them: cli.persist_compilations sets it
+    if "jax" in sys.modules:  # imported already (a test calling main in-process): its configuration is the truth
+        import jax
 
-    cache_dir = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax.config's options are set at run time
-    if cache_dir:  # the compilation cache this process chose, for the core too
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+        cache_dir = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # set at run time
+        if cache_dir:  # the compilation cache this process chose, for the core too
+            env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     if cpu_only:  # a frontend never touches the accelerator, whatever it imports
         env["JAX_PLATFORMS"] = "cpu"
     if devices is not None:  # a data-parallel engine core sees only its own GPUs
@@ -202,6 +207,8 @@ def _stop_frontends(frontends: list[subprocess.Popen], timeout: float) -> None:
 
 
 def _stop_core(core: subprocess.Popen, input_address: str) -> None:
+    from ..engine.core_messages import Shutdown, encode
+
     if core.poll() is None:
         context = zmq.Context()
         outbox = context.socket(zmq.PUSH)

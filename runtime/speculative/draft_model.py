@@ -20,9 +20,10 @@ import numpy as np
 
 from ..attention import INVALID_SLOT, AttentionMetadata
 from ..kv.cache import KVCache
+from ..models.checkpoint_path import resolve_checkpoint
 from ..models.config import UnsupportedModelError
 from ..models.decoder import DecoderModel
-from ..models.loader import load_model, resolve_checkpoint
+from ..models.loader import load_model
 from ..parallel.tensor_parallel import TensorParallel, check_size
 from ..sampling.programs import GREEDY_SCAN, SAMPLED_SCANS, scan_branches
 from ..sampling.sampler import Branches, sample
