@@ -65,6 +65,7 @@ class RequestStream:
         self.body = RequestBody(processor.max_body_bytes)
         self.headers_answered = False
         self.metadata = ext_proc.ProcessingRequest().metadata_context
+        self.headers: dict[str, str] = {}
         self.pick: Pick | None = None
         self.counted: Replica | None = None  # the replica whose in_flight this request holds
 
@@ -104,6 +105,7 @@ class RequestStream:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self.metadata = message.metadata_context
+            self.headers = {h.key.lower(): replies.header_value(h) for h in message.request_headers.headers.headers}
             if message.request_headers.end_of_stream or self.request_mode == NO_BODY:  # no body (sent): pick now
                 await self._picked(None, body_ends=True)
             elif self.request_mode != FULL_DUPLEX:
@@ -137,8 +139,9 @@ class RequestStream:
 
     async def _picked(self, raw: bytes | None, body_ends: bool) -> None:
         """The request is whole: pick, and send the destination (and, streaming, the body back)."""
-        request = read_request(raw, self.metadata, self.processor.prefix_chars)
-        pick = self.processor.picker.pick(request)
+        request = read_request(raw, self.metadata, self.processor.prefix_chars, self.headers)
+        picker = self.processor.picker
+        pick = picker.pick(request, await picker.kv_scores(request))
         self.pick = pick
         self.counted = pick.replicas[0]
         self.counted.in_flight += 1

@@ -5,7 +5,7 @@ PickError with the HTTP status the client gets."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
@@ -28,6 +28,9 @@ class PickRequest:
     model: str | None  # None: a request without a body (GET /v1/models, /health): any ready replica serves it
     key: str  # routing key: the model and the leading characters of the prompt (routing_policy.routing_key)
     subset: frozenset[str] | None = None  # `ip:port`s the Gateway allows; None: every endpoint of the pool
+    path: str = ""  # the HTTP path (`:path`), for KV-event scores: how the replica reads the prompt
+    body: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    authorization: str | None = field(default=None, repr=False)  # the client's, for the replica's /tokenize
 
 
 class RequestBody:
@@ -54,15 +57,20 @@ class RequestBody:
 
 
 def read_request(
-    raw: bytes | None, metadata: base_pb2.Metadata | None = None, prefix_chars: int = DEFAULT_PREFIX_CHARS
+    raw: bytes | None,
+    metadata: base_pb2.Metadata | None = None,
+    prefix_chars: int = DEFAULT_PREFIX_CHARS,
+    headers: dict[str, str] | None = None,
 ) -> PickRequest:
     """A request's model, routing key and subset; `raw` None or empty: a request without a body."""
     subset = subset_hint(metadata)
+    headers = headers or {}
+    path, authorization = headers.get(":path", "").split("?")[0], headers.get("authorization")
     if not raw:
-        return PickRequest(None, "", subset)
+        return PickRequest(None, "", subset, path)
     body = _json_object(raw)
     try:
-        return PickRequest(body["model"], routing_key(body, prefix_chars), subset)
+        return PickRequest(body["model"], routing_key(body, prefix_chars), subset, path, body, authorization)
     except RecursionError:  # within json's depth, too deep to walk
         raise PickError(400, "the request body nests too deeply to parse") from None
 

@@ -19,8 +19,18 @@ from prometheus_client import start_http_server
 
 from ..arg_types import port
 from ..gateway.discovery import Discovery, StaticDiscovery, parse_replica
+from ..gateway.kv_index import DEFAULT_RESYNC_SECONDS, KVEventIndex
+from ..gateway.kv_subscriber import KVEventSubscriber
 from ..gateway.replica_pool import ReplicaPool
-from ..gateway.routing_policy import DEFAULT_LOAD_FACTOR, DEFAULT_PREFIX_CHARS, POLICIES, PrefixAffinityPolicy
+from ..gateway.routing_policy import (
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_PREFIX_CHARS,
+    POLICIES,
+    KVEventPolicy,
+    PrefixAffinityPolicy,
+    RoundRobinPolicy,
+    RoutingPolicy,
+)
 from ..server.body_limit import DEFAULT_MAX_BODY_BYTES
 from .endpoint_picker import EndpointPicker, FailureMode
 from .external_processor import BODY_TIMEOUT_SECONDS, ExternalProcessor
@@ -57,7 +67,19 @@ def add_picker_flags(parser: argparse.ArgumentParser) -> None:
         help="with no ready replica known: FailClose answers 503, FailOpen sends the request to an endpoint of the "
         "pool anyway (default: the InferencePool's spec.endpointPickerRef.failureMode, else FailClose)",
     )
-    parser.add_argument("--routing", choices=sorted(POLICIES), default=PrefixAffinityPolicy.name)
+    parser.add_argument(
+        "--routing",
+        choices=sorted(POLICIES),
+        default=PrefixAffinityPolicy.name,
+        help="as capstan gateway's: prefix (prompt hashing with bounded load), kv-events (the pod holding most of "
+        "the prompt's KV pages, from the pods' KV events; else as prefix), round-robin",
+    )
+    parser.add_argument(
+        "--kv-events-resync",
+        type=float,
+        default=DEFAULT_RESYNC_SECONDS,
+        help="with --routing kv-events: seconds a pod whose events were lost is picked by prompt hashing",
+    )
     parser.add_argument("--prefix-chars", type=int, default=DEFAULT_PREFIX_CHARS)
     parser.add_argument("--load-factor", type=float, default=DEFAULT_LOAD_FACTOR)
     parser.add_argument(
@@ -115,16 +137,23 @@ def build_picker(args: argparse.Namespace) -> Picker:
                 f"--pool-name needs the Kubernetes API ({error}): run it in a cluster, or set KUBECONFIG"
             ) from None
     pool = ReplicaPool(discovery, poll_interval=args.poll_interval)
-    policy = (
-        POLICIES[args.routing](args.load_factor)
-        if args.routing == PrefixAffinityPolicy.name
-        else POLICIES[args.routing]()
-    )
+    policy = _policy(args.routing, args.load_factor)
     mode = FailureMode(args.failure_mode) if args.failure_mode else None
-    picker = EndpointPicker(pool, policy, mode)
+    kv_events = (
+        KVEventSubscriber(pool, KVEventIndex(args.kv_events_resync)) if args.routing == KVEventPolicy.name else None
+    )
+    picker = EndpointPicker(pool, policy, mode, kv_events)
     metrics = PickerMetrics(pool)
     processor = ExternalProcessor(picker, metrics, args.max_body_bytes, args.prefix_chars, args.body_timeout)
     return Picker(pool, picker, metrics, processor)
+
+
+def _policy(name: str, load_factor: float) -> RoutingPolicy:
+    policy_class = POLICIES[name]
+    if issubclass(policy_class, PrefixAffinityPolicy):  # prefix and kv-events: the load bound's factor
+        return policy_class(load_factor)
+    assert policy_class is RoundRobinPolicy, "the other policies take the load bound's factor"
+    return RoundRobinPolicy()
 
 
 async def serve_picker(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -155,6 +184,7 @@ async def serve_picker(args: argparse.Namespace, stop: asyncio.Event) -> None:
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     poller = asyncio.create_task(built.pool.run())
+    kv_events = asyncio.create_task(built.picker.kv_events.run()) if built.picker.kv_events else None
     source = f"InferencePool {args.pool_namespace}/{args.pool_name}" if args.pool_name else "static replicas"
     log.info(
         "picker: ext_proc on %s:%d, health on %d, metrics on %d, %d endpoint(s) of %s, %s",
@@ -173,6 +203,8 @@ async def serve_picker(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await ext_proc_server.stop(STOP_GRACE_SECONDS)
         await health_server.stop(0)
         poller.cancel()
+        if kv_events:
+            kv_events.cancel()
         await built.pool.close()
         metrics_server.shutdown()
         metrics_thread.join(5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -22,12 +23,14 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from envoy_client import BUFFERED, EnvoyStream, Mode, Routed, headers, route, subset_metadata  # noqa: E402
 from lora_adapters import write_adapter  # noqa: E402
 from picker_process import start_picker  # noqa: E402
-from processes import metric, start_replica  # noqa: E402
+from processes import free_port, metric, start_replica  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL  # noqa: E402
+from capstan.runtime.gateway.routing_policy import PrefixAffinityPolicy, ReplicaLoad, routing_key  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LORA_FLAGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+JSON = {"content-type": "application/json"}
 SYSTEM = "You are Capstan's test assistant. Answer briefly and never repeat the question back. " * 2
 
 
@@ -40,10 +43,20 @@ def chat(question: str, model: str = "tiny") -> bytes:
     return json.dumps({"model": model, "messages": messages, "max_tokens": 3}).encode()
 
 
+def kv_events_flags() -> list[str]:
+    """Publish the prefix cache's KV events (kept for replay, so a subscriber that joins late catches up)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events", "buffer_steps": 10_000}
+    config |= {"endpoint": f"tcp://*:{free_port()}", "replay_endpoint": f"tcp://*:{free_port()}"}
+    return ["--kv-events-config", json.dumps(config)]
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     adapter = write_adapter(tmp_path_factory.mktemp("adapters") / "chat", DEFAULT_MODEL, seed=1, rank=4)
-    started = [start_replica("tiny"), start_replica("tiny", extra=[*LORA_FLAGS, "--lora-modules", f"chat={adapter}"])]
+    started = [
+        start_replica("tiny", extra=kv_events_flags()),
+        start_replica("tiny", extra=[*kv_events_flags(), *LORA_FLAGS, "--lora-modules", f"chat={adapter}"]),
+    ]
     try:
         yield [r.wait_ready() for r in started]
     finally:
@@ -75,9 +88,7 @@ def relay(stream: EnvoyStream, endpoint: str, path: str, body: bytes) -> tuple[i
     """What Envoy does once the picker answered: send the request to `endpoint`, and stream the response through the
     ext_proc stream (headers, then body chunks); the picker must hand every byte back unchanged."""
     relayed = b""
-    with httpx.stream(
-        "POST", f"http://{endpoint}{path}", content=body, headers={"content-type": "application/json"}, timeout=60
-    ) as response:
+    with httpx.stream("POST", f"http://{endpoint}{path}", content=body, headers=JSON, timeout=60) as response:
         served = base_pb2.Metadata()
         served.filter_metadata["envoy.lb"].update({"x-gateway-destination-endpoint-served": endpoint})
         header_map = [base_pb2.HeaderValue(key=":status", raw_value=str(response.status_code).encode())]
@@ -152,3 +163,25 @@ def test_the_subset_hint_limits_the_choice(channel, endpoints):
     }
     assert route(channel, "/v1/completions", completion("hi", "chat"), metadata=only_first).status == 503
     assert route(channel, "/v1/completions", completion("hi"), metadata=subset_metadata(["10.9.9.9:1"])).status == 503
+
+
+def test_kv_events_pick_the_replica_that_holds_the_prompts_pages(replicas, endpoints):
+    """With --routing kv-events a prompt goes where its KV pages are, even where prompt hashing points elsewhere."""
+    policy, loads = PrefixAffinityPolicy(), [ReplicaLoad(r.url, 0) for r in replicas]
+    texts = (f"Document {n}: " + " ".join(f"word{n}x{i}" for i in range(60)) for n in range(100))
+    text = next(
+        t for t in texts if policy.choose(routing_key({"model": "tiny", "prompt": t}), loads).url == replicas[0].url
+    )
+    p = start_picker(*[f for r in replicas for f in ("--replica", r.url)], "--routing", "kv-events")
+    try:
+        p.wait_ready()
+        with grpc.insecure_channel(p.target) as channel:
+            assert route(channel, "/v1/completions", completion(text)).endpoint == endpoints[0]  # no pages: hashing
+            reply = httpx.post(f"{replicas[1].url}/v1/completions", content=completion(text), headers=JSON, timeout=60)
+            reply.raise_for_status()  # replica 1 now holds the prompt's pages, and publishes that
+            deadline = time.monotonic() + 20
+            while (picked := route(channel, "/v1/completions", completion(text)).endpoint) != endpoints[1]:
+                assert time.monotonic() < deadline, f"still picked {picked}: the events never counted"
+                time.sleep(0.25)
+    finally:
+        p.stop()
