@@ -1,7 +1,8 @@
 """The pods of one InferencePool (Gateway API Inference Extension v1: inference.networking.k8s.io/v1,
 `inferencepools`): its spec.selector.matchLabels picks pods in its namespace, and every ready pod serves on each of
-spec.targetPorts. Read each round (level-triggered, as runtime/gateway/discovery.py reads EndpointSlices), so a pod
-that turns ready, goes away, or a pool whose selector changes, is seen within a poll interval.
+spec.targetPorts. The pool is read each round (level-triggered, as runtime/gateway/discovery.py reads
+EndpointSlices), its selector's pods are listed once and then watched (pod_watch.py): a pod that turns ready or goes
+away, or a pool whose selector changes, is seen within a poll interval.
 
 This is a Discovery for runtime/gateway's ReplicaPool: it says which endpoints exist; the pool's probes say which
 can take a request and which models (and LoRA adapters) each serves.
@@ -15,9 +16,11 @@ from typing import Any, cast
 
 from ..gateway.discovery import ServiceRef, Target
 from .endpoint_picker import FailureMode
+from .pod_watch import PodWatch
 
 log = logging.getLogger("capstan.picker")
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
+LIST_TIMEOUT_SECONDS = 10.0  # the first list of a selector's pods; a round that waits longer fails and is retried
 
 
 def label_selector(pool: dict[str, Any]) -> str:
@@ -77,6 +80,7 @@ class InferencePoolDiscovery:
         self.name, self.namespace = name, namespace
         self.services: dict[str, ServiceRef] = {}  # scale from zero is the gateway's; the picker signals none
         self.failure_mode: FailureMode | None = None  # the pool's, once read
+        self._pods: PodWatch | None = None  # the pool's selector's pods, watched
 
     def _discover(self) -> tuple[list[Target], set[str]]:
         pool = cast(
@@ -84,9 +88,16 @@ class InferencePoolDiscovery:
             self._custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name),
         )
         self.failure_mode = failure_mode(pool)
-        listed = self._core.list_namespaced_pod(self.namespace, label_selector=label_selector(pool))
-        pods = [self.api_client.sanitize_for_serialization(p) for p in listed.items]
-        return pool_targets(pool, pods), set()
+        selector = label_selector(pool)
+        if self._pods is None or self._pods.selector != selector:  # first round, or the pool's selector changed
+            if self._pods is not None:
+                self._pods.stop()
+            self._pods = PodWatch(self._core, self.namespace, selector)
+        return pool_targets(pool, self._pods.pods(LIST_TIMEOUT_SECONDS)), set()
+
+    def close(self) -> None:
+        if self._pods is not None:
+            self._pods.stop()
 
     async def discover(self) -> tuple[list[Target], set[str]]:
         return await asyncio.to_thread(self._discover)

@@ -34,6 +34,7 @@ from ..gateway.routing_policy import (
 from ..server.body_limit import DEFAULT_MAX_BODY_BYTES
 from .endpoint_picker import EndpointPicker, FailureMode
 from .external_processor import BODY_TIMEOUT_SECONDS, ExternalProcessor
+from .inference_pool import InferencePoolDiscovery
 from .picker_metrics import PickerMetrics
 
 log = logging.getLogger("capstan.picker")
@@ -128,8 +129,6 @@ def build_picker(args: argparse.Namespace) -> Picker:
     else:
         from kubernetes.config import ConfigException
 
-        from .inference_pool import InferencePoolDiscovery
-
         try:
             discovery = InferencePoolDiscovery(args.pool_name, args.pool_namespace)
         except ConfigException as error:
@@ -206,6 +205,8 @@ async def serve_picker(args: argparse.Namespace, stop: asyncio.Event) -> None:
         if kv_events:
             kv_events.cancel()
         await built.pool.close()
+        if isinstance(built.pool.discovery, InferencePoolDiscovery):
+            built.pool.discovery.close()
         metrics_server.shutdown()
         metrics_thread.join(5)
 

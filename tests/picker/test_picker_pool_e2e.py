@@ -1,7 +1,7 @@
 """`capstan picker --pool-name` on the real control plane (tests/cluster: kube-apiserver, kwok's fake kubelets), with
 the GIE's vendored InferencePool CRD applied and a ServiceAccount that may only read pods and inferencepools (what
 the operator's picker Role grants): the picker finds the pool's ready pods by its selector and target port, follows
-pods that come and go, and takes its failure mode from the pool's endpointPickerRef. kwok's pods serve nothing, so
+pods that come and go (a list, then a watch) and a selector that changes, and takes its failure mode from the pool's endpointPickerRef. kwok's pods serve nothing, so
 they are never ready by the picker's probes: FailOpen sends requests to them anyway, FailClose answers 503."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "cluster"))
 
 from binaries import ensure_binaries  # noqa: E402
 from control_plane import ControlPlane, wait_for, write_kubeconfig  # noqa: E402
-from envoy_client import route  # noqa: E402
+from envoy_client import route, subset_metadata  # noqa: E402
 from picker_process import start_picker  # noqa: E402
 
 pytestmark = pytest.mark.cluster
@@ -48,13 +48,13 @@ def pod(name: str, labels: dict[str, str]) -> dict:
     }
 
 
-def pool(mode: str) -> dict:
+def pool(mode: str, app: str = "tiny") -> dict:
     return {
         "apiVersion": "inference.networking.k8s.io/v1",
         "kind": "InferencePool",
         "metadata": {"name": "tiny"},
         "spec": {
-            "selector": {"matchLabels": {"app": "tiny"}},
+            "selector": {"matchLabels": {"app": app}},
             "targetPorts": [{"number": 8000}],
             "endpointPickerRef": {"name": "tiny-picker", "port": {"number": 9002}, "failureMode": mode},
         },
@@ -115,6 +115,25 @@ def test_the_picker_follows_its_pool(cluster, tmp_path, monkeypatch):
             wait_for(
                 "the picker dropping the deleted pod",
                 lambda: route(channel, "/v1/completions", COMPLETION).endpoint == remaining,
+                TIMEOUT,
+            )
+            # A pod that comes later is seen (the watch): asked for by the subset hint, it is picked.
+            cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(pod("tiny-2", {"app": "tiny"})))
+            wait_for("tiny-2 ready", lambda: len(pod_ips(cluster, ns, "app=tiny")) == 2, TIMEOUT)
+            (late,) = {f"{ip}:8000" for ip in pod_ips(cluster, ns, "app=tiny")} - {remaining}
+            wait_for(
+                "the picker seeing the new pod",
+                lambda: (
+                    route(channel, "/v1/completions", COMPLETION, metadata=subset_metadata([late])).endpoint == late
+                ),
+                TIMEOUT,
+            )
+            # The pool's selector changes: its pods change with it.
+            other = f"{pod_ips(cluster, ns, 'app=other').pop()}:8000"
+            cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(pool("FailOpen", app="other")))
+            wait_for(
+                "the picker following the new selector",
+                lambda: route(channel, "/v1/completions", COMPLETION).endpoint == other,
                 TIMEOUT,
             )
             cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(pool("FailClose")))
