@@ -118,7 +118,7 @@ class KVEventIndex:
 
     def trusted(self, url: str, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        streams = self.streams.get(url)
+        streams = self.streams.get(url) or []
         return bool(streams) and all(s.trusted(now) for s in streams)
 
     def match(self, urls: list[str], hashes_by_size: dict[int, list[bytes]]) -> dict[str, int]:

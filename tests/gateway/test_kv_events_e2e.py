@@ -80,7 +80,11 @@ def complete(url: str, text: str) -> None:
 def prompts_hashing_sends_to(target: str, replicas) -> list[str]:
     policy, loads = PrefixAffinityPolicy(), [ReplicaLoad(r.url, 0) for r in replicas]
     texts = (prompt(n) for n in range(1000, 1100))
-    return [t for t in texts if policy.choose(routing_key({"model": "tiny", "prompt": t}), loads).url == target]
+    return [
+        t
+        for t in texts
+        if getattr(policy.choose(routing_key({"model": "tiny", "prompt": t}), loads), "url", None) == target
+    ]
 
 
 def routed(gateway, replica) -> float:
