@@ -40,6 +40,7 @@ from .picker_metrics import PickerMetrics
 log = logging.getLogger("capstan.picker")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)  # GIE's: liveness, readiness, the ext_proc service
+MESSAGE_OVERHEAD_BYTES = 1 << 20  # beyond --max-body-bytes, what one ext_proc message may carry: headers, metadata
 STOP_GRACE_SECONDS = 5.0  # open streams (requests being answered) get this long after SIGTERM
 
 
@@ -162,7 +163,10 @@ async def serve_picker(args: argparse.Namespace, stop: asyncio.Event) -> None:
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-    health_server, ext_proc_server = grpc.aio.server(), grpc.aio.server()
+    # A BUFFERED body comes in one message: let one over the limit arrive, to be answered 413 rather than cut off.
+    receive_limit = args.max_body_bytes + MESSAGE_OVERHEAD_BYTES
+    health_server = grpc.aio.server()
+    ext_proc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", receive_limit)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(built.processor, ext_proc_server)
     try:  # every port bound before anything serves: a port in use is one clear error, not a half-started picker

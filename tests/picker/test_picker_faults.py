@@ -124,6 +124,8 @@ def test_fail_open_sends_the_request_on_and_sigterm_stops_it(dead_replica):
             assert routed.status is None and routed.endpoint == dead_replica  # the pool's endpoint, unscored
             assert routed.forwarded_body() == (COMPLETION, True)
             assert route(channel, "/v1/completions", b"{").status == 400  # bad input is refused all the same
+            whole = b'{"model": "tiny", "prompt": "' + b"a" * (4 << 20) + b'"}'  # over 4 MiB, in one BUFFERED message
+            assert route(channel, "/v1/completions", whole, mode=BUFFERED).status == 413
         p.process.send_signal(signal.SIGTERM)  # as the kubelet stops a pod: health NOT_SERVING, then a clean exit
         assert p.process.wait(15) == 0
     finally:
