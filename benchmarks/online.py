@@ -262,7 +262,8 @@ def offline(serve_argv: list[str], sets: dict, a: argparse.Namespace) -> dict:
     """The offline engine on the same EngineConfig as the server (its flags through capstan's own parser)."""
     from throughput import run
 
-    from capstan.runtime.cli import _engine_config, build_parser, persist_compilations
+    from capstan.runtime.cli import _engine_config, build_parser
+    from capstan.runtime.compilation_cache import persist_compilations
     from capstan.runtime.engine.engine import LLMEngine
     from capstan.runtime.lora.request import LoRARequest
     from capstan.runtime.sampling.sampling_params import SamplingParams

@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from .arg_types import port
-from .config import COMPILATION_CACHE, KV_CACHE_DTYPES, EngineConfig
+from .compilation_cache import persist_compilations
+from .config import KV_CACHE_DTYPES, EngineConfig
 from .kv.kv_events import KVEventsConfig
 from .lora.request import LoRAError
 from .speculative_config import SpeculativeConfig
@@ -511,25 +511,6 @@ def _generate(args: argparse.Namespace) -> int:
         out = llm.generate(args.prompt, params, use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0
-
-
-def persist_compilations() -> None:
-    """Only the first start of a model and shape pays for XLA (about 40 s of CPU for SmolLM2 on this 2-core machine); later starts load
-    the programs, which JAX keys by program, JAX version and device. An unwritable cache folder just turns it off.
-    Chosen through JAX_COMPILATION_CACHE_DIR, which JAX reads when imported (here or in an engine core): `capstan
-    serve` starts its engine cores before it imports JAX itself."""
-    jax = sys.modules.get("jax")  # imported already only when main() runs inside a program that uses JAX
-    chosen = jax.config.jax_compilation_cache_dir if jax else os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    if chosen:  # JAX_COMPILATION_CACHE_DIR given: the user's choice
-        return
-    try:
-        COMPILATION_CACHE.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        log.warning("compilation cache off: %s", e)
-        return
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(COMPILATION_CACHE)
-    if jax:
-        jax.config.update("jax_compilation_cache_dir", str(COMPILATION_CACHE))
 
 
 def main(argv: list[str] | None = None) -> int:

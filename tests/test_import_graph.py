@@ -143,6 +143,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("speculative",),
     ("scheduling",),
     ("generation_config",),
+    ("compilation_cache",),  # where compiled programs are kept, and the image's baked ones
     ("config",),
     ("sampling_keys",),
     ("lora",),

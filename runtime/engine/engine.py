@@ -38,6 +38,7 @@ from ..speculative.draft_model import load_draft
 from ..speculative.speculator import Speculator
 from ..tokenizer import Tokenizer
 from .choice_text import ChoiceText
+from .compile_counts import describe
 from .embedder import Embedder
 from .engine_stats import EngineStats
 from .errors import ModelNotFoundError
@@ -407,10 +408,11 @@ class LLMEngine:
         warming.start(rest)
         self.compile_seconds = time.monotonic() - start
         log.info(
-            "compiled the %d program(s) a first request needs in %.1f s; %d more compile in the background while "
-            "serving (until then a compiled program stands in: larger token buckets, single decode steps)",
+            "compiled the %d program(s) a first request needs in %.1f s (%s); %d more compile in the background "
+            "while serving (until then a compiled program stands in: larger token buckets, single decode steps)",
             len(first),
             self.compile_seconds,
+            describe(warming.counted_from),
             len(rest),
         )
 

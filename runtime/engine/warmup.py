@@ -19,6 +19,8 @@ from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
+from .compile_counts import compilations, count_compilations, describe
+
 log = logging.getLogger("capstan.engine")
 
 
@@ -42,6 +44,8 @@ class BackgroundWarmup:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.started = 0.0
+        count_compilations()
+        self.counted_from = compilations()
 
     def compile_now(self, programs: list[Program]) -> None:
         """Compiles these now (what the first request needs), side by side: XLA's compiler releases the GIL, so two
@@ -116,8 +120,9 @@ class BackgroundWarmup:
         if self._stopped:
             return
         log.info(
-            "background compilation done: %d programs in %.1f s%s",
+            "background compilation done: %d programs in %.1f s%s (since the start: %s)",
             total - len(self._failed),
             time.monotonic() - self.started,
             f", {len(self._failed)} failed (see above)" if self._failed else "",
+            describe(self.counted_from),
         )

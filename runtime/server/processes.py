@@ -175,7 +175,7 @@ def _core_devices(core: int, tensor_parallel_size: int) -> str:
 
 def _spawn(module: str, spec: msgspec.Struct, cpu_only: bool = False, devices: str | None = None) -> subprocess.Popen:
     """A child running `python -m module`, its spec on stdin (API keys never show in `ps`)."""
-    env = dict(os.environ)  # JAX_COMPILATION_CACHE_DIR among them: cli.persist_compilations sets it
+    env = dict(os.environ)  # JAX_COMPILATION_CACHE_DIR among them: compilation_cache.py sets it
     if "jax" in sys.modules:  # imported already (a test calling main in-process): its configuration is the truth
         import jax
 
