@@ -37,17 +37,26 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue refuses the send (counted) instead of losing silently
         self._pub.setsockopt(zmq.LINGER, 0)
-        if binds(self.endpoint):
-            self._pub.bind(self.endpoint)
-        else:
-            self._pub.connect(self.endpoint)
+        try:
+            if binds(self.endpoint):
+                self._pub.bind(self.endpoint)
+            else:
+                self._pub.connect(self.endpoint)
+        except zmq.ZMQError:  # (a port in use): the socket must not outlive the failure, or the context never ends
+            self._pub.close(linger=0)
+            raise
         self._stop = threading.Event()
         self._replay_thread: threading.Thread | None = None
         self.replay_endpoint = endpoint_of_core(config.replay_endpoint, rank)
         if self.replay_endpoint is not None:
             router = self._context.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            router.bind(self.replay_endpoint)
+            try:
+                router.bind(self.replay_endpoint)
+            except zmq.ZMQError:
+                router.close(linger=0)
+                self._pub.close(linger=0)
+                raise
             self._replay_thread = threading.Thread(
                 target=self._serve_replays, args=(router,), name="capstan-kv-events-replay", daemon=True
             )
