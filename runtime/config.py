@@ -195,6 +195,11 @@ class EngineConfig:
                 "kv_offloading_size needs prefix caching (its pages are found by their prefix's hash): "
                 "drop --no-enable-prefix-caching or the tier"
             )
+        if self.kv_events_config is not None and self.kv_events_config.publishes and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_events_config publishes the prefix cache's events: drop --no-enable-prefix-caching or "
+                "--kv-events-config"
+            )
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ValueError(
                 f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "

@@ -178,3 +178,11 @@ def test_the_flag_takes_vllms_json_and_names_what_is_wrong():
     with pytest.raises(ValueError, match="hwm must be an integer"):
         KVEventsConfig.parse('{"hwm": 0}')
     assert endpoint_of_core("tcp://*:5557", 2) == "tcp://*:5559"  # vLLM's data-parallel ranks
+
+
+def test_events_without_a_prefix_cache_are_refused_naming_both_flags():
+    from capstan.runtime.config import EngineConfig
+
+    config = EngineConfig(enable_prefix_caching=False, kv_events_config=KVEventsConfig(enable_kv_cache_events=True))
+    with pytest.raises(ValueError, match="--no-enable-prefix-caching or --kv-events-config"):
+        config.validate()
