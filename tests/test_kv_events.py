@@ -186,3 +186,15 @@ def test_events_without_a_prefix_cache_are_refused_naming_both_flags():
     config = EngineConfig(enable_prefix_caching=False, kv_events_config=KVEventsConfig(enable_kv_cache_events=True))
     with pytest.raises(ValueError, match="--no-enable-prefix-caching or --kv-events-config"):
         config.validate()
+
+
+def test_a_run_of_pages_is_one_event_per_adapter():
+    log = KVEventLog(page_size=1)
+    log.stored(b"a" * 16, None, [1])
+    log.stored(b"b" * 16, b"a" * 16, [2])  # chained to the one before: the same event
+    log.stored(b"c" * 16, b"b" * 16, [3], lora_id=7)  # another adapter's page: its own event
+    batch = log.take(0)
+    assert batch is not None and [(e.block_hashes, e.lora_id) for e in batch.events] == [
+        ([b"a" * 16, b"b" * 16], None),
+        ([b"c" * 16], 7),
+    ]

@@ -138,13 +138,13 @@ class KVEventLog:
             return
         self.events.append(event)
 
-    def stored(self, h: bytes, parent: bytes | None, tokens: Sequence[int]) -> None:
+    def stored(self, h: bytes, parent: bytes | None, tokens: Sequence[int], lora_id: int | None = None) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and last.lora_id == lora_id:
             last.block_hashes.append(h)
             last.token_ids.extend(tokens)
             return
-        self._add(BlockStored([h], parent, list(tokens), self.page_size))
+        self._add(BlockStored([h], parent, list(tokens), self.page_size, lora_id))
 
     def removed(self, h: bytes) -> None:
         last = self.events[-1] if self.events else None

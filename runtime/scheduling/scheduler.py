@@ -373,4 +373,5 @@ class Scheduler:
         a consumer needs to name it too."""
         if self.pool.register(seq.pages[k], h) and self.pool.events is not None:
             size = self.pool.page_size
-            self.pool.events.stored(h, parent, seq.token_ids[k * size : (k + 1) * size])
+            lora_id = None if seq.lora is None else seq.lora.request.lora_int_id
+            self.pool.events.stored(h, parent, seq.token_ids[k * size : (k + 1) * size], lora_id)
