@@ -31,8 +31,16 @@ GGUF_SAMPLING_KEYS = {
 }
 # The default model's card (HuggingFaceTB/SmolLM2-135M-Instruct) samples with temperature 0.2 and top_p 0.9; its
 # files carry none. With those alone, the Q4_1 file's near-tied first tokens send ~3 in 10 one-line answers into a
-# loop until the context ends; a repetition penalty of 1.1 (ours, not the card's) ended 15 of 15 with EOS.
-SMOLLM2_RECOMMENDED: SamplingDefaults = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+# loop until the context ends; a repetition penalty of 1.1 (ours, not the card's) ended 15 of 15 with EOS. Some
+# greetings still ran on as a stream of ever new emoji (each several byte tokens that begin alike, so neither the
+# repetition penalty nor DRY stops it); a frequency penalty of 0.3 counts those leading bytes and ends 93 of 96
+# one-line answers against 82 (issue 67; benchmarks/RESULTS.md).
+SMOLLM2_RECOMMENDED: SamplingDefaults = {
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+    "frequency_penalty": 0.3,
+}
 
 
 def sampling_defaults(config: EngineConfig) -> SamplingDefaults:

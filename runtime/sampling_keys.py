@@ -14,6 +14,8 @@ SAMPLING_KEYS = {
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",  # OpenAI's; the default model's frequency penalty (generation_config.py)
+    "frequency_penalty": "frequency_penalty",
     "max_new_tokens": "max_tokens",
     # llama.cpp's DRY (sampling/dry.py)
     "dry_multiplier": "dry_multiplier",
@@ -32,6 +34,8 @@ class SamplingDefaults(TypedDict, total=False):
     top_k: int
     min_p: float
     repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
     max_tokens: int
     dry_multiplier: float
     dry_base: float

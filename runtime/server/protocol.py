@@ -43,6 +43,8 @@ DEFAULTED_FIELDS = (
     "top_k",
     "min_p",
     "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
     "dry_multiplier",
     "dry_base",
     "dry_allowed_length",
@@ -69,8 +71,8 @@ class _SamplingFields(StructuredFields):
     top_p: Probability | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=limits.MAX_STOP_STRINGS)] | None = None
     seed: Annotated[int, Field(ge=limits.INT64_MIN, le=limits.UINT64_MAX)] | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty | None = None  # None: the model's default (the default model's frequency penalty)
+    frequency_penalty: Penalty | None = None
     logit_bias: (
         Annotated[
             dict[
@@ -128,8 +130,6 @@ class _SamplingFields(StructuredFields):
             n=self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
             logit_bias=bias,
             seed=self.seed,
             stop=stop or None,
