@@ -1,6 +1,6 @@
 """The first minute (issue 63): seconds from starting `capstan serve` until /ready answers 200 and until the first
-chat answer arrives, with an empty compilation cache (the first start of a model) and then with the cache that
-start left (every later start), `--rounds` times each. The question is asked at the API's defaults.
+chat answer arrives, with empty caches (the first start of a model: no compiled programs, no GGUF index) and then
+with what that start left (every later start), `--rounds` times each. The question is asked at the API's defaults.
 
     python3 benchmarks/first_answer.py [--model PATH] [--rounds 2] [-- more capstan serve flags]
 """
@@ -29,9 +29,11 @@ def free_port() -> int:
 
 
 def one_start(cache: Path, model: list[str], flags: list[str], log: Path) -> dict:
+    """cache: the start's XDG_CACHE_HOME (its compiled programs, its GGUF file's index), empty for a first start."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "JAX_COMPILATION_CACHE_DIR": str(cache / "capstan" / "xla")}
+    env.pop("CAPSTAN_BAKED_PROGRAMS", None)
     command = [sys.executable, "-m", "capstan.runtime.cli", "serve", *model, "--port", str(port), *flags]
     t0 = time.monotonic()
     with open(log, "w") as out:
@@ -80,7 +82,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="capstan-first-answer-") as tmp:
         for r in range(a.rounds):
-            cache = Path(tmp) / f"xla-{r}"
+            cache = Path(tmp) / f"cache-{r}"
             for kind in ("cold", "warm"):
                 run = one_start(cache, model, a.flags, Path(tmp) / f"serve-{r}-{kind}.log")
                 runs[kind].append(run)

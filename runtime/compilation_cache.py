@@ -7,8 +7,8 @@ sub-second ones too (JAX's default keeps only those that took a second or more):
 compiling is a few hundred milliseconds sooner.
 
 XLA:CPU compiles for the host's instruction set, which JAX's key does not include (XLA refuses, with an error in
-the log, a program compiled for features the host lacks), so programs baked into an image (`make image`, under
-CAPSTAN_BAKED_PROGRAMS) sit in a folder named for the CPU that compiled them, and a start copies them into its
+the log, a program compiled for features the host lacks), so programs baked into an image (under
+CAPSTAN_BAKED_PROGRAMS; `make image` does not bake them yet) sit in a folder named for the CPU that compiled them, and a start copies them into its
 cache only on a CPU with the same features."""
 
 from __future__ import annotations
