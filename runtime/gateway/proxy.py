@@ -109,7 +109,7 @@ class Gateway:
         access = self.access
         client = access.authenticate(request.headers.get("authorization")) if access else None
         raw = await request.body()
-        body = _parse_body(raw)
+        body = parse_request_body(raw)
         model = body["model"]
         try:
             return await self._forward(request, path, model, body, raw, arrival, client)
@@ -339,7 +339,7 @@ class Gateway:
         }
 
 
-def _parse_body(raw: bytes) -> dict:
+def parse_request_body(raw: bytes) -> dict:
     """The body by the server's own rule (json_body.py): what it refuses with a 400, the gateway refuses alike."""
     try:
         body = parse_json_body(raw)

@@ -4,14 +4,14 @@ PickError with the HTTP status the client gets."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 
+from ..gateway.proxy import parse_request_body
 from ..gateway.routing_policy import DEFAULT_PREFIX_CHARS, routing_key
-from ..server.json_body import BodyError, parse_json_body
+from ..server.error_body import APIError
 from .ext_proc_replies import SUBSET_KEY, SUBSET_NAMESPACE, metadata_value
 
 
@@ -79,18 +79,9 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     """The body by the server's own rule (server/json_body.py): what a replica refuses with a 400, so does the
     picker, before a replica is bothered."""
     try:
-        body = parse_json_body(raw)
-    except BodyError as error:
-        raise PickError(400, str(error.detail)) from None
-    except json.JSONDecodeError as error:
-        raise PickError(400, f"malformed JSON body: {error}") from None
-    if not isinstance(body, dict):
-        raise PickError(400, "the request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise PickError(
-            400, "`model` is required: the name of the model to use (GET /v1/models lists them)", param="model"
-        )
-    return body
+        return parse_request_body(raw)
+    except APIError as error:
+        raise PickError(error.status, error.message, code=error.code, param=error.param) from None
 
 
 def subset_hint(metadata: base_pb2.Metadata | None) -> frozenset[str] | None:
