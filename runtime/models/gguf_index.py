@@ -21,10 +21,10 @@ from typing import Any
 import gguf
 import numpy as np
 
+from ..config import GGUF_INDEXES  # beside the compiled programs (XDG_CACHE_HOME/capstan/gguf)
+
 log = logging.getLogger("capstan")
 INDEX_FORMAT = 1  # bump when what an index holds changes
-# beside the compiled programs (config.COMPILATION_CACHE: XDG_CACHE_HOME/capstan/xla)
-GGUF_INDEXES = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capstan" / "gguf"
 KEEP_INDEXES = 32  # the newest; older ones go when one is added (files a test wrote and removed leave theirs)
 
 
