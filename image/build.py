@@ -9,7 +9,8 @@ is instant, and a change to Capstan's sources rebuilds only its own layer.
     python3 image/build.py [--variant cpu|cuda|tpu]     # prints the archive's path, then its image name
 
 A variant with a check (IMAGE_CHECKS) runs it with the image's Python, user and environment in the finished root
-filesystem before packing it: an image that fails it is never cached.
+filesystem before packing it: an image that fails it is never cached. The CPU image also bakes its default
+model's compiled programs in the same way (image/bake_programs.py), so that a pod of it compiles nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ USER_ID = 65532  # the chart's runAsUser
 VENV = "/opt/capstan"
 EMBEDDED_TINY_MODEL = f"{VENV}/lib/python3.11/site-packages/capstan/runtime/default_model"  # random weights
 IMAGE_NAME = "localhost/capstan"
+BAKED = f"{VENV}/programs"  # the default model's compiled programs, per CPU, and its GGUF index
 ENV = {
     "PATH": f"{VENV}/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     # Writable places on a read-only root filesystem: /tmp (an emptyDir) and the operator's cache volume.
@@ -49,6 +51,7 @@ ENV = {
     "XDG_CACHE_HOME": "/tmp/.cache",
     "HF_HOME": "/tmp/.cache/huggingface",
     "JAX_COMPILATION_CACHE_DIR": "/tmp/.cache/jax",
+    "CAPSTAN_BAKED_PROGRAMS": BAKED,  # copied into a pod's caches at start (runtime/compilation_cache.py)
     "PYTHONDONTWRITEBYTECODE": "1",  # the .pyc files are compiled at build time
     "PYTHONUNBUFFERED": "1",
 }
@@ -56,7 +59,9 @@ SOURCE_FOLDERS = ["capstan", "runtime", "operator"]  # the package-dir folders o
 VARIANTS = ["cpu", "cuda", "tpu"]
 # No TPU here: the TPU image shows that jax finds libtpu's plugin and compiles for a TPU slice with it.
 IMAGE_CHECKS = {"tpu": HERE / "tpu_check.py"}
-CHECK_TIMEOUT_SECONDS = 600
+# Only the CPU image: XLA:CPU compiles for the build machine's CPU, where the pods of this project's tests run
+BAKES = {"cpu": HERE / "bake_programs.py"}
+CHECK_TIMEOUT_SECONDS = 900  # the bake: ~3 min on a busy 2-core machine
 CLEAN_ENV = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"]  # none of the host's PIP_* settings in the chroot
 IN_CHROOT = 'chroot "$1" ' + " ".join(CLEAN_ENV)  # in mmdebstrap's hooks, "$1" is the root filesystem
 
@@ -106,6 +111,7 @@ def image_hash(variant: str) -> str:
     """The whole image's inputs: the base's, this recipe, and Capstan's own sources."""
     files = [HERE / "build.py", REPO / "pyproject.toml", REPO / "README.md"]
     files += [IMAGE_CHECKS[variant]] if variant in IMAGE_CHECKS else []
+    files += [BAKES[variant]] if variant in BAKES else []
     for folder in SOURCE_FOLDERS:
         files += sorted(p for p in (REPO / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     return _hash(files, base_hash(variant))
@@ -263,9 +269,11 @@ def run_image_check(rootfs: Path, check: Path, user: str, env: list[str]) -> sub
     return result
 
 
-def add_capstan_layer(base: Path, layout: Path, reference: str, check: Path | None = None, log=print) -> None:
+def add_capstan_layer(
+    base: Path, layout: Path, reference: str, check: Path | None = None, log=print, bake: Path | None = None
+) -> None:
     """Capstan's wheel built from this tree, installed over the base as one more layer, and the config; check (a
-    script) then runs in the finished root filesystem."""
+    script) then runs in the finished root filesystem, and bake (a script) fills BAKED there."""
     shutil.copytree(base, layout, copy_function=os.link)  # blobs are content-addressed: link, don't copy
     for name in ("index.json", "oci-layout"):  # the files umoci rewrites get copies of their own
         (layout / name).unlink()
@@ -305,6 +313,8 @@ def add_capstan_layer(base: Path, layout: Path, reference: str, check: Path | No
         if result.returncode:
             raise SystemExit(f"the image's check {check.name} failed:\n{result.stdout}{result.stderr}")
         log(f"{check.name}: {result.stdout.strip()}")
+    if bake is not None:
+        bake_programs(rootfs, bake, log)
     pin_mtimes(rootfs)
     run("umoci", "repack", *history("Capstan"), "--image", image, str(bundle))
     run(
@@ -326,6 +336,23 @@ def add_capstan_layer(base: Path, layout: Path, reference: str, check: Path | No
     shutil.rmtree(bundle)
 
 
+def bake_programs(rootfs: Path, bake: Path, log) -> None:
+    """bake run as the image's user into BAKED, which then belongs to root and is only read."""
+    baked = rootfs / BAKED.lstrip("/")
+    baked.mkdir()
+    os.chown(baked, USER_ID, USER_ID)
+    result = run_image_check(rootfs, bake, f"{USER_ID}:{USER_ID}", [f"{k}={v}" for k, v in ENV.items()])
+    if result.returncode:
+        raise SystemExit(f"{bake.name} failed:\n{result.stdout}{result.stderr}")
+    for folder, _, files in os.walk(baked):
+        os.chown(folder, 0, 0)
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chown(os.path.join(folder, name), 0, 0)
+            os.chmod(os.path.join(folder, name), 0o644)
+    log(f"{bake.name}: {result.stdout.strip()}")
+
+
 def build_image(variant: str = "cpu", log=print) -> tuple[Path, str]:
     """The cached OCI archive of this tree's image, and its name; builds what its inputs' change needs."""
     reference = image_reference(variant)
@@ -344,7 +371,7 @@ def build_image(variant: str = "cpu", log=print) -> tuple[Path, str]:
         work = folder / "work"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
-        add_capstan_layer(base, work / "oci", reference, IMAGE_CHECKS.get(variant), log)
+        add_capstan_layer(base, work / "oci", reference, IMAGE_CHECKS.get(variant), log, BAKES.get(variant))
         run(
             "skopeo",
             "copy",
