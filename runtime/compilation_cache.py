@@ -22,7 +22,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from .config import COMPILATION_CACHE, GGUF_INDEXES
+from .config import COMPILATION_CACHE
+from .gguf_metadata import GGUF_INDEXES
 
 log = logging.getLogger("capstan")
 BAKED_PROGRAMS = "CAPSTAN_BAKED_PROGRAMS"  # a folder of <cpu_fingerprint()>/ folders of compiled programs

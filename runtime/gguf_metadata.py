@@ -6,8 +6,12 @@ the key/value section once, keeps the keys asked for and skips the rest. Layout:
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from pathlib import Path
+
+# Where models/gguf_index.py keeps GGUF files' parsed metadata: beside the compiled programs (config.COMPILATION_CACHE)
+GGUF_INDEXES = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capstan" / "gguf"
 
 MAGIC = b"GGUF"
 # value type -> struct code of one scalar (8: string, 9: array are read apart)

@@ -11,6 +11,7 @@ REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"  # every compilat
 HITS = "/jax/compilation_cache/cache_hits"  # those it answered
 _counts = {REQUESTS: 0, HITS: 0}
 _lock = threading.Lock()
+_thread = threading.local()  # the hits of the thread that compiles (JAX records them in it)
 _listening = False
 
 
@@ -18,6 +19,13 @@ def _count(event: str, **_) -> None:
     if event in _counts:
         with _lock:
             _counts[event] += 1
+    if event == HITS:
+        _thread.hits = getattr(_thread, "hits", 0) + 1
+
+
+def hits_in_this_thread() -> int:
+    """The cache's answers to this thread's compilations since counting started."""
+    return getattr(_thread, "hits", 0)
 
 
 def count_compilations() -> None:

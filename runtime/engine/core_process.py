@@ -108,6 +108,8 @@ class EngineCore:
                 self._broadcast(Dead(f"the engine could not start: {e}", self.core))
                 return 1
             log.exception("the engine core failed; its frontends answer /health with 503 so that the pod restarts")
+            if self.engine is not None and self.engine.program_store is not None:
+                self.engine.program_store.forget_loaded()
             self._broadcast(Dead(f"the engine failed ({type(e).__name__}); this server is restarting", self.core))
             return 1
         finally:

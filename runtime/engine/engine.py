@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from ..scheduling.sequence import Sequence
 from ..speculative.draft_model import load_draft
 from ..speculative.speculator import Speculator
 from ..tokenizer import Tokenizer
+from . import program_store
 from .choice_text import ChoiceText
 from .compile_counts import describe
 from .embedder import Embedder
@@ -45,6 +47,7 @@ from .errors import ModelNotFoundError
 from .input_processor import EngineRequest, InputProcessor, ModelLimits
 from .multi_step import MultiStepDecoder
 from .outputs import CompletionOutput, RequestOutput
+from .program_store import ProgramStore
 from .step import step_fn
 from .warmup import BackgroundWarmup, Program
 
@@ -173,6 +176,8 @@ class LLMEngine:
         self.generation_tokens = 0
         self.compile_seconds = 0.0
         self.warming: BackgroundWarmup | None = None  # serve's warm-up while it still compiles: run compiled programs
+        self.program_store: ProgramStore | None = None  # serve's first programs kept whole (program_store.py)
+        self.stored_steps: dict[tuple, jax.stages.Compiled] = {}  # (variant, inputs' layout) -> a program it loaded
 
     def _enable_lora(self, checkpoint_cfg) -> None:
         """The manager of the model's adapter slots (whole on every device under tensor parallelism), and the
@@ -400,6 +405,9 @@ class LLMEngine:
             return self.warmup()
         start = time.monotonic()
         warming = BackgroundWarmup(self._precision)
+        cache = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # set at run time
+        if cache and program_store.AVAILABLE:
+            self.program_store = ProgramStore(Path(cache), str(self.dtype))
         first, rest = self._programs()
         warming.compile_now(first)
         if self.scheduler.offload is not None:  # the copies between the tiers
@@ -408,10 +416,11 @@ class LLMEngine:
         warming.start(rest)
         self.compile_seconds = time.monotonic() - start
         log.info(
-            "compiled the %d program(s) a first request needs in %.1f s (%s); %d more compile in the background "
+            "compiled the %d program(s) a first request needs in %.1f s (%s%s); %d more compile in the background "
             "while serving (until then a compiled program stands in: larger token buckets, single decode steps)",
             len(first),
             self.compile_seconds,
+            f"{len(self.stored_steps)} loaded whole from the program store, " if self.stored_steps else "",
             describe(warming.counted_from),
             len(rest),
         )
@@ -423,8 +432,8 @@ class LLMEngine:
         decoding of a few rows, larger token buckets, then the other row buckets and the grammar pipeline)."""
         b, variants = self.builder, self._variants()
         first_bucket, small = b.bucket_for(b.S), b.row_buckets[:-1]
-        first = [self._step_program(v, first_bucket, None) for v in variants]
-        first += [self._step_program(v, r, r) for v in variants for r in small[:1]]
+        first = [self._step_program(v, first_bucket, None, stored=True) for v in variants]
+        first += [self._step_program(v, r, r, stored=True) for v in variants for r in small[:1]]
         rest = [self._step_program(v, r, r) for v in variants for r in small[1:]]
         near, far = self.multi_step.programs(variants) if self.config.decode_steps > 1 else ([], [])
         tokens = [self._step_program(v, t, None) for t in b.buckets if t != first_bucket for v in variants]
@@ -442,9 +451,21 @@ class LLMEngine:
             return "model"
         return "lora" if any(c.seq.lora is not None for c in chunks) else "base"
 
-    def _step_program(self, variant: str, bucket: int, rows: int | None) -> Program:
+    def _step_program(self, variant: str, bucket: int, rows: int | None, stored: bool = False) -> Program:
+        """stored: loaded from the program store when it has it, else compiled and then kept there."""
         inputs, model = self.builder.build([], bucket=bucket, rows=rows), self._variants()[variant]
-        return Program(("step", variant, bucket, rows), lambda: [step_fn.lower(model(), self._kv, inputs)])
+        key, store = ("step", variant, bucket, rows), self.program_store
+        lower = lambda: [step_fn.lower(model(), self._kv, inputs)]  # noqa: E731
+        if not stored or store is None:
+            return Program(key, lower)
+
+        def load() -> bool:
+            compiled = store.load(key, (model(), self._kv, inputs))
+            if compiled is not None:
+                self.stored_steps[(variant, inputs.layout)] = compiled
+            return compiled is not None
+
+        return Program(key, lower, load, lambda compiled: store.save(key, (model(), self._kv, inputs), compiled[0]))
 
     def compiled(self, key) -> bool:
         """Whether the program of this key may run now: any may, unless serve's warm-up still compiles some."""
@@ -536,8 +557,9 @@ class LLMEngine:
         chunks, inputs = self._build(chunks, bucket=bucket, rows=small)
         if not chunks:
             return []
+        run = self.stored_steps.get((variant, inputs.layout), step_fn) if self.stored_steps else step_fn
         with self._precision():
-            self.kv, out = step_fn(self.model_for(chunks), self.kv, inputs)
+            self.kv, out = run(self.model_for(chunks), self.kv, inputs)
         return self.apply_step(chunks, self.fetch(out))
 
     def apply_step(self, chunks: list[ScheduledChunk], out: StepOutputs) -> list[RequestOutput]:

@@ -5,7 +5,8 @@ Each program is compiled ahead of time (`jit(f).lower(args).compile()`, with the
 the call later finds it in JAX's caches) and nothing runs on the device from the thread. Until a program is
 compiled the engine runs one that is (LLMEngine.compiled): a larger token bucket, single steps instead of a
 multi-step decode, the general step instead of a small one; each gives the same tokens. A program whose
-compilation fails is logged and never run: its stand-in serves for good."""
+compilation fails is logged and never run: its stand-in serves for good. A program the engine keeps whole
+(program_store.py) may load instead of compiling; keeping one it compiled waits for the thread."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
-from .compile_counts import compilations, count_compilations, describe
+from .compile_counts import compilations, count_compilations, describe, hits_in_this_thread
 
 log = logging.getLogger("capstan.engine")
 
@@ -31,6 +32,8 @@ class Program:
 
     key: Hashable
     lower: Callable[[], Iterable]  # the lowered computations (jax.stages.Lowered) the key needs, in order
+    load: Callable[[], bool] | None = None  # the program from the engine's store, without tracing: True if it did
+    keep: Callable[[list], None] | None = None  # stores what compiled (jax.stages.Compiled, in order) for later starts
 
 
 class BackgroundWarmup:
@@ -40,6 +43,7 @@ class BackgroundWarmup:
         self._ready: set[Hashable] = set()
         self._failed: set[Hashable] = set()
         self._queue: list[Program] = []
+        self._keeps: list[Callable[[], None]] = []  # what compile_now compiled, stored by the thread (off the path)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -49,9 +53,22 @@ class BackgroundWarmup:
 
     def compile_now(self, programs: list[Program]) -> None:
         """Compiles these now (what the first request needs), side by side: XLA's compiler releases the GIL, so two
-        programs compile on two cores; a failure here propagates."""
+        programs compile on two cores; a failure here propagates. A program its load gives is not compiled."""
+
+        def load_or_compile(program: Program) -> None:
+            if program.load is not None and program.load():
+                return
+            hits = hits_in_this_thread()
+            compiled = self._compile(program)
+            # XLA:CPU writes a broken copy of a program it read from JAX's cache ("Function ... not found" when it
+            # runs): only programs compiled here are kept
+            if program.keep is not None and hits_in_this_thread() == hits:
+                keep = program.keep
+                with self._lock:
+                    self._keeps.append(lambda: keep(compiled))
+
         with ThreadPoolExecutor(max(1, min(len(programs), os.cpu_count() or 1))) as pool:
-            futures = [pool.submit(self._compile, program) for program in programs]
+            futures = [pool.submit(load_or_compile, program) for program in programs]
         for program, future in zip(programs, futures, strict=True):
             future.result()
             self._ready.add(program.key)
@@ -60,7 +77,7 @@ class BackgroundWarmup:
         """Compiles these in order in a thread of its own."""
         self._queue = list(programs)
         self.started = time.monotonic()
-        if self._queue:
+        if self._queue or self._keeps:
             self._thread = threading.Thread(target=self._run, name="capstan-warmup", daemon=True)
             self._thread.start()
 
@@ -68,9 +85,9 @@ class BackgroundWarmup:
         return key in self._ready
 
     def compiling(self) -> int:
-        """Programs not compiled yet (queued, or being compiled now)."""
+        """Programs not compiled (queued, or being compiled now) or not stored yet."""
         with self._lock:
-            return len(self._queue)
+            return len(self._queue) + len(self._keeps)
 
     def done(self) -> bool:
         return self.compiling() == 0
@@ -84,6 +101,7 @@ class BackgroundWarmup:
         with self._lock:
             self._stopped = True
             del self._queue[1:]  # the head is the program being compiled
+            self._keeps.clear()
         return self._thread is None or not self._thread.is_alive()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -92,16 +110,24 @@ class BackgroundWarmup:
             self._thread.join(timeout)
         return self.done()
 
-    def _compile(self, program: Program) -> None:
+    def _compile(self, program: Program) -> list:
         with self._context():
-            for lowered in program.lower():
-                lowered.compile()
+            return [lowered.compile() for lowered in program.lower()]
 
     def _run(self) -> None:
         # the lowest CPU priority (Linux: a thread's own; the compiler's threads inherit it): requests served
         # meanwhile keep the cores
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:  # the first request's programs are stored first: the next start needs them soonest
+            with self._lock:
+                if not self._keeps or self._stopped:
+                    break
+                keep = self._keeps[0]
+            keep()  # (best effort: the store logs what it could not keep)
+            with self._lock:
+                if self._keeps:
+                    self._keeps.pop(0)
         total = len(self._queue)
         while True:
             with self._lock:

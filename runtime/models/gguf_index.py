@@ -21,7 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from ..config import GGUF_INDEXES  # beside the compiled programs (XDG_CACHE_HOME/capstan/gguf)
+from ..gguf_metadata import GGUF_INDEXES
 
 log = logging.getLogger("capstan")
 INDEX_FORMAT = 1  # bump when what an index holds changes

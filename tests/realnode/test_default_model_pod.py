@@ -86,8 +86,8 @@ def test_the_images_default_model_pod_compiles_nothing(real_cluster, image, name
     assert done
     log = logs()
     assert re.search(r"[1-9]\d* compiled program\(s\) of the image's default model copied", log), log[-4000:]
-    # the first request's programs and then every other one: all from the image, none compiled here
-    assert re.search(r"needs in [\d.]+ s \([1-9]\d* loaded from the compilation cache, 0 compiled\)", log), log[-4000:]
+    # the first request's programs (kept whole: not even traced) and then every other one: all from the image
+    assert re.search(r"needs in [\d.]+ s \(2 loaded whole from the program store, nothing compiled\)", log), log[-4000:]
     assert re.search(r"since the start: [1-9]\d* loaded from the compilation cache, 0 compiled\)", log), log[-4000:]
     container = pod["status"]["containerStatuses"][0]
     ready_at = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")["lastTransitionTime"]

@@ -1,0 +1,59 @@
+"""The programs serve's first request needs, kept whole (engine/program_store.py): a second start loads them without
+tracing and gives the same tokens as the start that compiled them; a program read from JAX's own cache is never
+kept (XLA:CPU writes a broken copy of it); a damaged file is removed and its program compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from capstan.runtime.engine.program_store import PREFIX
+
+START = """
+import json, logging, sys
+from capstan.runtime.config import DEFAULT_MODEL
+from capstan.runtime.engine.llm import LLM
+from capstan.runtime.sampling.sampling_params import SamplingParams
+logging.basicConfig(level=logging.WARNING)
+llm = LLM(str(DEFAULT_MODEL), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+engine = llm.engine
+engine.start_warmup()
+stored = len(engine.stored_steps)
+requests = [
+    ("The capital of France is", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+    ("Hello", SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.3, seed=3,
+                             ignore_eos=True)),
+]
+outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+assert engine.warming is None or engine.warming.join(300)
+print(json.dumps({"stored": stored, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+def start(cache) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)  # empty at first: the first start compiles every program
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_second_start_loads_the_first_programs_whole_and_gives_the_same_tokens(tmp_path):
+    first = start(tmp_path)
+    kept = sorted(p for p in tmp_path.iterdir() if p.name.startswith(PREFIX))
+    assert first["stored"] == 0 and len(kept) == 2  # the first bucket's program and one decode row's
+    second = start(tmp_path)
+    assert second["stored"] == 2 and second["tokens"] == first["tokens"]
+
+    kept[0].write_bytes(b"not a program")  # damaged: removed with a warning, and the program compiled instead
+    third = start(tmp_path)
+    assert third["stored"] == 1 and third["tokens"] == first["tokens"]
+    # JAX's cache answered that compilation, and XLA's copy of a program it read back is not kept
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(PREFIX)] == [kept[1]]
