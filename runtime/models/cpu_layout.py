@@ -6,20 +6,28 @@ CPUs): what XLA's CPU matrix-vector loops read fastest (quantization.cpu_int8_ma
   228 against 16 us; SmolLM2-135M: 9 of a decode step's 24 ms).
 - The LM head is quantized to INT8 in Q8_0's blocks of 32 as well (the embedding table stays: lookups read a row):
   at one row it is the largest matrix (the tied 49,152 x 576 table: 113 MB a step in float32, 28 MB in INT8).
+- Where the native kernel is built (kernels/cpu_block_matmul.py, `make setup`), every weight in blocks of 32
+  (Q4_1, Q8_0, the LM head's) becomes a CpuBlockWeight: packed as that kernel reads it (Q4_1 two values a byte),
+  multiplied with int8 dot products on all of the host's cores, with CAPSTAN_CPU_NATIVE_MATMUL=1 (NATIVE_MATMUL).
 Only for one device: tensor parallelism splits weights by the axes this merges."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import equinox as eqx
 import haliax as hax
 import jax
 
+from ..kernels import cpu_block_matmul
+from .cpu_block_weight import CpuBlockWeight
 from .decoder import DecoderModel
 from .quantization import QuantizedWeight, flat_axis_name, quantize_blocks
 
 Q8_0_BLOCK = 32  # the LM head's blocks: GGUF Q8_0's
+# "1": the native kernel where it is built; "0" (default until it is measured faster end to end): XLA's loops
+NATIVE_MATMUL = os.environ.get("CAPSTAN_CPU_NATIVE_MATMUL", "0")
 
 
 def _int8(w) -> bool:
@@ -54,4 +62,15 @@ def cpu_int8_layout(model: DecoderModel) -> DecoderModel:
         head = QuantizedWeight(
             hax.named(q.values, head.axes), hax.named(q.scale, (head.axes[0], blocks)), block=Q8_0_BLOCK
         )
+    if NATIVE_MATMUL != "0" and cpu_block_matmul.available():
+        layers = jax.tree.map(_native, layers, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+        head = _native(head)
     return dataclasses.replace(model, layers=layers, lm_head=head)
+
+
+def _native(w):
+    """A weight in blocks of 32, its contracted axes flattened into its last (all of them, after _flat_o_proj), as
+    the native kernel reads it; anything else unchanged."""
+    if _int8(w) and w.block == cpu_block_matmul.BLOCK and w.weight.ndim >= 2:
+        return CpuBlockWeight.from_quantized(w, contracted=1)
+    return w

@@ -191,7 +191,7 @@ def lm_logits(
     """Next-token logits in float32 for hidden[..., Embed]; head is [Vocab, Embed] (INT8 on CPUs with INT8 weights:
     cpu_layout.py). Under tensor parallelism each device computes its vocabulary rows' logits, left split (the
     caller gathers them: DecoderModel.logits)."""
-    if isinstance(head, QuantizedWeight):
+    if not isinstance(head, NamedArray):  # QuantizedWeight, or CpuBlockWeight (cpu_layout.py)
         logits = linear(hidden.astype(jnp.float32), head, axis=ax.Embed)
     elif model_parallel_size() == 1:
         logits = hax.dot(hidden, head, axis=ax.Embed, preferred_element_type=jnp.float32).astype(jnp.float32)

@@ -24,7 +24,7 @@ from haliax import NamedArray
 
 from .config import ModelConfig
 from .folded_weight import FoldedWeight
-from .quantization import QuantizedWeight, as_matrices, folded_matmul
+from .quantization import as_matrices, folded_matmul
 from .quantization import linear as base_linear
 
 # the projections a block has (Hugging Face's module names, ModelConfig.linear_shapes), q/k/v and gate/up in the order
@@ -324,7 +324,7 @@ class LayerAdapters(eqx.Module):
         if isinstance(w, FoldedWeight):
             base, tail = folded_matmul(x, w, axis)
         else:
-            if kind not in FOLD or isinstance(w, QuantizedWeight) or T > GATHER_MAX_TOKENS:
+            if kind not in FOLD or not isinstance(w, NamedArray) or T > GATHER_MAX_TOKENS:
                 return None
             m = as_matrices(x, w, axis)
             if m is None or m.rows != T:

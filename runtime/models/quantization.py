@@ -153,6 +153,8 @@ def linear(x: NamedArray, w: NamedArray | QuantizedWeight, axis) -> NamedArray:
     applies (by default GGUF Q8_0 blocks); on CPUs an INT8 weight's without a float copy (cpu_int8_matmul)."""
     if isinstance(w, FoldedWeight):  # a LoRA engine's weight with its slots' A rows: the base's columns alone
         return folded_matmul(x, w, axis)[0]
+    if not isinstance(w, (NamedArray, QuantizedWeight)):  # cpu_block_weight.CpuBlockWeight: the native CPU kernel
+        return w(x, axis)
     y = _in_gemv_kernel(x, w, axis)
     if y is None:
         y = cpu_int8_matmul(x, w, axis)

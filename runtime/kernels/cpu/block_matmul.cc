@@ -1,0 +1,367 @@
+// Decode-step matmuls on CPU with the weights in GGUF's blocks of 32 (Q4_1, Q8_0), as llama.cpp's vec_dot kernels
+// do them: the activations quantized to int8 per block of 32 (with a scale, and for Q4_1 their sum: q8_1), int8
+// dot products (AVX-512 VNNI / AVX-VNNI vpdpbusd, else AVX2, else plain C, picked at run time: one binary for any
+// x86-64), every weight block read once per call for all of the call's rows, and the output columns split over a
+// small persistent thread pool. Called from jitted programs through XLA FFI (runtime/kernels/cpu_block_matmul.py).
+//
+// y[r, j] = sum_b  d[j, b] * dx[r, b] * dot(w[j, b], xq[r, b])  +  sum_b  m[j, b] * sx[r, b]
+//   Q4_1: w the block's nibbles 0..15 (value = d * w + m), sx = dx * sum(xq): the minimum times the block's sum.
+//   Q8_0: w int8 (value = d * w); on VNNI the dot is u8 x s8, so x goes in as xq + 128, and m = -128 * d * sum(w)
+//         (computed at load) with sx = dx takes the bias back out; on AVX2 and in C the dot is signed: no m term.
+// The weight is laid out at load (cpu_block_matmul.pack) in groups of 8 output columns (n padded to a multiple of 8):
+//   Q4_1 w [n / 8, nb, 4 (g), 8 (column), 4] bytes: byte t of column c holds input 4g + t low, 16 + 4g + t high;
+//   Q8_0 w [n / 8, nb, 8 (g), 8 (column), 4] int8: inputs 4g .. 4g + 3 of each column;
+//   d, m [n / 8, nb, 8 (column)] float32.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kQ4_1 = 0;
+constexpr int kQ8_0 = 1;
+constexpr int64_t kBlock = 32;
+
+struct Problem {
+  int kind;
+  int64_t rows, k, n, nb;  // n: the output's columns (the weight's, less its padding)
+  const uint8_t* w;  // in groups of 8 columns: see the file's comment
+  const float* d;    // [n / 8, nb, 8] weight scales
+  const float* m;    // [n / 8, nb, 8] the offset term's weights (see the file's comment)
+  const int8_t* xq;  // [rows, k] activations quantized per block
+  const uint8_t* xu; // [rows, k] xq + 128 (Q8_0's u8 operand on VNNI)
+  const float* dx;   // [rows, nb] activation scales
+  const float* sx;   // [rows, nb] Q4_1: dx * sum(xq); Q8_0: dx
+  float* y;          // [rows, n]
+};
+
+// The portable path: the same arithmetic in plain C (any CPU; the tests compare it with the vector paths).
+void columns_scalar(const Problem& p, int64_t g0, int64_t g1) {
+  const int64_t nb = p.nb;
+  for (int64_t j = g0 * 8; j < std::min(p.n, g1 * 8); ++j) {
+    const int64_t g = j / 8, c = j % 8;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* x = p.xq + r * p.k + b * kBlock;
+        int32_t dot = 0;
+        for (int i = 0; i < 8; ++i) {  // 4-byte groups of the column's block
+          for (int t = 0; t < 4; ++t) {
+            if (p.kind == kQ4_1) {
+              if (i >= 4) continue;
+              const uint8_t v = p.w[(((g * nb + b) * 4 + i) * 8 + c) * 4 + t];
+              dot += (v & 0x0f) * x[4 * i + t] + (v >> 4) * x[16 + 4 * i + t];
+            } else {
+              const int8_t v = static_cast<int8_t>(p.w[(((g * nb + b) * 8 + i) * 8 + c) * 4 + t]);
+              dot += v * x[4 * i + t];
+            }
+          }
+        }
+        const int64_t at = (g * nb + b) * 8 + c;
+        acc += p.d[at] * p.dx[r * nb + b] * static_cast<float>(dot);
+        if (p.kind == kQ4_1) acc += p.m[at] * p.sx[r * nb + b];
+      }
+      p.y[r * p.n + j] = acc;
+    }
+  }
+}
+
+#define BODY_CAT2(a, b) a##b
+#define BODY_CAT(a, b) BODY_CAT2(a, b)
+#define BODY_FN(suffix) BODY_CAT(BODY_NAME, suffix)
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define BODY_NAME columns_avx2
+#define BODY_VNNI 0
+#include "block_matmul_body.inc"
+#undef BODY_NAME
+#undef BODY_VNNI
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+#define BODY_NAME columns_avxvnni
+#define BODY_VNNI 1
+#define BODY_DPBUSD _mm256_dpbusd_avx_epi32
+#include "block_matmul_body.inc"
+#undef BODY_NAME
+#undef BODY_VNNI
+#undef BODY_DPBUSD
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#define BODY_NAME columns_avx512vnni
+#define BODY_VNNI 1
+#define BODY_DPBUSD _mm256_dpbusd_epi32
+#include "block_matmul_body.inc"
+#undef BODY_NAME
+#undef BODY_VNNI
+#undef BODY_DPBUSD
+#pragma GCC pop_options
+
+using Columns = void (*)(const Problem&, int64_t, int64_t);
+
+struct Isa {
+  const char* name;
+  Columns columns;
+  bool vnni;  // Q8_0's dot is u8 x s8 (x + 128, the m term) rather than signed
+  bool supported;
+};
+
+std::vector<Isa> isas() {  // best first
+  __builtin_cpu_init();
+  return {
+      {"avx512vnni", columns_avx512vnni, true,
+       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")},
+      {"avxvnni", columns_avxvnni, true,
+       __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")},
+      {"avx2", columns_avx2, false, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")},
+      {"scalar", columns_scalar, false, true},
+  };
+}
+
+// A few threads that stay alive between calls (a decode step makes ~120 of these calls). A call's columns are cut
+// into chunks that every thread, the caller included, claims one at a time: on a shared machine a worker that is not
+// scheduled leaves its share to the others instead of holding the call up. Idle workers spin briefly (a step's next
+// matmul follows within microseconds), then sleep on a condition variable (between steps).
+class Pool {
+ public:
+  explicit Pool(int threads, int spin_us) : threads_(std::max(1, threads)), spin_us_(spin_us) {
+    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { work(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_.store(true);
+      claims_.fetch_add(kGeneration);
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int threads() const { return threads_; }
+
+  // fn(chunk) for chunk in [0, chunks), on the caller and the workers; all on the caller when another call holds
+  // the pool (XLA may run independent matmuls at once: they share the cores instead of queueing).
+  void run(int64_t chunks, const std::function<void(int64_t)>& fn) {
+    if (chunks <= 1 || threads_ == 1 || busy_.test_and_set(std::memory_order_acquire)) {
+      for (int64_t i = 0; i < chunks; ++i) fn(i);
+      return;
+    }
+    // the last call's generation closed first: a late worker holding its count cannot claim with this call's
+    claims_.store(generation_ | (kGeneration - 1), std::memory_order_seq_cst);
+    task_.store(&fn, std::memory_order_relaxed);
+    chunks_.store(chunks, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);  // pairs with a worker's check before it sleeps
+      generation_ += kGeneration;
+      claims_.store(generation_, std::memory_order_seq_cst);  // a new generation, no chunk claimed
+    }
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) wake_.notify_all();
+    drain(generation_, &fn, chunks);
+    while (done_.load(std::memory_order_acquire) < chunks) _mm_pause();
+    busy_.clear(std::memory_order_release);
+  }
+
+ private:
+  static constexpr uint64_t kGeneration = uint64_t{1} << 32;  // claims_: generation above, chunks claimed below
+
+  // Claims and runs chunks of `generation` until none is left (a claim is a compare-and-swap on the generation too:
+  // a worker that wakes late cannot take a chunk of a later call with an earlier call's task).
+  void drain(uint64_t generation, const std::function<void(int64_t)>* fn, int64_t chunks) {
+    uint64_t v = claims_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((v & ~(kGeneration - 1)) != generation || static_cast<int64_t>(v - generation) >= chunks) return;
+      if (!claims_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      (*fn)(static_cast<int64_t>(v - generation));
+      done_.fetch_add(1, std::memory_order_acq_rel);
+      v = claims_.load(std::memory_order_acquire);
+    }
+  }
+
+  void work() {
+    uint64_t seen = 0;
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      int spins = 0;
+      auto current = [&] { return claims_.load(std::memory_order_acquire) & ~(kGeneration - 1); };
+      while (current() == seen) {
+        _mm_pause();
+        if (++spins % 256 == 0 && std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          sleeping_.fetch_add(1, std::memory_order_seq_cst);
+          wake_.wait(lock, [&] { return current() != seen; });
+          sleeping_.fetch_sub(1, std::memory_order_seq_cst);
+        }
+      }
+      seen = current();
+      if (stop_.load()) return;
+      const auto* fn = task_.load(std::memory_order_relaxed);  // this generation's: see drain
+      drain(seen, fn, chunks_.load(std::memory_order_relaxed));
+    }
+  }
+
+  const int threads_;
+  const int spin_us_;
+  std::vector<std::thread> workers_;
+  std::atomic_flag busy_ = ATOMIC_FLAG_INIT;
+  uint64_t generation_ = 0;  // the caller's (under busy_)
+  std::atomic<uint64_t> claims_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int64_t> chunks_{0};
+  std::atomic<const std::function<void(int64_t)>*> task_{nullptr};
+  std::atomic<int> sleeping_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex mutex_;
+  std::condition_variable wake_;
+};
+
+Pool* pool = nullptr;
+Isa chosen = {"scalar", columns_scalar, false, true};
+// Below this many multiply-adds a call runs on the caller alone (waking a worker costs more than it saves).
+int64_t min_parallel_macs = 1 << 17;
+
+inline float to_half(float v) { return static_cast<float>(static_cast<_Float16>(v)); }  // rounded to nearest even
+
+// Each row's blocks of 32 as int8 with one scale, as llama.cpp's quantize_row_q8_1 / q8_0 do it (to the bit, so its
+// rounding noise and ours are the same noise: tests/test_gguf_parity.py): q = round-to-even(x * 127 / amax), the
+// scale amax / 127 and Q4_1's block sum scale * sum(q) both stored as float16.
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, uint8_t* xu, float* dx, float* sx,
+                   bool q4_1) {
+  const int64_t nb = k / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + r * k + b * kBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      int8_t* q = xq + r * k + b * kBlock;
+      uint8_t* u = xu + r * k + b * kBlock;
+      for (int i = 0; i < kBlock; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+        u[i] = static_cast<uint8_t>(q[i] + 128);
+        sum += q[i];
+      }
+      dx[r * nb + b] = to_half(d);
+      sx[r * nb + b] = q4_1 ? to_half(d * static_cast<float>(sum)) : to_half(d);
+    }
+  }
+}
+
+ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m,
+                       ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+  auto xd = x.dimensions(), dd = d.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || dd.size() != 3 || yd.size() != 2 || dd[2] != 8)
+    return ffi::Error::InvalidArgument("block_matmul: x [rows, k], d [n / 8, k / 32, 8], y [rows, n]");
+  if (kind != kQ4_1 && kind != kQ8_0) return ffi::Error::InvalidArgument("block_matmul: kind is 0 (Q4_1) or 1 (Q8_0)");
+  Problem p;
+  p.kind = kind;
+  p.rows = xd[0];
+  p.k = xd[1];
+  p.n = yd[1];
+  p.nb = dd[1];
+  const int64_t groups = dd[0];
+  if (p.k != p.nb * kBlock) return ffi::Error::InvalidArgument("block_matmul: x's last axis is not d's blocks x 32");
+  if (yd[0] != p.rows || groups != (p.n + 7) / 8)
+    return ffi::Error::InvalidArgument("block_matmul: y's shape does not match x's rows and d's columns");
+  const int64_t wbytes = kind == kQ4_1 ? p.k / 2 : p.k;
+  if (static_cast<int64_t>(w.size_bytes()) != groups * 8 * wbytes)
+    return ffi::Error::InvalidArgument("block_matmul: the weight's size does not match its scales");
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<uint8_t> xu;
+  thread_local std::vector<float> dx, sx;
+  xq.resize(p.rows * p.k);
+  xu.resize(p.rows * p.k);
+  dx.resize(p.rows * p.nb);
+  sx.resize(p.rows * p.nb);
+  quantize_rows(x.typed_data(), p.rows, p.k, xq.data(), xu.data(), dx.data(), sx.data(), kind == kQ4_1);
+  p.w = static_cast<const uint8_t*>(w.untyped_data());
+  p.d = d.typed_data();
+  p.m = m.typed_data();
+  p.xq = xq.data();
+  p.xu = xu.data();
+  p.dx = dx.data();
+  p.sx = sx.data();
+  p.y = y->typed_data();
+  const Columns columns = chosen.columns;
+  const int threads = pool ? pool->threads() : 1;
+  const bool parallel = threads > 1 && p.rows * p.n * p.k >= min_parallel_macs;
+  // chunks of an even number of column groups (one row pairs them), about 8 per thread
+  const int64_t per_chunk = parallel ? std::max<int64_t>(2, (groups / (threads * 8) + 1) & ~int64_t{1}) : groups;
+  const int64_t chunks = (groups + per_chunk - 1) / per_chunk;
+  auto chunk = [&](int64_t i) { columns(p, i * per_chunk, std::min(groups, (i + 1) * per_chunk)); };
+  if (pool && chunks > 1)
+    pool->run(chunks, chunk);
+  else
+    chunk(0);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CapstanCpuBlockMatmul, BlockMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [rows, k]
+                                  .Arg<ffi::AnyBuffer>()         // w: Q4_1 u8, Q8_0 s8 (the file's comment)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // d [n / 8, k / 32, 8]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m [n / 8, k / 32, 8]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [rows, n]
+                                  .Attr<int32_t>("kind"));
+
+extern "C" {
+
+// The instruction sets this CPU runs, best first, comma-separated (the tests run each).
+const char* capstan_cpu_block_matmul_isas() {
+  static std::string names;
+  names.clear();
+  for (const Isa& isa : isas())
+    if (isa.supported) names += (names.empty() ? "" : ",") + std::string(isa.name);
+  return names.c_str();
+}
+
+// Picks the instruction set (empty: the best this CPU runs) and the thread count (the host's cores the caller
+// may use); 0 on success, -1 for an instruction set this CPU lacks. Called before the first matmul (and by tests).
+int capstan_cpu_block_matmul_configure(const char* isa, int threads, int spin_us, long long min_macs) {
+  const Isa* pick = nullptr;
+  for (const Isa& candidate : isas()) {
+    static std::vector<Isa> keep;
+    if (!candidate.supported) continue;
+    if ((isa == nullptr || *isa == 0) || std::strcmp(isa, candidate.name) == 0) {
+      keep.assign(1, candidate);
+      pick = &keep[0];
+      break;
+    }
+  }
+  if (pick == nullptr) return -1;
+  chosen = *pick;
+  if (pool == nullptr || pool->threads() != threads) {
+    delete pool;
+    pool = new Pool(threads, spin_us);
+  }
+  min_parallel_macs = min_macs;
+  return 0;
+}
+
+// The instruction set the matmuls use now.
+const char* capstan_cpu_block_matmul_isa() { return chosen.name; }
+}

@@ -1,0 +1,213 @@
+"""The native CPU matmul for weights in GGUF's blocks of 32 (Q4_1, Q8_0): runtime/kernels/cpu/block_matmul.cc,
+called from jitted programs through XLA FFI.
+
+llama.cpp's way (activations quantized to int8 per block, int8 dot products with AVX-512 VNNI / AVX-VNNI / AVX2
+picked at run time, the columns split over a small persistent thread pool, each weight block read once per call for
+all rows), where XLA's CPU loops run each matmul on one thread and upcast the weight per row (benchmarks/RESULTS.md,
+issue 66). The library is built by `make setup` (`python -m capstan.runtime.kernels.cpu_block_matmul`: g++, no
+network) into the cache folder, keyed by the source's and jaxlib's hash; without it, or off CPUs, callers keep the
+pure-JAX path (models/cpu_block_weight.py).
+
+Environment: CAPSTAN_CPU_MATMUL_THREADS (default: the cores this process may run on, os.sched_getaffinity and the
+cgroup's cpu.max), CAPSTAN_CPU_MATMUL_ISA (avx512vnni, avxvnni, avx2 or scalar; default the best this CPU runs),
+CAPSTAN_CPU_MATMUL_SPIN_US (how long an idle worker spins before it sleeps, default 200)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "cpu"
+SOURCES = ("block_matmul.cc", "block_matmul_body.inc")
+TARGET = "capstan_cpu_block_matmul"  # the FFI target's name in XLA's registry
+BLOCK = 32
+Q4_1, Q8_0 = 0, 1  # the kernel's `kind` attribute
+# below this many multiply-adds a call stays on one thread (waking a worker costs ~ a few microseconds)
+MIN_PARALLEL_MACS = int(os.environ.get("CAPSTAN_CPU_MATMUL_MIN_PARALLEL_MACS", str(1 << 16)))
+
+_library: ctypes.CDLL | None = None
+_loaded = False
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "capstan" / "kernels"
+
+
+def _include_dir() -> str:
+    return jax.ffi.include_dir()
+
+
+def library_path() -> Path:
+    """Where the built library lives: named by a hash of the sources and jaxlib's version (its FFI headers)."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b"")
+    import jaxlib
+
+    digest.update(jaxlib.__version__.encode())
+    return cache_dir() / f"block_matmul-{digest.hexdigest()[:16]}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library (g++, -O3, no -march: the vector paths carry their own target attributes and are picked
+    at run time, so the file runs on any x86-64). Returns its path."""
+    out = library_path()
+    if out.is_file() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CXX", "g++")
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        partial = Path(tmp) / out.name
+        command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread",
+                   "-isystem", _include_dir(), str(SOURCE_DIR / "block_matmul.cc"), "-o", str(partial)]  # fmt: skip
+        subprocess.run(command, check=True)
+        partial.replace(out)  # atomic: a concurrent loader sees the whole file or none
+    return out
+
+
+def host_threads() -> int:
+    """The cores this process may run on: its affinity mask, capped by the cgroup's CPU quota (a container's)."""
+    env = os.environ.get("CAPSTAN_CPU_MATMUL_THREADS")
+    if env:
+        return max(1, int(env))
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            threads = min(threads, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, threads)
+
+
+def load() -> ctypes.CDLL | None:
+    """The library, loaded and registered with XLA once; None where it is not built, or not on x86-64."""
+    global _library, _loaded
+    if _loaded:
+        return _library
+    _loaded = True
+    path = library_path()
+    if not path.is_file():
+        log.info("the native CPU block matmul is not built (%s): `make setup` builds it; pure-JAX path", path)
+        return None
+    library = ctypes.CDLL(str(path))
+    library.capstan_cpu_block_matmul_configure.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_longlong,
+    ]
+    library.capstan_cpu_block_matmul_isa.restype = ctypes.c_char_p
+    library.capstan_cpu_block_matmul_isas.restype = ctypes.c_char_p
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.CapstanCpuBlockMatmul), platform="cpu")
+    _library = library
+    configure(os.environ.get("CAPSTAN_CPU_MATMUL_ISA", ""), host_threads())
+    return library
+
+
+def configure(isa: str = "", threads: int | None = None) -> None:
+    """Pick the instruction set ("": the best this CPU runs) and the thread count (tests try each)."""
+    library = load()
+    assert library is not None, "the native CPU block matmul is not built"
+    spin_us = int(os.environ.get("CAPSTAN_CPU_MATMUL_SPIN_US", "200"))
+    threads = host_threads() if threads is None else threads
+    if library.capstan_cpu_block_matmul_configure(isa.encode(), threads, spin_us, MIN_PARALLEL_MACS) != 0:
+        raise ValueError(f"this CPU does not run the {isa!r} path (it runs: {', '.join(isas())})")
+
+
+def isas() -> list[str]:
+    library = load()
+    return [] if library is None else library.capstan_cpu_block_matmul_isas().decode().split(",")
+
+
+def isa() -> str:
+    library = load()
+    return "" if library is None else library.capstan_cpu_block_matmul_isa().decode()
+
+
+def available() -> bool:
+    """Whether jitted programs can call the kernel: built, loaded, and JAX's backend is the CPU."""
+    return jax.default_backend() == "cpu" and load() is not None
+
+
+def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A weight in blocks of 32 along its last axis ([n, k] int8; Q4_1's values 0..15 with `offset` its blocks'
+    minimums, Q8_0's symmetric without) as the kernel reads it: (w, d, m, kind), in groups of 8 output columns (n
+    padded with zero columns to a multiple of 8) whose 4-byte runs of inputs interleave (block_matmul.cc's comment).
+    Q4_1's values two to a byte (half the bytes a step reads: input i low, i + 16 high); Q8_0's int8 as they are,
+    with m = -128 * d * sum(block) (the VNNI dot's u8 bias, taken back out)."""
+    q = np.asarray(q)
+    n, k = q.shape
+    nb, groups = k // BLOCK, -(-n // 8)
+    pad = groups * 8 - n
+
+    def grouped(a: np.ndarray) -> np.ndarray:  # [n, nb, ...] -> [groups, nb, ..., 8]: columns innermost
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+        a = a.reshape(groups, 8, *a.shape[1:])
+        return np.moveaxis(a, 1, -1)
+
+    d = np.asarray(scale, np.float32).reshape(n, nb)
+    if offset is not None:
+        blocks = q.astype(np.uint8).reshape(n, nb, 2, 4, 4)  # [n, nb, low/high half, 4-byte run, byte]
+        assert blocks.max(initial=0) < 16, "Q4_1 values are 0..15"
+        nibbles = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # [n, nb, 4, 4]
+        w = np.moveaxis(grouped(nibbles), -1, -2)  # [groups, nb, 4 runs, 8 columns, 4 bytes]
+        m = np.asarray(offset, np.float32).reshape(n, nb)
+        kind = Q4_1
+    else:
+        w = np.moveaxis(grouped(q.astype(np.int8).reshape(n, nb, 8, 4)), -1, -2)  # [groups, nb, 8 runs, 8, 4]
+        m = -128.0 * d * q.astype(np.int32).reshape(n, nb, BLOCK).sum(-1)
+        kind = Q8_0
+    as_c = np.ascontiguousarray
+    return as_c(w), as_c(grouped(d)), as_c(grouped(m.astype(np.float32))), kind
+
+
+def unpack(w: jax.Array, d: jax.Array, m: jax.Array, kind: int, n: int) -> jax.Array:
+    """The float32 weight [n, k] a packed one stands for (the pure-JAX path, and tests)."""
+    groups, nb, _ = d.shape
+    if kind == Q4_1:
+        runs = jnp.swapaxes(w, -1, -2)  # [groups, nb, 4 runs, 4 bytes, 8 columns]
+        q = jnp.concatenate([runs & 0x0F, runs >> 4], axis=2).reshape(groups, nb, BLOCK, 8)
+    else:
+        q = jnp.swapaxes(w, -1, -2).reshape(groups, nb, BLOCK, 8)
+    values = q.astype(jnp.float32) * d[:, :, None, :]
+    if kind == Q4_1:
+        values = values + m[:, :, None, :]
+    return jnp.moveaxis(values, -1, 1).reshape(groups * 8, nb * BLOCK)[:n]
+
+
+def matmul(xs: jax.Array, w: jax.Array, d: jax.Array, m: jax.Array, kind: int, n: int) -> jax.Array:
+    """xs [rows, k] float32 times the packed weight's transpose: [rows, n] float32, in the native kernel."""
+    rows = xs.shape[0]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
+    return call(xs.astype(jnp.float32), w, d, m, kind=np.int32(kind))
+
+
+def main() -> None:
+    """`make setup`'s step: build the library (a no-op when built), then check that it loads and runs."""
+    if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "AMD64"):
+        print("native CPU block matmul: x86-64 Linux only; skipped (the pure-JAX path serves)")
+        return
+    try:
+        path = build(force="--force" in sys.argv)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"native CPU block matmul: not built ({e}); CPUs keep XLA's loops") from e
+    print(f"native CPU block matmul: {path} ({', '.join(isas())}; {host_threads()} threads)")
+
+
+if __name__ == "__main__":
+    main()
