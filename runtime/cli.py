@@ -353,14 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     gateway = commands.add_parser("gateway", help="route OpenAI requests to replicas by model, prefix and load")
-    from .gateway.server import add_gateway_flags
+    from .gateway.gateway_flags import add_gateway_flags
 
     add_gateway_flags(gateway)
 
     picker = commands.add_parser(
         "picker", help="the Gateway API Inference Extension's endpoint picker (Envoy ext_proc over gRPC)"
     )
-    from .picker.server import add_picker_flags
+    from .picker.picker_flags import add_picker_flags
 
     add_picker_flags(picker)
 
@@ -475,8 +475,8 @@ def _serve_several_hosts(
 
     from .engine.async_llm import AsyncLLM
     from .engine.lockstep import LockstepEngine, run_follower
+    from .limits import DEFAULT_MAX_BODY_BYTES
     from .server.app import serve
-    from .server.body_limit import DEFAULT_MAX_BODY_BYTES
 
     if jax.process_index() != 0:
         return run_follower(config, args.host, args.port)

@@ -8,6 +8,9 @@ and device arrays bounded (docs/server.md, "Request limits", works out the worst
 
 from __future__ import annotations
 
+# request bodies: a 128k-token prompt as a JSON list of ids is about 1 MiB; parsing a body takes up to ~12x its size for
+# a moment (docs/server.md, "Request limits")
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 INT32_MAX = 2**31 - 1  # integers that reach the device are int32
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1  # seed: OpenAI's int64, or vLLM's unsigned 64-bit
 

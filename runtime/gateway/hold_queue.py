@@ -6,10 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..server.error_body import APIError
+from .gateway_flags import DEFAULT_HOLD_TIMEOUT_SECONDS, DEFAULT_MAX_HELD
 from .replica_pool import ReplicaPool
-
-DEFAULT_MAX_HELD = 256
-DEFAULT_HOLD_TIMEOUT_SECONDS = 300.0  # a cold start: schedule a pod, load weights, compile
 
 
 @dataclass

@@ -12,22 +12,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from enum import StrEnum
 
 from ..gateway.kv_subscriber import KVEventSubscriber
 from ..gateway.replica_pool import Replica, ReplicaPool
 from ..gateway.routing_policy import RoutingPolicy
 from .pick_request import PickError, PickRequest
+from .picker_flags import FailureMode
 
 log = logging.getLogger("capstan.picker")
 MAX_ENDPOINTS = 3  # the destination and two fallbacks: a retry that fails on all three has a bigger problem
-
-
-class FailureMode(StrEnum):
-    """GIE's InferencePool spec.endpointPickerRef.failureMode."""
-
-    FAIL_OPEN = "FailOpen"
-    FAIL_CLOSE = "FailClose"
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ from ..gateway.replica_pool import Replica
 from . import ext_proc_replies as replies
 from .endpoint_picker import EndpointPicker, Pick
 from .pick_request import PickError, RequestBody, read_request
+from .picker_flags import BODY_TIMEOUT_SECONDS
 from .picker_metrics import PickerMetrics
 
 log = logging.getLogger("capstan.picker")
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE  # Envoy sends no body: the pick cannot wait for one
-BODY_TIMEOUT_SECONDS = 60.0  # a request whose next message takes longer is answered 408, so no stream waits forever
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):

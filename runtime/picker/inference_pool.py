@@ -15,7 +15,7 @@ import logging
 from typing import Any, cast
 
 from ..gateway.discovery import ServiceRef, Target
-from .endpoint_picker import FailureMode
+from .picker_flags import FailureMode
 from .pod_watch import PodWatch
 
 log = logging.getLogger("capstan.picker")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
+from ..limits import DEFAULT_MAX_BODY_BYTES
 from .error_body import error_response
-
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt as a JSON list of ids is about 1 MiB; parsing
-# a body takes up to ~12x its size for a moment (docs/server.md, "Request limits")
 
 
 class BodyLimitMiddleware:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from capstan.runtime.gateway.discovery import Target
-from capstan.runtime.picker.endpoint_picker import FailureMode
 from capstan.runtime.picker.inference_pool import failure_mode, label_selector, pool_targets
+from capstan.runtime.picker.picker_flags import FailureMode
 
 
 def pool(labels=None, ports=(8000,), mode=None) -> dict:
