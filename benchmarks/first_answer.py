@@ -40,10 +40,11 @@ def one_start(cache: Path, model: list[str], flags: list[str], log: Path) -> dic
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         while True:
-            if server.poll() is not None:
-                raise SystemExit(f"capstan serve exited ({server.returncode}); see {log}")
+            if server.poll() is not None:  # (the log's folder goes with the run: show its end)
+                tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
+                raise SystemExit(f"capstan serve exited ({server.returncode}); the end of its log:\n{tail}")
             if time.monotonic() - t0 > 600:
-                raise SystemExit(f"not ready within 600 s; see {log}")
+                raise SystemExit(f"not ready within 600 s; the end of its log:\n{log.read_text(errors='replace')[-3000:]}")
             try:
                 if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
                     break
