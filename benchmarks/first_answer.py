@@ -44,7 +44,9 @@ def one_start(cache: Path, model: list[str], flags: list[str], log: Path) -> dic
                 tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
                 raise SystemExit(f"capstan serve exited ({server.returncode}); the end of its log:\n{tail}")
             if time.monotonic() - t0 > 600:
-                raise SystemExit(f"not ready within 600 s; the end of its log:\n{log.read_text(errors='replace')[-3000:]}")
+                raise SystemExit(
+                    f"not ready within 600 s; the end of its log:\n{log.read_text(errors='replace')[-3000:]}"
+                )
             try:
                 if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
                     break
