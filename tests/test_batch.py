@@ -78,6 +78,23 @@ def test_a_row_below_min_tokens_bans_eos_and_its_stop_ids():
     assert banned[0, :2].tolist() == [1, 7] and (banned[0, 2:] == V).all() and (banned[1:] == V).all()
 
 
+def test_penalised_rows_name_their_stop_tokens_which_ignore_eos_leaves_out():
+    """The repetition penalty leaves a row's stop tokens alone (issue 67): EOS and its stop_token_ids, but not EOS
+    under ignore_eos, where it ends nothing."""
+    rows = [
+        sequence([20, 21, 22], [1], repetition_penalty=1.1, stop_token_ids=[7]),
+        sequence([20, 21, 22], [2], repetition_penalty=1.1, stop_token_ids=[7], ignore_eos=True),
+        sequence([20, 21, 22], [3]),  # no penalty
+    ]
+    x = builder().build([ScheduledChunk(q, 0, 3) for q in rows]).unpack()
+    stop_ids = host(x.sampling.stop_ids)
+    assert stop_ids.shape == (4, MAX_BANNED)
+    assert stop_ids[0, :2].tolist() == [1, 7] and stop_ids[1, :1].tolist() == [7]
+    assert (stop_ids[0, 2:] == V).all() and (stop_ids[1, 1:] == V).all() and (stop_ids[2:] == V).all()
+    plain = builder().build([ScheduledChunk(rows[2], 0, 3)]).unpack()
+    assert (host(plain.sampling.stop_ids) == V).all()
+
+
 @pytest.mark.parametrize(
     "chunk",
     [

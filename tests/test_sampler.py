@@ -1,10 +1,11 @@
 """The on-device sampler's processors on hand-made logits."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capstan.runtime.sampling.sampler import SamplingBatch
+from capstan.runtime.sampling.sampler import SamplingBatch, _apply_penalties, count_sampled, penalty_counts
 from capstan.runtime.sampling.sampler import sample as sample_eager
 from capstan.runtime.scheduling.batch import row_key_data
 
@@ -104,6 +105,88 @@ def test_penalties_count_output_tokens_and_repetition_covers_the_prompt():
         repetition_penalty=np.array([2.0], np.float32),
     )
     assert int(sample(jnp.asarray(LOGITS), b).tokens[0]) == 1  # prompt token 0's negative logit doubled
+
+
+def reference_penalties(logits, history, prompt_lens, rep, freq, pres, stop_ids) -> np.ndarray:
+    """The penalties row by row on the CPU, as vLLM defines them, except that the repetition penalty leaves the
+    row's stop tokens alone."""
+    out = np.array(logits, np.float64)
+    for r in range(out.shape[0]):
+        tokens = [int(t) for t in history[r] if t < out.shape[1]]
+        prompt, output = tokens[: prompt_lens[r]], tokens[prompt_lens[r] :]
+        for t in set(prompt + output) - {int(s) for s in stop_ids[r]}:
+            out[r, t] = out[r, t] / rep[r] if out[r, t] > 0 else out[r, t] * rep[r]
+        for t in set(output):
+            out[r, t] -= freq[r] * output.count(t) + pres[r]
+    return out
+
+
+def penalised_batch(seed: int, S: int = 4, W: int = 32, H: int = 12):
+    """Rows of random histories with penalties, each with stop ids that occur in its prompt and (row 1) not at
+    all; row 3 has none (ignore_eos without stop_token_ids)."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(2, 8, S).astype(np.int32)
+    history = np.full((S, H), W, np.int32)
+    stop_ids = np.full((S, 3), W, np.int32)
+    for r in range(S):
+        n = int(prompt_lens[r]) + int(rng.integers(0, H - prompt_lens[r] + 1))
+        history[r, :n] = rng.integers(0, 8, n)  # few ids: repeats in the prompt and the output
+        if r != 3:
+            stop_ids[r, :2] = [history[r, 0], 30 if r == 1 else history[r, 1]]
+    logits = rng.normal(0.0, 2.0, (S, W)).astype(np.float32)
+    fields = dict(
+        temperature=np.zeros(S, np.float32),
+        history=history,
+        prompt_lens=prompt_lens,
+        any_penalty=np.bool_(True),
+        repetition_penalty=rng.uniform(1.0, 2.0, S).astype(np.float32),
+        frequency_penalty=rng.uniform(-0.5, 0.5, S).astype(np.float32),
+        presence_penalty=rng.uniform(-0.5, 0.5, S).astype(np.float32),
+        stop_ids=stop_ids,
+    )
+    return logits, batch(S=S, H=H, **fields)
+
+
+def test_the_penalties_with_stop_tokens_exempt_agree_with_a_cpu_reference():
+    apply = jax.jit(_apply_penalties)
+    for seed in range(5):
+        logits, b = penalised_batch(seed)
+        expected = reference_penalties(
+            logits, b.history, b.prompt_lens, b.repetition_penalty, b.frequency_penalty, b.presence_penalty, b.stop_ids
+        )
+        np.testing.assert_allclose(np.asarray(apply(jnp.asarray(logits), b)), expected, rtol=1e-5, atol=1e-5)
+        # a multi-step decode carries counts instead of reading the history: the last token counted on top of
+        # the rest reads the same
+        last = np.maximum(b.prompt_lens, (b.history < logits.shape[1]).sum(axis=1) - 1)
+        rows = np.arange(logits.shape[0])
+        shorter = b.history.copy()
+        shorter[rows, last] = logits.shape[1]
+        before = eqx.tree_at(lambda s: s.history, b, shorter)
+        with_output = last >= b.prompt_lens  # rows whose last history token is an output token
+        counts = penalty_counts(jax.tree.map(jnp.asarray, before), logits.shape[1])
+        counts = count_sampled(counts, jnp.asarray(np.where(with_output, b.history[rows, last], logits.shape[1])))
+        carried = np.asarray(apply(jnp.asarray(logits), b, counts))
+        np.testing.assert_allclose(carried[with_output], expected[with_output], rtol=1e-5, atol=1e-5)
+
+
+def test_the_repetition_penalty_leaves_the_rows_stop_tokens_in_the_prompt_alone():
+    """The chat template ends every message of the prompt with its end-of-turn token: penalising it as a repeat
+    would hold back the end of every answer (issue 67). An ordinary prompt token is still penalised."""
+    penalised = dict(
+        temperature=np.zeros(1, np.float32),
+        history=np.array([[0, 1, V, V]], np.int32),  # the prompt holds tokens 0 and 1
+        prompt_lens=np.array([2], np.int32),
+        any_penalty=np.bool_(True),
+        repetition_penalty=np.array([3.0], np.float32),
+    )
+    logits = jnp.asarray(LOGITS)
+    stop_0 = np.array([[0, V]], np.int32)  # token 0 ends the row
+    x = np.asarray(jax.jit(_apply_penalties)(logits, batch(**penalised, stop_ids=stop_0)))
+    assert x[0, 0] == LOGITS[0, 0]  # the stop token: untouched
+    np.testing.assert_allclose(x[0, 1], 3 * LOGITS[0, 1], rtol=1e-6)  # the ordinary prompt token: penalised
+    np.testing.assert_array_equal(x[0, 2:], LOGITS[0, 2:])  # tokens not in the prompt: untouched
+    assert int(sample(logits, batch(**penalised)).tokens[0]) == 2  # 0 and 1 penalised: log .15 > 3 log .5
+    assert int(sample(logits, batch(**penalised, stop_ids=stop_0)).tokens[0]) == 0  # not a repeat: it ends the row
 
 
 def test_a_rows_draw_depends_on_its_key_and_position_not_its_batch():

@@ -46,6 +46,9 @@ class SamplingBatch(eqx.Module, Generic[HostOrDevice]):
         HostOrDevice  # [] bool: every row greedy without bias, bans or penalties: the argmax of the raw logits
     )
     dry: DryParams[HostOrDevice] | None = None  # DRY's parameters (sampling/dry.py); None: a batch without DRY
+    # [S, E] i32: each row's stop tokens (EOS unless ignore_eos, stop_token_ids), which the repetition penalty leaves
+    # alone; vocab_size = unused (read only with penalties); None: no row has any
+    stop_ids: HostOrDevice | None = None
 
 
 class SampleResult(eqx.Module):
@@ -260,7 +263,14 @@ def _apply_penalties(
     """Repetition, frequency and presence penalties, then DRY (llama.cpp's order)."""
     counts = penalty_counts(b, x.shape[1]) if counts is None else counts
     rep = b.repetition_penalty[:, None]
-    x = jnp.where(counts.seen, jnp.where(x > 0, x / rep, x * rep), x)
+    seen = counts.seen
+    if b.stop_ids is not None:
+        # a row's stop tokens are not repeats (a departure from vLLM, whose repetition penalty covers every prompt
+        # token): chat templates end every message of the prompt with the end-of-turn token, so penalising it would
+        # hold back the end of every answer (issue 67). The frequency and presence penalties count only the output,
+        # which a stop token ends.
+        seen = seen.at[jnp.arange(x.shape[0])[:, None], b.stop_ids].set(False, mode="drop")
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
     x = x - b.frequency_penalty[:, None] * counts.output
     x = x - b.presence_penalty[:, None] * (counts.output > 0)
     if b.dry is None:

@@ -204,7 +204,7 @@ class BatchBuilder:
         bias: tuple[np.ndarray, np.ndarray] | None = None  # ids and values, made when a row has a bias
         banned: np.ndarray | None = None  # made when a row is below its min_tokens
         prompt_lens = np.zeros(S, np.int32)
-        history = allowed = breakers = None
+        history = allowed = breakers = stop_ids = None
         dry_multiplier, dry_base = np.zeros(S, np.float32), np.ones(S, np.float32)
         dry_allowed, dry_last_n = np.zeros(S, np.int32), np.zeros(S, np.int32)
         constrained = []  # (constraint, row): their masks are computed together, in parallel
@@ -240,6 +240,12 @@ class BatchBuilder:
                 prompt_lens[r] = len(seq.prompt_ids)
                 presence[r], frequency[r] = p.presence_penalty, p.frequency_penalty
                 repetition[r] = p.repetition_penalty
+                if stop_ids is None:
+                    stop_ids = np.full((S, MAX_BANNED), V, np.int32)
+                # the tokens that end this row, which the repetition penalty leaves alone (sampler._apply_penalties);
+                # under ignore_eos EOS ends nothing, so it is penalised as any other token
+                ends = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos)))[:MAX_BANNED]
+                stop_ids[r, : len(ends)] = ends
             if p.uses_dry:
                 assert self.breaker_masks is not None, "the engine sets breaker_masks"
                 if breakers is None:
@@ -298,6 +304,7 @@ class BatchBuilder:
                 breakers=on_device(breakers, "breakers", mask_words(V), 0, np.int32),
                 any_dry=np.asarray(breakers is not None, np.bool_),
             ),
+            stop_ids=on_device(stop_ids, "stop_ids", MAX_BANNED, V, np.int32),
         )
         inputs: StepInputs[HostLeaf] = StepInputs(
             tokens=tokens,
