@@ -182,7 +182,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         default=d.generation_config,
         help="where requests' sampling defaults come from (vLLM's flag): 'auto', the model's own "
         "(generation_config.json, GGUF general.sampling.*; SmolLM2: its card's temperature 0.2, "
-        "top_p 0.9, repetition penalty 1.1), 'vllm' (none: SamplingParams' defaults), or a folder with generation_config.json",
+        "top_p 0.9, repetition penalty 1.1, frequency and presence penalties 0.3), 'vllm' (none: SamplingParams' defaults), or a folder with generation_config.json",
     )
     parser.add_argument(
         "--override-generation-config",

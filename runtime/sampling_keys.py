@@ -14,7 +14,7 @@ SAMPLING_KEYS = {
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",  # OpenAI's; the default model's frequency penalty (generation_config.py)
+    "presence_penalty": "presence_penalty",  # OpenAI's; the default model's penalties (generation_config.py)
     "frequency_penalty": "frequency_penalty",
     "max_new_tokens": "max_tokens",
     # llama.cpp's DRY (sampling/dry.py)

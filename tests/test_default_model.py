@@ -123,7 +123,8 @@ def test_the_default_models_spanish_greeting_ends_at_its_defaults():
 
     llm = LLM(max_model_len=512)
     defaults = llm.get_default_sampling_params()
-    assert (defaults.temperature, defaults.top_p, defaults.frequency_penalty) == (0.2, 0.9, 0.3)
+    fields = (defaults.temperature, defaults.top_p, defaults.frequency_penalty, defaults.presence_penalty)
+    assert fields == (0.2, 0.9, 0.3, 0.3)
     params = dataclasses.replace(defaults, seed=0, max_tokens=200)
     answer = llm.chat([{"role": "user", "content": "Say hello in Spanish."}], params, use_tqdm=False)[0].outputs[0]
     assert answer.finish_reason == "stop" and len(answer.token_ids) < 200, answer.text

@@ -110,7 +110,13 @@ def test_the_default_model_samples_as_its_card_recommends():
     assert (
         sampling_defaults(EngineConfig(model=str(smollm2)))
         == SMOLLM2_RECOMMENDED
-        == {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1, "frequency_penalty": 0.3}
+        == {
+            "temperature": 0.2,
+            "top_p": 0.9,
+            "repetition_penalty": 1.1,
+            "frequency_penalty": 0.3,
+            "presence_penalty": 0.3,
+        }
     )
     assert sampling_defaults(EngineConfig(model=str(smollm2), generation_config="vllm")) == {}
 
