@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
@@ -23,6 +24,7 @@ from contextlib import AbstractContextManager
 from .compile_counts import compilations, count_compilations, describe, hits_in_this_thread
 
 log = logging.getLogger("capstan.engine")
+SWITCH_INTERVAL_S = float(os.environ.get("CAPSTAN_WARMUP_SWITCH_INTERVAL_S", "0.0005"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,16 @@ class BackgroundWarmup:
         # meanwhile keep the cores
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        # tracing holds the GIL: the engine's thread waits for it after every device call, up to the interpreter's
+        # switch interval (5 ms) each time; a shorter one while this thread runs keeps its decode steps short
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        try:
+            self._run_all()
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _run_all(self) -> None:
         while True:  # the first request's programs are stored first: the next start needs them soonest
             with self._lock:
                 if not self._keeps or self._stopped:
