@@ -270,3 +270,53 @@ def test_the_kernels_threefry_is_jaxs():
     want = gumbel_at(keys, ids[None, :])
     got = jax.jit(jax.vmap(lambda k: gumbel(k[0], k[1], ids)))(keys)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("how", ["scaled", "raw"])
+def test_the_kernels_block_maxima_before_the_bias_give_the_same_tokens(how, monkeypatch):
+    """Issue 64: with the branches decided on the host, the kernels' block maxima are taken as the temperature
+    scales the logits, before the bias and bans (the blocks they touch taken again): the same tokens as maxima of
+    the final logits, with a bias lowering a block's maximum, one raising a token above every other, and bans."""
+    from capstan.runtime.sampling.sampler import Branches, block_maxima, refresh_maxima, sample
+
+    rng = np.random.default_rng(7)
+    S, V = 12, V_LARGE
+    x = (rng.standard_normal((S, V)) * 2.0).astype(np.float32)
+    x[1::3] = peaked(rng, len(x[1::3]), V)
+    top = np.argmax(x, axis=-1)
+    bias_ids = np.full((S, 2), V, np.int32)
+    bias_values = np.zeros((S, 2), np.float32)
+    bias_ids[0::2, 0], bias_values[0::2, 0] = top[0::2], -100.0  # the row's best block loses its maximum
+    bias_ids[1::4, 1], bias_values[1::4, 1] = 5, 60.0  # token 5 above every other
+    banned_ids = np.full((S, 2), V, np.int32)
+    banned_ids[3::4, 0] = top[3::4]
+    kind = np.arange(S) % 3
+    b = batch(
+        S=S,
+        temperature=np.where(kind == 0, 0.0, np.where(kind == 1, 0.7, 1.3)).astype(np.float32),
+        top_k=np.where(kind == 2, 50, 0).astype(np.int32),
+        top_p=np.where(kind == 1, 0.9, 1.0).astype(np.float32),
+        min_p=np.where(kind == 2, 0.05, 0.0).astype(np.float32),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        banned_ids=banned_ids,
+        any_filter=np.bool_(True),
+        want_logprobs=np.bool_(False),
+        position=np.arange(S, dtype=np.int32),
+    )
+    branches = Branches(
+        plain_greedy=False, any_constrained=False, any_penalty=False, any_filter=True, all_greedy=False,
+        want_logprobs=False,
+    )  # fmt: skip
+    monkeypatch.setenv("CAPSTAN_SAMPLING_FILTERS", "kernels")
+    tokens = {}
+    for way in (how, ""):
+        monkeypatch.setenv("CAPSTAN_SAMPLER_PREMAXIMA", way)
+        tokens[way] = np.asarray(jax.jit(functools.partial(sample, branches=branches))(jnp.asarray(x), b).tokens)
+    assert tokens[how].tolist() == tokens[""].tolist()
+    assert (tokens[how][1::4] == 5).all() and (tokens[how][3::4] != top[3::4]).all()
+    # the refreshed maxima are the final logits' own
+    final = jnp.asarray(x).at[jnp.arange(S)[:, None], bias_ids].add(bias_values, mode="drop")
+    final = final.at[jnp.arange(S)[:, None], banned_ids].set(-jnp.inf, mode="drop")
+    got = refresh_maxima(refresh_maxima(block_maxima(jnp.asarray(x)), final, bias_ids), final, banned_ids)
+    np.testing.assert_array_equal(got, block_maxima(final))

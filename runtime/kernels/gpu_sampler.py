@@ -39,6 +39,11 @@ EXACT_TUNING = (8, 1)
 if os.environ.get("CAPSTAN_DRAWN_TUNING"):  # "num_warps,num_stages,part": a sweep's knob
     _warps, _stages, PART = map(int, os.environ["CAPSTAN_DRAWN_TUNING"].split(","))
     DRAWN_TUNING = (_warps, _stages)
+# the merged best perturbed values whose mass above a top-p row still open is summed (a power of two, at most
+# DRAWN): a flat row's best is outside its top-p set with about 1 - top_p's chance, so with top-p 0.9 a row needs
+# `exact` with ~1e-8's (8) or ~1e-16's (16); each value is a compare and add per logit in gpu_mass_above (issue 64:
+# 8 is not yet timed on a GPU; benchmarks/sampled_at_greedy_cost.sh compares them)
+MASSES = int(os.environ.get("CAPSTAN_SAMPLER_MASSES", str(DRAWN)))
 OPEN, UNDECIDED = -1, -2  # choose's token for rows `drawn` takes, and rows only the fallback decides
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 NO_ID = jnp.iinfo(jnp.int32).max
@@ -320,7 +325,7 @@ def draw(
     )(x, out_f, out_i, keys)
     # the row's best perturbed values in order, exact down to the largest of the parts' last reported values
     boundary = jnp.max(ys[:, :, -1], axis=1)
-    n = min(DRAWN, parts * PER_PART)
+    n = min(MASSES, DRAWN, parts * PER_PART)
     drawn, order = jax.lax.top_k(ys.reshape(S, -1), n)
     ids = jnp.take_along_axis(js.reshape(S, -1), order, axis=-1)
     xd = jnp.take_along_axis(xs.reshape(S, -1), order, axis=-1)

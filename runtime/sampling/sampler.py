@@ -190,17 +190,29 @@ def _processed_sample(
     # penalties read the unscaled logits (vLLM's order: bias, bans, penalties, temperature); without them the
     # temperature comes first, so the scaled copy is the buffer the bias is added into (the scatters would
     # otherwise copy the logits, which the log-probabilities still read: 82 us for 256 x 128k on an H100)
-    x = _branch(
-        branches and branches.any_penalty,
-        b.any_penalty,
-        lambda x: _apply_penalties(biased(x, 1.0), b, counts, branches) / t,
-        lambda x: biased(x / t, t),
-        logits,
-    )
-    noise = RowNoise(row_keys(b), V)
     name = filters_name(jax.default_backend())
+    maxima = None  # the kernels' block maxima, taken before the bias scatters where the host decided the branches
+    how = premaxima()
+    if name == "kernels" and how and branches and branches.any_penalty is False and branches.any_constrained is False:
+        # the block maxima of the scaled logits from the pass that scales them (so that XLA can fuse the reduction
+        # into the divide, and the maxima need not read the scaled copy again: unmeasured), then the blocks the
+        # bias and bans touched read again: exact, so the kernels' candidates are those of the final logits
+        y = logits / t
+        maxima = block_maxima(y) if how == "scaled" else block_maxima(logits) / t  # monotone: the same maxima
+        x = biased(y, t)
+        maxima = refresh_maxima(maxima, x, b.bias_ids)
+        maxima = refresh_maxima(maxima, x, b.banned_ids)
+    else:
+        x = _branch(
+            branches and branches.any_penalty,
+            b.any_penalty,
+            lambda x: _apply_penalties(biased(x, 1.0), b, counts, branches) / t,
+            lambda x: biased(x / t, t),
+            logits,
+        )
+    noise = RowNoise(row_keys(b), V)
     filtered = (
-        (lambda x: DRAWS[name](x, b, greedy, noise))
+        (lambda x: DRAWS[name](x, b, greedy, noise, **({} if maxima is None else {"maxima": maxima})))
         if name in DRAWS
         else (lambda x: _draw(FILTERS[name](x, b), greedy, noise))
     )
@@ -211,6 +223,37 @@ def _processed_sample(
     return _branch(
         branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), sampled, x
     ).astype(jnp.int32)
+
+
+def premaxima() -> str:
+    """How the kernels' block maxima are taken where the host decided a sampled batch without penalties or
+    grammars: "" (the default) after the bias scatters, from the final logits; "scaled" from the scaled logits in
+    the pass that scales them, "raw" from the raw logits over the temperature (both exact: the blocks the bias and
+    bans touched are taken again). Issue 64's item 2: not yet timed on a GPU, so off until
+    benchmarks/sampled_at_greedy_cost.sh has compared them. CAPSTAN_SAMPLER_PREMAXIMA picks one."""
+    how = os.environ.get("CAPSTAN_SAMPLER_PREMAXIMA", "")
+    if how not in ("scaled", "raw", ""):
+        raise ValueError(f"CAPSTAN_SAMPLER_PREMAXIMA={how!r}: not one of scaled, raw or empty")
+    return how
+
+
+def block_maxima(x: jax.Array) -> jax.Array:
+    """[S, ceil(V / BLOCK)]: each block of BLOCK values' maximum (the ragged last block padded with -inf)."""
+    S, V = x.shape
+    nb = -(-V // BLOCK)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
+    return jnp.max(blocks, axis=-1)
+
+
+def refresh_maxima(maxima: jax.Array, x: jax.Array, ids: jax.Array) -> jax.Array:
+    """The block maxima with the blocks holding ids [S, E] (out of range: the last block) taken again from x."""
+    S, V = x.shape
+    nb = maxima.shape[1]
+    blk = jnp.clip(ids // BLOCK, 0, nb - 1)  # [S, E]
+    at = blk[:, :, None] * BLOCK + jnp.arange(BLOCK, dtype=blk.dtype)  # [S, E, BLOCK]
+    values = jnp.take_along_axis(x, jnp.minimum(at, V - 1).reshape(S, -1), axis=-1).reshape(at.shape)
+    fresh = jnp.max(jnp.where(at < V, values, -jnp.inf), axis=-1)
+    return maxima.at[jnp.arange(S)[:, None], blk].set(fresh)
 
 
 def row_keys(b: SamplingBatch[jax.Array]) -> jax.Array:
@@ -396,24 +439,28 @@ def draw_by_candidates(
 
 
 def draw_by_kernels(
-    x: jax.Array, b: SamplingBatch[jax.Array], greedy: jax.Array, noise: RowNoise, fallback=None
+    x: jax.Array,
+    b: SamplingBatch[jax.Array],
+    greedy: jax.Array,
+    noise: RowNoise,
+    fallback=None,
+    maxima: jax.Array | None = None,
 ) -> jax.Array:
     """draw_by_candidates' tokens from gpu_sampler's Pallas kernels, where each row does only the stages it needs
     (the candidate blocks and thresholds by bisection in registers, the vocabulary's noise only for rows whose
     kept set reaches past the candidates). The block maxima are XLA's. A row the candidates leave undecided is
     drawn by the definition in a kernel too, so the program has no lax.cond (whose predicate XLA:GPU copies to
     the host: see Branches); with `fallback` given (tests), a batch with such a row takes it instead. Off GPUs the
-    kernels are interpreted (tests only)."""
+    kernels are interpreted (tests only). maxima: x's block_maxima, where the caller took them already."""
     from ..kernels.gpu_sampler import draw
 
     S, V = x.shape
     nb = -(-V // BLOCK)
     if nb <= BLOCKS:  # a small vocabulary: sorting it is the cheap way
         return _draw((fallback or filters_by_sort)(x, b), greedy, noise)
-    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(S, nb, BLOCK)
     tokens, decided = draw(
         x,
-        jnp.max(blocks, axis=-1),
+        block_maxima(x) if maxima is None else maxima,
         b.top_k,
         b.top_p,
         b.min_p,
