@@ -1,5 +1,6 @@
-"""The programs serve's first request needs, kept whole (engine/program_store.py): a second start loads them without
-tracing and gives the same tokens as the start that compiled them; a program read from JAX's own cache is never
+"""Serve's step and decode-scan programs, kept whole (engine/program_store.py): a second start loads every one without
+tracing (the first request's before /ready, the rest in the background thread) and gives the same tokens as the
+start that compiled them; a program read from JAX's own cache is never
 kept (XLA:CPU writes a broken copy of it); a damaged file is removed and its program compiled."""
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ logging.basicConfig(level=logging.WARNING)
 llm = LLM(str(DEFAULT_MODEL), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
 engine = llm.engine
 engine.start_warmup()
-stored = len(engine.stored_steps)
+warming = engine.warming
+first = warming.loaded  # before /ready; the thread loads the rest
 requests = [
     ("The capital of France is", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
     ("Hello", SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.3, seed=3,
                              ignore_eos=True)),
 ]
 outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-assert engine.warming is None or engine.warming.join(300)
-print(json.dumps({"stored": stored, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+assert warming.join(300)
+print(json.dumps({"first": first, "stored": warming.loaded, "scans": len(engine.multi_step.stored),
+                  "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
 """
 
 
@@ -45,15 +48,17 @@ def start(cache) -> dict:
 
 
 @pytest.mark.slow
-def test_a_second_start_loads_the_first_programs_whole_and_gives_the_same_tokens(tmp_path):
+def test_a_second_start_loads_every_program_whole_and_gives_the_same_tokens(tmp_path):
     first = start(tmp_path)
     kept = sorted(p for p in tmp_path.iterdir() if p.name.startswith(PREFIX))
-    assert first["stored"] == 0 and len(kept) == 2  # the first bucket's program and one decode row's
+    # every step and scan program (the grammar pipeline's are not kept); the multi-step scans among them
+    assert first["stored"] == 0 and len(kept) >= 4
     second = start(tmp_path)
-    assert second["stored"] == 2 and second["tokens"] == first["tokens"]
+    assert second["first"] == 2 and second["stored"] == len(kept) and second["scans"] >= 1
+    assert second["tokens"] == first["tokens"]
 
     kept[0].write_bytes(b"not a program")  # damaged: removed with a warning, and the program compiled instead
     third = start(tmp_path)
-    assert third["stored"] == 1 and third["tokens"] == first["tokens"]
+    assert third["stored"] == len(kept) - 1 and third["tokens"] == first["tokens"]
     # JAX's cache answered that compilation, and XLA's copy of a program it read back is not kept
-    assert [p for p in tmp_path.iterdir() if p.name.startswith(PREFIX)] == [kept[1]]
+    assert sorted(p for p in tmp_path.iterdir() if p.name.startswith(PREFIX)) == kept[1:]

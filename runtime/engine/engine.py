@@ -412,16 +412,17 @@ class LLMEngine:
         warming.compile_now(first)
         if self.scheduler.offload is not None:  # the copies between the tiers
             self.kv = self.scheduler.offload.warmup(self.kv)
+        self.compile_seconds = time.monotonic() - start
+        loaded, compiled = warming.loaded, describe(warming.counted_from)  # (before the thread adds its own)
         self.warming = warming
         warming.start(rest)
-        self.compile_seconds = time.monotonic() - start
         log.info(
             "compiled the %d program(s) a first request needs in %.1f s (%s%s); %d more compile in the background "
             "while serving (until then a compiled program stands in: larger token buckets, single decode steps)",
             len(first),
             self.compile_seconds,
-            f"{len(self.stored_steps)} loaded whole from the program store, " if self.stored_steps else "",
-            describe(warming.counted_from),
+            f"{loaded} loaded whole from the program store, " if loaded else "",
+            compiled,
             len(rest),
         )
 
@@ -432,8 +433,8 @@ class LLMEngine:
         decoding of a few rows, larger token buckets, then the other row buckets and the grammar pipeline)."""
         b, variants = self.builder, self._variants()
         first_bucket, small = b.bucket_for(b.S), b.row_buckets[:-1]
-        first = [self._step_program(v, first_bucket, None, stored=True) for v in variants]
-        first += [self._step_program(v, r, r, stored=True) for v in variants for r in small[:1]]
+        first = [self._step_program(v, first_bucket, None) for v in variants]
+        first += [self._step_program(v, r, r) for v in variants for r in small[:1]]
         rest = [self._step_program(v, r, r) for v in variants for r in small[1:]]
         near, far = self.multi_step.programs(variants) if self.config.decode_steps > 1 else ([], [])
         tokens = [self._step_program(v, t, None) for t in b.buckets if t != first_bucket for v in variants]
@@ -451,12 +452,12 @@ class LLMEngine:
             return "model"
         return "lora" if any(c.seq.lora is not None for c in chunks) else "base"
 
-    def _step_program(self, variant: str, bucket: int, rows: int | None, stored: bool = False) -> Program:
-        """stored: loaded from the program store when it has it, else compiled and then kept there."""
+    def _step_program(self, variant: str, bucket: int, rows: int | None) -> Program:
+        """Loaded from the program store when it has it, else compiled and then kept there."""
         inputs, model = self.builder.build([], bucket=bucket, rows=rows), self._variants()[variant]
         key, store = ("step", variant, bucket, rows), self.program_store
         lower = lambda: [step_fn.lower(model(), self._kv, inputs)]  # noqa: E731
-        if not stored or store is None:
+        if store is None:
             return Program(key, lower)
 
         def load() -> bool:

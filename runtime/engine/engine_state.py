@@ -27,6 +27,7 @@ class EngineState(Protocol):
     max_model_len: int
     speculator: Any  # the engine's Speculator, or None
     warming: Any  # serve's BackgroundWarmup while it still compiles (engine/warmup.py), else None
+    program_store: Any  # serve's ProgramStore (engine/program_store.py), else None
     kv: KVCache  # reading it settles the cache (host-tier copies are queued first); _kv is the cache as it is
     _kv: KVCache
 

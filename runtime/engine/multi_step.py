@@ -212,6 +212,7 @@ class MultiStepDecoder:
         # to the host), so the next dispatch is queued from this thread while the engine's applies tokens
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="capstan-dispatch")
         self._zero_counts: dict[int, PenaltyCounts] = {}  # by rows (_no_counts)
+        self.stored: dict[tuple, jax.stages.Compiled] = {}  # a scan's program key -> the program the store gave
 
     def warmup(self, model: DecoderModel) -> None:
         """Compiles the scan and the pipeline's programs (its forward and every sampling branch set) for model (one
@@ -264,17 +265,34 @@ class MultiStepDecoder:
                 active, offset, tables = self._placed(np.zeros(S, np.int32), np.int32(0), self._block_tables([], S))
                 args = (inputs, active, offset, self._no_previous(S, k), tables, self._no_counts(S, branches))
                 for name, model in variants.items():
-                    key = ("scan", name, S, k, branches)
-                    lower = functools.partial(self._lower_scan, model, args, k, branches)
-                    (near if e.builder.row_buckets[0] == S else far).append(Program(key, lower))
+                    program = self._scan_program(("scan", name, S, k, branches), model, args)
+                    (near if e.builder.row_buckets[0] == S else far).append(program)
         inputs = e.builder.build([], bucket=e.builder.S)
         previous = put(np.zeros(e.builder.S, np.int32), e.parallel.inputs_sharding())
         for name, model in variants.items():
             far.append(Program(("pipeline", name), functools.partial(self._lower_pipeline, model, inputs, previous)))
         return near, far
 
-    def _lower_scan(self, model: Callable[[], DecoderModel], args: tuple, k: int, branches: Branches) -> list:
-        return [decode_steps_fn.lower(model(), self.engine._kv, *args, num_steps=k, branches=branches)]
+    def _scan_program(self, key: tuple, model: Callable[[], DecoderModel], args: tuple) -> Program:
+        """A scan's program, loaded from the engine's program store when it has it, else compiled and kept there."""
+        e, (_, _, _, k, branches) = self.engine, key
+        lower = lambda: [decode_steps_fn.lower(model(), e._kv, *args, num_steps=k, branches=branches)]  # noqa: E731
+        store = e.program_store
+        if store is None:
+            return Program(key, lower)
+
+        def load() -> bool:
+            compiled = store.load(key, (model(), e._kv, *args))
+            if compiled is not None:
+                self.stored[key] = compiled
+            return compiled is not None
+
+        return Program(key, lower, load, lambda compiled: store.save(key, (model(), e._kv, *args), compiled[0]))
+
+    def _scan(self, chunks: list[ScheduledChunk], rows: int, k: int, branches: Branches) -> Callable:
+        """What runs a free batch's dispatch: the program the store gave for its key, else the jitted scan."""
+        stored = self.stored.get(("scan", self.engine.variant_of(chunks), rows, k, branches)) if self.stored else None
+        return stored if stored is not None else functools.partial(decode_steps_fn, num_steps=k, branches=branches)
 
     def _lower_pipeline(self, model: Callable[[], DecoderModel], inputs: Packed, previous: jax.Array) -> list:
         e = self.engine
@@ -362,8 +380,9 @@ class MultiStepDecoder:
                 scan_branches([c.seq.params for c in chunks], jax.default_backend()),
             )
             placed_rows, offset, tables = self._placed(rows, np.int32(0), self._block_tables(chunks, S))
+            scan = self._scan(chunks, S, k, d.branches)
             with e._precision():
-                e.kv, d.out, d.counts = decode_steps_fn(
+                e.kv, d.out, d.counts = scan(
                     e.model_for(chunks),
                     e.kv,
                     inputs,
@@ -372,8 +391,6 @@ class MultiStepDecoder:
                     self._no_previous(S, k),
                     tables,
                     self._no_counts(S, d.branches),
-                    num_steps=k,
-                    branches=d.branches,
                 )
             return self._apply(d)
         grammar_end: dict[int, int] = {}  # row -> the step whose token completed its grammar
@@ -472,21 +489,11 @@ class MultiStepDecoder:
             active, np.int32(offset), self._block_tables(d.chunks, len(d.active))
         )
         model = e.model_for(d.chunks)  # the run's variant: its rows' adapters stay in their slots while it runs
+        scan = self._scan(d.chunks, len(d.active), k, d.branches)
 
         def call():
             with e._precision():
-                return decode_steps_fn(
-                    model,
-                    kv,
-                    d.inputs,
-                    placed_active,
-                    placed_offset,
-                    previous,
-                    tables,
-                    counts,
-                    num_steps=k,
-                    branches=d.branches,
-                )
+                return scan(model, kv, d.inputs, placed_active, placed_offset, previous, tables, counts)
 
         nxt.future = self._thread.submit(call)
         return nxt

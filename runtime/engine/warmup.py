@@ -6,7 +6,8 @@ the call later finds it in JAX's caches) and nothing runs on the device from the
 compiled the engine runs one that is (LLMEngine.compiled): a larger token bucket, single steps instead of a
 multi-step decode, the general step instead of a small one; each gives the same tokens. A program whose
 compilation fails is logged and never run: its stand-in serves for good. A program the engine keeps whole
-(program_store.py) may load instead of compiling; keeping one it compiled waits for the thread."""
+(program_store.py) loads instead of compiling when an earlier start kept it; keeping the first request's programs
+waits for the thread."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class BackgroundWarmup:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self.loaded = 0  # programs loaded whole from the engine's store rather than compiled
         self.started = 0.0
         count_compilations()
         self.counted_from = compilations()
@@ -58,22 +60,31 @@ class BackgroundWarmup:
         programs compile on two cores; a failure here propagates. A program its load gives is not compiled."""
 
         def load_or_compile(program: Program) -> None:
-            if program.load is not None and program.load():
-                return
-            hits = hits_in_this_thread()
-            compiled = self._compile(program)
-            # XLA:CPU writes a broken copy of a program it read from JAX's cache ("Function ... not found" when it
-            # runs): only programs compiled here are kept
-            if program.keep is not None and hits_in_this_thread() == hits:
-                keep = program.keep
+            keep = self._load_or_compile(program)
+            if keep is not None:  # stored by the thread, off the first request's path
                 with self._lock:
-                    self._keeps.append(lambda: keep(compiled))
+                    self._keeps.append(keep)
 
         with ThreadPoolExecutor(max(1, min(len(programs), os.cpu_count() or 1))) as pool:
             futures = [pool.submit(load_or_compile, program) for program in programs]
         for program, future in zip(programs, futures, strict=True):
             future.result()
             self._ready.add(program.key)
+
+    def _load_or_compile(self, program: Program) -> Callable[[], None] | None:
+        """Loads the program from the engine's store, or compiles it; what keeps it for later starts, if it should."""
+        if program.load is not None and program.load():
+            with self._lock:
+                self.loaded += 1
+            return None
+        hits = hits_in_this_thread()
+        compiled = self._compile(program)
+        # XLA:CPU writes a broken copy of a program it read from JAX's cache ("Function ... not found" when it
+        # runs): only programs compiled here are kept
+        if program.keep is None or hits_in_this_thread() != hits:
+            return None
+        keep = program.keep
+        return lambda: keep(compiled)
 
     def start(self, programs: list[Program]) -> None:
         """Compiles these in order in a thread of its own."""
@@ -147,8 +158,10 @@ class BackgroundWarmup:
                     break
                 program = self._queue[0]
             try:
-                self._compile(program)
+                store = self._load_or_compile(program)
                 self._ready.add(program.key)  # (a set's add is atomic: the engine's thread reads it without the lock)
+                if store is not None:
+                    store()  # (best effort: the store logs what it could not keep)
             except Exception:  # noqa: BLE001 - a program that cannot compile is never run: its stand-in serves
                 log.exception("compiling %s failed; a compiled program serves its steps instead", program.key)
                 self._failed.add(program.key)
@@ -158,9 +171,10 @@ class BackgroundWarmup:
         if self._stopped:
             return
         log.info(
-            "background compilation done: %d programs in %.1f s%s (since the start: %s)",
+            "background compilation done: %d programs in %.1f s%s%s (since the start: %s)",
             total - len(self._failed),
             time.monotonic() - self.started,
+            f", {self.loaded} loaded whole from the program store in all" if self.loaded else "",
             f", {len(self._failed)} failed (see above)" if self._failed else "",
             describe(self.counted_from),
         )
