@@ -4,9 +4,11 @@ alternatives, each with its decoded text; from a step's sampled tokens or its pr
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from ..tokenizer import Tokenizer
-from .sampler import PromptLogprobs
+if TYPE_CHECKING:  # (the frontend reads these results without importing JAX: it starts faster beside the core)
+    from ..tokenizer import Tokenizer
+    from .sampler import PromptLogprobs
 
 
 @dataclasses.dataclass
