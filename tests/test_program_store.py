@@ -1,7 +1,7 @@
 """Serve's step and decode-scan programs, kept whole (engine/program_store.py): a second start loads every one without
 tracing (the first request's before /ready, the rest in the background thread) and gives the same tokens as the
-start that compiled them; a program read from JAX's own cache is never
-kept (XLA:CPU writes a broken copy of it); a damaged file is removed and its program compiled."""
+start that compiled them; a program read from JAX's own cache is never kept (XLA:CPU writes a broken copy of it); a
+damaged file is removed and its program compiled."""
 
 from __future__ import annotations
 
