@@ -8,6 +8,7 @@ from typing import TypeGuard
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import ModelConfig
 from .decoder import DecoderModel, rope_tables
@@ -23,7 +24,26 @@ from .quantization import (
 
 # A tensor source: (Hugging Face name, expected shape) -> array of that shape. Only linear weights (*_proj.weight)
 # may come quantized (GGUF Q8_0, a quantized checkpoint, random q8_0 weights).
-TensorSource = Callable[[str, tuple[int, ...]], jax.Array | QuantizedTensor]
+TensorSource = Callable[[str, tuple[int, ...]], jax.Array | np.ndarray | QuantizedTensor]
+
+
+def _xp(parts):
+    """numpy for host arrays (the GGUF reader's), else jax.numpy: a host array is joined and reshaped on the host,
+    where a device array's eager reshape or join compiles a program for each new shape (seconds of a start)."""
+    return np if all(isinstance(p, np.ndarray) for p in parts) else jnp
+
+
+def _join_qkv(xs):
+    return _xp(xs).concatenate(xs, axis=1)
+
+
+def _stack(xs):
+    return _xp(xs).stack(xs)
+
+
+def _named(a, axes) -> hax.NamedArray:
+    """hax.named, a host array put on the device first: one transfer (jnp.asarray would compile a program for it)."""
+    return hax.named(jax.device_put(a) if isinstance(a, np.ndarray) else a, axes)
 
 
 def _all_quantized(parts: list[jax.Array | QuantizedTensor]) -> TypeGuard[list[QuantizedTensor]]:
@@ -50,7 +70,7 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
     def block(i: int):
         def w(suffix: str, shape: tuple[int, ...], axes: tuple[hax.Axis, ...], reshape=None):
             t = dense(f"model.layers.{i}.{suffix}", shape)
-            return hax.named(t.reshape(reshape) if reshape else t, axes)
+            return _named(t.reshape(reshape) if reshape else t, axes)
 
         def linears(suffixes, shapes, reshapes, axes, contracted: int, join):
             """Linear weights [out, in] reshaped to the model's axes and joined along an output axis (one matmul
@@ -68,22 +88,22 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
                 per_block = hax.Axis(f"{axes[-1].name}_blocks", reshapes[0][-1] // block)
                 offset = None
                 if any(p.offset is not None for p in parts):  # GGUF Q4_1 on CPU (symmetric parts: minimum 0)
-                    offsets = [jnp.zeros_like(p.scale) if p.offset is None else p.offset for p in parts]
+                    offsets = [_xp([p.scale]).zeros_like(p.scale) if p.offset is None else p.offset for p in parts]
                     offset = join([o.reshape(*r[:-1], r[-1] // block) for o, r in zip(offsets, reshapes, strict=True)])
-                    offset = hax.named(offset, (*axes[:-1], per_block))
-                scale_named = hax.named(scale, (*axes[:-1], per_block))
-                return QuantizedWeight(hax.named(values, axes), scale_named, block=block, offset=offset)
+                    offset = _named(offset, (*axes[:-1], per_block))
+                scale_named = _named(scale, (*axes[:-1], per_block))
+                return QuantizedWeight(_named(values, axes), scale_named, block=block, offset=offset)
             else:  # blocks mixed with other formats, or another format asked for: dequantized here
                 parts = [dequantize_rows(p) if isinstance(p, QuantizedTensor) and p.block else p for p in parts]
             method = quantization or next((p.method for p in parts if isinstance(p, QuantizedTensor)), None)
             if method is None:
                 assert _all_dense(parts)  # no method asked for, none in the checkpoint
-                return hax.named(join([p.astype(dtype).reshape(r) for p, r in zip(parts, reshapes, strict=True)]), axes)
+                return _named(join([p.astype(dtype).reshape(r) for p, r in zip(parts, reshapes, strict=True)]), axes)
             quantized = [p if isinstance(p, QuantizedTensor) else quantize_rows(p, method) for p in parts]
             assert len({p.method for p in quantized}) == 1, suffixes
             values = join([p.values.reshape(r) for p, r in zip(quantized, reshapes, strict=True)])
             scale = join([p.scale.reshape(r[:-contracted]) for p, r in zip(quantized, reshapes, strict=True)])
-            return QuantizedWeight(hax.named(values, axes), hax.named(scale, axes[:-contracted]))
+            return QuantizedWeight(_named(values, axes), _named(scale, axes[:-contracted]))
 
         def qkv_bias():
             """q, k and v biases stacked per kv head along ax.QKV, as the fused weight is."""
@@ -91,7 +111,7 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
                 dense(f"model.layers.{i}.self_attn.{p}_proj.bias", (n,)).reshape(KVH, n // KVH // D, D)
                 for p, n in (("q", KVH * G * D), ("k", KVH * D), ("v", KVH * D))
             ]
-            return hax.named(jnp.concatenate(parts, axis=1), (ax.KVHeads, ax.QKV, ax.HeadSize))
+            return _named(_join_qkv(parts), (ax.KVHeads, ax.QKV, ax.HeadSize))
 
         qkv_sizes = (KVH * G * D, KVH * D, KVH * D)
         attn = Attention(
@@ -101,7 +121,7 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
                 [(KVH, n // KVH // D, D, E) for n in qkv_sizes],
                 (ax.KVHeads, ax.QKV, ax.HeadSize, ax.Embed),
                 1,
-                lambda xs: jnp.concatenate(xs, axis=1),
+                _join_qkv,
             ),
             o_proj=linears(
                 ["self_attn.o_proj.weight"],
@@ -122,7 +142,7 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
                 [(I, E)] * 2,
                 (ax.GateUp, ax.Mlp, ax.Embed),
                 1,
-                jnp.stack,
+                _stack,
             ),
             down_proj=linears(["mlp.down_proj.weight"], [(E, I)], [(E, I)], (ax.Embed, ax.Mlp), 1, lambda xs: xs[0]),
         )
@@ -133,12 +153,12 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
     layers = tuple(block(i) for i in range(cfg.num_layers))
 
     vocab_shape = (cfg.vocab_size, E)
-    embedding = hax.named(dense("model.embed_tokens.weight", vocab_shape), (ax.Vocab, ax.Embed))
+    embedding = _named(dense("model.embed_tokens.weight", vocab_shape), (ax.Vocab, ax.Embed))
     if cfg.tie_word_embeddings:
         lm_head = embedding
     else:
-        lm_head = hax.named(dense("lm_head.weight", vocab_shape), (ax.Vocab, ax.Embed))
-    final_norm = hax.named(dense("model.norm.weight", (E,)), (ax.Embed,))
+        lm_head = _named(dense("lm_head.weight", vocab_shape), (ax.Vocab, ax.Embed))
+    final_norm = _named(dense("model.norm.weight", (E,)), (ax.Embed,))
     return DecoderModel(
         cfg=cfg,
         ax=ax,

@@ -19,6 +19,7 @@ import os
 import equinox as eqx
 import haliax as hax
 import jax
+import numpy as np
 
 from ..kernels import cpu_block_matmul
 from .cpu_block_weight import CpuBlockWeight
@@ -57,10 +58,12 @@ def cpu_int8_layout(model: DecoderModel) -> DecoderModel:
     layers = tuple(_flat_o_proj(block) for block in model.layers)
     head = model.lm_head
     if not isinstance(head, QuantizedWeight) and head.axes[-1].size % Q8_0_BLOCK == 0:
-        q = quantize_blocks(head.array, Q8_0_BLOCK)
+        q = quantize_blocks(np.asarray(head.array), Q8_0_BLOCK)  # on the host: no program compiled for it
         blocks = head.axes[-1].resize(head.axes[-1].size // Q8_0_BLOCK).alias(head.axes[-1].name + "_blocks")
         head = QuantizedWeight(
-            hax.named(q.values, head.axes), hax.named(q.scale, (head.axes[0], blocks)), block=Q8_0_BLOCK
+            hax.named(jax.device_put(q.values), head.axes),
+            hax.named(jax.device_put(q.scale), (head.axes[0], blocks)),
+            block=Q8_0_BLOCK,
         )
     if NATIVE_MATMUL != "0" and cpu_block_matmul.available():
         layers = jax.tree.map(_native, layers, is_leaf=lambda w: isinstance(w, QuantizedWeight))

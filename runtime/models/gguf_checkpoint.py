@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import gguf
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .builder import build_model
@@ -212,7 +211,8 @@ def gguf_tensor_source(
 ):
     """keep_q8_0: linear weights in Q8_0 come as QuantizedTensors in their blocks; every other tensor, and those
     too without it, dequantized to float32. in_blocks: linear weights of the other quantized types too, requantized
-    to Q8_0 (rows whose length 32 divides)."""
+    to Q8_0 (rows whose length 32 divides). Tensors come as host (numpy) arrays: build_model joins them there and
+    puts each weight on the device once (a device array's reshape or join would compile a program per shape)."""
     tensors = {t.name: t for t in reader.tensors}
     arch = architecture(reader, path)
     layer_names = LAYER_TENSORS | (GEMMA3_LAYER_TENSORS if arch == "gemma3" else LLAMA_LAYER_TENSORS)
@@ -240,8 +240,7 @@ def gguf_tensor_source(
                     q.block,
                     None if q.offset is None else unpermute_rows(np.asarray(q.offset), heads),
                 )
-            offset = None if q.offset is None else jnp.asarray(q.offset)
-            return QuantizedTensor(jnp.asarray(q.values), jnp.asarray(q.scale), q.block, offset)
+            return q
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(dims)
         if permuted:
             values = unpermute_rows(values, heads)
@@ -250,7 +249,7 @@ def gguf_tensor_source(
             return quantize_blocks(values, Q8_0_BLOCK)
         if arch == "gemma3" and name.endswith("norm.weight"):
             values = values - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; we apply the 1 ourselves
-        return jnp.asarray(values.astype(np.float32))
+        return values.astype(np.float32)
 
     return source
 

@@ -91,13 +91,16 @@ def quantize_rows(w, method: str) -> QuantizedTensor:
 
 
 def quantize_blocks(w, block: int = 32) -> QuantizedTensor:
-    """GGUF Q8_0's scheme: per `block` consecutive values of a row, scale = amax / 127, values = round(w / scale)."""
-    w = jnp.asarray(w, jnp.float32)
+    """GGUF Q8_0's scheme: per `block` consecutive values of a row, scale = amax / 127, values = round(w / scale).
+    A host (numpy) array is quantized on the host, to host arrays (a load compiles no program for it); the same
+    IEEE float32 arithmetic either way."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    w = xp.asarray(w, xp.float32)
     blocks = w.reshape(*w.shape[:-1], w.shape[-1] // block, block)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scale = jnp.where(amax > 0, amax / LARGEST["int8"], TINY)
-    values = jnp.round(blocks / scale[..., None]).astype(jnp.int8).reshape(w.shape)
-    return QuantizedTensor(values, scale.astype(jnp.float32), block)
+    amax = xp.max(xp.abs(blocks), axis=-1)
+    scale = xp.where(amax > 0, amax / xp.float32(LARGEST["int8"]), xp.float32(TINY))
+    values = xp.round(blocks / scale[..., None]).astype(xp.int8).reshape(w.shape)
+    return QuantizedTensor(values, scale.astype(xp.float32), block)
 
 
 def dequantize_rows(t: QuantizedTensor) -> jax.Array:
