@@ -2,12 +2,10 @@
 served meanwhile by compiled stand-ins give the same tokens as after a full warm-up; nothing compiles on the request
 path once the thread is done; a program that fails to compile leaves its stand-in serving."""
 
-import contextlib
 import logging
-import threading
 
 import pytest
-from jax import monitoring
+from compile_watch import compiles_in_this_thread
 
 from capstan.runtime.config import DEFAULT_MODEL
 from capstan.runtime.engine.llm import LLM
@@ -29,23 +27,6 @@ REQUESTS = [
 def tokens(llm: LLM, requests=REQUESTS) -> list[list[list[int]]]:
     outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
-
-
-@contextlib.contextmanager
-def compiles_in_this_thread():
-    """The XLA compilations this thread makes meanwhile (the warm-up's own thread compiles beside it)."""
-    compiles: list[str] = []
-    me = threading.current_thread()
-
-    def listen(event: str, duration: float, **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration" and threading.current_thread() is me:
-            compiles.append(event)
-
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield compiles
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
 
 
 @pytest.fixture(scope="module")

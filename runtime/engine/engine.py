@@ -38,7 +38,7 @@ from ..scheduling.sequence import Sequence
 from ..speculative.draft_model import load_draft
 from ..speculative.speculator import Speculator
 from ..tokenizer import Tokenizer
-from . import program_store
+from . import layered_step, program_store
 from .choice_text import ChoiceText
 from .compile_counts import describe
 from .embedder import Embedder
@@ -178,6 +178,7 @@ class LLMEngine:
         self.warming: BackgroundWarmup | None = None  # serve's warm-up while it still compiles: run compiled programs
         self.program_store: ProgramStore | None = None  # serve's first programs kept whole (program_store.py)
         self.stored_steps: dict[tuple, jax.stages.Compiled] = {}  # (variant, inputs' layout) -> a program it loaded
+        self.layered: dict[tuple, layered_step.LayeredStep] = {}  # likewise -> a stand-in while serve compiles it
 
     def _enable_lora(self, checkpoint_cfg) -> None:
         """The manager of the model's adapter slots (whole on every device under tensor parallelism), and the
@@ -416,14 +417,18 @@ class LLMEngine:
         loaded, compiled = warming.loaded, describe(warming.counted_from)  # (before the thread adds its own)
         self.warming = warming
         warming.start(rest)
+        standing = warming.standing_in()
         log.info(
-            "compiled the %d program(s) a first request needs in %.1f s (%s%s); %d more compile in the background "
+            "compiled the %d program(s) a first request needs in %.1f s (%s%s%s); %d more compile in the background "
             "while serving (until then a compiled program stands in: larger token buckets, single decode steps)",
             len(first),
             self.compile_seconds,
             f"{loaded} loaded whole from the program store, " if loaded else "",
+            f"{standing} as stand-ins run layer by layer until their whole programs compile first, "
+            if standing
+            else "",
             compiled,
-            len(rest),
+            len(rest) + standing,
         )
 
     def _programs(self) -> tuple[list[Program], list[Program]]:
@@ -433,8 +438,9 @@ class LLMEngine:
         decoding of a few rows, larger token buckets, then the other row buckets and the grammar pipeline)."""
         b, variants = self.builder, self._variants()
         first_bucket, small = b.bucket_for(b.S), b.row_buckets[:-1]
-        first = [self._step_program(v, first_bucket, None) for v in variants]
-        first += [self._step_program(v, r, r) for v in variants for r in small[:1]]
+        layered = layered_step.applies(self.model)  # the first shapes' stand-ins, compiled in seconds
+        first = [self._step_program(v, first_bucket, None, layered) for v in variants]
+        first += [self._step_program(v, r, r, layered) for v in variants for r in small[:1]]
         rest = [self._step_program(v, r, r) for v in variants for r in small[1:]]
         near, far = self.multi_step.programs(variants) if self.config.decode_steps > 1 else ([], [])
         tokens = [self._step_program(v, t, None) for t in b.buckets if t != first_bucket for v in variants]
@@ -452,13 +458,18 @@ class LLMEngine:
             return "model"
         return "lora" if any(c.seq.lora is not None for c in chunks) else "base"
 
-    def _step_program(self, variant: str, bucket: int, rows: int | None) -> Program:
-        """Loaded from the program store when it has it, else compiled and then kept there."""
+    def _step_program(self, variant: str, bucket: int, rows: int | None, layered: bool = False) -> Program:
+        """Loaded from the program store when it has it, else compiled and then kept there. layered: with a stand-in
+        compiled layer by layer (layered_step.py) for serve to run until this is compiled."""
         inputs, model = self.builder.build([], bucket=bucket, rows=rows), self._variants()[variant]
         key, store = ("step", variant, bucket, rows), self.program_store
         lower = lambda: [step_fn.lower(model(), self._kv, inputs)]  # noqa: E731
+
+        def stand_in() -> None:
+            self.layered[(variant, inputs.layout)] = layered_step.LayeredStep(model(), self._kv, inputs)
+
         if store is None:
-            return Program(key, lower)
+            return Program(key, lower, stand_in=stand_in if layered else None)
 
         def load() -> bool:
             compiled = store.load(key, (model(), self._kv, inputs))
@@ -466,7 +477,8 @@ class LLMEngine:
                 self.stored_steps[(variant, inputs.layout)] = compiled
             return compiled is not None
 
-        return Program(key, lower, load, lambda compiled: store.save(key, (model(), self._kv, inputs), compiled[0]))
+        keep = lambda compiled: store.save(key, (model(), self._kv, inputs), compiled[0])  # noqa: E731
+        return Program(key, lower, load, keep, stand_in if layered else None)
 
     def compiled(self, key) -> bool:
         """Whether the program of this key may run now: any may, unless serve's warm-up still compiles some."""
@@ -479,6 +491,7 @@ class LLMEngine:
         assert warming is not None, "called while warming"
         if warming.done() and not warming.failed():
             self.warming = None
+            self.layered.clear()
             self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
             return
         self.scheduler.max_num_batched_tokens = min(
@@ -559,6 +572,8 @@ class LLMEngine:
         if not chunks:
             return []
         run = self.stored_steps.get((variant, inputs.layout), step_fn) if self.stored_steps else step_fn
+        if self.warming is not None and not self.warming.whole(("step", variant, bucket, small)):
+            run = self.layered.get((variant, inputs.layout), run)  # its stand-in, until the thread compiles it
         with self._precision():
             self.kv, out = run(self.model_for(chunks), self.kv, inputs)
         return self.apply_step(chunks, self.fetch(out))

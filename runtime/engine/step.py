@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from haliax import NamedArray
 
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
@@ -20,6 +21,11 @@ from ..scheduling.packing import Packed
 def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:
     x: StepInputs[jax.Array] = packed.unpack()
     hidden, kv = model(x.tokens, x.meta, kv, x.lora_rows)
+    return kv, step_outputs(model, hidden, x)
+
+
+def step_outputs(model: DecoderModel, hidden: NamedArray, x: StepInputs[jax.Array]) -> StepOutputs:
+    """The step's samples (and prompt logprobs, when asked) from the model's hidden states [token, Embed]."""
     last = hidden["token", x.sample_index]  # [S, Embed] (the axis keeps its name)
     logits = model.logits(last).array
     sampled = sample(logits, x.sampling)
@@ -41,7 +47,7 @@ def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache,
         )
 
     prompt = jax.lax.cond(x.want_prompt_logprobs, prompt_logprobs, none, hidden)
-    return kv, StepOutputs(sampled, prompt)
+    return StepOutputs(sampled, prompt)
 
 
 # The KV cache is donated: XLA updates the pages in place instead of copying the pool every step.

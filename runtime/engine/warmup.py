@@ -37,6 +37,9 @@ class Program:
     lower: Callable[[], Iterable]  # the lowered computations (jax.stages.Lowered) the key needs, in order
     load: Callable[[], bool] | None = None  # the program from the engine's store, without tracing: True if it did
     keep: Callable[[list], None] | None = None  # stores what compiled (jax.stages.Compiled, in order) for later starts
+    # compiles a quicker program giving the same tokens (layered_step.py), which compile_now runs instead while
+    # the thread compiles this one first
+    stand_in: Callable[[], None] | None = None
 
 
 class BackgroundWarmup:
@@ -44,6 +47,8 @@ class BackgroundWarmup:
         """context: what every device call of the engine runs in (its matmul precision, its mesh)."""
         self._context = context
         self._ready: set[Hashable] = set()
+        self._standing_in: set[Hashable] = set()  # keys whose stand-in (Program.stand_in) serves until they compile
+        self._deferred: list[Program] = []  # compile_now's programs a stand-in serves: the thread's first
         self._failed: set[Hashable] = set()
         self._queue: list[Program] = []
         self._keeps: list[Callable[[], None]] = []  # what compile_now compiled, stored by the thread (off the path)
@@ -57,19 +62,32 @@ class BackgroundWarmup:
 
     def compile_now(self, programs: list[Program]) -> None:
         """Compiles these now (what the first request needs), side by side: XLA's compiler releases the GIL, so two
-        programs compile on two cores; a failure here propagates. A program its load gives is not compiled."""
+        programs compile on two cores; a failure here propagates. A program its load gives is not compiled; one with
+        a stand-in has the stand-in compiled now and is itself compiled first by the thread."""
 
-        def load_or_compile(program: Program) -> None:
+        def load_or_compile(program: Program) -> bool:
+            """True when the program is ready; False when its stand-in is."""
+            if program.stand_in is not None:
+                if program.load is not None and program.load():
+                    with self._lock:
+                        self.loaded += 1
+                    return True
+                program.stand_in()
+                return False
             keep = self._load_or_compile(program)
             if keep is not None:  # stored by the thread, off the first request's path
                 with self._lock:
                     self._keeps.append(keep)
+            return True
 
         with ThreadPoolExecutor(max(1, min(len(programs), os.cpu_count() or 1))) as pool:
             futures = [pool.submit(load_or_compile, program) for program in programs]
         for program, future in zip(programs, futures, strict=True):
-            future.result()
-            self._ready.add(program.key)
+            if future.result():
+                self._ready.add(program.key)
+            else:
+                self._standing_in.add(program.key)
+                self._deferred.append(dataclasses.replace(program, load=None))  # (its load just missed)
 
     def _load_or_compile(self, program: Program) -> Callable[[], None] | None:
         """Loads the program from the engine's store, or compiles it; what keeps it for later starts, if it should."""
@@ -87,20 +105,30 @@ class BackgroundWarmup:
         return lambda: keep(compiled)
 
     def start(self, programs: list[Program]) -> None:
-        """Compiles these in order in a thread of its own."""
-        self._queue = list(programs)
+        """Compiles these in order in a thread of its own (after compile_now's programs a stand-in serves)."""
+        self._queue = self._deferred + list(programs)
+        self._deferred = []
         self.started = time.monotonic()
         if self._queue or self._keeps:
             self._thread = threading.Thread(target=self._run, name="capstan-warmup", daemon=True)
             self._thread.start()
 
     def compiled(self, key: Hashable) -> bool:
+        """Whether the key's shape can run now: its program compiled, or its stand-in."""
+        return key in self._ready or key in self._standing_in
+
+    def standing_in(self) -> int:
+        """How many shapes run by their stand-ins now."""
+        return len(self._standing_in - self._ready)
+
+    def whole(self, key: Hashable) -> bool:
+        """Whether the key's own program is compiled (not only its stand-in)."""
         return key in self._ready
 
     def compiling(self) -> int:
-        """Programs not compiled (queued, or being compiled now) or not stored yet."""
+        """Programs not compiled (stood in for, queued, or being compiled now) or not stored yet."""
         with self._lock:
-            return len(self._queue) + len(self._keeps)
+            return len(self._deferred) + len(self._queue) + len(self._keeps)
 
     def done(self) -> bool:
         return self.compiling() == 0

@@ -71,13 +71,11 @@ class DecoderModel(eqx.Module):
     ) -> tuple[NamedArray, KVCache]:
         """Runs T tokens through every layer, writing their K/V; returns hidden states [token, Embed]. lora_rows
         [S]: each sequence row's adapter slot (-1: none); its tokens get that adapter's deltas."""
-        cfg, ax = self.cfg, self.ax
-        x = embed(tokens, self.embedding, ax)
+        cfg = self.cfg
+        x = self.embed_tokens(tokens)
         lora = self.lora
         slots = None if lora is None or lora_rows is None else lora_rows[meta.token_seq]  # each token's row's slot
-        if cfg.family == "gemma3":
-            x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
-        rope = {kind: rotary_tables(f, meta.positions) for kind, f in self.inv_freq.items()}
+        rope = self.rope(meta)
         k_layers, v_layers = list(kv.k), list(kv.v)
         T = tokens.shape[0]
         halves = HALVES_MIN_ROWS and meta.decode and meta.query_blocks is None and T >= HALVES_MIN_ROWS and T % 2 == 0
@@ -98,16 +96,46 @@ class DecoderModel(eqx.Module):
         # no slicing of stacked weights or caches between layers
         for i, block in enumerate(self.layers):
             kind = cfg.layer_types[i]
-            window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
             for p, (part_meta, part_rope, part_slots) in enumerate(parts):
-                cos, sin = part_rope[kind]
                 adapters = None if lora is None or part_slots is None else LayerAdapters(lora.layers[i], part_slots)
-                xs[p], k_layers[i], v_layers[i] = block(
-                    xs[p], cos, sin, window, k_layers[i], v_layers[i], part_meta, cfg, ax, kv.page_size, adapters
+                xs[p], k_layers[i], v_layers[i] = self.run_layer(
+                    block, kind, xs[p], part_rope[kind], k_layers[i], v_layers[i], part_meta, kv.page_size, adapters
                 )
         x = xs[0] if len(xs) == 1 else hax.concatenate(Token.name, xs)
-        x = rms_norm(x, self.final_norm, ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
-        return x, KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)
+        return self.norm(x), KVCache(tuple(k_layers), tuple(v_layers), kv.page_size)
+
+    # The parts of __call__, in order (engine/layered_step.py runs them as programs of their own)
+    def embed_tokens(self, tokens: jax.Array) -> NamedArray:
+        x = embed(tokens, self.embedding, self.ax)
+        if self.cfg.family == "gemma3":
+            x = x * jnp.asarray(self.cfg.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+    def rope(self, meta: AttentionMetadata[jax.Array]) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """(cos, sin) at the step's positions for each layer type."""
+        return {kind: rotary_tables(f, meta.positions) for kind, f in self.inv_freq.items()}
+
+    def run_layer(
+        self,
+        block: DecoderBlock,
+        kind: str,
+        x: NamedArray,
+        rope: tuple[jax.Array, jax.Array],
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        meta: AttentionMetadata[jax.Array],
+        page_size: int,
+        adapters: LayerAdapters | None = None,
+    ) -> tuple[NamedArray, jax.Array, jax.Array]:
+        """One layer (`block`, of layer type `kind`) on x, writing its K/V into its caches."""
+        window = self.cfg.sliding_window if kind == SLIDING_ATTENTION else None
+        cos, sin = rope
+        return block(x, cos, sin, window, k_cache, v_cache, meta, self.cfg, self.ax, page_size, adapters)
+
+    def norm(self, x: NamedArray) -> NamedArray:
+        """The final norm, after the last layer."""
+        cfg = self.cfg
+        return rms_norm(x, self.final_norm, self.ax.Embed, cfg.rms_norm_eps, one_plus=cfg.family == "gemma3")
 
     def with_kv_scales(self, scales: list[tuple[float, float]]) -> DecoderModel:
         """The model with each layer's (k_scale, v_scale) for FP8 K/V pages (a checkpoint's; default 1.0)."""
