@@ -438,7 +438,7 @@ class LLMEngine:
         decoding of a few rows, larger token buckets, then the other row buckets and the grammar pipeline)."""
         b, variants = self.builder, self._variants()
         first_bucket, small = b.bucket_for(b.S), b.row_buckets[:-1]
-        layered = layered_step.applies(self.model)  # the first shapes' stand-ins, compiled in seconds
+        layered = layered_step.applies(self.model, self.dtype)  # the first shapes' stand-ins, compiled in seconds
         first = [self._step_program(v, first_bucket, None, layered) for v in variants]
         first += [self._step_program(v, r, r, layered) for v in variants for r in small[:1]]
         rest = [self._step_program(v, r, r) for v in variants for r in small[1:]]

@@ -17,6 +17,7 @@ import functools
 from collections.abc import Hashable
 
 import jax
+import jax.numpy as jnp
 
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
@@ -51,13 +52,16 @@ def _layer_fn(kind: str, page_size: int):
 _finish_fn = jax.jit(_finish)
 
 
-def applies(model: DecoderModel) -> bool:
-    """Whether a step of this model can run layer by layer: one device, no LoRA slots (the whole program
-    gathers each token's adapter), no split decode halves."""
+def applies(model: DecoderModel, dtype) -> bool:
+    """Whether a step of this model runs layer by layer as a stand-in: on CPU in float32 (in bfloat16 XLA may keep
+    a fused value's excess precision across what is a layer's edge here, so tokens could differ; elsewhere the
+    first shapes' whole programs compile before /ready, as they did), one device, no LoRA slots (the whole program gathers each token's
+    adapter), no split decode halves."""
     from ..models.decoder import HALVES_MIN_ROWS
     from ..parallel.mesh import model_parallel_size
 
-    return model.lora is None and model_parallel_size() == 1 and not HALVES_MIN_ROWS
+    on_cpu = jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+    return on_cpu and model.lora is None and model_parallel_size() == 1 and not HALVES_MIN_ROWS
 
 
 class LayeredStep:

@@ -1,5 +1,7 @@
 """BackgroundWarmup: `capstan serve` answers as soon as the programs a first request needs are compiled, and
-compiles the engine's other step programs in a thread while it serves.
+compiles the engine's other step programs in a thread while it serves. A program with a stand-in (Program.stand_in:
+the first shapes' layer-by-layer programs, layered_step.py) has the stand-in compiled instead before /ready, and is
+the thread's first to compile.
 
 Each program is compiled ahead of time (`jit(f).lower(args).compile()`, with the arguments a real call passes, so
 the call later finds it in JAX's caches) and nothing runs on the device from the thread. Until a program is
