@@ -241,7 +241,11 @@ def gguf_tensor_source(
                     None if q.offset is None else unpermute_rows(np.asarray(q.offset), heads),
                 )
             return q
-        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(dims)
+        if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:  # gguf's own arithmetic, ~3x faster (the embedding)
+            q = q8_0_blocks(np.asarray(t.data), dims)
+            values = (q.values.reshape(-1, Q8_0_BLOCK).astype(np.float32) * q.scale.reshape(-1, 1)).reshape(dims)
+        else:
+            values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(dims)
         if permuted:
             values = unpermute_rows(values, heads)
         linear = hf_name.endswith("_proj.weight") and t.tensor_type not in FLOAT_TYPES
