@@ -13,7 +13,7 @@ from capstan.runtime.engine.warmup import BackgroundWarmup
 from capstan.runtime.sampling.sampling_params import SamplingParams
 
 FLAGS = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64)  # not test_warmup.py's shapes
-REQUESTS = [
+REQUESTS: list[tuple[str | list[int], SamplingParams]] = [
     (list(range(100, 140)), SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)),
     ("The capital of France is", SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)),
     ("Once upon a time", SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)),

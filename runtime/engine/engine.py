@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -571,7 +572,7 @@ class LLMEngine:
         chunks, inputs = self._build(chunks, bucket=bucket, rows=small)
         if not chunks:
             return []
-        run = self.stored_steps.get((variant, inputs.layout), step_fn) if self.stored_steps else step_fn
+        run: Callable = self.stored_steps.get((variant, inputs.layout), step_fn) if self.stored_steps else step_fn
         if self.warming is not None and not self.warming.whole(("step", variant, bucket, small)):
             run = self.layered.get((variant, inputs.layout), run)  # its stand-in, until the thread compiles it
         with self._precision():

@@ -46,11 +46,11 @@ def _named(a, axes) -> hax.NamedArray:
     return hax.named(jax.device_put(a) if isinstance(a, np.ndarray) else a, axes)
 
 
-def _all_quantized(parts: list[jax.Array | QuantizedTensor]) -> TypeGuard[list[QuantizedTensor]]:
+def _all_quantized(parts: list[jax.Array | np.ndarray | QuantizedTensor]) -> TypeGuard[list[QuantizedTensor]]:
     return all(isinstance(p, QuantizedTensor) for p in parts)
 
 
-def _all_dense(parts: list[jax.Array | QuantizedTensor]) -> TypeGuard[list[jax.Array]]:
+def _all_dense(parts: list[jax.Array | np.ndarray | QuantizedTensor]) -> TypeGuard[list[jax.Array | np.ndarray]]:
     return not any(isinstance(p, QuantizedTensor) for p in parts)
 
 
@@ -61,7 +61,7 @@ def build_model(cfg: ModelConfig, source: TensorSource, dtype, quantization: str
     E, D, KVH, G, I = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.queries_per_kv, cfg.intermediate_size
     gemma = cfg.family == "gemma3"
 
-    def dense(name: str, shape: tuple[int, ...]) -> jax.Array:
+    def dense(name: str, shape: tuple[int, ...]) -> jax.Array | np.ndarray:
         """A tensor that is never quantized (norms, biases, embeddings), in the model's dtype."""
         t = source(name, shape)
         assert not isinstance(t, QuantizedTensor), f"{name}: only linear weights come quantized"
