@@ -4,6 +4,7 @@ alike, and never compiles on the request path."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 from compile_watch import compiles_in_this_thread
 
@@ -12,6 +13,7 @@ from capstan.runtime.engine.llm import LLM
 from capstan.runtime.engine.warmup import BackgroundWarmup
 from capstan.runtime.sampling.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="stand-ins run layer by layer on CPU only")
 FLAGS = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64)  # not test_warmup.py's shapes
 REQUESTS: list[tuple[str | list[int], SamplingParams]] = [
     (list(range(100, 140)), SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)),
