@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from ..kv.cache import KVCache
-from ..models.decoder import DecoderModel
+from ..models.decoder import HALVES_MIN_ROWS, DecoderModel
+from ..parallel.mesh import model_parallel_size
 from ..sampling.sampler import StepOutputs
 from ..scheduling.packing import Packed
 from .step import step_outputs
@@ -53,13 +54,10 @@ _finish_fn = jax.jit(_finish)
 
 
 def applies(model: DecoderModel, dtype) -> bool:
-    """Whether a step of this model runs layer by layer as a stand-in: on CPU in float32 (in bfloat16 XLA may keep
-    a fused value's excess precision across what is a layer's edge here, so tokens could differ; elsewhere the
-    first shapes' whole programs compile before /ready, as they did), one device, no LoRA slots (the whole program gathers each token's
-    adapter), no split decode halves."""
-    from ..models.decoder import HALVES_MIN_ROWS
-    from ..parallel.mesh import model_parallel_size
-
+    """Whether a step of this model runs layer by layer as a stand-in: on CPU in float32 (in bfloat16 XLA may keep a
+    fused value's excess precision across what is a layer's edge here, so tokens could differ; elsewhere the first
+    shapes' whole programs compile before /ready, as they did), one device, no LoRA slots (the whole program gathers
+    each token's adapter), no split decode halves."""
     on_cpu = jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
     return on_cpu and model.lora is None and model_parallel_size() == 1 and not HALVES_MIN_ROWS
 
@@ -73,13 +71,14 @@ class LayeredStep:
         shell = dataclasses.replace(model, layers=())
         x = jax.eval_shape(_embed, shell, inputs)
         self.embed = _embed_fn.lower(shell, inputs).compile()
-        compiled: dict[Hashable, jax.stages.Compiled] = {}  # by layer type and tree structure of its weights
-        for i, block in enumerate(model.layers):
-            key = (model.cfg.layer_types[i], jax.tree.structure(block))
+        # one program for each layer type and tree structure of its weights
+        keys = [(kind, jax.tree.structure(b)) for kind, b in zip(model.cfg.layer_types, model.layers, strict=True)]
+        compiled: dict[Hashable, jax.stages.Compiled] = {}
+        for i, (key, block) in enumerate(zip(keys, model.layers, strict=True)):
             if key not in compiled:
                 layer = _layer_fn(key[0], kv.page_size)
                 compiled[key] = layer.lower(shell, block, x, kv.k[i], kv.v[i], inputs).compile()
-        self.layers = [compiled[model.cfg.layer_types[i], jax.tree.structure(b)] for i, b in enumerate(model.layers)]
+        self.layers = [compiled[key] for key in keys]
         self.finish = _finish_fn.lower(shell, x, inputs).compile()
 
     def __call__(self, model: DecoderModel, kv: KVCache, inputs: Packed) -> tuple[KVCache, StepOutputs]:
