@@ -1,7 +1,7 @@
 """Serve's step and decode-scan programs, kept whole (engine/program_store.py): a second start loads every one without
 tracing (the first request's before /ready, the rest in the background thread) and gives the same tokens as the
-start that compiled them; a program read from JAX's own cache is never kept (XLA:CPU writes a broken copy of it); a
-damaged file is removed and its program compiled."""
+start that compiled them; a program read from JAX's own cache is never kept (XLA:CPU writes a broken copy of it,
+without its kernels), whichever thread read it; a damaged file is removed and its program compiled."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from capstan.runtime.engine.program_store import PREFIX
+from capstan.runtime.engine.program_store import PREFIX, ProgramStore
 
 START = """
 import json, logging, sys
@@ -62,3 +65,31 @@ def test_a_second_start_loads_every_program_whole_and_gives_the_same_tokens(tmp_
     assert third["stored"] == len(kept) - 1 and third["tokens"] == first["tokens"]
     # JAX's cache answered that compilation, and XLA's copy of a program it read back is not kept
     assert sorted(p for p in tmp_path.iterdir() if p.name.startswith(PREFIX)) == kept[1:]
+
+
+@pytest.fixture
+def every_compilation_cached():
+    """JAX's cache keeps even a program that compiles in milliseconds (its default keeps those over a second)."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="XLA:CPU's serialisation")
+def test_only_a_program_xla_compiled_in_this_process_is_kept(tmp_path, every_compilation_cached):
+    assert jax.config.jax_compilation_cache_dir, "tests/conftest.py sets JAX's cache"
+    salt = float(np.random.default_rng().integers(1 << 30))  # a program no earlier run put in JAX's cache
+    x = jnp.ones((8, 8), jnp.float32)
+
+    def program():  # a new function each time: JAX's in-memory cache misses, its persistent cache may not
+        return jax.jit(lambda x: jnp.tanh(x @ x.T + salt))
+
+    fresh = program().lower(x).compile()
+    read_back = program().lower(x).compile()  # JAX's cache answers: XLA:CPU holds it without its kernels
+    store = ProgramStore(tmp_path, "float32")
+    store.save("read back", (x,), read_back)
+    assert not list(tmp_path.iterdir())
+    store.save("fresh", (x,), fresh)
+    loaded = store.load("fresh", (x,))
+    assert loaded is not None and np.array_equal(loaded(x), fresh(x))

@@ -30,6 +30,7 @@ log = logging.getLogger("capstan.engine")
 STORE_FORMAT = 1  # bump when what a stored program holds changes
 PREFIX = "capstan-program-"  # beside JAX's own "jit_*-cache" files: an image's bake copies both
 ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # a repr's object address: differs from one process to the next
+MACHINE_CODE = b"\x7fELF"  # XLA:CPU serialises a program's kernels as ELF objects
 
 
 try:  # equinox's generated unflatten tests its MISSING sentinel by identity: an argument structure read back from
@@ -122,6 +123,12 @@ class ProgramStore:
         partial = path.with_name(f".{path.name}.partial")
         try:
             executable, in_tree, out_tree = serialize_executable.serialize(compiled)
+            if jax.devices()[0].platform == "cpu" and MACHINE_CODE not in executable:
+                # XLA:CPU re-serialises a program it read from JAX's cache without its kernels ("Function ... not
+                # found" when it runs); JAX hands that same executable to any later compilation of the program in
+                # this process, whichever thread asks
+                log.info("not keeping program %s: XLA holds it without its machine code (read from JAX's cache)", name)
+                return
             partial.write_bytes(zlib.compress(pickle.dumps((executable, in_tree, out_tree)), 1))
             os.replace(partial, path)  # whole or absent
         except Exception as e:  # noqa: BLE001 - an unwritable folder, an executable that cannot be serialised

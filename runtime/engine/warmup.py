@@ -100,7 +100,8 @@ class BackgroundWarmup:
         hits = hits_in_this_thread()
         compiled = self._compile(program)
         # XLA:CPU writes a broken copy of a program it read from JAX's cache ("Function ... not found" when it
-        # runs): only programs compiled here are kept
+        # runs): only programs compiled here are kept (the store checks again: JAX may hand this thread an
+        # executable another thread read from its cache)
         if program.keep is None or hits_in_this_thread() != hits:
             return None
         keep = program.keep
