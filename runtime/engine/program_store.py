@@ -62,6 +62,10 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
+def _has_machine_code(executable: bytes) -> bool:
+    return jax.devices()[0].platform != "cpu" or MACHINE_CODE in executable
+
+
 class ProgramStore:
     def __init__(self, folder: Path, context: str):
         """folder: JAX's compilation cache; context: what else the trace depends on (the engine's dtype)."""
@@ -97,6 +101,8 @@ class ProgramStore:
             return None
         try:
             executable, in_tree, out_tree = pickle.loads(zlib.decompress(data))
+            if not _has_machine_code(executable):  # (written by an older Capstan: it would fail when it runs)
+                raise ValueError("it holds no machine code")
             compiled = serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
             if compiled.in_tree != jax.tree_util.tree_structure((args, {})):
                 raise ValueError("its arguments' structure is not this engine's")
@@ -123,7 +129,7 @@ class ProgramStore:
         partial = path.with_name(f".{path.name}.partial")
         try:
             executable, in_tree, out_tree = serialize_executable.serialize(compiled)
-            if jax.devices()[0].platform == "cpu" and MACHINE_CODE not in executable:
+            if not _has_machine_code(executable):
                 # XLA:CPU re-serialises a program it read from JAX's cache without its kernels ("Function ... not
                 # found" when it runs); JAX hands that same executable to any later compilation of the program in
                 # this process, whichever thread asks
