@@ -1,9 +1,16 @@
 """Serve's warm-up (engine/warmup.py): the first request's program compiled, the rest in a background thread; requests
 served meanwhile by compiled stand-ins give the same tokens as after a full warm-up; nothing compiles on the request
-path once the thread is done; a program that fails to compile leaves its stand-in serving."""
+path once the thread is done; a program that fails to compile leaves its stand-in serving; the thread waits (a
+bounded time) while requests are in flight."""
 
+import contextlib
+import functools
 import logging
+import threading
+import time
 
+import jax
+import jax.numpy as jnp
 import pytest
 from compile_watch import compiles_in_this_thread
 
@@ -93,3 +100,30 @@ def test_a_program_that_fails_to_compile_leaves_a_stand_in_serving(reference, ca
     assert tokens(llm) == reference  # the 100-token prompt in chunks of 32, the largest compiled bucket
     assert engine.warming is warming and engine.scheduler.max_num_batched_tokens == 32
     engine.pool.check_all_free()
+
+
+def _tiny_programs(n: int) -> list[Program]:
+    """Real programs that compile in milliseconds (a sum and a scale per key)."""
+    x = jnp.ones((4,), jnp.float32)
+
+    def lower(scale: int) -> list:
+        return [jax.jit(lambda v: (v * scale).sum()).lower(x)]
+
+    return [Program(("tiny", i), functools.partial(lower, i + 2)) for i in range(n)]
+
+
+def test_the_thread_waits_while_requests_are_in_flight_then_compiles():
+    in_flight = threading.Event()
+    in_flight.set()
+    warming = BackgroundWarmup(contextlib.nullcontext, busy=in_flight.is_set, yield_s=300)
+    warming.start(_tiny_programs(2))
+    time.sleep(0.5)
+    assert warming.compiling() == 2  # the answer under way keeps the cores
+    in_flight.clear()
+    assert warming.join(60)
+
+
+def test_under_steady_load_the_thread_waits_only_so_long_before_each_program():
+    warming = BackgroundWarmup(contextlib.nullcontext, busy=lambda: True, yield_s=0.2)
+    warming.start(_tiny_programs(2))
+    assert warming.join(60)

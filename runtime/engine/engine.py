@@ -406,7 +406,7 @@ class LLMEngine:
         if self.parallel.size > 1 or jax.process_count() > 1 or self.speculator is not None:
             return self.warmup()
         start = time.monotonic()
-        warming = BackgroundWarmup(self._precision)
+        warming = BackgroundWarmup(self._precision, busy=self.has_unfinished)
         cache = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # set at run time
         if cache and program_store.AVAILABLE:
             self.program_store = ProgramStore(Path(cache), str(self.dtype))
