@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from ..lora.request import LoRARequest
 from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from .errors import EngineDeadError
-from .outputs import EmbeddingRequestOutput, RequestOutput
+from .outputs import EmbeddingRequestOutput, RequestOutput, merge_deltas
 
 
 class FrontendEngine:
@@ -65,11 +65,18 @@ class FrontendEngine:
         stream = self._open_stream(request_id)
         submit()
         finished = False
+        held = None  # an error that queued behind deltas: raised after them
         try:
             while not finished:
-                item = await stream.get()
+                item, held = (held, None) if held is not None else (await stream.get(), None)
                 if isinstance(item, BaseException):
                     raise item
+                while not item.finished and not stream.empty():  # behind the engine: one chunk for what queued
+                    later = stream.get_nowait()
+                    if not isinstance(later, RequestOutput):
+                        held = later
+                        break
+                    item = merge_deltas(item, later)
                 finished = item.finished
                 yield item
         finally:

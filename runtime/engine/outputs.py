@@ -34,6 +34,30 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta that says what `first` then `later` said (a consumer behind the engine takes one chunk, not many, as
+    vLLM's output collector does): each choice's text, tokens and logprobs joined, its end taken from `later`."""
+    choices = {c.index: dataclasses.replace(c, token_ids=list(c.token_ids)) for c in first.outputs}
+    for c in later.outputs:
+        have = choices.get(c.index)
+        if have is None:
+            choices[c.index] = dataclasses.replace(c, token_ids=list(c.token_ids))
+            continue
+        have.text += c.text
+        have.token_ids += c.token_ids
+        if c.logprobs is not None:
+            have.logprobs = (have.logprobs or []) + c.logprobs
+        if c.finish_reason is not None:
+            have.finish_reason, have.stop_reason = c.finish_reason, c.stop_reason
+    return dataclasses.replace(
+        first,
+        outputs=sorted(choices.values(), key=lambda c: c.index),
+        finished=later.finished,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
+        num_cached_tokens=max(first.num_cached_tokens, later.num_cached_tokens),
+    )
+
+
 @dataclasses.dataclass
 class EmbeddingOutput:
     embedding: list[float]  # unit length (L2-normalised)
