@@ -10,7 +10,9 @@ pure-JAX path (models/cpu_block_weight.py).
 
 Environment: CAPSTAN_CPU_MATMUL_THREADS (default: the cores this process may run on, os.sched_getaffinity and the
 cgroup's cpu.max), CAPSTAN_CPU_MATMUL_ISA (avx512vnni, avxvnni, avx2 or scalar; default the best this CPU runs),
-CAPSTAN_CPU_MATMUL_SPIN_US (how long an idle worker spins before it sleeps, default 200)."""
+CAPSTAN_CPU_MATMUL_SPIN_US (how long an idle worker spins before it sleeps, default 200),
+CAPSTAN_CPU_MATMUL_ACTIVATION_LEVELS (2, the default: activations in two int8 levels, the float path's answers; 1:
+llama.cpp's one level, as its Q4_1 arithmetic answers)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ SOURCES = ("block_matmul.cc", "block_matmul_body.inc")
 TARGET = "capstan_cpu_block_matmul"  # the FFI target's name in XLA's registry
 BLOCK = 32
 Q4_1, Q8_0 = 0, 1  # the kernel's `kind` attribute
+# the activations' int8 levels: 2 (default) near float32 (the answers of XLA's float path), 1 llama.cpp's q8 arithmetic
+ACTIVATION_LEVELS = int(os.environ.get("CAPSTAN_CPU_MATMUL_ACTIVATION_LEVELS", "2"))
 # below this many multiply-adds a call stays on one thread (waking a worker costs ~ a few microseconds)
 MIN_PARALLEL_MACS = int(os.environ.get("CAPSTAN_CPU_MATMUL_MIN_PARALLEL_MACS", str(1 << 16)))
 
@@ -190,11 +194,16 @@ def unpack(w: jax.Array, d: jax.Array, m: jax.Array, kind: int, n: int) -> jax.A
     return jnp.moveaxis(values, -1, 1).reshape(groups * 8, nb * BLOCK)[:n]
 
 
-def matmul(xs: jax.Array, w: jax.Array, d: jax.Array, m: jax.Array, kind: int, n: int) -> jax.Array:
-    """xs [rows, k] float32 times the packed weight's transpose: [rows, n] float32, in the native kernel."""
+def matmul(
+    xs: jax.Array, w: jax.Array, d: jax.Array, m: jax.Array, kind: int, n: int, levels: int | None = None
+) -> jax.Array:
+    """xs [rows, k] float32 times the packed weight's transpose: [rows, n] float32, in the native kernel. levels:
+    the activations' int8 levels (default ACTIVATION_LEVELS): 1 is llama.cpp's q8 arithmetic, 2 adds a second
+    level for what the first one's rounding left (float-path answers, twice the dot products; block_matmul.cc)."""
     rows = xs.shape[0]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
-    return call(xs.astype(jnp.float32), w, d, m, kind=np.int32(kind))
+    levels = ACTIVATION_LEVELS if levels is None else levels
+    return call(xs.astype(jnp.float32), w, d, m, kind=np.int32(kind), levels=np.int32(levels))
 
 
 def main() -> None:

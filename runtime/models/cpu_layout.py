@@ -8,7 +8,7 @@ CPUs): what XLA's CPU matrix-vector loops read fastest (quantization.cpu_int8_ma
   at one row it is the largest matrix (the tied 49,152 x 576 table: 113 MB a step in float32, 28 MB in INT8).
 - Where the native kernel is built (kernels/cpu_block_matmul.py, `make setup`), every weight in blocks of 32
   (Q4_1, Q8_0, the LM head's) becomes a CpuBlockWeight: packed as that kernel reads it (Q4_1 two values a byte),
-  multiplied with int8 dot products on all of the host's cores, with CAPSTAN_CPU_NATIVE_MATMUL=1 (NATIVE_MATMUL).
+  multiplied with int8 dot products on all of the host's cores (CAPSTAN_CPU_NATIVE_MATMUL=0: XLA's loops instead).
 Only for one device: tensor parallelism splits weights by the axes this merges."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from .decoder import DecoderModel
 from .quantization import QuantizedWeight, flat_axis_name, quantize_blocks
 
 Q8_0_BLOCK = 32  # the LM head's blocks: GGUF Q8_0's
-# "1": the native kernel where it is built; "0" (default until it is measured faster end to end): XLA's loops
-NATIVE_MATMUL = os.environ.get("CAPSTAN_CPU_NATIVE_MATMUL", "0")
+# "1" (default): the native kernel where it is built (its two activation levels: the float path's answers), 1.04-1.15x
+# XLA's loops at one stream and 1.12-1.18x at 16 through `capstan serve` (benchmarks/RESULTS.md, issue 66); "0": XLA's loops
+NATIVE_MATMUL = os.environ.get("CAPSTAN_CPU_NATIVE_MATMUL", "1")
 
 
 def _int8(w) -> bool:

@@ -241,6 +241,9 @@ Isa chosen = {"scalar", columns_scalar, false, true};
 int64_t min_parallel_macs = 1 << 17;
 
 inline float to_half(float v) { return static_cast<float>(static_cast<_Float16>(v)); }  // rounded to nearest even
+// v rounded to the nearest integer, ties to even (as nearbyint in the default mode) for |v| < 2^22: adding and taking
+// back 1.5 * 2^23 leaves no fraction bits. Inline arithmetic the compiler vectorizes, where nearbyint is a libm call
+inline float round_even(float v) { return (v + 12582912.f) - 12582912.f; }
 
 // Each row's blocks of 32 as int8 with one scale, as llama.cpp's quantize_row_q8_1 / q8_0 do it (to the bit, so its
 // rounding noise and ours are the same noise: tests/test_gguf_parity.py): q = round-to-even(x * 127 / amax), the
@@ -258,7 +261,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, uint8_t*
       int8_t* q = xq + r * k + b * kBlock;
       uint8_t* u = xu + r * k + b * kBlock;
       for (int i = 0; i < kBlock; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+        q[i] = static_cast<int8_t>(round_even(v[i] * id));
         u[i] = static_cast<uint8_t>(q[i] + 128);
         sum += q[i];
       }
@@ -268,12 +271,53 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, uint8_t*
   }
 }
 
+// Two levels (the default): each row becomes two rows of the kernel, its blocks as above and then what that
+// rounding left (x - d * q, at most half a step) quantized the same way, with float32 scales; the two rows' outputs
+// are added. The int8 dot products stay, but the activations carry ~16 bits: the answers are the float path's
+// (a rounding to int8 flips on the last bit of its input, so one level's noise is a draw of its own, and it turned
+// the default model's greedy answer to "What is the capital of France?" into llama.cpp's "L'Etoile, la ...": its
+// Q4_1 arithmetic's, where the float path says "The capital of France is Paris."). Twice the dot products, the same
+// weight bytes (the two rows share each weight load).
+void quantize_rows_two_levels(const float* x, int64_t rows, int64_t k, int8_t* xq, uint8_t* xu, float* dx, float* sx,
+                              bool q4_1) {
+  const int64_t nb = k / kBlock;
+  float rest[kBlock];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int level = 0; level < 2; ++level) {
+      const int64_t row = 2 * r + level;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* v = x + r * k + b * kBlock;
+        int8_t* q = xq + row * k + b * kBlock;
+        if (level == 1) {  // what the first level's rounding left
+          const int8_t* q0 = xq + (row - 1) * k + b * kBlock;
+          const float d0 = dx[(row - 1) * nb + b];
+          for (int i = 0; i < kBlock; ++i) rest[i] = v[i] - d0 * static_cast<float>(q0[i]);
+          v = rest;
+        }
+        float amax = 0.f;
+        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        uint8_t* u = xu + row * k + b * kBlock;
+        for (int i = 0; i < kBlock; ++i) {
+          q[i] = static_cast<int8_t>(round_even(v[i] * id));
+          u[i] = static_cast<uint8_t>(q[i] + 128);
+          sum += q[i];
+        }
+        dx[row * nb + b] = d;
+        sx[row * nb + b] = q4_1 ? d * static_cast<float>(sum) : d;
+      }
+    }
+  }
+}
+
 ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m,
-                       ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+                       ffi::ResultBuffer<ffi::F32> y, int32_t kind, int32_t levels) {
   auto xd = x.dimensions(), dd = d.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || dd.size() != 3 || yd.size() != 2 || dd[2] != 8)
     return ffi::Error::InvalidArgument("block_matmul: x [rows, k], d [n / 8, k / 32, 8], y [rows, n]");
   if (kind != kQ4_1 && kind != kQ8_0) return ffi::Error::InvalidArgument("block_matmul: kind is 0 (Q4_1) or 1 (Q8_0)");
+  if (levels != 1 && levels != 2) return ffi::Error::InvalidArgument("block_matmul: levels is 1 or 2");
   Problem p;
   p.kind = kind;
   p.rows = xd[0];
@@ -289,12 +333,17 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ff
     return ffi::Error::InvalidArgument("block_matmul: the weight's size does not match its scales");
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<uint8_t> xu;
-  thread_local std::vector<float> dx, sx;
+  thread_local std::vector<float> dx, sx, y2;
+  const int64_t rows = p.rows;
+  p.rows *= levels;  // the kernel's rows: each of x's, once per level
   xq.resize(p.rows * p.k);
   xu.resize(p.rows * p.k);
   dx.resize(p.rows * p.nb);
   sx.resize(p.rows * p.nb);
-  quantize_rows(x.typed_data(), p.rows, p.k, xq.data(), xu.data(), dx.data(), sx.data(), kind == kQ4_1);
+  if (levels == 2)
+    quantize_rows_two_levels(x.typed_data(), rows, p.k, xq.data(), xu.data(), dx.data(), sx.data(), kind == kQ4_1);
+  else
+    quantize_rows(x.typed_data(), rows, p.k, xq.data(), xu.data(), dx.data(), sx.data(), kind == kQ4_1);
   p.w = static_cast<const uint8_t*>(w.untyped_data());
   p.d = d.typed_data();
   p.m = m.typed_data();
@@ -302,7 +351,8 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ff
   p.xu = xu.data();
   p.dx = dx.data();
   p.sx = sx.data();
-  p.y = y->typed_data();
+  if (levels == 2) y2.resize(p.rows * p.n);
+  p.y = levels == 2 ? y2.data() : y->typed_data();
   const Columns columns = chosen.columns;
   const int threads = pool ? pool->threads() : 1;
   const bool parallel = threads > 1 && p.rows * p.n * p.k >= min_parallel_macs;
@@ -314,6 +364,11 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ff
     pool->run(chunks, chunk);
   else
     chunk(0);
+  if (levels == 2) {  // each row's two levels added
+    float* out = y->typed_data();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < p.n; ++j) out[r * p.n + j] = y2[(2 * r) * p.n + j] + y2[(2 * r + 1) * p.n + j];
+  }
   return ffi::Error::Success();
 }
 
@@ -326,7 +381,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CapstanCpuBlockMatmul, BlockMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // d [n / 8, k / 32, 8]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // m [n / 8, k / 32, 8]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [rows, n]
-                                  .Attr<int32_t>("kind"));
+                                  .Attr<int32_t>("kind")
+                                  .Attr<int32_t>("levels"));  // 1: llama.cpp's q8 activations; 2: two levels
 
 extern "C" {
 
