@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import shutil
 import signal
 import statistics
@@ -52,6 +51,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+from first_answer import programs_compiling  # noqa: E402
 from serve import WORDS  # noqa: E402  (the load generator's prompt words)
 
 EOS_BANNED = {"2": -100}  # SmolLM2's <|im_end|> / EOS id: every request runs to max_tokens
@@ -229,8 +229,7 @@ def wait_compiled(url: str, process: subprocess.Popen, name: str, args) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited with {process.returncode}: see {args.log_dir / (name + '.log')}")
-        found = re.search(r"^capstan_programs_compiling (\S+)$", httpx.get(url + "/metrics", timeout=10).text, re.M)
-        if found is None or float(found.group(1)) == 0:
+        if programs_compiling(url) == 0:
             return
         time.sleep(0.5)
     raise TimeoutError(f"{url} still compiling after {START_TIMEOUT} s")

@@ -68,7 +68,10 @@ class FrontendEngine:
         held = None  # an error that queued behind deltas: raised after them
         try:
             while not finished:
-                item, held = (held, None) if held is not None else (await stream.get(), None)
+                if held is not None:
+                    item, held = held, None
+                else:
+                    item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 while not item.finished and not stream.empty():  # behind the engine: one chunk for what queued

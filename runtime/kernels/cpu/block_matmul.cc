@@ -245,6 +245,21 @@ inline float to_half(float v) { return static_cast<float>(static_cast<_Float16>(
 // back 1.5 * 2^23 leaves no fraction bits. Inline arithmetic the compiler vectorizes, where nearbyint is a libm call
 inline float round_even(float v) { return (v + 12582912.f) - 12582912.f; }
 
+// One block of 32 as int8 (q, and q + 128 for Q8_0's u8 operand on VNNI); returns its scale amax / 127 and sets
+// the sum of q.
+inline float quantize_block(const float* v, int8_t* q, uint8_t* u, int32_t* sum) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float id = amax != 0.f ? 127.f / amax : 0.f;
+  *sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    q[i] = static_cast<int8_t>(round_even(v[i] * id));
+    u[i] = static_cast<uint8_t>(q[i] + 128);
+    *sum += q[i];
+  }
+  return amax / 127.f;
+}
+
 // Each row's blocks of 32 as int8 with one scale, as llama.cpp's quantize_row_q8_1 / q8_0 do it (to the bit, so its
 // rounding noise and ours are the same noise: tests/test_gguf_parity.py): q = round-to-even(x * 127 / amax), the
 // scale amax / 127 and Q4_1's block sum scale * sum(q) both stored as float16.
@@ -253,18 +268,9 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, uint8_t*
   const int64_t nb = k / kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
-      const float* v = x + r * k + b * kBlock;
-      float amax = 0.f;
-      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      int8_t* q = xq + r * k + b * kBlock;
-      uint8_t* u = xu + r * k + b * kBlock;
-      for (int i = 0; i < kBlock; ++i) {
-        q[i] = static_cast<int8_t>(round_even(v[i] * id));
-        u[i] = static_cast<uint8_t>(q[i] + 128);
-        sum += q[i];
-      }
+      const int64_t at = r * k + b * kBlock;
+      int32_t sum;
+      const float d = quantize_block(x + at, xq + at, xu + at, &sum);
       dx[r * nb + b] = to_half(d);
       sx[r * nb + b] = q4_1 ? to_half(d * static_cast<float>(sum)) : to_half(d);
     }
@@ -283,30 +289,17 @@ void quantize_rows_two_levels(const float* x, int64_t rows, int64_t k, int8_t* x
   const int64_t nb = k / kBlock;
   float rest[kBlock];
   for (int64_t r = 0; r < rows; ++r) {
-    for (int level = 0; level < 2; ++level) {
-      const int64_t row = 2 * r + level;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* v = x + r * k + b * kBlock;
-        int8_t* q = xq + row * k + b * kBlock;
-        if (level == 1) {  // what the first level's rounding left
-          const int8_t* q0 = xq + (row - 1) * k + b * kBlock;
-          const float d0 = dx[(row - 1) * nb + b];
-          for (int i = 0; i < kBlock; ++i) rest[i] = v[i] - d0 * static_cast<float>(q0[i]);
-          v = rest;
-        }
-        float amax = 0.f;
-        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        uint8_t* u = xu + row * k + b * kBlock;
-        for (int i = 0; i < kBlock; ++i) {
-          q[i] = static_cast<int8_t>(round_even(v[i] * id));
-          u[i] = static_cast<uint8_t>(q[i] + 128);
-          sum += q[i];
-        }
-        dx[row * nb + b] = d;
-        sx[row * nb + b] = q4_1 ? d * static_cast<float>(sum) : d;
-      }
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + r * k + b * kBlock;
+      const int64_t first = (2 * r) * k + b * kBlock, second = (2 * r + 1) * k + b * kBlock;
+      int32_t sum;
+      const float d0 = quantize_block(v, xq + first, xu + first, &sum);
+      dx[2 * r * nb + b] = d0;
+      sx[2 * r * nb + b] = q4_1 ? d0 * static_cast<float>(sum) : d0;
+      for (int i = 0; i < kBlock; ++i) rest[i] = v[i] - d0 * static_cast<float>(xq[first + i]);  // what it left
+      const float d1 = quantize_block(rest, xq + second, xu + second, &sum);
+      dx[(2 * r + 1) * nb + b] = d1;
+      sx[(2 * r + 1) * nb + b] = q4_1 ? d1 * static_cast<float>(sum) : d1;
     }
   }
 }
