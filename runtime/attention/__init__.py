@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..kernels import cpu_paged_attention
 from ..kernels.tpu_ragged_attention import HEADS_FIRST, PAGES_INTERLEAVED, split_pages, write_kv_pages
 from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .chunked import chunked_attention
@@ -58,8 +59,8 @@ def choose_kernel(
     window: int | None,
     softcap,
 ) -> str:
-    """The kernel for one layer's step: "tpu_ragged", "gpu_decode", "gpu_ragged" or "chunked" (the reference's
-    result over the real context). ragged: the step carries query blocks (the batch builder's steps do). dtype:
+    """The kernel for one layer's step: "tpu_ragged", "gpu_decode", "gpu_ragged", "cpu_native" (float32 pages where
+    `make setup` built the native kernel) or "chunked" (the reference's result over the real context). ragged: the step carries query blocks (the batch builder's steps do). dtype:
     the queries'; kv_dtype: the pages' (None: the same). JAX's decode kernel reads pages of the queries' dtype, or
     FP8 ones (it upcasts them after the load); our kernels upcast any cache dtype after the load."""
     from ..kernels.gpu_decode_attention import supported as decode_supported
@@ -81,6 +82,9 @@ def choose_kernel(
             return "gpu_decode"
         if (decode or ragged) and ragged_supported(head_dim, page_size, dtype.itemsize):
             return "gpu_ragged"
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    if backend == "cpu" and cpu_paged_attention.supported(dtype, kv_dtype) and cpu_paged_attention.available():
+        return "cpu_native"
     return "chunked"
 
 
@@ -101,7 +105,8 @@ def attend(
     ragged Pallas kernel (prefill chunks with their cached context, mixed with decode tokens; float32 decode too,
     since JAX's kernel multiplies in TF32). On TPUs, caches in the kernel's layout: JAX's ragged Pallas kernel.
     Elsewhere, and for shapes the kernels cannot tile, the reference's result computed over the step's real
-    context only (chunked_attention), not over max_model_len keys. k_scale, v_scale: an FP8 cache's
+    context only (chunked_attention), not over max_model_len keys; on CPUs with float32 pages, the native kernel
+    (kernels/cpu_paged_attention.py) computes that result where it is built. k_scale, v_scale: an FP8 cache's
     (kv_quantization); every kernel upcasts the pages after the load and applies them in float32."""
     backend = jax.default_backend()
     if backend == "cpu" and KERNELS_INTERPRETED_ON_CPU:
@@ -124,6 +129,10 @@ def attend(
         softcap=softcap,
     )
     interpret = jax.default_backend() != "gpu"
+    if kernel == "cpu_native":
+        return cpu_paged_attention.paged_attention(
+            q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale
+        )
     if kernel == "tpu_ragged":
         from ..kernels.tpu_ragged_attention import ragged_attention as tpu_ragged_attention
 

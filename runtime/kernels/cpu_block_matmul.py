@@ -33,7 +33,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = ("block_matmul.cc", "block_matmul_body.inc")
+SOURCES = ("block_matmul.cc", "block_matmul_body.inc", "parallel_for.h", "paged_attention.cc")  # one library
 TARGET = "capstan_cpu_block_matmul"  # the FFI target's name in XLA's registry
 BLOCK = 32
 Q4_1, Q8_0 = 0, 1  # the kernel's `kind` attribute
@@ -77,7 +77,8 @@ def build(force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread",
-                   "-isystem", _include_dir(), str(SOURCE_DIR / "block_matmul.cc"), "-o", str(partial)]  # fmt: skip
+                   "-isystem", _include_dir(), *(str(SOURCE_DIR / name) for name in SOURCES if name.endswith(".cc")),
+                   "-o", str(partial)]  # fmt: skip
         subprocess.run(command, check=True)
         partial.replace(out)  # atomic: a concurrent loader sees the whole file or none
     return out

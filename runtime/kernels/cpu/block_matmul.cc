@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -366,6 +367,13 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ff
 }
 
 }  // namespace
+
+void capstan_parallel_for(int64_t chunks, const std::function<void(int64_t)>& fn) {
+  if (pool && chunks > 1)
+    pool->run(chunks, fn);
+  else
+    for (int64_t i = 0; i < chunks; ++i) fn(i);
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CapstanCpuBlockMatmul, BlockMatmul,
                               ffi::Ffi::Bind()
