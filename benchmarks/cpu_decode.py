@@ -3,6 +3,8 @@
 python benchmarks/cpu_decode.py --streams 1 16 --repeats 3
 python benchmarks/cpu_decode.py --variant rows=off --variant rows=on --streams 1 16
 python benchmarks/cpu_decode.py --variant weights=float32 --variant weights=int8 --streams 1 16
+python benchmarks/cpu_decode.py --variant '' --variant temperature=0.2,top_p=0.9,penalty=1.1,frequency=0.3,presence=0.3
+    (greedy against the default model's sampling defaults, runtime/generation_config.py's SMOLLM2_RECOMMENDED)
 
 Each variant is an engine over the same loaded checkpoint (offline, in this process: no HTTP), with the engine's
 settings of benchmarks/llamacpp_compare.py (max_model_len 512, 16 rows, 256-token budget) unless a variant changes
@@ -12,9 +14,9 @@ threads: the steadier figure on a shared machine). Rounds alternate between vari
 same load; the median of --repeats rounds is printed with the load average.
 
 A variant is key=value[,key=value]: rows=on|off (decode-row buckets), steps=N (decode steps per dispatch),
-penalty=X (repetition_penalty of
-every request), temperature=X, seqs=N (max_num_seqs), weights=int8|none|fp8 (--quantization; none: the GGUF dequantized to float32; default:
-the engine's, int8 on CPU)."""
+penalty=X (repetition_penalty of every request), frequency=X, presence=X (their penalties), temperature=X,
+top_p=X, seqs=N (max_num_seqs), weights=int8|none|fp8 (--quantization; none: the GGUF dequantized to float32;
+default: the engine's, int8 on CPU)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,9 @@ def one_round(
         temperature=float(variant.get("temperature", 0.0)),
         seed=0,
         repetition_penalty=float(variant.get("penalty", 1.0)),
+        top_p=float(variant.get("top_p", 1.0)),
+        frequency_penalty=float(variant.get("frequency", 0.0)),
+        presence_penalty=float(variant.get("presence", 0.0)),
         detokenize=False,
     )
     for i in range(streams):
