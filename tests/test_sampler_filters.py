@@ -15,7 +15,10 @@ from test_sampler import batch
 from capstan.runtime.sampling.sampler import (
     BLOCK,
     BLOCKS,
+    KEPT,
     RowNoise,
+    _draw,
+    _draw_kept,
     best_by_blocks,
     best_by_top_k,
     draw_by_candidates,
@@ -139,6 +142,32 @@ def test_the_noise_of_one_id_is_the_full_rows_noise_at_it():
     data = jax.random.key_data(keys)
     np.testing.assert_array_equal(gumbel_at(data, jnp.arange(5000)[None, :]), full)
     np.testing.assert_array_equal(gumbel_at(data, ids), jnp.take_along_axis(full, ids, axis=-1))
+
+
+@pytest.mark.parametrize("kept", ["few", "many"])
+def test_a_draw_over_the_kept_tokens_ids_gives_the_whole_rows_tokens(kept):
+    """_draw_kept (the CPU's draw after the filters) against _draw (noise over the whole row), over many keys: rows
+    that keep a few tokens (noise at their ids only), and a batch where one sampled row keeps more than KEPT (the
+    whole row's noise for all); greedy rows keep everything and take the argmax either way."""
+    rng = np.random.default_rng(11)
+    S, V = 12, 3000
+    x = peaked(rng, S, V)
+    top_p = np.full(S, 0.9 if kept == "few" else 0.999999, np.float32)
+    temperature = np.where(np.arange(S) % 4 == 0, 0.0, 0.7).astype(np.float32)
+    same = 0
+    for seed in range(8):
+        b = batch(S=S, temperature=temperature, top_p=top_p, any_filter=np.bool_(True),
+                  position=np.arange(S, dtype=np.int32) + 100 * seed)  # fmt: skip
+        filtered = filters_by_bisection(jnp.asarray(x / temperature.clip(0.1)[:, None]), b)
+        greedy = jnp.asarray(temperature == 0)
+        kept_counts = np.asarray(jnp.sum(filtered > -jnp.inf, axis=-1))[temperature > 0]
+        assert (kept_counts.max() <= KEPT) == (kept == "few")
+        keys = row_keys(b)
+        got = jax.jit(lambda f, g, k: _draw_kept(f, g, RowNoise(k, V)))(filtered, greedy, keys)
+        want = _draw(filtered, greedy, RowNoise(keys, V))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        same += int((np.asarray(got)[temperature > 0] != np.argmax(x, axis=-1)[temperature > 0]).any())
+    assert same > 0  # the draws did sample: some row left its argmax
 
 
 def reference_draw(x, noise, top_k, top_p, min_p, greedy):

@@ -214,7 +214,7 @@ def _processed_sample(
     filtered = (
         (lambda x: DRAWS[name](x, b, greedy, noise, **({} if maxima is None else {"maxima": maxima})))
         if name in DRAWS
-        else (lambda x: _draw(FILTERS[name](x, b), greedy, noise))
+        else (lambda x: _draw_kept(FILTERS[name](x, b), greedy, noise))
     )
 
     def sampled(x):
@@ -223,6 +223,9 @@ def _processed_sample(
     return _branch(
         branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), sampled, x
     ).astype(jnp.int32)
+
+
+KEPT = 64  # _draw_kept: rows keeping at most this many tokens draw their noise at those ids only
 
 
 def premaxima() -> str:
@@ -492,6 +495,23 @@ def mass_above(x: jax.Array, weights: jax.Array, values: jax.Array) -> jax.Array
 def _draw(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
     """Greedy rows take the argmax, the rest the Gumbel-max draw over what their filters kept."""
     return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x + noise(), axis=-1))
+
+
+def _draw_kept(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
+    """_draw's tokens after the filters: where every sampled row kept at most KEPT tokens, the noise is drawn at the
+    KEPT largest values' ids only (noise is a function of the row's key and the id: the same tokens), not over the
+    whole vocabulary (its threefry was ~1.2 ms of a CPU step's 3 ms sampler for the default model's 49,152 ids)."""
+    if x.shape[1] <= KEPT:  # a vocabulary this small: the whole row's noise is as cheap
+        return _draw(x, greedy, noise)
+    sampled_kept = jnp.where(greedy, 0, jnp.sum(x > -jnp.inf, axis=-1))
+
+    def few():
+        values, ids = jax.lax.top_k(x, KEPT)  # every kept token is among them, in order of value
+        perturbed = jnp.where(values > -jnp.inf, values + noise(ids), -jnp.inf)
+        return jnp.take_along_axis(ids, jnp.argmax(perturbed, axis=-1)[:, None], axis=-1)[:, 0]
+
+    drawn = jax.lax.cond(jnp.all(sampled_kept <= KEPT), few, lambda: jnp.argmax(x + noise(), axis=-1))
+    return jnp.where(greedy, jnp.argmax(x, axis=-1), drawn)
 
 
 def filters_by_sort(x: jax.Array, b: SamplingBatch[jax.Array]) -> jax.Array:
