@@ -26,10 +26,12 @@ from capstan.runtime.sampling.sampler import (
     filters_by_bisection,
     filters_by_search,
     filters_by_sort,
+    filters_by_top,
     gumbel_at,
     mass_above,
     row_keys,
     search_passes,
+    top_thresholds,
 )
 
 
@@ -63,17 +65,26 @@ def sorted_reference(x: np.ndarray, top_k, top_p, min_p, ambiguous: list | None 
         functools.partial(filters_by_search, pivots=15),
         functools.partial(filters_by_search, pivots=6),
         filters_by_sort,
+        filters_by_top,
     ],
-    ids=["bisection", "15-pivot search", "6-pivot search", "sort"],
+    ids=["bisection", "15-pivot search", "6-pivot search", "sort", "top"],
 )
-@pytest.mark.parametrize("V, scale", [(64, 1.0), (1000, 3.0), (32_000, 0.5), (32_000, 8.0)])
+@pytest.mark.parametrize("V, scale", [(64, 1.0), (1000, 3.0), (32_000, 0.5), (32_000, 8.0), (32_000, "peaked")])
 def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
     rng = np.random.default_rng(V)
     S = 16
-    x = (rng.standard_normal((S, V)) * scale).astype(np.float32)
+    if scale == "peaked":  # rows whose top 64 values decide every filter: filters_by_top's own way, not its fallback
+        x = peaked(rng, S, V)
+        top_k = rng.choice([0, 1, 5, 50, V + 10], S).astype(np.int32)
+        assert np.asarray(top_thresholds(jnp.asarray(x), batch(S=S, top_k=top_k, top_p=np.full(S, 0.9, np.float32),
+                                                                any_filter=np.bool_(True)))[1]).all()  # fmt: skip
+    else:
+        x = (rng.standard_normal((S, V)) * scale).astype(np.float32)
+        top_k = rng.choice([0, 1, 5, 50, V - 1, V + 10], S).astype(np.int32)
     x[0, :5] = x[0, 5]  # ties at a boundary
-    top_k = rng.choice([0, 1, 5, 50, V - 1, V + 10], S).astype(np.int32)
     top_p = rng.choice([1.0, 0.95, 0.9, 0.5, 0.1, 1e-6], S).astype(np.float32)
+    if scale == "peaked":
+        top_p = np.minimum(top_p, 0.9)
     min_p = rng.choice([0.0, 0.0, 0.05, 0.3], S).astype(np.float32)
     b = batch(S=S, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True))
     got = np.asarray(jax.jit(filters)(jnp.asarray(x), b))
@@ -85,6 +96,17 @@ def test_the_kept_set_is_the_sorted_definitions(V, scale, filters):
     np.testing.assert_allclose(
         jax.nn.softmax(got[rows], axis=-1), jax.nn.softmax(want[rows], axis=-1), rtol=1e-5, atol=1e-7
     )
+
+
+def test_the_cpu_filters_top_k_stays_a_top_k():
+    """XLA:CPU compiles a top-k whose values feed several fusions as a full sort of the row (60x slower at 16 x
+    49,152); filters_by_top gathers its values by id so that its top-k stays XLA's TopK (structure, not timing)."""
+    S, V = 4, 49152
+    x = jnp.zeros((S, V), jnp.float32)
+    b = batch(S=S, top_p=np.full(S, 0.9, np.float32), any_filter=np.bool_(True))
+    hlo = jax.jit(filters_by_top).lower(x, b).compile().as_text()
+    assert "TopK" in hlo
+    assert not [line for line in hlo.splitlines() if f"f32[{S},{V}]" in line and " sort(" in line]
 
 
 def test_seeded_samples_are_the_same_as_with_the_reference_filters():

@@ -367,6 +367,47 @@ def filters_by_bisection(x: jax.Array, b: SamplingBatch[jax.Array]) -> jax.Array
     return filters_by_search(x, b, pivots=1)
 
 
+def top_thresholds(x: jax.Array, b: SamplingBatch[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Each row's kept-set threshold found among its KEPT largest values, as filters_by_sort defines it, and whether
+    they decide it: a top-k within them (or none), and a top-p whose mass they reach (or none). Entries past them
+    have at least their mass above, so they are out of such a top-p. ([S] thresholds, [S] decided.)"""
+    S, V = x.shape
+    # the values gathered by their ids: XLA:CPU keeps a top-k whose values feed several fusions as a full sort of
+    # the row (its TopK rewrite needs the sort's slice intact; measured 60x slower)
+    ids = jax.lax.top_k(x, KEPT)[1]
+    values = jnp.take_along_axis(x, ids, axis=-1)  # descending
+    k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, V), V)
+    in_k = jnp.arange(KEPT)[None, :] < k[:, None]
+    kth = jnp.where(k <= KEPT, jnp.take_along_axis(values, jnp.clip(k - 1, 0, KEPT - 1)[:, None], axis=-1)[:, 0],
+                    -jnp.inf)  # fmt: skip
+    # top-p renormalises over what top-k kept: the candidates alone when k is among them, else the whole row
+    log_z = jnp.where(k <= KEPT, jax.nn.logsumexp(jnp.where(in_k, values, -jnp.inf), axis=-1),
+                      jax.nn.logsumexp(x, axis=-1))  # fmt: skip
+    probs = jnp.where(in_k, jnp.exp(values - log_z[:, None]), 0.0)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
+    pth = jnp.min(jnp.where(in_k & (before < b.top_p[:, None]), values, jnp.inf), axis=-1)
+    pth = jnp.where(b.top_p < 1.0, pth, -jnp.inf)
+    threshold = jnp.maximum(kth, pth)
+    min_p_floor = values[:, 0] + jnp.log(jnp.maximum(b.min_p, 1e-30))  # p >= min_p * p_max
+    threshold = jnp.where(b.min_p > 0, jnp.maximum(threshold, min_p_floor), threshold)
+    decided = ((k <= KEPT) | (k >= V)) & ((b.top_p >= 1.0) | (jnp.sum(probs, axis=-1) >= b.top_p))
+    return threshold, decided
+
+
+def filters_by_top(x: jax.Array, b: SamplingBatch[jax.Array]) -> jax.Array:
+    """filters_by_sort's kept set from the KEPT largest values of each row (top_thresholds: a top-k of XLA's, one
+    logsumexp), where they decide every row of the batch; else the bisection. On CPU the bisection's 32 passes over
+    the default model's 49,152 logits cost ~1-3 ms a step; the candidates' way ~0.15 ms."""
+    if x.shape[1] <= KEPT:
+        return filters_by_bisection(x, b)
+    threshold, decided = top_thresholds(x, b)
+    return jax.lax.cond(
+        jnp.all(decided),
+        lambda: jnp.where(x >= threshold[:, None], x, -jnp.inf),
+        lambda: filters_by_bisection(x, b),
+    )
+
+
 def best_by_top_k(x: jax.Array, threshold: jax.Array, noise) -> tuple[jax.Array, jax.Array]:
     """The DRAWN largest perturbed values x + noise at or above each row's threshold, and their ids: XLA's top-k."""
     return jax.lax.top_k(jnp.where(x >= threshold[:, None], x + noise(), -jnp.inf), DRAWN)
@@ -567,6 +608,7 @@ def _search(keys: jax.Array, holds, pivots: int, smallest_false: bool = False) -
 FILTERS: dict[str, Callable[[jax.Array, SamplingBatch[jax.Array]], jax.Array]] = {
     "sort": filters_by_sort,
     "bisection": filters_by_bisection,
+    "top": filters_by_top,
     **{f"search{n}": functools.partial(filters_by_search, pivots=n) for n in (3, 7, 15, 31)},
 }
 # x, b, greedy, noise -> each row's token
@@ -581,10 +623,11 @@ DRAWS: dict[str, Callable[[jax.Array, SamplingBatch[jax.Array], jax.Array, RowNo
 def filters_name(backend: str) -> str:
     """All are exact. On GPUs gpu_sampler's kernels (the sampler alone, 256 x 128,256 on an H100: 0.69 ms on flat
     rows and 0.61 on peaked ones, against 1.35 and 1.41 for candidates-fused, XLA's candidates draw with the best
-    perturbed values found by block maxima, and 3.6 for the sort), on CPUs (and TPUs, untested) the bisection
-    (2.4x the sort on this repository's CPU benchmark): benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names
-    another (benchmarks/sampler.py compares them)."""
-    name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("kernels" if backend == "gpu" else "bisection")
+    perturbed values found by block maxima, and 3.6 for the sort), on CPUs (and TPUs, untested) "top": the kept
+    set from each row's 64 largest values where they decide it, else the bisection (2.4x the sort on this
+    repository's CPU benchmark): benchmarks/RESULTS.md. CAPSTAN_SAMPLING_FILTERS names another
+    (benchmarks/sampler.py compares them)."""
+    name = os.environ.get("CAPSTAN_SAMPLING_FILTERS") or ("kernels" if backend == "gpu" else "top")
     if name not in FILTERS and name not in DRAWS:
         raise ValueError(f"CAPSTAN_SAMPLING_FILTERS={name!r}: not one of {', '.join([*FILTERS, *DRAWS])}")
     return name
