@@ -62,6 +62,17 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
+def native_kernels(platform: str) -> str:
+    """Which native CPU kernels a trace here calls, and how (their FFI targets registered as a side effect: a stored
+    program calls them by name, so they must be registered before it loads, with no trace to do it)."""
+    if platform != "cpu":
+        return ""
+    from ..kernels import cpu_block_matmul, cpu_paged_attention
+
+    matmul = cpu_block_matmul.available()
+    return f"matmul={matmul} levels={cpu_block_matmul.ACTIVATION_LEVELS} attention={cpu_paged_attention.available()}"
+
+
 def _has_machine_code(executable: bytes) -> bool:
     return jax.devices()[0].platform != "cpu" or MACHINE_CODE in executable
 
@@ -88,6 +99,7 @@ class ProgramStore:
             cpu_fingerprint(),
             os.environ.get("XLA_FLAGS", ""),
             str(jax.config.jax_enable_x64),  # type: ignore[attr-defined]  # set at run time
+            native_kernels(backend.platform),
         ):
             digest.update(part.encode() + b"\0")
         return self.folder / f"{PREFIX}{digest.hexdigest()[:32]}"
