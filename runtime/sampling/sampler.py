@@ -547,7 +547,8 @@ def _draw_kept(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
     sampled_kept = jnp.where(greedy, 0, jnp.sum(x > -jnp.inf, axis=-1))
 
     def few():
-        values, ids = jax.lax.top_k(x, KEPT)  # every kept token is among them, in order of value
+        ids = jax.lax.top_k(x, KEPT)[1]  # every kept token is among them, in order of value
+        values = jnp.take_along_axis(x, ids, axis=-1)  # by id: XLA:CPU's TopK stays one (top_thresholds)
         perturbed = jnp.where(values > -jnp.inf, values + noise(ids), -jnp.inf)
         return jnp.take_along_axis(ids, jnp.argmax(perturbed, axis=-1)[:, None], axis=-1)[:, 0]
 
