@@ -105,7 +105,11 @@ def load() -> ctypes.CDLL | None:
     if _loaded:
         return _library
     _loaded = True
-    path = library_path()
+    try:
+        path = library_path()
+    except OSError as e:  # a source file missing (a package installed without it): as if never built
+        log.warning("the native CPU kernels' sources are incomplete (%s); pure-JAX path", e)
+        return None
     if not path.is_file():
         log.info("the native CPU block matmul is not built (%s): `make setup` builds it; pure-JAX path", path)
         return None
