@@ -60,8 +60,9 @@ def choose_kernel(
     softcap,
 ) -> str:
     """The kernel for one layer's step: "tpu_ragged", "gpu_decode", "gpu_ragged", "cpu_native" (float32 pages where
-    `make setup` built the native kernel) or "chunked" (the reference's result over the real context). ragged: the step carries query blocks (the batch builder's steps do). dtype:
-    the queries'; kv_dtype: the pages' (None: the same). JAX's decode kernel reads pages of the queries' dtype, or
+    `make setup` built the native kernel) or "chunked" (the reference's result over the real context). ragged: the
+    step carries query blocks (the batch builder's steps do). dtype: the queries'; kv_dtype: the pages' (None: the
+    same). JAX's decode kernel reads pages of the queries' dtype, or
     FP8 ones (it upcasts them after the load); our kernels upcast any cache dtype after the load."""
     from ..kernels.gpu_decode_attention import supported as decode_supported
     from ..kernels.gpu_ragged_attention import supported as ragged_supported
