@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from capstan.runtime.kernels import cpu_block_matmul
-from capstan.runtime.models import cpu_block_weight
+from capstan.runtime.models import cpu_block_weight, cpu_layout
 from capstan.runtime.models.cpu_block_weight import CpuBlockWeight
 from capstan.runtime.models.quantization import QuantizedWeight, cpu_int8_matmul
 
@@ -43,8 +43,9 @@ def built():
 
 def blocks(n: int, k: int, q4_1: bool, rng):
     q = rng.integers(0, 16, (n, k)) if q4_1 else rng.integers(-127, 128, (n, k))
-    scale = rng.uniform(0.001, 0.02, (n, k // BLOCK)).astype(np.float32)
-    offset = (-8 * scale * rng.uniform(0.5, 1.5, scale.shape)).astype(np.float32) if q4_1 else None
+    # float16 values, as a GGUF's scales and minimums (the kernel's layout keeps them in float16)
+    scale = rng.uniform(0.001, 0.02, (n, k // BLOCK)).astype(np.float16).astype(np.float32)
+    offset = (-8 * scale * rng.uniform(0.5, 1.5, scale.shape)).astype(np.float16).astype(np.float32) if q4_1 else None
     return q.astype(np.int8), scale, offset
 
 
@@ -175,3 +176,16 @@ def test_threads_follow_the_hosts_cores(monkeypatch):
     assert 1 <= cpu_block_matmul.host_threads() <= len(os.sched_getaffinity(0))
     monkeypatch.setenv("CAPSTAN_CPU_MATMUL_THREADS", "3")
     assert cpu_block_matmul.host_threads() == 3
+
+
+def test_scales_beyond_float16_stay_on_xlas_path():
+    """The kernel's layout keeps scales in float16 (GGUF's): a weight whose scales do not fit is refused by pack with
+    a message, and cpu_layout keeps it on XLA's loops instead of multiplying by infinity."""
+    rng = np.random.default_rng(3)
+    q, scale, offset = blocks(16, 64, False, rng)
+    with pytest.raises(ValueError, match="float16"):
+        cpu_block_matmul.pack(q, scale * 1e8, offset)
+    qw = quantized_weight(16, 64, False, rng)
+    huge = QuantizedWeight(qw.weight, qw.scale * 1e8, block=BLOCK)
+    assert cpu_layout._native(huge) is huge
+    assert isinstance(cpu_layout._native(qw), CpuBlockWeight)

@@ -158,7 +158,10 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> tuple[n
     minimums, Q8_0's symmetric without) as the kernel reads it: (w, d, m, kind), in groups of 8 output columns (n
     padded with zero columns to a multiple of 8) whose 4-byte runs of inputs interleave (block_matmul.cc's comment).
     Q4_1's values two to a byte (half the bytes a step reads: input i low, i + 16 high); Q8_0's int8 as they are,
-    with m = -128 * d * sum(block) (the VNNI dot's u8 bias, taken back out)."""
+    with m the blocks' sums as int16 (the VNNI dot's u8 bias, 128 * m, taken back out). d and Q4_1's m are float16,
+    as GGUF stores them (exact for a GGUF's weights; others' scales are rounded, as llama.cpp does when it quantizes):
+    a decode step reads its weights from memory, and float32 scales made it 20% more bytes. ValueError where a scale
+    or minimum does not fit float16 (the caller keeps the weight on XLA's path)."""
     q = np.asarray(q)
     n, k = q.shape
     nb, groups = k // BLOCK, -(-n // 8)
@@ -170,19 +173,24 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> tuple[n
         return np.moveaxis(a, 1, -1)
 
     d = np.asarray(scale, np.float32).reshape(n, nb)
+    half = d.astype(np.float16)
+    if not np.isfinite(half).all():
+        raise ValueError(f"a block scale beyond float16's range ({np.abs(d).max():.3g})")
     if offset is not None:
         blocks = q.astype(np.uint8).reshape(n, nb, 2, 4, 4)  # [n, nb, low/high half, 4-byte run, byte]
         assert blocks.max(initial=0) < 16, "Q4_1 values are 0..15"
         nibbles = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # [n, nb, 4, 4]
         w = np.moveaxis(grouped(nibbles), -1, -2)  # [groups, nb, 4 runs, 8 columns, 4 bytes]
-        m = np.asarray(offset, np.float32).reshape(n, nb)
+        m = np.asarray(offset, np.float32).reshape(n, nb).astype(np.float16)
+        if not np.isfinite(m).all():
+            raise ValueError("a block minimum beyond float16's range")
         kind = Q4_1
     else:
         w = np.moveaxis(grouped(q.astype(np.int8).reshape(n, nb, 8, 4)), -1, -2)  # [groups, nb, 8 runs, 8, 4]
-        m = -128.0 * d * q.astype(np.int32).reshape(n, nb, BLOCK).sum(-1)
+        m = q.astype(np.int32).reshape(n, nb, BLOCK).sum(-1).astype(np.int16)  # |sum| <= 32 * 127
         kind = Q8_0
     as_c = np.ascontiguousarray
-    return as_c(w), as_c(grouped(d)), as_c(grouped(m.astype(np.float32))), kind
+    return as_c(w), as_c(grouped(half)), as_c(grouped(m)), kind
 
 
 def unpack(w: jax.Array, d: jax.Array, m: jax.Array, kind: int, n: int) -> jax.Array:
@@ -193,9 +201,9 @@ def unpack(w: jax.Array, d: jax.Array, m: jax.Array, kind: int, n: int) -> jax.A
         q = jnp.concatenate([runs & 0x0F, runs >> 4], axis=2).reshape(groups, nb, BLOCK, 8)
     else:
         q = jnp.swapaxes(w, -1, -2).reshape(groups, nb, BLOCK, 8)
-    values = q.astype(jnp.float32) * d[:, :, None, :]
+    values = q.astype(jnp.float32) * d.astype(jnp.float32)[:, :, None, :]
     if kind == Q4_1:
-        values = values + m[:, :, None, :]
+        values = values + m.astype(jnp.float32)[:, :, None, :]
     return jnp.moveaxis(values, -1, 1).reshape(groups * 8, nb * BLOCK)[:n]
 
 

@@ -20,8 +20,8 @@ from .quantization import QuantizedWeight, flat_axis_name
 
 class CpuBlockWeight(eqx.Module):
     w: jax.Array  # in groups of 8 output columns (cpu_block_matmul.pack): Q4_1 uint8, two values a byte; Q8_0 int8
-    d: jax.Array  # float32 [n / 8, k / 32, 8]: each block's scale
-    m: jax.Array  # float32, as d: Q4_1 each block's minimum; Q8_0 the VNNI dot's bias (cpu_block_matmul.pack)
+    d: jax.Array  # float16 [n / 8, k / 32, 8]: each block's scale
+    m: jax.Array  # as d: Q4_1 each block's minimum (float16); Q8_0 its sum (int16: the VNNI dot's bias; pack)
     out_axes: tuple[hax.Axis, ...] = eqx.field(static=True)  # the dense weight's output axes
     in_axes: tuple[hax.Axis, ...] = eqx.field(static=True)  # its contracted axes (last, in order)
     kind: int = eqx.field(static=True)  # cpu_block_matmul.Q4_1 or Q8_0

@@ -14,6 +14,7 @@ Only for one device: tensor parallelism splits weights by the axes this merges."
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import equinox as eqx
@@ -26,6 +27,7 @@ from .cpu_block_weight import CpuBlockWeight
 from .decoder import DecoderModel
 from .quantization import QuantizedWeight, flat_axis_name, quantize_blocks
 
+log = logging.getLogger(__name__)
 Q8_0_BLOCK = 32  # the LM head's blocks: GGUF Q8_0's
 # "1" (default): the native kernel where it is built (its two activation levels: the float path's answers), 1.04-1.15x
 # XLA's loops at one stream and 1.12-1.18x at 16 through `capstan serve` (benchmarks/RESULTS.md, issue 66); "0": XLA's loops
@@ -76,5 +78,8 @@ def _native(w):
     """A weight in blocks of 32, its contracted axes flattened into its last (all of them, after _flat_o_proj), as
     the native kernel reads it; anything else unchanged."""
     if _int8(w) and w.block == cpu_block_matmul.BLOCK and w.weight.ndim >= 2:
-        return CpuBlockWeight.from_quantized(w, contracted=1)
+        try:
+            return CpuBlockWeight.from_quantized(w, contracted=1)
+        except ValueError as e:  # scales beyond float16's range: the kernel's layout cannot hold them
+            log.warning("a weight stays on XLA's path: %s", e)
     return w

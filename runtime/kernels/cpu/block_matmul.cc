@@ -6,12 +6,13 @@
 //
 // y[r, j] = sum_b  d[j, b] * dx[r, b] * dot(w[j, b], xq[r, b])  +  sum_b  m[j, b] * sx[r, b]
 //   Q4_1: w the block's nibbles 0..15 (value = d * w + m), sx = dx * sum(xq): the minimum times the block's sum.
-//   Q8_0: w int8 (value = d * w); on VNNI the dot is u8 x s8, so x goes in as xq + 128, and m = -128 * d * sum(w)
-//         (computed at load) with sx = dx takes the bias back out; on AVX2 and in C the dot is signed: no m term.
+//   Q8_0: w int8 (value = d * w); on VNNI the dot is u8 x s8, so x goes in as xq + 128, and 128 * m (m the block's
+//         sum of w, an int16 computed at load) takes the bias back out of the integer dot; on AVX2 and in C the dot is
+//         signed: no m term.
 // The weight is laid out at load (cpu_block_matmul.pack) in groups of 8 output columns (n padded to a multiple of 8):
 //   Q4_1 w [n / 8, nb, 4 (g), 8 (column), 4] bytes: byte t of column c holds input 4g + t low, 16 + 4g + t high;
 //   Q8_0 w [n / 8, nb, 8 (g), 8 (column), 4] int8: inputs 4g .. 4g + 3 of each column;
-//   d, m [n / 8, nb, 8 (column)] float32.
+//   d, m [n / 8, nb, 8 (column)] float16 as GGUF stores them (Q8_0's m int16): a step reads GGUF's bytes, not more.
 
 #include <immintrin.h>
 
@@ -38,19 +39,31 @@ namespace {
 constexpr int kQ4_1 = 0;
 constexpr int kQ8_0 = 1;
 constexpr int64_t kBlock = 32;
+// A one-row step's matmuls wait on memory (their weights are ~100 MB a token, read once): each tile asks for the
+// weight bytes this far ahead of its loads (~5% of a step's matmul time on a 2-core EPYC, benchmarks/RESULTS.md)
+constexpr int64_t kPrefetchBytes = 16384;
+// a call's chunks a thread: enough that a worker the host does not schedule for a while (the server's frontend shares
+// the cores) leaves most of its share to the others (see Pool); 2 streamed ~10% faster alone, and lost with a server
+constexpr int64_t kChunksPerThread = 8;
 
 struct Problem {
   int kind;
   int64_t rows, k, n, nb;  // n: the output's columns (the weight's, less its padding)
   const uint8_t* w;  // in groups of 8 columns: see the file's comment
-  const float* d;    // [n / 8, nb, 8] weight scales
-  const float* m;    // [n / 8, nb, 8] the offset term's weights (see the file's comment)
+  const uint16_t* d;  // [n / 8, nb, 8] weight scales, float16
+  const uint16_t* m;  // [n / 8, nb, 8] Q4_1: the blocks' minimums, float16; Q8_0: the blocks' sums, int16
   const int8_t* xq;  // [rows, k] activations quantized per block
   const uint8_t* xu; // [rows, k] xq + 128 (Q8_0's u8 operand on VNNI)
   const float* dx;   // [rows, nb] activation scales
-  const float* sx;   // [rows, nb] Q4_1: dx * sum(xq); Q8_0: dx
+  const float* sx;   // [rows, nb] Q4_1: dx * sum(xq) (Q8_0: unused)
   float* y;          // [rows, n]
 };
+
+inline float half_to_float(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
 
 // The portable path: the same arithmetic in plain C (any CPU; the tests compare it with the vector paths).
 void columns_scalar(const Problem& p, int64_t g0, int64_t g1) {
@@ -75,8 +88,8 @@ void columns_scalar(const Problem& p, int64_t g0, int64_t g1) {
           }
         }
         const int64_t at = (g * nb + b) * 8 + c;
-        acc += p.d[at] * p.dx[r * nb + b] * static_cast<float>(dot);
-        if (p.kind == kQ4_1) acc += p.m[at] * p.sx[r * nb + b];
+        acc += half_to_float(p.d[at]) * p.dx[r * nb + b] * static_cast<float>(dot);
+        if (p.kind == kQ4_1) acc += half_to_float(p.m[at]) * p.sx[r * nb + b];
       }
       p.y[r * p.n + j] = acc;
     }
@@ -88,7 +101,7 @@ void columns_scalar(const Problem& p, int64_t g0, int64_t g1) {
 #define BODY_FN(suffix) BODY_CAT(BODY_NAME, suffix)
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define BODY_NAME columns_avx2
 #define BODY_VNNI 0
 #include "block_matmul_body.inc"
@@ -97,7 +110,7 @@ void columns_scalar(const Problem& p, int64_t g0, int64_t g1) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avxvnni")
+#pragma GCC target("avx2,fma,f16c,avxvnni")
 #define BODY_NAME columns_avxvnni
 #define BODY_VNNI 1
 #define BODY_DPBUSD _mm256_dpbusd_avx_epi32
@@ -108,7 +121,7 @@ void columns_scalar(const Problem& p, int64_t g0, int64_t g1) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define BODY_NAME columns_avx512vnni
 #define BODY_VNNI 1
 #define BODY_DPBUSD _mm256_dpbusd_epi32
@@ -305,7 +318,49 @@ void quantize_rows_two_levels(const float* x, int64_t rows, int64_t k, int8_t* x
   }
 }
 
-ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m,
+// y [rows, n] = x [rows, k] times p's weight (p: kind, rows, k, n, nb, w, d, m set): BlockMatmul's work once its
+// buffers are checked (also called by benchmarks' harnesses, which include this file)
+void multiply(Problem p, const float* x, int32_t levels, float* out_y) {
+  const bool q4_1 = p.kind == kQ4_1;
+  const int64_t groups = (p.n + 7) / 8;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<uint8_t> xu;
+  thread_local std::vector<float> dx, sx, y2;
+  const int64_t rows = p.rows;
+  p.rows *= levels;  // the kernel's rows: each of x's, once per level
+  xq.resize(p.rows * p.k);
+  xu.resize(p.rows * p.k);
+  dx.resize(p.rows * p.nb);
+  sx.resize(p.rows * p.nb);
+  if (levels == 2)
+    quantize_rows_two_levels(x, rows, p.k, xq.data(), xu.data(), dx.data(), sx.data(), q4_1);
+  else
+    quantize_rows(x, rows, p.k, xq.data(), xu.data(), dx.data(), sx.data(), q4_1);
+  p.xq = xq.data();
+  p.xu = xu.data();
+  p.dx = dx.data();
+  p.sx = sx.data();
+  if (levels == 2) y2.resize(p.rows * p.n);
+  p.y = levels == 2 ? y2.data() : out_y;
+  const Columns columns = chosen.columns;
+  const int threads = pool ? pool->threads() : 1;
+  const bool parallel = threads > 1 && p.rows * p.n * p.k >= min_parallel_macs;
+  // chunks of an even number of column groups (one row pairs them), kChunksPerThread a thread
+  const int64_t per_chunk =
+      parallel ? std::max<int64_t>(2, (groups / (threads * kChunksPerThread) + 1) & ~int64_t{1}) : groups;
+  const int64_t chunks = (groups + per_chunk - 1) / per_chunk;
+  auto chunk = [&](int64_t i) { columns(p, i * per_chunk, std::min(groups, (i + 1) * per_chunk)); };
+  if (pool && chunks > 1)
+    pool->run(chunks, chunk);
+  else
+    chunk(0);
+  if (levels == 2) {  // each row's two levels added
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < p.n; ++j) out_y[r * p.n + j] = y2[(2 * r) * p.n + j] + y2[(2 * r + 1) * p.n + j];
+  }
+}
+
+ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F16> d, ffi::AnyBuffer m,
                        ffi::ResultBuffer<ffi::F32> y, int32_t kind, int32_t levels) {
   auto xd = x.dimensions(), dd = d.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || dd.size() != 3 || yd.size() != 2 || dd[2] != 8)
@@ -325,44 +380,11 @@ ffi::Error BlockMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ff
   const int64_t wbytes = kind == kQ4_1 ? p.k / 2 : p.k;
   if (static_cast<int64_t>(w.size_bytes()) != groups * 8 * wbytes)
     return ffi::Error::InvalidArgument("block_matmul: the weight's size does not match its scales");
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<uint8_t> xu;
-  thread_local std::vector<float> dx, sx, y2;
-  const int64_t rows = p.rows;
-  p.rows *= levels;  // the kernel's rows: each of x's, once per level
-  xq.resize(p.rows * p.k);
-  xu.resize(p.rows * p.k);
-  dx.resize(p.rows * p.nb);
-  sx.resize(p.rows * p.nb);
-  if (levels == 2)
-    quantize_rows_two_levels(x.typed_data(), rows, p.k, xq.data(), xu.data(), dx.data(), sx.data(), kind == kQ4_1);
-  else
-    quantize_rows(x.typed_data(), rows, p.k, xq.data(), xu.data(), dx.data(), sx.data(), kind == kQ4_1);
+  if (m.size_bytes() != d.size_bytes()) return ffi::Error::InvalidArgument("block_matmul: m is 2 bytes a block, as d");
   p.w = static_cast<const uint8_t*>(w.untyped_data());
-  p.d = d.typed_data();
-  p.m = m.typed_data();
-  p.xq = xq.data();
-  p.xu = xu.data();
-  p.dx = dx.data();
-  p.sx = sx.data();
-  if (levels == 2) y2.resize(p.rows * p.n);
-  p.y = levels == 2 ? y2.data() : y->typed_data();
-  const Columns columns = chosen.columns;
-  const int threads = pool ? pool->threads() : 1;
-  const bool parallel = threads > 1 && p.rows * p.n * p.k >= min_parallel_macs;
-  // chunks of an even number of column groups (one row pairs them), about 8 per thread
-  const int64_t per_chunk = parallel ? std::max<int64_t>(2, (groups / (threads * 8) + 1) & ~int64_t{1}) : groups;
-  const int64_t chunks = (groups + per_chunk - 1) / per_chunk;
-  auto chunk = [&](int64_t i) { columns(p, i * per_chunk, std::min(groups, (i + 1) * per_chunk)); };
-  if (pool && chunks > 1)
-    pool->run(chunks, chunk);
-  else
-    chunk(0);
-  if (levels == 2) {  // each row's two levels added
-    float* out = y->typed_data();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < p.n; ++j) out[r * p.n + j] = y2[(2 * r) * p.n + j] + y2[(2 * r + 1) * p.n + j];
-  }
+  p.d = reinterpret_cast<const uint16_t*>(d.typed_data());
+  p.m = static_cast<const uint16_t*>(m.untyped_data());
+  multiply(p, x.typed_data(), levels, y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -379,8 +401,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CapstanCpuBlockMatmul, BlockMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [rows, k]
                                   .Arg<ffi::AnyBuffer>()         // w: Q4_1 u8, Q8_0 s8 (the file's comment)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // d [n / 8, k / 32, 8]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // m [n / 8, k / 32, 8]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // d [n / 8, k / 32, 8]
+                                  .Arg<ffi::AnyBuffer>()         // m [n / 8, k / 32, 8]: Q4_1 f16, Q8_0 s16
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [rows, n]
                                   .Attr<int32_t>("kind")
                                   .Attr<int32_t>("levels"));  // 1: llama.cpp's q8 activations; 2: two levels
