@@ -3,6 +3,7 @@
     python benchmarks/llamacpp_compare.py                     # Capstan and llama-server (built once, cached)
     python benchmarks/llamacpp_compare.py --streams 1 4 16 --rounds 3
     python benchmarks/llamacpp_compare.py --servers capstan llama-server llama-cpp-python --streams 1 4 16 --rounds 3
+    python benchmarks/llamacpp_compare.py --interleave --streams 1 16 --rounds 8   # paired rounds, both servers up
 
 Servers (--servers, measured in the order given):
 - capstan: `capstan serve` with its defaults for this machine, but --max-num-seqs as the largest stream count,
@@ -22,7 +23,9 @@ Both llama.cpp builds come from the llama.cpp that llama-cpp-python's source pac
 `pip download`ed from PyPI once) vendors, configured with the same CMAKE_FLAGS (Release, -DGGML_NATIVE=ON, no curl,
 tests or examples; CMake and a C++ compiler needed), cached under CACHE = ~/.cache/capstan/llamacpp (not in CI).
 
-The servers run one after the other (never sharing the cores), each measured at every --streams count: a round
+The servers run one after the other (never sharing the cores; with --interleave all are up at once, idle but for the
+one measured, and the rounds alternate between them, each round's prompts the same for all: a paired comparison
+that a shared host's drifting speed does not bias), each measured at every --streams count: a round
 sends that many requests at once and counts output tokens over the round's whole time (prefill included); the
 median of --rounds rounds is reported, with the server processes' CPU seconds per output token (all threads; the
 steadier figure when other work shares the machine) and the load average (/proc/loadavg) before and after. Every
@@ -188,6 +191,15 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / ticks
 
 
+async def one_round(http: httpx.AsyncClient, model: str, pgid: int, texts: list[str], args) -> tuple[float, float]:
+    """The texts sent at once: (output tokens/s over the round's wall time, the server's CPU ms per output token)."""
+    start, cpu = time.perf_counter(), group_cpu_seconds(pgid)
+    counts = await asyncio.gather(*(complete(http, model, t, args.max_tokens) for t in texts))
+    wall, cpu = time.perf_counter() - start, group_cpu_seconds(pgid) - cpu
+    assert all(c == args.max_tokens for c in counts), counts
+    return sum(counts) / wall, 1000 * cpu / sum(counts)
+
+
 async def measure(url: str, model: str, pgid: int, args: argparse.Namespace) -> dict[int, dict[str, float]]:
     rng = random.Random(0)
     results = {}
@@ -197,14 +209,44 @@ async def measure(url: str, model: str, pgid: int, args: argparse.Namespace) -> 
             rounds = []
             for _ in range(args.rounds):
                 texts = [prompt(rng, args.prompt_words) for _ in range(streams)]
-                start, cpu = time.perf_counter(), group_cpu_seconds(pgid)
-                counts = await asyncio.gather(*(complete(http, model, t, args.max_tokens) for t in texts))
-                wall, cpu = time.perf_counter() - start, group_cpu_seconds(pgid) - cpu
-                assert all(c == args.max_tokens for c in counts), counts
-                rounds.append((sum(counts) / wall, 1000 * cpu / sum(counts)))
+                rounds.append(await one_round(http, model, pgid, texts, args))
             tok_s = statistics.median(r[0] for r in rounds)
             results[streams] = {"tok_s": tok_s, "cpu_ms": statistics.median(r[1] for r in rounds)}
             log(f"  {streams:3d} streams: {tok_s:7.1f} tokens/s (rounds: {', '.join(f'{r[0]:.1f}' for r in rounds)})")
+    return results
+
+
+async def measure_interleaved(servers: dict[str, tuple[str, int]], args: argparse.Namespace) -> dict[str, dict]:
+    """--interleave: every server up at once (idle while another is measured), each round's same prompts sent to one
+    server after the other, rounds alternating: a drift of the machine's speed (a shared host's neighbours) falls on
+    all of them alike. Adds each server's per-round ratio to Capstan's ("paired", median over rounds)."""
+    rng = random.Random(0)
+    results: dict[str, dict] = {name: {"streams": {}} for name in servers}
+    clients = {name: httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(1800)) for name, (url, _) in servers.items()}
+    try:
+        for http in clients.values():
+            await complete(http, "bench", prompt(rng, 8), 4)  # first request: lazy set-up outside the figures
+        for streams in args.streams:
+            rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
+            for i in range(args.rounds):
+                texts = [prompt(rng, args.prompt_words) for _ in range(streams)]
+                order = list(servers) if i % 2 == 0 else list(reversed(servers))  # neither always goes first
+                for name in order:
+                    rounds[name].append(await one_round(clients[name], "bench", servers[name][1], texts, args))
+            for name, got in rounds.items():
+                tok_s = statistics.median(r[0] for r in got)
+                entry = {"tok_s": tok_s, "cpu_ms": statistics.median(r[1] for r in got)}
+                if "capstan" in rounds and name != "capstan":
+                    entry["paired"] = statistics.median(
+                        c[0] / r[0] for c, r in zip(rounds["capstan"], got, strict=True)
+                    )
+                results[name]["streams"][streams] = entry
+                paired = f", Capstan / {name} by round: {entry['paired']:.2f}" if "paired" in entry else ""
+                log(f"{name} {streams:3d} streams: {tok_s:7.1f} tokens/s (rounds: "
+                    f"{', '.join(f'{r[0]:.1f}' for r in got)}){paired}")  # fmt: skip
+    finally:
+        for http in clients.values():
+            await http.aclose()
     return results
 
 
@@ -235,11 +277,12 @@ def wait_compiled(url: str, process: subprocess.Popen, name: str, args) -> None:
     raise TimeoutError(f"{url} still compiling after {START_TIMEOUT} s")
 
 
-def run_server(
+def start_server(
     name: str, command: list[str], port: int, ready_path: str, args, env: dict | None = None, cwd: Path | None = None
-) -> dict:
+) -> subprocess.Popen:
+    """The server started and ready (Capstan: every program compiled); stop_server ends it."""
     url = f"http://127.0.0.1:{port}"
-    logfile = open(args.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed below, after the process
+    logfile = open(args.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed by stop_server, after the process
     started = time.monotonic()
     process = subprocess.Popen(
         command,
@@ -249,19 +292,35 @@ def run_server(
         env={**os.environ, **(env or {})},
         cwd=cwd,
     )
+    process.logfile = logfile  # type: ignore[attr-defined]
     try:
         wait_until(url, ready_path, process, name, args)
         if name == "capstan":
             wait_compiled(url, process, name, args)
-        took = time.monotonic() - started  # Capstan's: until every program is compiled
-        log(f"{name}: ready in {took:.0f} s; load average {load_average()}")
+    except BaseException:
+        stop_server(process)
+        raise
+    took = time.monotonic() - started  # Capstan's: until every program is compiled
+    log(f"{name}: ready in {took:.0f} s; load average {load_average()}")
+    return process
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
+    process.logfile.close()  # type: ignore[attr-defined]
+
+
+def run_server(
+    name: str, command: list[str], port: int, ready_path: str, args, env: dict | None = None, cwd: Path | None = None
+) -> dict:
+    process = start_server(name, command, port, ready_path, args, env, cwd)
+    try:
         before = load_average()
-        results = asyncio.run(measure(url, "bench", process.pid, args))
+        results = asyncio.run(measure(f"http://127.0.0.1:{port}", "bench", process.pid, args))
         return {"streams": results, "load": (before, load_average())}
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(30)
-        logfile.close()
+        stop_server(process)
 
 
 # A server's command line (less host and port), readiness path, extra environment and working directory.
@@ -298,6 +357,12 @@ def server_commands(args: argparse.Namespace, gguf: str) -> dict[str, ServerComm
     return commands
 
 
+def ratio(ours: float, theirs: dict) -> str:
+    """Capstan's tokens/s over theirs (medians), and with --interleave the median of the rounds' own ratios."""
+    text = f"{ours / theirs['tok_s']:.2f}"
+    return text + (f" (by round {theirs['paired']:.2f})" if "paired" in theirs else "")
+
+
 def print_table(results: dict[str, dict], gguf: str, args: argparse.Namespace) -> None:
     names = list(results)
     ratios = [n for n in names if n != "capstan"] if "capstan" in results else []
@@ -312,7 +377,7 @@ def print_table(results: dict[str, dict], gguf: str, args: argparse.Namespace) -
     for streams in args.streams:
         row = [str(streams), *(f"{results[n]['streams'][streams]['tok_s']:.1f}" for n in names)]
         ours = results["capstan"]["streams"][streams]["tok_s"] if ratios else 0.0
-        row += [f"{ours / results[n]['streams'][streams]['tok_s']:.2f}" for n in ratios]
+        row += [ratio(ours, results[n]["streams"][streams]) for n in ratios]
         row.append(" / ".join(f"{results[n]['streams'][streams]['cpu_ms']:.1f}" for n in names))
         print("| " + " | ".join(row) + " |")
     during = "; ".join(f"during {n}: {results[n]['load'][0]} -> {results[n]['load'][1]}" for n in names)
@@ -343,6 +408,11 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=3, help="rounds per stream count (the median is reported)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (XLA uses all)")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="all servers up at once, rounds alternating between them (paired ratios; see measure_interleaved)",
+    )
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="where the servers' logs go")
     parser.add_argument("--capstan-arg", action="append", default=[], help="an extra `capstan serve` argument")
     args = parser.parse_args()
@@ -353,10 +423,26 @@ def main() -> None:
     commands = server_commands(args, gguf)
     print(f"load average at start: {load_average()}", flush=True)
     results = {}
-    for name, (command, ready, env, cwd) in commands.items():
-        port = free_port()
-        command = [*command, "--host", "127.0.0.1", "--port", str(port)]
-        results[name] = run_server(name, command, port, ready, args, env, cwd)
+    if args.interleave:
+        processes: dict[str, tuple[subprocess.Popen, int]] = {}
+        try:
+            for name, (command, ready, env, cwd) in commands.items():
+                port = free_port()
+                command = [*command, "--host", "127.0.0.1", "--port", str(port)]
+                processes[name] = (start_server(name, command, port, ready, args, env, cwd), port)
+            before = load_average()
+            servers = {name: (f"http://127.0.0.1:{port}", p.pid) for name, (p, port) in processes.items()}
+            results = asyncio.run(measure_interleaved(servers, args))
+            for name in results:
+                results[name]["load"] = (before, load_average())
+        finally:
+            for process, _ in processes.values():
+                stop_server(process)
+    else:
+        for name, (command, ready, env, cwd) in commands.items():
+            port = free_port()
+            command = [*command, "--host", "127.0.0.1", "--port", str(port)]
+            results[name] = run_server(name, command, port, ready, args, env, cwd)
     print_table(results, gguf, args)
     print(f"took {time.monotonic() - started:.0f} s in all", flush=True)
 
