@@ -5,7 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capstan.runtime.sampling.sampler import SamplingBatch, _apply_penalties, count_sampled, penalty_counts
+from capstan.runtime.sampling.sampler import (
+    SamplingBatch,
+    _apply_penalties,
+    count_sampled,
+    first_max,
+    penalty_counts,
+)
 from capstan.runtime.sampling.sampler import sample as sample_eager
 from capstan.runtime.scheduling.batch import row_key_data
 
@@ -215,3 +221,21 @@ def test_a_grammar_mask_allows_only_its_tokens_and_logprobs_stay_raw():
     assert int(out.tokens[0]) == 2
     assert np.isclose(float(out.logprob[0]), np.log(0.15), atol=1e-5)  # of the model's distribution
     assert draws(batch(allowed=allowed, any_constrained=np.bool_(True))) == {2, 3}
+
+
+def test_first_max_is_argmax_with_ties_nans_and_infinities():
+    """The sampler's argmax by plain reductions (first_max) against jnp.argmax, row by row: ties take the first,
+    a NaN wins over everything (the first NaN), +inf over finite values, an all -inf row gives 0."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 1000)).astype(np.float32)
+    x[1, [10, 20]] = 5.0  # a tie
+    x[2, [30, 40]] = np.nan
+    x[3, [50, 60]] = np.inf
+    x[4, 70], x[4, 80] = np.inf, np.nan  # NaN after +inf still wins
+    x[5] = -np.inf
+    x[6, 999] = 9.0  # the last id
+    x[7] = np.round(x[7])  # many ties
+    x[8, 0] = np.nan
+    got = np.asarray(jax.jit(first_max)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert list(got[1:7]) == [10, 30, 50, 80, 0, 999]

@@ -133,7 +133,7 @@ def sample(
     tokens = _branch(
         branches and branches.plain_greedy,
         b.plain_greedy,
-        lambda x, b: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda x, b: first_max(x).astype(jnp.int32),
         lambda x, b: _processed_sample(x, b, branches, counts),
         logits,
         b,
@@ -220,9 +220,7 @@ def _processed_sample(
     def sampled(x):
         return _branch(branches and branches.any_filter, b.any_filter, filtered, lambda x: _draw(x, greedy, noise), x)
 
-    return _branch(
-        branches and branches.all_greedy, jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), sampled, x
-    ).astype(jnp.int32)
+    return _branch(branches and branches.all_greedy, jnp.all(greedy), first_max, sampled, x).astype(jnp.int32)
 
 
 KEPT = 64  # _draw_kept: rows keeping at most this many tokens draw their noise at those ids only
@@ -533,9 +531,20 @@ def mass_above(x: jax.Array, weights: jax.Array, values: jax.Array) -> jax.Array
     return jnp.sum(jnp.where(x[:, None, :] > values[:, :, None], weights[:, None, :], 0.0), axis=-1)
 
 
+def first_max(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1): each row's first index of its largest value (of its first NaN, where it has one), by
+    plain reductions. XLA:CPU runs argmax's (value, index) reduction unvectorized: 220 us for one row of 49,152
+    logits, 1.8 ms for 16, against 39 and 485 us this way (tests/test_sampler.py checks the two agree, NaN and
+    infinities included)."""
+    nan = jnp.isnan(x)
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == jnp.max(x, axis=-1, keepdims=True))
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, ids, x.shape[-1]), axis=-1)
+
+
 def _draw(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
     """Greedy rows take the argmax, the rest the Gumbel-max draw over what their filters kept."""
-    return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x + noise(), axis=-1))
+    return jnp.where(greedy, first_max(x), first_max(x + noise()))
 
 
 def _draw_kept(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
@@ -552,8 +561,8 @@ def _draw_kept(x: jax.Array, greedy: jax.Array, noise) -> jax.Array:
         perturbed = jnp.where(values > -jnp.inf, values + noise(ids), -jnp.inf)
         return jnp.take_along_axis(ids, jnp.argmax(perturbed, axis=-1)[:, None], axis=-1)[:, 0]
 
-    drawn = jax.lax.cond(jnp.all(sampled_kept <= KEPT), few, lambda: jnp.argmax(x + noise(), axis=-1))
-    return jnp.where(greedy, jnp.argmax(x, axis=-1), drawn)
+    drawn = jax.lax.cond(jnp.all(sampled_kept <= KEPT), few, lambda: first_max(x + noise()))
+    return jnp.where(greedy, first_max(x), drawn)
 
 
 def filters_by_sort(x: jax.Array, b: SamplingBatch[jax.Array]) -> jax.Array:
