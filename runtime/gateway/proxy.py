@@ -322,7 +322,8 @@ class Gateway:
             replica.in_flight -= 1
             if admission is not None:
                 assert self.access is not None and meter is not None, "an admitted request is metered"
-                code = upstream.status_code if ended else CLIENT_CLOSED
+                # a client that hangs up right after the last event it read ended its answer, not cut it short
+                code = upstream.status_code if ended or meter.finished else CLIENT_CLOSED
                 self.access.settle(admission, code, meter, None, reached=True)
             with anyio.CancelScope(shield=True):  # a client that left cancelled us: close the upstream all the same
                 await upstream.aclose()

@@ -18,6 +18,7 @@ from typing import Any
 
 from .request_cost import GenerationFields
 
+RESPONSE_ENDS = ("response.completed", "response.failed", "response.incomplete")  # a Responses stream's last events
 MAX_METERED_JSON_BYTES = 16 << 20  # a JSON answer larger than this is relayed without its usage being read
 
 
@@ -42,6 +43,7 @@ class UsageMeter:
     completion_tokens: int = 0
     saw_usage: bool = False
     delivered: int = 0  # a stream's generated text relayed so far, in tokens at most (module docstring)
+    finished: bool = False  # a stream's last event ([DONE], or a Responses stream's final response) went through
     _pending: bytes = b""
     _json_too_large: bool = False
 
@@ -75,6 +77,7 @@ class UsageMeter:
         # an event's lines: its data, after an `event:` line where the stream names its events (Responses API)
         data = next((line for line in event.strip().split(b"\n") if line.startswith(b"data:")), b"")
         payload = data[5:].strip()
+        self.finished = self.finished or payload == b"[DONE]"
         if payload and payload != b"[DONE]":
             document = self._read_usage(payload)
             if document is not None and document.get("choices") == [] and isinstance(document.get("usage"), dict):
@@ -95,6 +98,7 @@ class UsageMeter:
         usage = document.get("usage")
         if isinstance(document.get("response"), dict):  # a Responses API stream's last event holds the response
             usage = document["response"].get("usage")
+            self.finished = self.finished or document.get("type") in RESPONSE_ENDS
         if isinstance(usage, dict):  # chat and completions name the tokens prompt/completion, Responses input/output
             self.saw_usage = True
             self.prompt_tokens = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)

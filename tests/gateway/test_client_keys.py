@@ -179,6 +179,7 @@ def test_the_meter_reads_usage_and_drops_only_the_usage_chunk_it_asked_for():
             out += meter.feed(stream[i : i + 7])
         out += meter.close()
         assert (meter.prompt_tokens, meter.completion_tokens, meter.delivered) == (7, 3, 1)
+        assert meter.finished  # [DONE] went through: a client that hangs up now had the whole answer (proxy.py)
         assert (b'"prompt_tokens"' in out) == wants and out.endswith(b"data: [DONE]\n\n") and b'"text": "a"' in out
     meter = UsageMeter(streaming=False)
     whole = json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}).encode()
@@ -195,7 +196,10 @@ def test_the_meter_reads_the_responses_apis_usage_and_keeps_every_event():
     stream = b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
     meter = UsageMeter(streaming=True, client_wants_usage=False)  # it asked for nothing: the events are all there is
     out = b"".join(meter.feed(stream[i : i + 11]) for i in range(0, len(stream), 11)) + meter.close()
-    assert out == stream and (meter.prompt_tokens, meter.completion_tokens) == (9, 4)
+    assert out == stream and (meter.prompt_tokens, meter.completion_tokens) == (9, 4) and meter.finished
+    cut = UsageMeter(streaming=True)
+    cut.feed(stream[: len(stream) // 2])
+    assert not cut.finished
     meter = UsageMeter(streaming=False)
     whole = json.dumps({"object": "response", "usage": usage}).encode()
     assert meter.feed(whole) + meter.close() == whole and meter.tokens == 13

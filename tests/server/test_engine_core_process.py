@@ -77,17 +77,25 @@ def test_two_data_parallel_engine_cores_serve_one_endpoint():
         assert sum(CORE in c for c in children.values()) == 2, children
 
         async def scenario():
+            seen = {"running": 0.0, "pages": 0.0}
+            done = asyncio.Event()
+
+            async def watch():  # from before the streams open: a fast machine may end them before they all started
+                async with httpx.AsyncClient(timeout=30) as scraper:
+                    deadline = time.monotonic() + 150
+                    while not done.is_set() and seen["running"] <= 8 and time.monotonic() < deadline:
+                        scrape = (await scraper.get(f"{server.url}/metrics")).text
+                        seen["running"] = max(seen["running"], _gauge(scrape, "capstan_requests_running"))
+                        seen["pages"] = _gauge(scrape, "capstan_kv_pages_total")
+                        await asyncio.sleep(0.05)
+
+            watcher = asyncio.ensure_future(watch())
             tasks, client = await _open_streams(server.url, 12)  # more than one core's 8 rows
-            running = 0
-            deadline = time.monotonic() + 30
-            while running <= 8 and time.monotonic() < deadline:
-                scrape = (await client.get(f"{server.url}/metrics")).text
-                running = max(running, _gauge(scrape, "capstan_requests_running"))
-                await asyncio.sleep(0.05)
-            pages = _gauge(scrape, "capstan_kv_pages_total")
             streams = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            done.set()
+            await asyncio.wait_for(watcher, timeout=60)
             await client.aclose()
-            return running, pages, streams
+            return seen["running"], seen["pages"], streams
 
         running, pages, streams = asyncio.run(scenario())
         assert running > 8, f"at most {running} requests ran at once: one core's rows"
