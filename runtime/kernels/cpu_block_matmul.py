@@ -173,7 +173,8 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> tuple[n
         return np.moveaxis(a, 1, -1)
 
     d = np.asarray(scale, np.float32).reshape(n, nb)
-    half = d.astype(np.float16)
+    with np.errstate(over="ignore"):  # an overflow is reported below, as a ValueError
+        half = d.astype(np.float16)
     if not np.isfinite(half).all():
         raise ValueError(f"a block scale beyond float16's range ({np.abs(d).max():.3g})")
     if offset is not None:
@@ -181,7 +182,8 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> tuple[n
         assert blocks.max(initial=0) < 16, "Q4_1 values are 0..15"
         nibbles = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # [n, nb, 4, 4]
         w = np.moveaxis(grouped(nibbles), -1, -2)  # [groups, nb, 4 runs, 8 columns, 4 bytes]
-        m = np.asarray(offset, np.float32).reshape(n, nb).astype(np.float16)
+        with np.errstate(over="ignore"):
+            m = np.asarray(offset, np.float32).reshape(n, nb).astype(np.float16)
         if not np.isfinite(m).all():
             raise ValueError("a block minimum beyond float16's range")
         kind = Q4_1

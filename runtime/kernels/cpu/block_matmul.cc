@@ -12,7 +12,8 @@
 // The weight is laid out at load (cpu_block_matmul.pack) in groups of 8 output columns (n padded to a multiple of 8):
 //   Q4_1 w [n / 8, nb, 4 (g), 8 (column), 4] bytes: byte t of column c holds input 4g + t low, 16 + 4g + t high;
 //   Q8_0 w [n / 8, nb, 8 (g), 8 (column), 4] int8: inputs 4g .. 4g + 3 of each column;
-//   d, m [n / 8, nb, 8 (column)] float16 as GGUF stores them (Q8_0's m int16): a step reads GGUF's bytes, not more.
+//   d, m [n / 8, nb, 8 (column)] float16 as GGUF stores them (Q8_0's m int16): a step reads Q4_1's bytes as the file
+//   holds them, and Q8_0's plus 6% (its block sums).
 
 #include <immintrin.h>
 
