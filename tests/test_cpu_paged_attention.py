@@ -1,7 +1,7 @@
 """The native CPU paged attention (kernels/cpu_paged_attention.py, runtime/kernels/cpu/paged_attention.cc) against
 the plain-XLA reference (attention/reference.py): decode rows, a prefill chunk with its cached context, padding tokens,
 sliding windows, soft-capping, a value scale, pages scattered through the cache, one thread and the pool, and what
-the engine chooses on CPU."""
+the engine chooses on CPU; and its fused call (rope, the K/V write and attention) against the unfused path."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from capstan.runtime.attention import HEADS_FIRST, choose_kernel
-from capstan.runtime.attention.metadata import AttentionMetadata
-from capstan.runtime.attention.reference import paged_attention
+from capstan.runtime.attention.metadata import INVALID_SLOT, AttentionMetadata
+from capstan.runtime.attention.reference import paged_attention, write_kv
 from capstan.runtime.kernels import cpu_block_matmul, cpu_paged_attention
+from capstan.runtime.models.rope import apply_rotary, rotary_tables
 
 TIGHT = 2e-6  # float32 sums in another order, on outputs of magnitude ~1
 
@@ -117,3 +118,64 @@ def test_the_engine_chooses_the_kernel_for_float32_pages_on_cpu():
             "cpu", layout=HEADS_FIRST, decode=True, ragged=False, dtype=dtype, kv_dtype=kv_dtype, **step_shape
         )
         assert kernel == "chunked"
+
+
+def unfused(qkv, cos, sin, k, v, meta, page, **kw):
+    """models/layers.py's path without the fused call: rope on q and k, the K/V write, then the reference."""
+    G = qkv.shape[2] - 2
+    q = apply_rotary(qkv[:, :, :G], cos, sin)
+    key = apply_rotary(qkv[:, :, G], cos, sin)
+    k, v = write_kv(k, meta.slot_mapping, key, page), write_kv(v, meta.slot_mapping, qkv[:, :, G + 1], page)
+    return paged_attention(q, k, v, meta, **kw), k, v
+
+
+@pytest.mark.parametrize("rows, tokens_per_row, context", [(1, 1, 37), (16, 1, 100), (1, 40, 0), (2, 24, 50)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_write_and_attend_in_one_call_gives_the_unfused_paths_pages_and_attention(
+    rows, tokens_per_row, context, threads
+):
+    """The step's new keys and values land in their slots (padding tokens' INVALID_SLOT nowhere), and every token
+    attends over them, its own sequence's earlier new tokens included; the pages are written in place under jit with
+    the caches donated, as the engine's step program does."""
+    cpu_block_matmul.configure(threads=threads)
+    try:
+        rng = np.random.default_rng(rows * 100 + tokens_per_row)
+        _, k, v, meta = step(rng, rows=rows, tokens_per_row=tokens_per_row, context=context)
+        T, page = meta.positions.shape[0], 16
+        tables, seq, pos = (np.asarray(a) for a in (meta.block_tables, meta.token_seq, meta.positions))
+        slots = tables[seq, pos // page] * page + pos % page
+        slots[rows * tokens_per_row :] = INVALID_SLOT  # the padding tokens
+        meta = AttentionMetadata(meta.positions, jnp.asarray(slots, jnp.int32), meta.token_seq, meta.block_tables,
+                                 meta.seq_lens, decode=meta.decode)  # fmt: skip
+        qkv = jnp.asarray(rng.standard_normal((T, 3, 5, 64), np.float32))  # 3 kv heads, 3 queries each, then k, v
+        inv_freq = 1.0 / (10000.0 ** (np.arange(0, 64, 2, dtype=np.float32) / 64))
+        cos, sin = rotary_tables(jnp.asarray(inv_freq), meta.positions)
+        want, want_k, want_v = unfused(qkv, cos, sin, k, v, meta, page, scale=0.125)
+        fused = jax.jit(
+            lambda qkv, cos, sin, k, v, meta: cpu_paged_attention.rope_write_attend(
+                qkv, cos, sin, k, v, meta, scale=0.125
+            ),
+            donate_argnums=(3, 4),
+        )
+        got, got_k, got_v = fused(qkv, cos, sin, jnp.array(k), jnp.array(v), meta)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    finally:
+        cpu_block_matmul.configure()
+
+
+def test_the_fused_call_keeps_windows_and_softcaps():
+    rng = np.random.default_rng(11)
+    _, k, v, meta = step(rng, rows=2, tokens_per_row=12, context=30)
+    tables, seq, pos = (np.asarray(a) for a in (meta.block_tables, meta.token_seq, meta.positions))
+    slots = (tables[seq, pos // 16] * 16 + pos % 16).astype(np.int32)
+    slots[24:] = INVALID_SLOT
+    meta = AttentionMetadata(meta.positions, jnp.asarray(slots), meta.token_seq, meta.block_tables, meta.seq_lens,
+                             decode=False)  # fmt: skip
+    qkv = jnp.asarray(rng.standard_normal((len(pos), 3, 5, 64), np.float32))
+    cos, sin = rotary_tables(jnp.asarray(1.0 / (500.0 ** (np.arange(0, 64, 2, dtype=np.float32) / 64))), meta.positions)
+    kw = dict(scale=0.3, window=8, softcap=5.0)
+    want, _, _ = unfused(qkv, cos, sin, k, v, meta, 16, **kw)
+    got, _, _ = jax.jit(lambda *a: cpu_paged_attention.rope_write_attend(*a, **kw))(qkv, cos, sin, k, v, meta)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)

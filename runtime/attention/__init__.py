@@ -197,6 +197,23 @@ def decode_fuses(
     return supported(k_cache.shape[2], head_dim)
 
 
+def cpu_fuses(qkv_dtype, k_cache: jax.Array, v_cache: jax.Array, *, head_dim: int) -> bool:
+    """Whether a step's rope, K/V write and attention run as the native CPU kernel's one call
+    (cpu_paged_attention.rope_write_attend): on a CPU where the native attention runs (float32 queries and pages,
+    HEADS_FIRST), on one device."""
+    return (
+        cpu_paged_attention.FUSED
+        and jax.default_backend() == "cpu"
+        and not KERNELS_INTERPRETED_ON_CPU
+        and layout_of(v_cache) == HEADS_FIRST
+        and head_dim % 2 == 0
+        and head_dim <= 512
+        and model_parallel_size() == 1
+        and cpu_paged_attention.supported(qkv_dtype, k_cache.dtype)
+        and cpu_paged_attention.available()
+    )
+
+
 def fused_decode(
     qkv,
     cos,
@@ -303,6 +320,7 @@ def write_and_attend(
 
 __all__ = [
     "write_and_attend",
+    "cpu_fuses",
     "decode_fuses",
     "fused_decode",
     "INVALID_SLOT",

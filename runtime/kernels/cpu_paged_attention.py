@@ -19,7 +19,10 @@ import numpy as np
 from . import cpu_block_matmul
 
 TARGET = "capstan_cpu_paged_attention"  # the FFI target's name in XLA's registry
+FUSED_TARGET = "capstan_cpu_rope_write_attend"  # rope, the K/V write and attention in one call
 ENABLED = os.environ.get("CAPSTAN_CPU_NATIVE_ATTENTION", "1") != "0"
+# CAPSTAN_CPU_FUSED_ATTENTION=0 keeps rope and the K/V write as XLA's ops before the native attention
+FUSED = os.environ.get("CAPSTAN_CPU_FUSED_ATTENTION", "1") != "0"
 _registered = False
 
 
@@ -33,6 +36,7 @@ def available() -> bool:
         return False
     if not _registered:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.CapstanCpuPagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(FUSED_TARGET, jax.ffi.pycapsule(library.CapstanCpuRopeWriteAttend), platform="cpu")
         _registered = True
     return True
 
@@ -69,3 +73,50 @@ def paged_attention(
         softcap=np.float32(softcap or 0.0),
         v_scale=np.float32(v_scale),
     )
+
+
+def rope_write_attend(
+    qkv: jax.Array,  # [T, KVH, G + 2, D] float32: each kv head's G queries, its key, its value
+    cos: jax.Array,  # [T, D]
+    sin: jax.Array,
+    k_cache: jax.Array,  # [KVH, pages, page_size, D] float32 (one layer)
+    v_cache: jax.Array,
+    meta,
+    *,
+    scale: float,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """models/layers.py's unfused path from the QKV projection to attention's out (rope on q and k, models/rope.py;
+    k and v written to meta.slot_mapping, attention/reference.py's write_kv; then paged_attention) in one native
+    call: (out [T, KVH, G, D], k_cache, v_cache), the pages written in place (the caches are aliased to the
+    outputs). Float32 pages, no q/k norms (the caller checks: fused_supported)."""
+    T, KVH, _, D = qkv.shape
+    G = qkv.shape[2] - 2
+    call = jax.ffi.ffi_call(
+        FUSED_TARGET,
+        (
+            jax.ShapeDtypeStruct((T, KVH, G, D), jnp.float32),
+            jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
+            jax.ShapeDtypeStruct(v_cache.shape, jnp.float32),
+        ),
+        vmap_method="sequential",
+        input_output_aliases={3: 1, 4: 2},
+    )
+    window = jnp.asarray(0 if window is None else window, jnp.int32).reshape(())
+    out, k_cache, v_cache = call(
+        qkv.astype(jnp.float32),
+        cos.astype(jnp.float32),
+        sin.astype(jnp.float32),
+        k_cache,
+        v_cache,
+        meta.block_tables.astype(jnp.int32),
+        meta.token_seq.astype(jnp.int32),
+        meta.positions.astype(jnp.int32),
+        meta.slot_mapping.astype(jnp.int32),
+        window,
+        scale=np.float32(scale),
+        softcap=np.float32(softcap or 0.0),
+        v_scale=np.float32(1.0),
+    )
+    return out, k_cache, v_cache

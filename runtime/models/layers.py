@@ -14,7 +14,8 @@ from haliax import NamedArray
 from jax.sharding import PartitionSpec as P
 
 from .. import compat  # noqa: F401  (haliax needs jax.core.is_constant_dim on JAX 0.11)
-from ..attention import AttentionMetadata, decode_fuses, fused_decode, write_and_attend
+from ..attention import AttentionMetadata, cpu_fuses, decode_fuses, fused_decode, write_and_attend
+from ..kernels import cpu_paged_attention
 from ..parallel.mesh import MODEL_AXIS, model_parallel_size
 from .config import ModelConfig
 from .lora import LayerAdapters
@@ -116,6 +117,20 @@ class Attention(eqx.Module):
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
                 lora=in_kernel,
+            )
+        elif self.q_norm is None and cpu_fuses(qkv.dtype, k_cache, v_cache, head_dim=ax.HeadSize.size):
+            # the native CPU kernel from here to attention's out: rope, the K/V write and attention in one call
+            # (about ten fewer small XLA ops a layer, each of which costs a one-row step its dispatch)
+            out, k_cache, v_cache = cpu_paged_attention.rope_write_attend(
+                qkv.rearrange((Token.name, ax.KVHeads, ax.QKV, ax.HeadSize)).array,
+                cos,
+                sin,
+                k_cache,
+                v_cache,
+                meta,
+                scale=cfg.attention_scale,
+                window=window,
+                softcap=cfg.attn_logit_softcapping,
             )
         else:
             G = ax.QPerKV.size

@@ -13,6 +13,7 @@
 // block_tables [rows, max_pages]; token_seq, positions [T]; window a scalar (<= 0: none).
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -91,6 +92,32 @@ __attribute__((target_clones("avx2", "default"))) void attend(const Layer& s, in
   }
 }
 
+// Every token's attention (out [T, KVH, G, D]) for queries qs laid out [T, KVH, qstride] (a token's kv head's G
+// queries first in its qstride floats), over s's pages: on the pool when the call has enough work.
+void attend_all(const Layer& s, int64_t T, const float* qs, int64_t qstride, const int32_t* seq, const int32_t* pos,
+                int64_t win, float* os) {
+  const int64_t last_key = s.max_pages * s.page_size - 1;
+  auto item = [&](int64_t i) {  // one (token, kv head) pair
+    thread_local std::vector<float> scores;
+    const int64_t t = i / s.kv_heads, h = i % s.kv_heads;
+    const int64_t at = (t * s.kv_heads + h) * s.group * s.head_dim;
+    const int64_t hi = std::min<int64_t>(pos[t], last_key);
+    const int64_t lo = win > 0 ? std::max<int64_t>(pos[t] - win + 1, 0) : 0;
+    if (seq[t] < 0 || seq[t] >= s.rows) {
+      std::fill(os + at, os + at + s.group * s.head_dim, 0.f);
+      return;
+    }
+    attend(s, h, qs + (t * s.kv_heads + h) * qstride, s.tables + seq[t] * s.max_pages, lo, hi, os + at, scores);
+  };
+  const int64_t items = T * s.kv_heads;
+  int64_t macs = 0;  // the call's work: each token's keys, twice (scores and values), for every query head
+  for (int64_t t = 0; t < T; ++t) macs += 2 * (std::max<int64_t>(pos[t], 0) + 1) * s.kv_heads * s.group * s.head_dim;
+  if (macs >= kMinParallelMacs)
+    capstan_parallel_for(items, item);
+  else
+    for (int64_t i = 0; i < items; ++i) item(i);
+}
+
 ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> token_seq,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> window,
@@ -106,31 +133,68 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
   if (kd[0] != s.kv_heads || kd[3] != s.head_dim || token_seq.element_count() != T ||
       positions.element_count() != T || window.element_count() != 1)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "paged attention: shapes disagree");
-  const int32_t* seq = token_seq.typed_data();
-  const int32_t* pos = positions.typed_data();
-  const int64_t win = window.typed_data()[0];
-  const float* qs = q.typed_data();
-  float* os = out->typed_data();
-  const int64_t last_key = s.max_pages * s.page_size - 1;
-  auto item = [&](int64_t i) {  // one (token, kv head) pair
-    thread_local std::vector<float> scores;
-    const int64_t t = i / s.kv_heads, h = i % s.kv_heads;
-    const int64_t at = (t * s.kv_heads + h) * s.group * s.head_dim;
-    const int64_t hi = std::min<int64_t>(pos[t], last_key);
-    const int64_t lo = win > 0 ? std::max<int64_t>(pos[t] - win + 1, 0) : 0;
-    if (seq[t] < 0 || seq[t] >= s.rows) {
-      std::fill(os + at, os + at + s.group * s.head_dim, 0.f);
-      return;
+  attend_all(s, T, q.typed_data(), s.group * s.head_dim, token_seq.typed_data(), positions.typed_data(),
+             window.typed_data()[0], out->typed_data());
+  return ffi::Error::Success();
+}
+
+// x [D] rotated in place as Hugging Face's rotate-half rope does it (models/rope.py): x * cos + rotate_half(x) * sin
+void rope(float* x, const float* cos, const float* sin, int64_t D) {
+  const int64_t half = D / 2;
+  float rotated[512];  // D <= 512: checked by the caller
+  for (int64_t i = 0; i < half; ++i) {
+    rotated[i] = -x[i + half];
+    rotated[i + half] = x[i];
+  }
+  for (int64_t i = 0; i < D; ++i) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
+}
+
+// A step's attention from its QKV projection on: rope on the queries and keys, the keys and values written to their
+// slots, then paged attention over the pages (models/layers.py's unfused path in one call, without its ~10 small XLA
+// ops a layer). k_out and v_out alias k_in and v_in (the caller's input_output_aliases): the pages are written in
+// place; were XLA to give other buffers, the pages are copied over first.
+ffi::Error RopeWriteAttend(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                           ffi::Buffer<ffi::F32> k_in, ffi::Buffer<ffi::F32> v_in, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
+                           ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::S32> window,
+                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
+                           ffi::ResultBuffer<ffi::F32> v_out, float scale, float softcap, float v_scale) {
+  const auto xd = qkv.dimensions(), kd = k_in.dimensions(), td = block_tables.dimensions();
+  if (xd.size() != 4 || kd.size() != 4 || td.size() != 2 || xd[2] < 3 ||
+      !std::equal(kd.begin(), kd.end(), v_in.dimensions().begin(), v_in.dimensions().end()))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "rope, write and attend: qkv [T, KVH, G + 2, D], k and v "
+                                                        "[KVH, pages, page_size, D], block_tables [rows, max_pages]");
+  const int64_t T = xd[0], KVH = xd[1], G = xd[2] - 2, D = xd[3];
+  if (kd[0] != KVH || kd[3] != D || D % 2 != 0 || D > 512 || cos.element_count() != T * D ||
+      sin.element_count() != T * D || token_seq.element_count() != T || positions.element_count() != T ||
+      slot_mapping.element_count() != T || window.element_count() != 1)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "rope, write and attend: shapes disagree");
+  float* k = k_out->typed_data();
+  float* v = v_out->typed_data();
+  const size_t cache_bytes = k_in.size_bytes();
+  if (k != k_in.typed_data()) std::memcpy(k, k_in.typed_data(), cache_bytes);
+  if (v != v_in.typed_data()) std::memcpy(v, v_in.typed_data(), cache_bytes);
+  const int64_t pages = kd[1], page_size = kd[2];
+  // rope on every token's queries and key (the step's copy of qkv: q and k rotated, v as it is)
+  thread_local std::vector<float> x;
+  x.assign(qkv.typed_data(), qkv.typed_data() + qkv.element_count());
+  const float* cs = cos.typed_data();
+  const float* sn = sin.typed_data();
+  const int32_t* slots = slot_mapping.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < KVH; ++h) {
+      float* head = x.data() + (t * KVH + h) * (G + 2) * D;
+      for (int64_t g = 0; g <= G; ++g) rope(head + g * D, cs + t * D, sn + t * D, D);  // G queries, then the key
+      const int64_t slot = slots[t], page = slot / page_size;
+      if (slot < 0 || page >= pages) continue;  // padding (INVALID_SLOT): dropped, as write_kv drops it
+      const int64_t at = ((h * pages + page) * page_size + slot % page_size) * D;
+      std::memcpy(k + at, head + G * D, D * sizeof(float));
+      std::memcpy(v + at, head + (G + 1) * D, D * sizeof(float));
     }
-    attend(s, h, qs + at, s.tables + seq[t] * s.max_pages, lo, hi, os + at, scores);
-  };
-  const int64_t items = T * s.kv_heads;
-  int64_t macs = 0;  // the call's work: each token's keys, twice (scores and values), for every query head
-  for (int64_t t = 0; t < T; ++t) macs += 2 * (std::max<int64_t>(pos[t], 0) + 1) * s.kv_heads * s.group * s.head_dim;
-  if (macs >= kMinParallelMacs)
-    capstan_parallel_for(items, item);
-  else
-    for (int64_t i = 0; i < items; ++i) item(i);
+  }
+  Layer s{KVH, G, D, pages, page_size, td[0], td[1], k, v, block_tables.typed_data(), scale, softcap, v_scale};
+  attend_all(s, T, x.data(), (G + 2) * D, token_seq.typed_data(), positions.typed_data(), window.typed_data()[0],
+             out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -148,4 +212,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CapstanCpuPagedAttention, PagedAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, KVH, G, D]
                                   .Attr<float>("scale")          // the scores' scale (times an FP8 k_scale)
                                   .Attr<float>("softcap")        // <= 0: none
+                                  .Attr<float>("v_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CapstanCpuRopeWriteAttend, RopeWriteAttend,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv [T, KVH, G + 2, D]: G queries, k, v a head
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos [T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin [T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [KVH, pages, page_size, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v, as k
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [rows, max_pages]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // token_seq [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [] (<= 0: none)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, KVH, G, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k, written (aliases the k argument)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v, written
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
                                   .Attr<float>("v_scale"));
