@@ -117,6 +117,5 @@ def rope_write_attend(
         window,
         scale=np.float32(scale),
         softcap=np.float32(softcap or 0.0),
-        v_scale=np.float32(1.0),
     )
     return out, k_cache, v_cache

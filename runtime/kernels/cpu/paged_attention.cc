@@ -11,11 +11,13 @@
 //
 // Layouts: q and the output [T, KVH, G, D]; k and v [KVH, pages, page_size, D] (one layer, HEADS_FIRST);
 // block_tables [rows, max_pages]; token_seq, positions [T]; window a scalar (<= 0: none).
+//
+// RopeWriteAttend does a layer's whole path from its QKV projection: rope, the K/V write, then the same attention.
 
 #include <algorithm>
-#include <cstring>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -158,7 +160,7 @@ ffi::Error RopeWriteAttend(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
                            ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
                            ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::S32> window,
                            ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
-                           ffi::ResultBuffer<ffi::F32> v_out, float scale, float softcap, float v_scale) {
+                           ffi::ResultBuffer<ffi::F32> v_out, float scale, float softcap) {
   const auto xd = qkv.dimensions(), kd = k_in.dimensions(), td = block_tables.dimensions();
   if (xd.size() != 4 || kd.size() != 4 || td.size() != 2 || xd[2] < 3 ||
       !std::equal(kd.begin(), kd.end(), v_in.dimensions().begin(), v_in.dimensions().end()))
@@ -192,7 +194,8 @@ ffi::Error RopeWriteAttend(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
       std::memcpy(v + at, head + (G + 1) * D, D * sizeof(float));
     }
   }
-  Layer s{KVH, G, D, pages, page_size, td[0], td[1], k, v, block_tables.typed_data(), scale, softcap, v_scale};
+  // v_scale 1: the pages are float32 (an FP8 cache's scales never reach this call)
+  Layer s{KVH, G, D, pages, page_size, td[0], td[1], k, v, block_tables.typed_data(), scale, softcap, 1.f};
   attend_all(s, T, x.data(), (G + 2) * D, token_seq.typed_data(), positions.typed_data(), window.typed_data()[0],
              out->typed_data());
   return ffi::Error::Success();
@@ -230,5 +233,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CapstanCpuRopeWriteAttend, RopeWriteAttend,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // k, written (aliases the k argument)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // v, written
                                   .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<float>("v_scale"));
+                                  .Attr<float>("softcap"));
