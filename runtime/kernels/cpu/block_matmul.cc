@@ -44,7 +44,7 @@ constexpr int64_t kBlock = 32;
 // weight bytes this far ahead of its loads (~5% of a step's matmul time on a 2-core EPYC, benchmarks/RESULTS.md)
 constexpr int64_t kPrefetchBytes = 16384;
 // a call's chunks a thread: enough that a worker the host does not schedule for a while (the server's frontend shares
-// the cores) leaves most of its share to the others (see Pool); 2 streamed ~10% faster alone, and lost with a server
+// the cores) leaves most of its run to the others (see Pool), who take them one at a time from its end
 constexpr int64_t kChunksPerThread = 8;
 
 struct Problem {
@@ -154,20 +154,21 @@ std::vector<Isa> isas() {  // best first
   };
 }
 
-// A few threads that stay alive between calls (a decode step makes ~120 of these calls). A call's columns are cut
-// into chunks that every thread, the caller included, claims one at a time: on a shared machine a worker that is not
-// scheduled leaves its share to the others instead of holding the call up. Idle workers spin briefly (a step's next
-// matmul follows within microseconds), then sleep on a condition variable (between steps).
+// A few threads that stay alive between calls (a decode step makes ~120 of these calls). A call's chunks are dealt
+// out as one contiguous run a thread (its weight bytes one stream, which the prefetches and the hardware follow);
+// a thread that finishes its run takes chunks from the end of another's, so on a shared machine a worker that is not
+// scheduled leaves most of its run to the others instead of holding the call up. Idle workers spin briefly (a step's
+// next matmul follows within microseconds), then sleep on a condition variable (between steps).
 class Pool {
  public:
-  explicit Pool(int threads, int spin_us) : threads_(std::max(1, threads)), spin_us_(spin_us) {
-    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { work(); });
+  explicit Pool(int threads, int spin_us) : threads_(std::max(1, threads)), spin_us_(spin_us), runs_(threads_) {
+    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, i] { work(i); });
   }
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stop_.store(true);
-      claims_.fetch_add(kGeneration);
+      generation_.fetch_add(1);
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
@@ -177,48 +178,72 @@ class Pool {
   // fn(chunk) for chunk in [0, chunks), on the caller and the workers; all on the caller when another call holds
   // the pool (XLA may run independent matmuls at once: they share the cores instead of queueing).
   void run(int64_t chunks, const std::function<void(int64_t)>& fn) {
+    if (chunks > kMaxChunks) {  // more than a run's word counts: claims of `per` consecutive chunks
+      const int64_t per = (chunks + kMaxChunks - 1) / kMaxChunks;
+      const std::function<void(int64_t)> ranges = [&](int64_t i) {
+        for (int64_t c = i * per; c < std::min(chunks, (i + 1) * per); ++c) fn(c);
+      };
+      return run((chunks + per - 1) / per, ranges);
+    }
     if (chunks <= 1 || threads_ == 1 || busy_.test_and_set(std::memory_order_acquire)) {
       for (int64_t i = 0; i < chunks; ++i) fn(i);
       return;
     }
-    // the last call's generation closed first: a late worker holding its count cannot claim with this call's
-    claims_.store(generation_ | (kGeneration - 1), std::memory_order_seq_cst);
+    const uint64_t generation = (generation_.load(std::memory_order_relaxed) + 1) & kGenerationMask;
+    for (int t = 0; t < threads_; ++t)  // thread t's run: [chunks * t / threads, chunks * (t + 1) / threads)
+      runs_[t].v.store(pack(generation, chunks * t / threads_, chunks * (t + 1) / threads_), std::memory_order_relaxed);
     task_.store(&fn, std::memory_order_relaxed);
-    chunks_.store(chunks, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(mutex_);  // pairs with a worker's check before it sleeps
-      generation_ += kGeneration;
-      claims_.store(generation_, std::memory_order_seq_cst);  // a new generation, no chunk claimed
+      generation_.store(generation, std::memory_order_seq_cst);
     }
     if (sleeping_.load(std::memory_order_seq_cst) > 0) wake_.notify_all();
-    drain(generation_, &fn, chunks);
+    drain(0, generation, &fn);
     while (done_.load(std::memory_order_acquire) < chunks) _mm_pause();
     busy_.clear(std::memory_order_release);
   }
 
  private:
-  static constexpr uint64_t kGeneration = uint64_t{1} << 32;  // claims_: generation above, chunks claimed below
+  // a run's word: the call's generation (a late worker's claims fail on a later call's runs), then [lo, hi)
+  static constexpr int64_t kMaxChunks = (1 << 16) - 1;
+  static constexpr uint64_t kGenerationMask = (uint64_t{1} << 32) - 1;
+  static uint64_t pack(uint64_t generation, int64_t lo, int64_t hi) {
+    return generation << 32 | static_cast<uint64_t>(lo) << 16 | static_cast<uint64_t>(hi);
+  }
+  struct alignas(64) Run {
+    std::atomic<uint64_t> v{0};
+  };
 
-  // Claims and runs chunks of `generation` until none is left (a claim is a compare-and-swap on the generation too:
-  // a worker that wakes late cannot take a chunk of a later call with an earlier call's task).
-  void drain(uint64_t generation, const std::function<void(int64_t)>* fn, int64_t chunks) {
-    uint64_t v = claims_.load(std::memory_order_acquire);
+  // Claims one chunk of run t, from its front (its owner) or its back (a thief); -1 when it is empty or not this
+  // generation's.
+  int64_t claim(int t, uint64_t generation, bool front) {
+    uint64_t v = runs_[t].v.load(std::memory_order_acquire);
     for (;;) {
-      if ((v & ~(kGeneration - 1)) != generation || static_cast<int64_t>(v - generation) >= chunks) return;
-      if (!claims_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
-      (*fn)(static_cast<int64_t>(v - generation));
-      done_.fetch_add(1, std::memory_order_acq_rel);
-      v = claims_.load(std::memory_order_acquire);
+      const int64_t lo = (v >> 16) & 0xffff, hi = v & 0xffff;
+      if ((v >> 32) != generation || lo >= hi) return -1;
+      const uint64_t next = front ? pack(generation, lo + 1, hi) : pack(generation, lo, hi - 1);
+      if (runs_[t].v.compare_exchange_weak(v, next, std::memory_order_acq_rel)) return front ? lo : hi - 1;
     }
   }
 
-  void work() {
+  // Runs thread `self`'s run, then what is left of the others'.
+  void drain(int self, uint64_t generation, const std::function<void(int64_t)>* fn) {
+    for (int k = 0; k < threads_; ++k) {
+      const int t = (self + k) % threads_;
+      for (int64_t c; (c = claim(t, generation, k == 0)) >= 0;) {
+        (*fn)(c);
+        done_.fetch_add(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  void work(int self) {
     uint64_t seen = 0;
     for (;;) {
       auto start = std::chrono::steady_clock::now();
       int spins = 0;
-      auto current = [&] { return claims_.load(std::memory_order_acquire) & ~(kGeneration - 1); };
+      auto current = [&] { return generation_.load(std::memory_order_acquire); };
       while (current() == seen) {
         _mm_pause();
         if (++spins % 256 == 0 && std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
@@ -230,19 +255,17 @@ class Pool {
       }
       seen = current();
       if (stop_.load()) return;
-      const auto* fn = task_.load(std::memory_order_relaxed);  // this generation's: see drain
-      drain(seen, fn, chunks_.load(std::memory_order_relaxed));
+      drain(self, seen, task_.load(std::memory_order_relaxed));  // this generation's: see claim
     }
   }
 
   const int threads_;
   const int spin_us_;
+  std::vector<Run> runs_;
   std::vector<std::thread> workers_;
   std::atomic_flag busy_ = ATOMIC_FLAG_INIT;
-  uint64_t generation_ = 0;  // the caller's (under busy_)
-  std::atomic<uint64_t> claims_{0};
+  std::atomic<uint64_t> generation_{0};
   std::atomic<int64_t> done_{0};
-  std::atomic<int64_t> chunks_{0};
   std::atomic<const std::function<void(int64_t)>*> task_{nullptr};
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
