@@ -270,10 +270,17 @@ def run_image_check(rootfs: Path, check: Path, user: str, env: list[str]) -> sub
 
 
 def add_capstan_layer(
-    base: Path, layout: Path, reference: str, check: Path | None = None, log=print, bake: Path | None = None
+    base: Path,
+    layout: Path,
+    reference: str,
+    check: Path | None = None,
+    log=print,
+    bake: Path | None = None,
+    native_kernels: bool = False,
 ) -> None:
-    """Capstan's wheel built from this tree, installed over the base as one more layer, and the config; check (a
-    script) then runs in the finished root filesystem, and bake (a script) fills BAKED there."""
+    """Capstan's wheel built from this tree, installed over the base as one more layer (with the native CPU kernels
+    where native_kernels), and the config; check (a script) then runs in the finished root filesystem, and bake (a
+    script) fills BAKED there."""
     shutil.copytree(base, layout, copy_function=os.link)  # blobs are content-addressed: link, don't copy
     for name in ("index.json", "oci-layout"):  # the files umoci rewrites get copies of their own
         (layout / name).unlink()
@@ -296,6 +303,8 @@ def add_capstan_layer(
         "-c",
         f"{VENV}/bin/pip install -q --no-index --no-deps --no-compile /tmp/capstan-*.whl && rm /tmp/*.whl",
     )
+    if native_kernels:
+        install_native_kernels(rootfs, log)
     run(
         "chroot",
         str(rootfs),
@@ -336,6 +345,34 @@ def add_capstan_layer(
     shutil.rmtree(bundle)
 
 
+def install_native_kernels(rootfs: Path, log) -> None:
+    """The native CPU kernels (`make setup`'s library: g++ here, none in the image) beside their installed sources,
+    under the name the image's loader looks for (the same sources and jaxlib). Where they cannot be built, or do not
+    load in the image, it keeps XLA's loops, as a machine without g++ does."""
+    from capstan.runtime.kernels import cpu_block_matmul
+
+    try:
+        built = cpu_block_matmul.build()
+    except (OSError, subprocess.CalledProcessError) as e:
+        log(f"the native CPU kernels were not built ({e}): the image keeps XLA's loops")
+        return
+    inside = f"{VENV}/lib/python3.11/site-packages/capstan/runtime/kernels/cpu/{built.name}"
+    target = rootfs / inside.lstrip("/")
+    shutil.copy(built, target)
+    os.chmod(target, 0o644)
+    # a host whose libstdc++ is newer than the image's builds a library the image cannot load: left out
+    opened = subprocess.run(
+        ["chroot", str(rootfs), *CLEAN_ENV, f"{VENV}/bin/python", "-c", f"import ctypes; ctypes.CDLL({inside!r})"],
+        capture_output=True,
+        text=True,
+    )
+    if opened.returncode:
+        target.unlink()
+        log(f"the native CPU kernels do not load in the image ({opened.stderr.strip()[-300:]}): XLA's loops there")
+        return
+    log(f"native CPU kernels: {built.name}")
+
+
 def bake_programs(rootfs: Path, bake: Path, log) -> None:
     """bake run as the image's user into BAKED, which then belongs to root and is only read."""
     baked = rootfs / BAKED.lstrip("/")
@@ -371,7 +408,9 @@ def build_image(variant: str = "cpu", log=print) -> tuple[Path, str]:
         work = folder / "work"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
-        add_capstan_layer(base, work / "oci", reference, IMAGE_CHECKS.get(variant), log, BAKES.get(variant))
+        add_capstan_layer(
+            base, work / "oci", reference, IMAGE_CHECKS.get(variant), log, BAKES.get(variant), variant == "cpu"
+        )
         run(
             "skopeo",
             "copy",

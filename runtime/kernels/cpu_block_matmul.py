@@ -5,8 +5,9 @@ llama.cpp's way (activations quantized to int8 per block, int8 dot products with
 picked at run time, the columns split over a small persistent thread pool, each weight block read once per call for
 all rows), where XLA's CPU loops run each matmul on one thread and upcast the weight per row (benchmarks/RESULTS.md,
 issue 66). The library is built by `make setup` (`python -m capstan.runtime.kernels.cpu_block_matmul`: g++, no
-network) into the cache folder, keyed by the source's and jaxlib's hash; without it, or off CPUs, callers keep the
-pure-JAX path (models/cpu_block_weight.py).
+network) into the cache folder, keyed by the source's and jaxlib's hash (or found beside the sources under the same
+name: the CPU image's, image/build.py); without it, or off CPUs, callers keep the pure-JAX path
+(models/cpu_block_weight.py).
 
 Environment: CAPSTAN_CPU_MATMUL_THREADS (default: the cores this process may run on, os.sched_getaffinity and the
 cgroup's cpu.max), CAPSTAN_CPU_MATMUL_ISA (avx512vnni, avxvnni, avx2 or scalar; default the best this CPU runs),
@@ -110,10 +111,16 @@ def load() -> ctypes.CDLL | None:
     except OSError as e:  # a source file missing (a package installed without it): as if never built
         log.warning("the native CPU kernels' sources are incomplete (%s); pure-JAX path", e)
         return None
+    if not path.is_file() and (SOURCE_DIR / path.name).is_file():
+        path = SOURCE_DIR / path.name  # built beside its sources: the CPU image ships it there (image/build.py)
     if not path.is_file():
         log.info("the native CPU block matmul is not built (%s): `make setup` builds it; pure-JAX path", path)
         return None
-    library = ctypes.CDLL(str(path))
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as e:  # built against another libstdc++ or CPU family: as if never built
+        log.warning("the native CPU block matmul does not load (%s); pure-JAX path", e)
+        return None
     library.capstan_cpu_block_matmul_configure.argtypes = [
         ctypes.c_char_p,
         ctypes.c_int,
@@ -125,6 +132,7 @@ def load() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.CapstanCpuBlockMatmul), platform="cpu")
     _library = library
     configure(os.environ.get("CAPSTAN_CPU_MATMUL_ISA", ""), host_threads())
+    log.info("native CPU block matmul: %s (%s, %d threads)", path, isa(), host_threads())
     return library
 
 

@@ -86,6 +86,7 @@ def test_the_images_default_model_pod_compiles_nothing(real_cluster, image, name
     assert done
     log = logs()
     assert re.search(r"[1-9]\d* compiled program\(s\) of the image's default model copied", log), log[-4000:]
+    assert re.search(r"native CPU block matmul: \S+/capstan/runtime/kernels/cpu/block_matmul-", log), log[-4000:]
     # the first request's programs (kept whole: not even traced) and then every other one: all from the image
     assert re.search(r"needs in [\d.]+ s \(2 loaded whole from the program store, nothing compiled\)", log), log[-4000:]
     assert re.search(r"since the start: [1-9]\d* loaded from the compilation cache, 0 compiled\)", log), log[-4000:]
