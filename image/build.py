@@ -41,7 +41,8 @@ SOURCE_DATE_EPOCH = 1767225600  # 2026-01-01: every file's mtime and the image's
 CREATED = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(SOURCE_DATE_EPOCH))
 USER_ID = 65532  # the chart's runAsUser
 VENV = "/opt/capstan"
-EMBEDDED_TINY_MODEL = f"{VENV}/lib/python3.11/site-packages/capstan/runtime/default_model"  # random weights
+INSTALLED = f"{VENV}/lib/python3.11/site-packages/capstan"  # Capstan's package in the image
+EMBEDDED_TINY_MODEL = f"{INSTALLED}/runtime/default_model"  # random weights
 IMAGE_NAME = "localhost/capstan"
 BAKED = f"{VENV}/programs"  # the default model's compiled programs, per CPU, and its GGUF index
 ENV = {
@@ -315,7 +316,7 @@ def add_capstan_layer(
         "-q",
         "--invalidation-mode",
         "unchecked-hash",
-        f"{VENV}/lib/python3.11/site-packages/capstan",
+        INSTALLED,
     )
     if check is not None:
         result = run_image_check(rootfs, check, f"{USER_ID}:{USER_ID}", [f"{k}={v}" for k, v in ENV.items()])
@@ -356,7 +357,7 @@ def install_native_kernels(rootfs: Path, log) -> None:
     except (OSError, subprocess.CalledProcessError) as e:
         log(f"the native CPU kernels were not built ({e}): the image keeps XLA's loops")
         return
-    inside = f"{VENV}/lib/python3.11/site-packages/capstan/runtime/kernels/cpu/{built.name}"
+    inside = f"{INSTALLED}/runtime/kernels/cpu/{built.name}"
     target = rootfs / inside.lstrip("/")
     shutil.copy(built, target)
     os.chmod(target, 0o644)
