@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -45,6 +46,7 @@ MIN_PARALLEL_MACS = int(os.environ.get("CAPSTAN_CPU_MATMUL_MIN_PARALLEL_MACS", s
 
 _library: ctypes.CDLL | None = None
 _loaded = False
+_LOAD_LOCK = threading.RLock()  # load(): one thread loads the library, any other waits for it
 
 
 def cache_dir() -> Path:
@@ -101,11 +103,23 @@ def host_threads() -> int:
 
 
 def load() -> ctypes.CDLL | None:
-    """The library, loaded and registered with XLA once; None where it is not built, or not on x86-64."""
-    global _library, _loaded
+    """The library, loaded and registered with XLA once; None where it is not built, or not on x86-64. Thread-safe:
+    serve's warm-up asks from several threads at once (each program store key names it), and a second thread that
+    read None while the first still loaded it keyed a stored program as one without it: the next start missed it."""
+    global _loaded
     if _loaded:
         return _library
-    _loaded = True
+    with _LOAD_LOCK:  # (re-entrant: configure() asks again from inside _open)
+        if _loaded or _library is not None:
+            return _library
+        try:
+            return _open()
+        finally:
+            _loaded = True
+
+
+def _open() -> ctypes.CDLL | None:
+    global _library
     try:
         path = library_path()
     except OSError as e:  # a source file missing (a package installed without it): as if never built
