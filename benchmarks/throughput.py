@@ -257,6 +257,17 @@ def main(argv=None) -> dict:
         "MultiStepDecoder._placed), put on the device by the dispatch thread",
     )
     ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="steps with prompt tokens queued while the host reads the step before (EngineConfig.async_scheduling)",
+    )
+    ap.add_argument(
+        "--fetch-all",
+        action="store_true",
+        help="a single step's every output comes to the host, logprobs no row asked for too (as before "
+        "LLMEngine._fetch_step)",
+    )
+    ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "bfloat16", "fp8", "fp8_e4m3"],
@@ -313,6 +324,8 @@ def main(argv=None) -> dict:
         import capstan.runtime.engine.multi_step as multi_step
 
         multi_step.is_plain_greedy = lambda branches: False
+    if a.fetch_all:  # the A/B of LLMEngine._fetch_step
+        LLMEngine._fetch_step = lambda self, out, chunks: self.fetch(out)  # type: ignore[method-assign]
     if a.unplaced_dispatch_args:  # the A/B of MultiStepDecoder._placed
         from capstan.runtime.engine.multi_step import MultiStepDecoder
 
@@ -341,6 +354,7 @@ def main(argv=None) -> dict:
                 smallest_token_bucket=a.smallest_bucket,
                 decode_steps=a.decode_steps,
                 decode_steps_with_room=a.decode_steps_with_room,
+                async_scheduling=a.async_scheduling,
                 num_pages=a.num_pages if pool else None,
                 enable_prefix_caching=a.prefix_caching or a.kv_offloading_size > 0,
                 kv_offloading_size=a.kv_offloading_size if pool else 0.0,

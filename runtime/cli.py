@@ -122,6 +122,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs: one program more per bucket at warm-up (default: on CPU only)",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=d.async_scheduling,
+        help="queue each step with prompt tokens while the host reads the step before it (vLLM's async scheduling; "
+        "two programs more per token bucket at warm-up; default: off)",
+    )
+    parser.add_argument(
         "--smallest-token-bucket",
         type=int,
         default=d.smallest_token_bucket,
@@ -258,6 +265,7 @@ def _engine_config(args: argparse.Namespace, start_backend: bool = True) -> Engi
         decode_steps=args.decode_steps,
         decode_steps_with_room=args.decode_steps_with_room,
         decode_row_buckets=args.decode_row_buckets,
+        async_scheduling=args.async_scheduling,
         smallest_token_bucket=args.smallest_token_bucket,
         max_logprobs=args.max_logprobs,
         embedding_pooling=args.embedding_pooling,

@@ -91,6 +91,9 @@ class EngineConfig:
     decode_steps_with_room: int | None = None
     # decode steps run padded to a row bucket (1, 4, 16, ... max_num_seqs) instead of max_num_seqs; None: on CPU only
     decode_row_buckets: bool | None = None
+    # single steps with prompt tokens are scheduled, built and queued while the step before runs (vLLM's async
+    # scheduling: engine.py, docs/runtime.md); off until timed on a GPU (issue 64)
+    async_scheduling: bool = False
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
     warmup: bool = True  # compile every step shape before serving
     tokenizer: str | None = None  # defaults to the model folder

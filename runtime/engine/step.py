@@ -12,23 +12,32 @@ from haliax import NamedArray
 
 from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
-from ..sampling.sampler import PromptLogprobs, StepOutputs, sample, top_logprobs
+from ..sampling.sampler import Branches, PromptLogprobs, StepOutputs, sample, top_logprobs
 from ..sampling.sampling_params import MAX_LOGPROBS
 from ..scheduling.batch import StepInputs
 from ..scheduling.packing import Packed
 
 
-def run_step(model: DecoderModel, kv: KVCache, packed: Packed) -> tuple[KVCache, StepOutputs]:
+def run_step(
+    model: DecoderModel, kv: KVCache, packed: Packed, branches: Branches | None = None
+) -> tuple[KVCache, StepOutputs]:
+    """branches: the sampling branches decided on the host, for a step without prompt logprobs (an asynchronous
+    step's program: no lax.cond, whose predicate XLA:GPU copies to the host, so its call returns at once and the
+    host builds the next step while this one runs); None: each is a lax.cond on the batch's flags."""
     x: StepInputs[jax.Array] = packed.unpack()
-    hidden, kv = model(x.tokens, x.meta, kv, x.lora_rows)
-    return kv, step_outputs(model, hidden, x)
+    # the tokens the host has not read yet are the samples of the step before, still on the device
+    tokens = jnp.where(x.token_rows >= 0, x.previous[jnp.maximum(x.token_rows, 0)], x.tokens)
+    hidden, kv = model(tokens, x.meta, kv, x.lora_rows)
+    return kv, step_outputs(model, hidden, x, branches)
 
 
-def step_outputs(model: DecoderModel, hidden: NamedArray, x: StepInputs[jax.Array]) -> StepOutputs:
+def step_outputs(
+    model: DecoderModel, hidden: NamedArray, x: StepInputs[jax.Array], branches: Branches | None = None
+) -> StepOutputs:
     """The step's samples (and prompt logprobs, when asked) from the model's hidden states [token, Embed]."""
     last = hidden["token", x.sample_index]  # [S, Embed] (the axis keeps its name)
     logits = model.logits(last).array
-    sampled = sample(logits, x.sampling)
+    sampled = sample(logits, x.sampling, branches)
     T = x.tokens.shape[0]
 
     def prompt_logprobs(h):
@@ -46,9 +55,11 @@ def step_outputs(model: DecoderModel, hidden: NamedArray, x: StepInputs[jax.Arra
             jnp.zeros((T, MAX_LOGPROBS), jnp.float32),
         )
 
-    prompt = jax.lax.cond(x.want_prompt_logprobs, prompt_logprobs, none, hidden)
+    prompt = (
+        none(hidden) if branches is not None else jax.lax.cond(x.want_prompt_logprobs, prompt_logprobs, none, hidden)
+    )
     return StepOutputs(sampled, prompt)
 
 
 # The KV cache is donated: XLA updates the pages in place instead of copying the pool every step.
-step_fn = jax.jit(run_step, donate_argnums=(1,))
+step_fn = jax.jit(run_step, donate_argnums=(1,), static_argnames=("branches",))

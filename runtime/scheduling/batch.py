@@ -24,6 +24,7 @@ from .packing import Packed, pack
 from .scheduler import ScheduledChunk
 
 MAX_BANNED = 48  # eos ids + stop_token_ids banned while below min_tokens
+PENDING = -1  # a token id the host does not know yet (Sequence.pending_row): the step still on the device sampled it
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -56,6 +57,9 @@ class StepInputs(eqx.Module, Generic[HostOrDevice]):
     """One step's inputs: built here on the host (numpy), packed, and read by the jitted step (engine/step.py)."""
 
     tokens: HostOrDevice  # [T] i32
+    # [T] i32: for a token the host does not know yet (PENDING), its row in `previous`; -1 for the rest
+    token_rows: HostOrDevice
+    previous: HostOrDevice  # [max_num_seqs] i32 on the device: the samples of the step still running (or zeros)
     meta: AttentionMetadata[HostOrDevice]
     sample_index: HostOrDevice  # [S] i32: index into tokens of each row's last token
     draft_lens: HostOrDevice  # [S] i32: tokens proposed by speculation at the end of each row's chunk (speculative.py)
@@ -113,6 +117,13 @@ class BatchBuilder:
             None  # DRY's sequence breakers as token masks (the engine's tokenizer)
         )
 
+    def no_previous(self) -> jax.Array:
+        """StepInputs.previous of a step that takes no token from another's samples: zeros, on the device as a step's
+        samples are, so the packed layout (and the compiled step) is the same either way."""
+        if ("previous", 0) not in self._constants:
+            self._constants["previous", 0] = put(np.zeros(self.S, np.int32), self.placement)
+        return self._constants["previous", 0]
+
     def _constant(self, name: str, rows: int, width: int, fill, dtype) -> jax.Array:
         if (name, rows) not in self._constants:
             self._constants[name, rows] = put(np.full((rows, width), fill, dtype), self.placement)
@@ -140,11 +151,17 @@ class BatchBuilder:
         return rows if rows < self.S else None
 
     def build(
-        self, chunks: list[ScheduledChunk], bucket: int | None = None, masks: bool = True, rows: int | None = None
+        self,
+        chunks: list[ScheduledChunk],
+        bucket: int | None = None,
+        masks: bool = True,
+        rows: int | None = None,
+        previous: jax.Array | None = None,
     ) -> Packed:
         """bucket forces the padded token count (warm-up compiles each one with an empty batch); masks=False
         leaves the grammar masks to the caller (a decode pipeline computes them while the forward runs); rows:
-        the padded row count (a row bucket; default max_num_seqs)."""
+        the padded row count (a row bucket; default max_num_seqs); previous: the [max_num_seqs] tokens of the step
+        still on the device, which the PENDING tokens of the chunks' sequences are (asynchronous scheduling)."""
         S, V, page = rows or self.S, self.V, self.page_size
         R = len(chunks)
         assert R <= S, (R, S)
@@ -168,6 +185,13 @@ class BatchBuilder:
         if len(step_tokens) != live:
             raise ValueError(f"chunks name {live} tokens, their sequences hold {len(step_tokens)}")
         tokens[:live] = step_tokens
+        token_rows = np.full(T, -1, np.int32)
+        for r, c in enumerate(chunks):  # a sequence's one PENDING token is its last
+            at = c.seq.num_tokens - 1 - c.start
+            if c.seq.pending_row is not None and 0 <= at < c.num_tokens:
+                token_rows[first[r] + at] = c.seq.pending_row
+        if np.any((tokens[:live] == PENDING) & (token_rows[:live] < 0)) or previous is None and np.any(token_rows >= 0):
+            raise ValueError("a chunk names a token the host has not read, and no step's samples to take it from")
         page_counts = np.fromiter((len(q.pages) for q in seqs), np.int64, R)
         if np.any((n > 0) & ((starts + n - 1) // page >= page_counts)):  # a token past its sequence's pages
             raise ValueError("a chunk's tokens go past its sequence's pages")
@@ -308,6 +332,8 @@ class BatchBuilder:
         )
         inputs: StepInputs[HostLeaf] = StepInputs(
             tokens=tokens,
+            token_rows=token_rows,
+            previous=self.no_previous() if previous is None else previous,
             meta=meta,
             sample_index=sample_index,
             draft_lens=draft_lens,

@@ -55,6 +55,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     pending_forks: list[Sequence] = dataclasses.field(default_factory=list)  # choices 1..n-1, until prefill ends
+    # asynchronous scheduling (engine.py): its last token, PENDING in token_ids, is the sample of this row of the
+    # step still on the device; None: every token is known on the host
+    pending_row: int | None = None
     prompt_logprobs_done: bool = False
     # produced since the owner last collected them
     new_text: str = ""
