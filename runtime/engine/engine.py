@@ -614,7 +614,7 @@ class LLMEngine:
             small = None
         bucket = small or self._token_bucket(variant, sum(c.num_step_tokens for c in chunks))
         if branches is not None:
-            return self._step_async(chunks, variant, bucket, branches)
+            return self._step_async(chunks, bucket, branches)
         chunks, inputs = self._build(chunks, bucket=bucket, rows=small)
         if not chunks:
             return []
@@ -652,9 +652,7 @@ class LLMEngine:
             plain &= p.temperature == 0.0 and not p.logit_bias and not filters and seq.num_output >= p.min_tokens
         return ASYNC_GREEDY if plain else ASYNC_SAMPLED
 
-    def _step_async(
-        self, chunks: list[ScheduledChunk], variant: str, bucket: int | None, branches: Branches
-    ) -> list[RequestOutput]:
+    def _step_async(self, chunks: list[ScheduledChunk], bucket: int | None, branches: Branches) -> list[RequestOutput]:
         """Queues this step (its PENDING tokens taken from the pending step's samples on the device), then reads and
         applies the pending step's tokens while it runs: the host's work overlaps the device's. A sequence found
         finished then has computed one token too many in this step, which is dropped (as in vLLM)."""
