@@ -23,6 +23,7 @@ from capstan.runtime.sampling.sampler import (
     best_by_top_k,
     draw_by_candidates,
     draw_by_kernels,
+    draw_by_top,
     filters_by_bisection,
     filters_by_search,
     filters_by_sort,
@@ -31,6 +32,7 @@ from capstan.runtime.sampling.sampler import (
     mass_above,
     row_keys,
     search_passes,
+    top_candidates,
     top_thresholds,
 )
 
@@ -190,6 +192,41 @@ def test_a_draw_over_the_kept_tokens_ids_gives_the_whole_rows_tokens(kept):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         same += int((np.asarray(got)[temperature > 0] != np.argmax(x, axis=-1)[temperature > 0]).any())
     assert same > 0  # the draws did sample: some row left its argmax
+
+
+@pytest.mark.parametrize("rows", ["peaked", "past", "flat", "ties"])
+def test_the_top_draw_gives_the_tokens_of_the_top_filters_then_the_kept_draw(rows):
+    """draw_by_top (the CPU's sampler: its candidates perturbed where they hold every kept token) against
+    _draw_kept(filters_by_top(...)), the two steps it replaces, over many keys: peaked rows (their 64 largest decide
+    and hold every kept set: the candidates' draw), a batch with a top-k past the 64, flat rows (the bisection's
+    fallback), and rows whose threshold value is tied past the 64 (the whole filtered row's draw)."""
+    rng = np.random.default_rng(5)
+    S, V = 16, 3000
+    x = peaked(rng, S, V) if rows != "flat" else (rng.standard_normal((S, V)) * 1.5).astype(np.float32)
+    temperature = np.where(np.arange(S) % 5 == 0, 0.0, 0.8).astype(np.float32)
+    top_k = np.where(np.arange(S) % 3 == 1, 50, 0).astype(np.int32)
+    min_p = np.where(np.arange(S) % 4 == 2, 0.05, 0.0).astype(np.float32)
+    top_p = np.full(S, 0.9, np.float32)
+    if rows == "past":
+        top_k[S - 1] = 100  # a row whose top-k reaches past the 64: the filtered row's draw for all
+    if rows == "ties":
+        x[:, :] = np.minimum(x, np.sort(x, axis=-1)[:, -60:-59])  # the 60th largest on, all equal: 2,941 ties
+        top_k[:], top_p[:] = 64, 1.0  # decided by the 64, but the 64th value's ties past them are kept too
+    drawn = set()
+    for seed in range(8):
+        b = batch(S=S, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_filter=np.bool_(True),
+                  position=np.arange(S, dtype=np.int32) + 100 * seed)  # fmt: skip
+        scaled = jnp.asarray(x / temperature.clip(0.1)[:, None])
+        greedy = jnp.asarray(temperature == 0)
+        threshold, decided, _, values = top_candidates(scaled, b)
+        fast = bool(jnp.all(decided & ((values[:, -1] < threshold) | greedy)))
+        assert fast == (rows == "peaked"), rows  # which way each case takes
+        keys = row_keys(b)
+        got = jax.jit(lambda x, b, g, k: draw_by_top(x, b, g, RowNoise(k, V)))(scaled, b, greedy, keys)
+        want = jax.jit(lambda x, b, g, k: _draw_kept(filters_by_top(x, b), g, RowNoise(k, V)))(scaled, b, greedy, keys)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        drawn |= set(np.asarray(got)[temperature > 0].tolist())
+    assert len(drawn) > S  # the draws did sample
 
 
 def reference_draw(x, noise, top_k, top_p, min_p, greedy):
