@@ -186,11 +186,11 @@ class BatchBuilder:
             raise ValueError(f"chunks name {live} tokens, their sequences hold {len(step_tokens)}")
         tokens[:live] = step_tokens
         token_rows = np.full(T, -1, np.int32)
-        for r, c in enumerate(chunks):  # a sequence's one PENDING token is its last
+        for r, c in enumerate(chunks if previous is not None else ()):  # a sequence's one PENDING token is its last
             at = c.seq.num_tokens - 1 - c.start
             if c.seq.pending_row is not None and 0 <= at < c.num_tokens:
                 token_rows[first[r] + at] = c.seq.pending_row
-        if np.any((tokens[:live] == PENDING) & (token_rows[:live] < 0)) or previous is None and np.any(token_rows >= 0):
+        if np.any((tokens[:live] == PENDING) & (token_rows[:live] < 0)):
             raise ValueError("a chunk names a token the host has not read, and no step's samples to take it from")
         page_counts = np.fromiter((len(q.pages) for q in seqs), np.int64, R)
         if np.any((n > 0) & ((starts + n - 1) // page >= page_counts)):  # a token past its sequence's pages
