@@ -32,7 +32,7 @@ from capstan.runtime.sampling.sampler import (  # noqa: E402
     Branches,
     SamplingBatch,
     block_candidates,
-    gumbel_at,
+    gumbel_row,
     mass_above,
     sample,
 )
@@ -93,7 +93,7 @@ def breakdown(logits, batch: SamplingBatch, methods, repeats: int) -> None:
     """Where a sampled step's time goes: the Gumbel noise alone, each filter alone, the draw without filters."""
     V = logits.shape[1]
     keys = jnp.asarray(batch.key_data)
-    noise = jax.jit(lambda k: gumbel_at(k, jnp.arange(V)[None, :]))  # the sampler's own noise over the row
+    noise = jax.jit(lambda k: gumbel_row(k, V))  # the sampler's own noise over the row
     ms, _ = timed(noise, keys, repeats=repeats)
     print(f"{'':>7} {'gumbel noise':>12}: {ms:8.3f} ms")
     unfiltered = eqx.tree_at(lambda b: b.any_filter, batch, np.bool_(False))

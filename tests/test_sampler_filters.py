@@ -29,6 +29,7 @@ from capstan.runtime.sampling.sampler import (
     filters_by_sort,
     filters_by_top,
     gumbel_at,
+    gumbel_row,
     mass_above,
     row_keys,
     search_passes,
@@ -129,7 +130,8 @@ def test_seeded_samples_are_the_same_as_with_the_reference_filters():
     ours = np.asarray(jax.jit(sampler.sample)(jnp.asarray(x), b).tokens)
     reference = sorted_reference(x / 0.8, np.full(S, 40), np.full(S, 0.9), np.zeros(S))
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    with jax.threefry_partitionable(False):
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
     assert ours.tolist() == np.argmax(reference + np.asarray(gumbel), axis=-1).tolist()
 
 
@@ -149,7 +151,8 @@ def candidates_draw(x, b, fallback=None, best=best_by_top_k, in_one_pass=False, 
     Gumbel noise (jax.random.gumbel over the row), and that noise."""
     V = x.shape[1]
     keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(b.key_data, b.position)
-    noise = jax.jit(lambda k: jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(k))(keys)
+    with jax.threefry_partitionable(False):
+        noise = jax.jit(lambda k: jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(k))(keys)
     greedy = jnp.asarray(b.temperature == 0)
     at = lambda ids=None: noise if ids is None else jnp.take_along_axis(noise, ids, axis=-1)  # noqa: E731
     if kernels:
@@ -159,13 +162,18 @@ def candidates_draw(x, b, fallback=None, best=best_by_top_k, in_one_pass=False, 
     return np.asarray(jax.jit(draw)(jnp.asarray(x), b)), np.asarray(noise)
 
 
-def test_the_noise_of_one_id_is_the_full_rows_noise_at_it():
+@pytest.mark.parametrize("V", [5000, 4999])
+def test_the_noise_of_one_id_is_the_full_rows_noise_at_it(V):
+    """JAX's Gumbel draw of a whole row, in its original threefry layout (ids i and i + V/2 one call's two words;
+    an odd row padded), is the noise of each id drawn alone, and of the whole row drawn in pairs."""
     keys = jax.vmap(lambda p: jax.random.fold_in(jax.random.key(7), p))(jnp.arange(3))
-    full = jax.vmap(lambda k: jax.random.gumbel(k, (5000,), jnp.float32))(keys)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 5000, (3, 40)))
+    with jax.threefry_partitionable(False):
+        full = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (3, 40)))
     data = jax.random.key_data(keys)
-    np.testing.assert_array_equal(gumbel_at(data, jnp.arange(5000)[None, :]), full)
-    np.testing.assert_array_equal(gumbel_at(data, ids), jnp.take_along_axis(full, ids, axis=-1))
+    np.testing.assert_array_equal(gumbel_at(data, jnp.arange(V)[None, :], V), full)
+    np.testing.assert_array_equal(gumbel_row(data, V), full)
+    np.testing.assert_array_equal(gumbel_at(data, ids, V), jnp.take_along_axis(full, ids, axis=-1))
 
 
 @pytest.mark.parametrize("kept", ["few", "many"])
@@ -236,6 +244,7 @@ def reference_draw(x, noise, top_k, top_p, min_p, greedy):
 
 
 V_LARGE = 2 * BLOCK * BLOCKS + 123  # more blocks than candidates, and a ragged last block
+V_EVEN = V_LARGE + 1  # an even row: the kernels' `drawn` perturbs each id with its pair partner's threefry call
 
 
 @pytest.mark.parametrize(
@@ -271,10 +280,11 @@ def test_the_candidates_draw_gives_the_tokens_of_the_sorted_definition(rows, bes
     assert (got == want).mean() > 0.8
 
 
+@pytest.mark.parametrize("V", [V_LARGE, V_EVEN])
 @pytest.mark.parametrize("kernels", [False, True], ids=["xla", "kernels"])
-def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback(kernels):
+def test_candidates_decide_peaked_rows_and_flat_top_p_rows_without_the_fallback(kernels, V):
     rng = np.random.default_rng(4)
-    S, V = 16, V_LARGE
+    S = 16
     only_last = lambda x, b: jnp.where(jnp.arange(x.shape[1]) == x.shape[1] - 1, 0.0, -jnp.inf)  # noqa: E731
     top_k = np.array([0, 1, 50, 0, 0, 3, 0, 100, 0, BLOCKS, 40, 0, 0, 0, 0, 0], np.int32)
     top_p = np.array([1, 1, 1, 0.9, 0.5, 0.8, 1, 1, 0.7, 1, 0.95, 0.95, 0.9, 1, 1, 0.99], np.float32)
@@ -354,10 +364,11 @@ def test_the_kernels_threefry_is_jaxs():
     from capstan.runtime.kernels.gpu_sampler import gumbel
 
     keys = jax.random.key_data(jax.vmap(lambda p: jax.random.fold_in(jax.random.key(11), p))(jnp.arange(4)))
-    ids = jnp.arange(3000)
-    want = gumbel_at(keys, ids[None, :])
-    got = jax.jit(jax.vmap(lambda k: gumbel(k[0], k[1], ids)))(keys)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for V in (3000, 2999):
+        ids = jnp.arange(V)
+        want = gumbel_at(keys, ids[None, :], V)
+        got = jax.jit(jax.vmap(lambda k: gumbel(k[0], k[1], ids, V)))(keys)  # noqa: B023
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("how", ["scaled", "raw"])

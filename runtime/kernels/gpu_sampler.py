@@ -13,8 +13,8 @@ Here (0.61-0.68 ms):
   gpu_mass_above, for the rows whose top-p is still open only: the mass above each drawn value;
   exact, for the rare rows still undecided: the sorted definition by passes over the row, so the program needs
     no lax.cond (whose predicate XLA:GPU copies back to the host).
-The tokens are draw_by_candidates' (the same thresholds, the same noise: JAX's threefry of (row key, token id),
-here in plain uint32 operations Triton can lower)."""
+The tokens are draw_by_candidates' (the same thresholds, the same noise: JAX's threefry of the row key at the ids'
+pair counts, candidates.pair_counts, here in plain uint32 operations Triton can lower)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..sampling.candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits
+from ..sampling.candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, pair_counts, pair_half
 from ..sampling.candidates import ordered_keys as _ordered
 from .gpu_mass_above import mass_above
 
@@ -62,10 +62,11 @@ def threefry2x32(k0, k1, x0, x1):
     return x0, x1
 
 
-def gumbel(k0, k1, ids):
-    """sampler.gumbel_at for one row's key (k0, k1) at token ids, bit for bit."""
-    ids = ids.astype(jnp.uint32)
-    return gumbel_of_bits(*threefry2x32(k0, k1, jnp.zeros_like(ids), ids))
+def gumbel(k0, k1, ids, vocab: int):
+    """sampler.gumbel_at for one row's key (k0, k1) at token ids, bit for bit: a threefry call per id."""
+    x0, x1, second = pair_counts(ids, vocab)
+    b0, b1 = threefry2x32(k0, k1, x0, x1)
+    return gumbel_of_bits(jnp.where(second, b1, b0))
 
 
 def _value(key):
@@ -90,8 +91,10 @@ def _largest_holding(lo, hi, holds):
 
 def _select(bm_ref, which_ref, t0_ref):
     """The BLOCKS blocks with the largest maxima (ties at the smallest in block order), by bisection over the row's
-    block maxima bm_ref [NB] in registers: their ids into which_ref [BLOCKS], in block order, each at its slot
-    (the number of chosen blocks before it), and t0, the smallest of their maxima."""
+    block maxima bm_ref [NB] in registers: their ids into which_ref[:BLOCKS], in block order, each at its slot
+    (the number of chosen blocks before it), and t0, the smallest of their maxima. The other blocks' ids go after
+    them (which_ref is NB long), so the store is a permutation: no lane is masked off, and none writes where
+    another does (interpreted on CPU, a masked scatter's lanes aimed at one slot could overwrite a chosen id)."""
     keys = _ordered(bm_ref[...])
     t0_key = _largest_holding(
         jnp.min(keys), jnp.max(keys) + 1, lambda t: jnp.sum((keys >= t).astype(jnp.int32)) >= BLOCKS
@@ -101,7 +104,7 @@ def _select(bm_ref, which_ref, t0_ref):
     chosen = (keys > t0_key) | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= ties_wanted))
     slot = jnp.cumsum(chosen.astype(jnp.int32)) - 1
     ids = jnp.arange(keys.shape[0], dtype=jnp.int32)
-    plgpu.store(which_ref.at[jnp.where(chosen, slot, 0)], ids, mask=chosen)
+    plgpu.store(which_ref.at[jnp.where(chosen, slot, ids - slot - 1 + BLOCKS)], ids)
     t0_ref[...] = jnp.full(t0_ref.shape, _value(t0_key), jnp.float32)
 
 
@@ -144,7 +147,7 @@ def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vo
     threshold = jnp.maximum(base, pth)
 
     def draw():  # Gumbel-max over the kept candidates; ties go to the lowest id, as an argmax over the row
-        y = jnp.where(c >= threshold, c + gumbel(k0, k1, ids), -jnp.inf)
+        y = jnp.where(c >= threshold, c + gumbel(k0, k1, ids, vocab), -jnp.inf)
         return jnp.min(jnp.where(y == jnp.max(y), ids, NO_ID))
 
     in_candidates = ~greedy & k_known & p_decided & (threshold > t0)
@@ -160,32 +163,53 @@ def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vo
 
 
 def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, part: int):
-    first = pl.program_id(1) * part
+    """A part's PER_PART best perturbed values (with their logits and ids) of a row `choose` left open. With an even
+    vocabulary a part is `part` / 2 ids from the row's first half and their pair partners from the second, so one
+    threefry call gives both ids' noise (candidates.pair_half); otherwise `part` consecutive ids, a call each."""
     D = y_ref.shape[0]
+    paired = vocab % 2 == 0 and pair_half(vocab) >= part // 2
+    index = pl.program_id(1)  # outside pl.when: interpreted kernels (CPU tests) cannot read it in a branch
 
     @pl.when(i_ref[0] == OPEN)
     def _():
-        start = jnp.minimum(first, vocab - part)  # the last part is the row's last `part` values, masked
-        ids = start + jnp.arange(part, dtype=jnp.int32)
-        x = x_ref[pl.ds(start, part)]
-        y = jnp.where((ids >= first) & (x >= f_ref[0]), x + gumbel(key_ref[0], key_ref[1], ids), -jnp.inf)
+        threshold, k0, k1 = f_ref[0], key_ref[0], key_ref[1]
+        if paired:
+            n, half = part // 2, pair_half(vocab)
+            first = index * n
+            start = jnp.minimum(first, half - n)  # the last part is the half's last n ids, those before first masked
+            lo = start + jnp.arange(n, dtype=jnp.int32)
+            b0, b1 = threefry2x32(k0, k1, lo.astype(jnp.uint32), (lo + half).astype(jnp.uint32))
+            x_lo, x_hi = x_ref[pl.ds(start, n)], x_ref[pl.ds(start + half, n)]
+            ids = (lo, lo + half)
+            xv = (x_lo, x_hi)
+            ys = tuple(
+                jnp.where((lo >= first) & (xi >= threshold), xi + gumbel_of_bits(b), -jnp.inf)
+                for xi, b in ((x_lo, b0), (x_hi, b1))
+            )
+        else:
+            first = index * part
+            start = jnp.minimum(first, vocab - part)  # the last part is the row's last `part` values, masked
+            one = start + jnp.arange(part, dtype=jnp.int32)
+            x = x_ref[pl.ds(start, part)]
+            ids, xv = (one,), (x,)
+            ys = (jnp.where((one >= first) & (x >= threshold), x + gumbel(k0, k1, one, vocab), -jnp.inf),)
         slot = jnp.arange(D)
 
-        def take(d, carry):  # the part's next best perturbed value, its logit and id
-            y, ys, xs, js = carry
-            best = jnp.max(y)
-            j = jnp.min(jnp.where(y == best, ids, NO_ID))
-            xj = jnp.max(jnp.where(ids == j, x, -jnp.inf))
+        def take(d, carry):  # the part's next best perturbed value, its logit and id (lowest id among ties)
+            ys, best_ys, best_xs, best_js = carry
+            best = functools.reduce(jnp.maximum, [jnp.max(y) for y in ys])
+            j = functools.reduce(jnp.minimum, [jnp.min(jnp.where(y == best, i, NO_ID)) for y, i in zip(ys, ids)])
+            xj = functools.reduce(jnp.maximum, [jnp.max(jnp.where(i == j, x, -jnp.inf)) for x, i in zip(xv, ids)])
             return (
-                jnp.where(ids == j, -jnp.inf, y),
-                jnp.where(slot == d, best, ys),
-                jnp.where(slot == d, xj, xs),
-                jnp.where(slot == d, j, js),
+                tuple(jnp.where(i == j, -jnp.inf, y) for y, i in zip(ys, ids)),
+                jnp.where(slot == d, best, best_ys),
+                jnp.where(slot == d, xj, best_xs),
+                jnp.where(slot == d, j, best_js),
             )
 
         none = jnp.full((D,), -jnp.inf, jnp.float32)
-        _, ys, xs, js = jax.lax.fori_loop(0, D, take, (y, none, none, jnp.zeros((D,), jnp.int32)))
-        y_ref[...], xs_ref[...], ids_ref[...] = ys, xs, js
+        _, best_ys, best_xs, best_js = jax.lax.fori_loop(0, D, take, (ys, none, none, jnp.zeros((D,), jnp.int32)))
+        y_ref[...], xs_ref[...], ids_ref[...] = best_ys, best_xs, best_js
 
     @pl.when(i_ref[0] != OPEN)
     def _():
@@ -242,7 +266,7 @@ def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chun
 
         def best(x, ids, carry):  # the largest perturbed value kept, lowest id among ties (greedy: x itself)
             value, at = carry
-            noise = jnp.where(greedy, 0.0, gumbel(key_ref[0], key_ref[1], ids))
+            noise = jnp.where(greedy, 0.0, gumbel(key_ref[0], key_ref[1], ids, vocab))
             y = jnp.where(x >= threshold, x + noise, -jnp.inf)
             m = jnp.max(y)
             here = jnp.min(jnp.where(y == m, ids, NO_ID))
@@ -286,8 +310,8 @@ def draw(
         _select,
         grid=(S,),
         in_specs=[row(width)],
-        out_specs=[row(BLOCKS), row(2)],
-        out_shape=[jax.ShapeDtypeStruct((S, BLOCKS), jnp.int32), jax.ShapeDtypeStruct((S, 2), jnp.float32)],
+        out_specs=[row(width), row(2)],
+        out_shape=[jax.ShapeDtypeStruct((S, width), jnp.int32), jax.ShapeDtypeStruct((S, 2), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=SELECT_TUNING[0], num_stages=SELECT_TUNING[1]),
         interpret=interpret,
         name="sampler_select",

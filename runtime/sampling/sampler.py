@@ -18,7 +18,7 @@ from jax.extend.random import threefry2x32_p
 
 from ..arrays import HostOrDevice
 from ..limits import MAX_LOGPROBS
-from .candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, ordered_keys
+from .candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, ordered_keys, pair_counts, pair_half
 from .dry import DryParams, dry_penalty, push_recent, recent_tokens
 
 
@@ -272,23 +272,27 @@ class RowNoise:
         self.keys, self.vocab = keys, vocab
 
     def __call__(self, ids: jax.Array | None = None) -> jax.Array:
-        return gumbel_at(self.keys, jnp.arange(self.vocab)[None, :] if ids is None else ids)
+        return gumbel_row(self.keys, self.vocab) if ids is None else gumbel_at(self.keys, ids, self.vocab)
 
 
-def gumbel_at(keys: jax.Array, ids: jax.Array) -> jax.Array:
-    """Gumbel noise [S, n] for token ids [S or 1, n] under each row's key data [S, 2]: threefry2x32 of (0, id), so
-    any id's noise can be drawn alone; bit for bit what jax.random.gumbel(key, (V,))[id] gives (JAX's
-    partitionable threefry), so seeded outputs are those of the full-row draw."""
+def gumbel_at(keys: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
+    """Gumbel noise [S, n] for token ids [S or 1, n] of a vocab-long row under each row's key data [S, 2]: any id's
+    noise can be drawn alone, and it is bit for bit what jax.random.gumbel(key, (vocab,))[id] gives under
+    jax.threefry_partitionable(False) (candidates.pair_counts), so seeded outputs are those of the full-row draw."""
     shape = jnp.broadcast_shapes(keys[:, :1].shape, ids.shape)
-    ids = jnp.broadcast_to(ids.astype(jnp.uint32), shape)
-    return gumbel_of_bits(
-        *threefry2x32_p.bind(
-            jnp.broadcast_to(keys[:, :1], shape),
-            jnp.broadcast_to(keys[:, 1:], shape),
-            jnp.zeros(shape, jnp.uint32),
-            ids,
-        )
-    )
+    x0, x1, second = pair_counts(jnp.broadcast_to(ids, shape), vocab)
+    b0, b1 = threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], shape), jnp.broadcast_to(keys[:, 1:], shape), x0, x1)
+    return gumbel_of_bits(jnp.where(second, b1, b0))
+
+
+def gumbel_row(keys: jax.Array, vocab: int) -> jax.Array:
+    """gumbel_at over the whole row [S, vocab], one threefry call per two ids."""
+    half = pair_half(vocab)
+    shape = (keys.shape[0], half)
+    x0 = jnp.broadcast_to(jnp.arange(half, dtype=jnp.uint32)[None, :], shape)
+    x1 = jnp.where(x0 + jnp.uint32(half) < jnp.uint32(vocab), x0 + jnp.uint32(half), jnp.uint32(0))
+    b0, b1 = threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], shape), jnp.broadcast_to(keys[:, 1:], shape), x0, x1)
+    return gumbel_of_bits(jnp.concatenate([b0, b1], axis=1)[:, :vocab])
 
 
 def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:
