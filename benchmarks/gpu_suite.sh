@@ -45,7 +45,7 @@ for part in $parts; do
         --json "$OUT/capstan-llama-3.2-1b.json" 2>&1 | grep --line-buffered -v Warning ;;
     # issue 64: asynchronous scheduling against synchronous, alternating (a compilation cache shared by the runs), with
     # the tokens' digest of each; then its tests on the GPU
-    asyncsched) for f in --async-scheduling "" --async-scheduling ""; do echo "== ${f:-synchronous}"
+    asyncsched) for f in --async-scheduling --no-async-scheduling --async-scheduling --no-async-scheduling; do echo "== $f"
         JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 python3 benchmarks/throughput.py \
           --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 --max-num-seqs 256 \
           --max-num-batched-tokens 2048 --smallest-bucket 256 --timeline --digest $f 2>&1 \

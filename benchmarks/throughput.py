@@ -258,8 +258,10 @@ def main(argv=None) -> dict:
     )
     ap.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="steps with prompt tokens queued while the host reads the step before (EngineConfig.async_scheduling)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="steps with prompt tokens queued while the host reads the step before (EngineConfig.async_scheduling; "
+        "default: on GPUs and TPUs, off on CPU)",
     )
     ap.add_argument(
         "--fetch-all",

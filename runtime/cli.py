@@ -126,7 +126,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.async_scheduling,
         help="queue each step with prompt tokens while the host reads the step before it (vLLM's async scheduling; "
-        "two programs more per token bucket at warm-up; default: off)",
+        "two programs more per token bucket at warm-up; default: on GPUs and TPUs, off on CPU)",
     )
     parser.add_argument(
         "--smallest-token-bucket",

@@ -92,8 +92,8 @@ class EngineConfig:
     # decode steps run padded to a row bucket (1, 4, 16, ... max_num_seqs) instead of max_num_seqs; None: on CPU only
     decode_row_buckets: bool | None = None
     # single steps with prompt tokens are scheduled, built and queued while the step before runs (vLLM's async
-    # scheduling: engine.py, docs/runtime.md); off until timed on a GPU (issue 64)
-    async_scheduling: bool = False
+    # scheduling: engine.py, docs/runtime.md); None: on GPUs/TPUs (1.25x the H100's 1B headline), off on CPU
+    async_scheduling: bool | None = None
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 429)
     warmup: bool = True  # compile every step shape before serving
     tokenizer: str | None = None  # defaults to the model folder
@@ -131,6 +131,15 @@ class EngineConfig:
         import jax
 
         return jax.default_backend() == "cpu"
+
+    def uses_async_scheduling(self) -> bool:
+        """Whether steps with prompt tokens are queued while the step before runs: the flag, else off CPU (on CPU
+        the host and XLA share the cores, so it gained nothing, and its two programs a bucket lengthen warm-up)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        import jax
+
+        return jax.default_backend() != "cpu"
 
     def steps_with_room(self) -> int:
         """Decode steps a dispatch takes while the batch has rows free: the flag, else min(4, decode_steps) off CPU

@@ -194,7 +194,7 @@ class LLMEngine:
         self.layered: dict[tuple, layered_step.LayeredStep] = {}  # likewise -> a stand-in while serve compiles it
         # asynchronous scheduling: the next single step is scheduled, built and queued while this one runs
         self.async_steps = (
-            config.async_scheduling
+            config.uses_async_scheduling()
             and self.parallel.size == 1
             and jax.process_count() == 1
             and self.speculator is None

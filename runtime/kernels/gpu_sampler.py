@@ -180,9 +180,9 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
             lo = start + jnp.arange(n, dtype=jnp.int32)
             b0, b1 = threefry2x32(k0, k1, lo.astype(jnp.uint32), (lo + half).astype(jnp.uint32))
             x_lo, x_hi = x_ref[pl.ds(start, n)], x_ref[pl.ds(start + half, n)]
-            ids = (lo, lo + half)
-            xv = (x_lo, x_hi)
-            ys = tuple(
+            ids: tuple[jax.Array, ...] = (lo, lo + half)
+            xv: tuple[jax.Array, ...] = (x_lo, x_hi)
+            ys: tuple[jax.Array, ...] = tuple(
                 jnp.where((lo >= first) & (xi >= threshold), xi + gumbel_of_bits(b), -jnp.inf)
                 for xi, b in ((x_lo, b0), (x_hi, b1))
             )
@@ -198,10 +198,14 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
         def take(d, carry):  # the part's next best perturbed value, its logit and id (lowest id among ties)
             ys, best_ys, best_xs, best_js = carry
             best = functools.reduce(jnp.maximum, [jnp.max(y) for y in ys])
-            j = functools.reduce(jnp.minimum, [jnp.min(jnp.where(y == best, i, NO_ID)) for y, i in zip(ys, ids)])
-            xj = functools.reduce(jnp.maximum, [jnp.max(jnp.where(i == j, x, -jnp.inf)) for x, i in zip(xv, ids)])
+            j = functools.reduce(
+                jnp.minimum, [jnp.min(jnp.where(y == best, i, NO_ID)) for y, i in zip(ys, ids, strict=True)]
+            )
+            xj = functools.reduce(
+                jnp.maximum, [jnp.max(jnp.where(i == j, x, -jnp.inf)) for x, i in zip(xv, ids, strict=True)]
+            )
             return (
-                tuple(jnp.where(i == j, -jnp.inf, y) for y, i in zip(ys, ids)),
+                tuple(jnp.where(i == j, -jnp.inf, y) for y, i in zip(ys, ids, strict=True)),
                 jnp.where(slot == d, best, best_ys),
                 jnp.where(slot == d, xj, best_xs),
                 jnp.where(slot == d, j, best_js),
