@@ -178,7 +178,7 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
             first = index * n
             start = jnp.minimum(first, half - n)  # the last part is the half's last n ids, those before first masked
             lo = start + jnp.arange(n, dtype=jnp.int32)
-            b0, b1 = threefry2x32(k0, k1, lo.astype(jnp.uint32), (lo + half).astype(jnp.uint32))
+            b0, b1 = threefry2x32(k0, k1, *pair_counts(lo, vocab)[:2])  # (lo, lo + half): both words used
             x_lo, x_hi = x_ref[pl.ds(start, n)], x_ref[pl.ds(start + half, n)]
             ids: tuple[jax.Array, ...] = (lo, lo + half)
             xv: tuple[jax.Array, ...] = (x_lo, x_hi)

@@ -279,20 +279,22 @@ def gumbel_at(keys: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
     """Gumbel noise [S, n] for token ids [S or 1, n] of a vocab-long row under each row's key data [S, 2]: any id's
     noise can be drawn alone, and it is bit for bit what jax.random.gumbel(key, (vocab,))[id] gives under
     jax.threefry_partitionable(False) (candidates.pair_counts), so seeded outputs are those of the full-row draw."""
-    shape = jnp.broadcast_shapes(keys[:, :1].shape, ids.shape)
-    x0, x1, second = pair_counts(jnp.broadcast_to(ids, shape), vocab)
-    b0, b1 = threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], shape), jnp.broadcast_to(keys[:, 1:], shape), x0, x1)
+    x0, x1, second = pair_counts(ids, vocab)
+    b0, b1 = _threefry_words(keys, x0, x1)
     return gumbel_of_bits(jnp.where(second, b1, b0))
 
 
 def gumbel_row(keys: jax.Array, vocab: int) -> jax.Array:
-    """gumbel_at over the whole row [S, vocab], one threefry call per two ids."""
-    half = pair_half(vocab)
-    shape = (keys.shape[0], half)
-    x0 = jnp.broadcast_to(jnp.arange(half, dtype=jnp.uint32)[None, :], shape)
-    x1 = jnp.where(x0 + jnp.uint32(half) < jnp.uint32(vocab), x0 + jnp.uint32(half), jnp.uint32(0))
-    b0, b1 = threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], shape), jnp.broadcast_to(keys[:, 1:], shape), x0, x1)
-    return gumbel_of_bits(jnp.concatenate([b0, b1], axis=1)[:, :vocab])
+    """gumbel_at over the whole row [S, vocab], one threefry call per two ids: the first half's calls give both."""
+    x0, x1, _ = pair_counts(jnp.arange(pair_half(vocab))[None, :], vocab)
+    return gumbel_of_bits(jnp.concatenate(_threefry_words(keys, x0, x1), axis=1)[:, :vocab])
+
+
+def _threefry_words(keys: jax.Array, x0: jax.Array, x1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """threefry2x32's two output words under each row's key data [S, 2] at counts [S or 1, n]."""
+    shape = jnp.broadcast_shapes(keys[:, :1].shape, x0.shape)
+    k0, k1 = jnp.broadcast_to(keys[:, :1], shape), jnp.broadcast_to(keys[:, 1:], shape)
+    return tuple(threefry2x32_p.bind(k0, k1, jnp.broadcast_to(x0, shape), jnp.broadcast_to(x1, shape)))
 
 
 def _apply_grammar(x: jax.Array, allowed: jax.Array) -> jax.Array:

@@ -22,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from processes import free_port, metric, start_gateway, start_replica  # noqa: E402
 
 pytestmark = pytest.mark.slow
-WINDOW = (
-    600.0  # per-minute budgets scale by 10; windows are the clock's multiples of it (budgets.py), so see clear_of_end
-)
+# per-minute budgets scale by 10; windows are the clock's multiples of it (budgets.py), hence clear_of_end
+WINDOW = 600.0
 BUDGETS = {  # per minute, as in the key files; each case has its keys, so no case spends another's budget
     "tpm": {"tokensPerMinute": 20},  # 200 tokens a window: a few requests' worst cases
     "rpm": {"requestsPerMinute": 1},  # 10 requests a window
