@@ -75,6 +75,12 @@ def test_two_data_parallel_engine_cores_serve_one_endpoint():
     with ServeProcess("--data-parallel-size=2") as server:
         children = child_processes(server.process.pid)
         assert sum(CORE in c for c in children.values()) == 2, children
+        # both cores' step programs compiled first: a core still compiling in the background (2 shared CPU cores, CI's
+        # other tests beside) once served none of its streams until the other core's had ended ("at most 6 ran")
+        deadline = time.monotonic() + 400
+        while _gauge(httpx.get(f"{server.url}/metrics", timeout=30).text, "capstan_programs_compiling") > 0:
+            assert time.monotonic() < deadline, "the cores' warm-up did not finish within 400 s"
+            time.sleep(0.5)
 
         async def scenario():
             seen = {"running": 0.0, "pages": 0.0}
