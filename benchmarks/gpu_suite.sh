@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity warmuptests asyncsched roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
+#   bash benchmarks/gpu_suite.sh [parity warmuptests asyncsched asyncpenalty roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -51,6 +51,14 @@ for part in $parts; do
           --max-num-batched-tokens 2048 --smallest-bucket 256 --timeline --digest $f 2>&1 \
           | grep --line-buffered -E "output_tokens_per_s|phase_s|timeline|digest|compile_s|Error"; done
       python3 -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py 2>&1 | grep --line-buffered -E "passed|failed|Error" ;;
+    # issue 64, item 2: the mixed workload with a repetition penalty on every request (Qwen2.5's own default, 1.05)
+    # queued asynchronously (the default off CPU) and synchronously, beside the same requests all greedy
+    asyncpenalty) for run in "--all-greedy" "--sampling={\"repetition_penalty\":1.05}" \
+          "--sampling={\"repetition_penalty\":1.05} --no-async-scheduling"; do echo "== $run"
+        JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 python3 benchmarks/throughput.py \
+          --shape llama-3.2-1b --workload mixed --requests 256 --prompt-len 256 --output-len 256 --max-num-seqs 256 \
+          --max-num-batched-tokens 2048 --smallest-bucket 256 --timeline $run 2>&1 \
+          | grep --line-buffered -E "output_tokens_per_s|phase_s|timeline|compile_s|Error"; done ;;
     # the headline run again, with a Perfetto trace of one decode-phase engine step: device busy time against its span
     decodetrace) rm -rf /tmp/decodetrace; python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --trace /tmp/decodetrace 2>&1 \

@@ -1,7 +1,9 @@
 """Asynchronous scheduling (engine.py): a single step with prompt tokens is queued while the host reads the step
 before it, its rows' unread tokens taken from that step's samples on the device. It must give every request the
-tokens the synchronous engine gives (greedy and seeded), through preemption, aborts and stops, compile nothing
+tokens the synchronous engine gives (greedy, seeded and with penalties), through preemption, aborts and stops, compile nothing
 after warm-up, and leak no page."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -76,6 +78,28 @@ def test_all_greedy_steps_queue_as_the_plain_argmax(engines):
     got = results(queued.generate(prompts, greedy))
     assert queued.async_steps > before
     assert got == results(sync.generate(prompts, greedy))
+
+
+def test_queued_steps_with_penalties_count_the_unread_tokens(engines):
+    """Repetition, frequency and presence penalties read each row's unread token from the step before on the
+    device (engine/step.py): strong ones, on greedy rows too, so a token counted wrong changes the next."""
+    sync, queued = engines
+    prompts, params = workload(5)
+    params = [
+        dataclasses.replace(
+            p,
+            repetition_penalty=(1.0, 1.6, 1.3)[i % 3],
+            frequency_penalty=(0.9, 0.0, 0.5)[i % 3],
+            presence_penalty=(0.0, 0.0, 0.8)[i % 3] if i % 4 else 0.0,
+            max_tokens=p.max_tokens + 10,
+        )
+        for i, p in enumerate(params)
+    ]
+    before = queued.async_steps
+    got = results(queued.generate(prompts, params))
+    assert queued.async_steps - before >= 5  # the prefill phase ran queued, penalties and all
+    assert got == results(sync.generate(prompts, params))
+    queued.engine.pool.check_all_free()
 
 
 def test_preemption_while_a_step_is_queued_gives_the_same_tokens():

@@ -33,7 +33,7 @@ from ..parallel.tensor_parallel import TensorParallel
 from ..sampling.dry import BreakerMasks
 from ..sampling.grammar import GrammarTokenizer
 from ..sampling.logprobs import position_logprobs, prompt_logprobs
-from ..sampling.programs import ASYNC_GREEDY, ASYNC_SAMPLED
+from ..sampling.programs import ASYNC_BRANCHES, ASYNC_GREEDY, ASYNC_PENALIZED, ASYNC_SAMPLED
 from ..sampling.sampler import Branches, SampleResult, StepOutputs
 from ..sampling.sampling_params import InvalidRequestError, SamplingParams
 from ..scheduling.batch import PENDING, BatchBuilder, BatchSizes
@@ -477,7 +477,7 @@ class LLMEngine:
         for v, model in self._variants().items():
             for t in self.builder.buckets:
                 inputs = self.builder.build([], bucket=t)
-                for branches in (ASYNC_GREEDY, ASYNC_SAMPLED):
+                for branches in ASYNC_BRANCHES:
                     lower = functools.partial(self._lower_async, model, inputs, branches)
                     programs.append(Program(("step", v, t, None, branches), lower))
         return programs
@@ -559,7 +559,7 @@ class LLMEngine:
             with self._precision():
                 self.kv, out = step_fn(model, self.kv, inputs)
                 if self.async_steps and rows is None:  # the asynchronous single steps' programs
-                    for branches in (ASYNC_GREEDY, ASYNC_SAMPLED):
+                    for branches in ASYNC_BRANCHES:
                         self.kv, out = step_fn(model, self.kv, inputs, branches=branches)
             jax.block_until_ready(out)
         if self.speculator is not None:
@@ -629,18 +629,17 @@ class LLMEngine:
     def _async_branches(self, chunks: list[ScheduledChunk]) -> Branches | None:
         """The sampling branches of these chunks' step when it may be queued while the step before runs (vLLM's
         async scheduling), else None. Only steps with prompt tokens (the prefill phase; decodes alone go multi-step)
-        and whose rows need no token of their own on the host before the next step is built: no grammar, penalty,
-        DRY, logprobs, prompt logprobs or choices still to fork."""
+        and whose rows need no token of their own on the host before the next step is built: no grammar, DRY,
+        logprobs, prompt logprobs or choices still to fork (penalties read the unread tokens on the device)."""
         if not (self.async_steps and chunks and self.warming is None and self.builder.small_step(chunks) is None):
             return None
         if not any(c.num_tokens > 1 for c in chunks):
             return None
-        plain = True
+        plain, penalties = True, False
         for c in chunks:
             seq, p = c.seq, c.seq.params
             if (
                 seq.constraint is not None
-                or p.uses_penalties
                 or p.uses_dry
                 or p.logprobs is not None
                 or p.prompt_logprobs is not None
@@ -650,7 +649,8 @@ class LLMEngine:
                 return None
             filters = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
             plain &= p.temperature == 0.0 and not p.logit_bias and not filters and seq.num_output >= p.min_tokens
-        return ASYNC_GREEDY if plain else ASYNC_SAMPLED
+            penalties |= p.uses_penalties
+        return ASYNC_PENALIZED if penalties else ASYNC_GREEDY if plain else ASYNC_SAMPLED
 
     def _step_async(self, chunks: list[ScheduledChunk], bucket: int | None, branches: Branches) -> list[RequestOutput]:
         """Queues this step (its PENDING tokens taken from the pending step's samples on the device), then reads and

@@ -6,6 +6,7 @@ request asked for prompt logprobs."""
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
@@ -14,7 +15,7 @@ from ..kv.cache import KVCache
 from ..models.decoder import DecoderModel
 from ..sampling.sampler import Branches, PromptLogprobs, StepOutputs, sample, top_logprobs
 from ..sampling.sampling_params import MAX_LOGPROBS
-from ..scheduling.batch import StepInputs
+from ..scheduling.batch import PENDING, StepInputs
 from ..scheduling.packing import Packed
 
 
@@ -28,7 +29,19 @@ def run_step(
     # the tokens the host has not read yet are the samples of the step before, still on the device
     tokens = jnp.where(x.token_rows >= 0, x.previous[jnp.maximum(x.token_rows, 0)], x.tokens)
     hidden, kv = model(tokens, x.meta, kv, x.lora_rows)
+    if branches is not None and branches.any_penalty:  # an asynchronous step's rows with penalties (engine.py)
+        x = eqx.tree_at(lambda x: x.sampling.history, x, _history_read(x, tokens))
     return kv, step_outputs(model, hidden, x, branches)
+
+
+def _history_read(x: StepInputs[jax.Array], tokens: jax.Array) -> jax.Array:
+    """The penalties' histories [S, H] with each row's PENDING token (its last, which this step computes) replaced
+    by the token the step before sampled: the one at the row's sample index, read from `previous` above. A row
+    whose PENDING token this step does not reach samples nothing; its entry becomes an id the counts drop."""
+    history = x.sampling.history
+    read = x.token_rows[x.sample_index] >= 0  # the row's last token in this step was PENDING
+    token = jnp.where(read, tokens[x.sample_index], jnp.iinfo(jnp.int32).max)
+    return jnp.where(history == PENDING, token[:, None], history)
 
 
 def step_outputs(
