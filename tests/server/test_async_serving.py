@@ -67,7 +67,14 @@ def ask(url: str, question: str, **params) -> str:
     return r.choices[0].message.content
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 7},
+        {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5},  # the penalized program
+    ],
+)
 def test_each_answer_is_the_synchronous_servers(queued, server, params):
     url, count = queued
     before = len(count)
