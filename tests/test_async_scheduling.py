@@ -111,6 +111,10 @@ def test_preemption_while_a_step_is_queued_gives_the_same_tokens():
     got = results(queued.generate(prompts, params))
     assert got == results(sync.generate(prompts, params))
     queued.engine.pool.check_all_free()
+    penalized = [dataclasses.replace(p, repetition_penalty=1.5, frequency_penalty=0.7) for p in params]
+    got = results(queued.generate(prompts, penalized))
+    assert got == results(sync.generate(prompts, penalized))
+    queued.engine.pool.check_all_free()
 
 
 def test_an_abort_while_its_token_is_unread_ends_it_alone(engines):
