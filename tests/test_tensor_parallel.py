@@ -27,6 +27,7 @@ def run_split(
     made_split: bool = False,
     vocab_greedy: bool = False,
     halves: bool = False,
+    queued: bool = False,
 ) -> dict:
     """Runs each case {name: tensor_parallel_size} on one device and split, in a process with `devices` CPUs;
     gpu_kernels: split only, through the GPU Pallas kernels interpreted on CPU; tpu_layout: split only, with the
@@ -41,6 +42,7 @@ def run_split(
         + ["made-split"] * made_split
         + ["vocab-greedy"] * vocab_greedy
         + ["halves"] * halves
+        + ["queued"] * queued
     )
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(cases)] + flags,
@@ -122,6 +124,45 @@ def test_a_warmed_split_engine_compiles_nothing_while_it_serves():
     got = run_split(2, {"llama-s11": 2}, compiles=True)["llama-s11"]
     assert got["dispatches"] >= 3, got  # a run's first dispatch and at least two queued behind it
     assert got["after_run"] == got["after_warmup"], got
+
+
+def test_queued_steps_under_a_mesh_give_the_synchronous_tokens():
+    """Asynchronous scheduling (the GPUs' default) under tensor parallelism: steps queued while the one before runs,
+    their unread tokens (and penalties' histories) taken from that step's replicated samples, give the synchronous
+    engine's tokens, greedy, seeded and penalized, and compile nothing after warm-up (a `previous` placed apart from
+    the samples would be a second program)."""
+    got = run_split(2, {"llama-s11": 2}, queued=True)["llama-s11"]
+    assert got["queued_steps"] >= 10, got
+    assert got["same"] == [True, True], got
+    assert got["after_run"] == got["after_warmup"], got
+
+
+def _queued(case: str, tp: int) -> dict:
+    import dataclasses
+
+    from test_async_scheduling import results, workload
+
+    from capstan.runtime.engine.llm import LLM
+    from capstan.runtime.engine.multi_step import decode_steps_fn
+    from capstan.runtime.engine.step import step_fn
+
+    sizes = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, page_size=16, tensor_parallel_size=tp)
+    sync = LLM(str(GOLDEN / case), async_scheduling=False, warmup=True, **sizes)
+    queued = LLM(str(GOLDEN / case), async_scheduling=True, warmup=True, **sizes)
+    steps, step_async = [], queued.engine._step_async
+    queued.engine._step_async = lambda *a: steps.append(1) or step_async(*a)  # type: ignore[method-assign]
+
+    def programs() -> int:  # (_cache_size is not in jax's stubs)
+        return decode_steps_fn._cache_size() + step_fn._cache_size()  # type: ignore[attr-defined]
+
+    after_warmup, same = programs(), []
+    for seed in (1, 5):
+        prompts, params = workload(seed)
+        if seed == 5:
+            params = [dataclasses.replace(p, repetition_penalty=1.5, frequency_penalty=0.7) for p in params]
+        same.append(results(queued.generate(prompts, params)) == results(sync.generate(prompts, params)))
+    queued.engine.pool.check_all_free()
+    return {"queued_steps": len(steps), "same": same, "after_warmup": after_warmup, "after_run": programs()}
 
 
 def test_random_weights_are_made_in_parts():
@@ -318,7 +359,13 @@ if __name__ == "__main__":  # the child: one device, then split, for each case (
         from capstan.runtime import attention
 
         attention.TPU_LAYOUT_ON_CPU = True
-    for mode, probe in (("compiles", _compiles), ("made-split", _made_split), ("vocab-greedy", _vocab_greedy)):
+    probes = (
+        ("compiles", _compiles),
+        ("made-split", _made_split),
+        ("vocab-greedy", _vocab_greedy),
+        ("queued", _queued),
+    )
+    for mode, probe in probes:
         if mode in sys.argv:
             print(json.dumps({case: probe(case, tp) for case, tp in json.loads(sys.argv[1]).items()}))
             sys.exit(0)

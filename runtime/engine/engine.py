@@ -195,7 +195,6 @@ class LLMEngine:
         # asynchronous scheduling: the next single step is scheduled, built and queued while this one runs
         self.async_steps = (
             config.uses_async_scheduling()
-            and self.parallel.size == 1
             and jax.process_count() == 1
             and self.speculator is None
             and self.scheduler.offload is None
