@@ -106,3 +106,28 @@ def test_penalised_rows_name_their_stop_tokens_which_ignore_eos_leaves_out():
 def test_a_chunk_that_does_not_fit_its_sequence_is_refused(chunk):
     with pytest.raises(ValueError):
         builder().build([chunk()])
+
+
+@pytest.mark.parametrize("rows, tokens, smallest", [(256, 512, 16), (8, 64, 16), (256, 2048, 256), (1, 64, 16)])
+def test_queued_buckets_are_those_a_step_that_is_not_small_can_take(rows, tokens, smallest):
+    """Asynchronous scheduling compiles its programs for these buckets only (a step of few rows and tokens is a
+    small step, never queued): every step that is not small lands in one, and each is some such step's."""
+    b = BatchBuilder(
+        max_num_seqs=rows,
+        max_num_batched_tokens=tokens,
+        page_size=PAGE,
+        max_model_len=16,
+        vocab_size=V,
+        eos_token_ids=frozenset({1}),
+        smallest_bucket=smallest,
+        decode_row_buckets=True,
+    )
+    seq, taken = sequence([5], [0]), set()  # (small_step reads only how many chunks and tokens)
+    for n in range(1, tokens + 1):
+        for count in {1, min(n, rows)}:  # one chunk of n tokens, or as many rows as fit
+            chunks = [ScheduledChunk(seq, 0, n // count + (r < n % count)) for r in range(count)]
+            if b.small_step(chunks) is None:
+                taken.add(b.bucket_for(n))
+    assert sorted(taken) == b.queued_buckets
+    if (rows, tokens) == (256, 512):
+        assert b.queued_buckets == [128, 256, 512]  # 16, 32 and 64 only ever hold small steps

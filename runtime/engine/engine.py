@@ -474,7 +474,7 @@ class LLMEngine:
             return []
         programs = []
         for v, model in self._variants().items():
-            for t in self.builder.buckets:
+            for t in self.builder.queued_buckets:
                 inputs = self.builder.build([], bucket=t)
                 for branches in ASYNC_BRANCHES:
                     lower = functools.partial(self._lower_async, model, inputs, branches)
@@ -557,7 +557,9 @@ class LLMEngine:
             inputs = b.build([], bucket=bucket, rows=rows)
             with self._precision():
                 self.kv, out = step_fn(model, self.kv, inputs)
-                if self.async_steps and rows is None:  # the asynchronous single steps' programs
+                if (
+                    self.async_steps and rows is None and bucket in b.queued_buckets
+                ):  # the asynchronous single steps' programs
                     for branches in ASYNC_BRANCHES:
                         self.kv, out = step_fn(model, self.kv, inputs, branches=branches)
             jax.block_until_ready(out)
@@ -634,6 +636,8 @@ class LLMEngine:
             return None
         if not any(c.num_tokens > 1 for c in chunks):
             return None
+        if self.builder.bucket_for(sum(c.num_step_tokens for c in chunks)) < self.builder.queued_buckets[0]:
+            return None  # (not small, so never below them; a program compiled on a request's path if it were)
         plain, penalties = True, False
         for c in chunks:
             seq, p = c.seq, c.seq.params

@@ -104,6 +104,10 @@ class BatchBuilder:
         self.row_buckets = row_buckets(max_num_seqs) if decode_row_buckets else [max_num_seqs]
         self.queries_per_kv = queries_per_kv  # sizes the ragged kernel's query blocks
         self.buckets = token_buckets(max_num_batched_tokens, min(smallest_bucket, max_num_batched_tokens))
+        # the token buckets a step that is not small (small_step: None) can take, more tokens than the second-largest
+        # row bucket: only these get asynchronous scheduling's programs (engine.py)
+        fewest = self.row_buckets[-2] + 1 if len(self.row_buckets) > 1 else 1
+        self.queued_buckets = [t for t in self.buckets if t >= self.bucket_for(fewest)]
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.H = max_model_len
