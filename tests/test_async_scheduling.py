@@ -95,10 +95,12 @@ def test_queued_steps_with_penalties_count_the_unread_tokens(engines):
         )
         for i, p in enumerate(params)
     ]
-    before = queued.async_steps
-    got = results(queued.generate(prompts, params))
-    assert queued.async_steps - before >= 5  # the prefill phase ran queued, penalties and all
-    assert got == results(sync.generate(prompts, params))
+    greedy = [dataclasses.replace(p, temperature=0.0, top_p=1.0, top_k=0) for p in params]  # the filters' draw
+    for batch in (params, greedy):
+        before = queued.async_steps
+        got = results(queued.generate(prompts, batch))
+        assert queued.async_steps - before >= 5  # the prefill phase ran queued, penalties and all
+        assert got == results(sync.generate(prompts, batch))
     queued.engine.pool.check_all_free()
 
 

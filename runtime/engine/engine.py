@@ -557,11 +557,9 @@ class LLMEngine:
             inputs = b.build([], bucket=bucket, rows=rows)
             with self._precision():
                 self.kv, out = step_fn(model, self.kv, inputs)
-                if (
-                    self.async_steps and rows is None and bucket in b.queued_buckets
-                ):  # the asynchronous single steps' programs
-                    for branches in ASYNC_BRANCHES:
-                        self.kv, out = step_fn(model, self.kv, inputs, branches=branches)
+                queued = self.async_steps and rows is None and bucket in b.queued_buckets
+                for branches in ASYNC_BRANCHES if queued else ():  # the asynchronous single steps' programs
+                    self.kv, out = step_fn(model, self.kv, inputs, branches=branches)
             jax.block_until_ready(out)
         if self.speculator is not None:
             self.speculator.warmup(models)
