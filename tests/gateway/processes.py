@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -102,6 +102,29 @@ def start_replica(
         port,
         host,
     )
+
+
+def ready_all(starts: Sequence[Callable[[], Process]], attempts: int = 3) -> list[Process]:
+    """Starts every process, then waits for each; one that exits because a port it was given had been taken since
+    free_port() chose it (any connection's ephemeral port can take it meanwhile: CI saw ZeroMQ's bind refused) is
+    started again, on the ports its start() chooses anew. On any other failure every one is stopped."""
+    procs = [start() for start in starts]
+    try:
+        for i, start in enumerate(starts):
+            for attempt in range(attempts):
+                try:
+                    procs[i].wait_ready()
+                    break
+                except RuntimeError as e:
+                    procs[i].stop()
+                    if "Address already in use" not in str(e) or attempt == attempts - 1:
+                        raise
+                    procs[i] = start()
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
 
 
 def start_gateway(replicas: list[str], *flags: str) -> Process:

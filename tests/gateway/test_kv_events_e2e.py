@@ -17,7 +17,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-from processes import free_port, metric, start_gateway, start_replica  # noqa: E402
+from processes import free_port, metric, ready_all, start_gateway, start_replica  # noqa: E402
 from test_kv_events import BlockRemoved, BlockStored, vllm_decode  # noqa: E402  (vLLM's shape, declared there)
 
 from capstan.runtime.gateway.routing_policy import PrefixAffinityPolicy, ReplicaLoad, routing_key  # noqa: E402
@@ -40,21 +40,22 @@ def events_config(port: int, replay: int, buffer_steps: int = 10_000) -> list[st
     return ["--kv-events-config", json.dumps(config), "--num-pages", PAGES]
 
 
+def replica_with_events(buffer_steps: int = 10_000):
+    """A replica publishing on two ports chosen now (its events_port is the first)."""
+    port, replay = free_port(), free_port()
+    replica = start_replica("tiny", extra=events_config(port, replay, buffer_steps))
+    replica.events_port = port  # read by the tests
+    return replica
+
+
 @pytest.fixture(scope="module")
 def replicas():
     # b keeps one batch for replay: a subscriber that joins once it has served cannot catch up (a gap)
-    ports = [(free_port(), free_port()) for _ in range(2)]
-    started = [
-        start_replica("tiny", extra=events_config(*ports[0])),
-        start_replica("tiny", extra=events_config(*ports[1], buffer_steps=1)),
-    ]
+    ready = ready_all([replica_with_events, lambda: replica_with_events(buffer_steps=1)])
     try:
-        ready = [r.wait_ready() for r in started]
-        for replica, (port, _) in zip(ready, ports, strict=True):
-            replica.events_port = port
         yield ready
     finally:
-        for r in started:
+        for r in ready:
             r.stop()
 
 
