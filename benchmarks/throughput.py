@@ -8,9 +8,11 @@ prints output tokens/s, prefill tokens/s, compile time and peak KV pages; --json
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import hashlib
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -150,10 +152,12 @@ def run(
     loras=None,
     digest: bool = False,
     trace_step: int | None = None,
+    host_profile: int = 0,
 ) -> dict:
     """loras: a LoRARequest (or None) per prompt (benchmarks/lora.py); digest: also `tokens_digest`, a hash of each
     request's generated ids, request by request (host work in the timed loop, so only when asked); trace_step: the
-    engine step traced (default: the third of the decode phase)."""
+    engine step traced (default: the third of the decode phase); host_profile: the prefill phase's steps run under
+    cProfile, its top functions (by own time, then cumulative) printed to stderr (the profiler slows the host)."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     rids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     generated: dict[str, list[int]] = {rid: [] for rid in rids}
@@ -163,11 +167,17 @@ def run(
     start, first_decode, peak_pages, out_tokens, steps = time.perf_counter(), None, 0, 0, 0
     traced = -1 if trace_step is None else trace_step
     ids = hashlib.sha256()
+    profiler = cProfile.Profile()
     while engine.has_unfinished():
         tracing = bool(trace) and steps == traced
         if trace and tracing:  # one step's kernels, for benchmarks/trace_summary.py
             jax.profiler.start_trace(trace, create_perfetto_trace=True)
+        profiling = host_profile and first_decode is None
+        if profiling:
+            profiler.enable()
         outs = timeline.step(engine) if timeline else engine.step()
+        if profiling:
+            profiler.disable()
         if tracing:
             jax.profiler.stop_trace()
         steps += 1
@@ -184,6 +194,9 @@ def run(
             if trace_step is None:
                 traced = steps + 2  # the third step of the decode phase: a run's dispatch queued ahead
     end = time.perf_counter()
+    for order in ("tottime", "cumulative") if host_profile else ():
+        print(f"--- the prefill phase's host, by {order}", file=sys.stderr)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats(order).print_stats(host_profile)
     for rid in rids if digest else ():  # in request order: the same whatever order steps finished them in
         ids.update(np.asarray(generated[rid], np.int64).tobytes())
     prefill_s = (first_decode or end) - start
@@ -289,6 +302,9 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--trace", help="write a Perfetto trace of one decode-phase engine step here")
     ap.add_argument("--trace-step", type=int, default=None, help="trace this engine step instead (e.g. a prefill one)")
+    ap.add_argument(
+        "--host-profile", type=int, default=0, metavar="N", help="the prefill phase under cProfile: its top N functions"
+    )
     ap.add_argument(
         "--digest", action="store_true", help="also a hash of every request's generated ids (same tokens, same hash)"
     )
@@ -418,6 +434,7 @@ def main(argv=None) -> dict:
             a.trace,
             digest=a.digest,
             trace_step=a.trace_step,
+            host_profile=a.host_profile,
         ),
     }
     after = engine.stats()
