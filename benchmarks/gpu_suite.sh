@@ -60,8 +60,8 @@ for part in $parts; do
           --max-num-batched-tokens 2048 --smallest-bucket 256 --timeline $run 2>&1 \
           | grep --line-buffered -E "output_tokens_per_s|phase_s|timeline|compile_s|Error"; done ;;
     # the headline with the prefill phase's host under cProfile (a forty-ninth session's H100 call: 23 ms of host
-    # work a prefill step outside build, call and fetch, against ~3 before): where it goes
-    hostprofile) python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
+    # work a prefill step outside build, call and fetch, against ~3 before): where it goes (asyncsched's cache)
+    hostprofile) JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 python3 benchmarks/throughput.py --shape llama-3.2-1b --requests 256 --prompt-len 256 --output-len 256 \
         --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 --timeline --host-profile 30 2>&1 \
         | grep --line-buffered -v Warning | grep -v '^ *$' | head -120 ;;
     # the headline run again, with a Perfetto trace of one decode-phase engine step: device busy time against its span
