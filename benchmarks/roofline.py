@@ -78,8 +78,6 @@ def torch_rates() -> dict:
     if not torch.cuda.is_available():
         return {}
     n = 1 << 30
-    x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
 
     def best(f, repeats: int = 20) -> float:
         f()
@@ -92,13 +90,17 @@ def torch_rates() -> dict:
             times.append(time.perf_counter() - t)
         return min(times)
 
-    rates = {
-        "torch copy": 2 * 2 * n / best(lambda: y.copy_(x)),
-        "torch sum": 2 * n / best(lambda: x.sum(dtype=torch.float32)),
-    }
-    del x, y
+    def rates() -> dict:  # (the arrays freed on return, before the cache is emptied)
+        x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty_like(x)
+        return {
+            "torch copy": 2 * 2 * n / best(lambda: y.copy_(x)),
+            "torch sum": 2 * n / best(lambda: x.sum(dtype=torch.float32)),
+        }
+
+    measured = rates()
     torch.cuda.empty_cache()
-    return rates
+    return measured
 
 
 def weight_bytes(cfg, weight_size: float = 2.0) -> tuple[float, float]:

@@ -104,6 +104,41 @@ def test_queued_steps_with_penalties_count_the_unread_tokens(engines):
     queued.engine.pool.check_all_free()
 
 
+def logprobs_of(outs):
+    """Each request's logprobs (None where it asked for none): every position's {token id: (logprob, rank)}."""
+    positions = [o.outputs[0].logprobs for o in outs]
+    return [None if ps is None else [{t: (lp.logprob, lp.rank) for t, lp in x.items()} for x in ps] for ps in positions]
+
+
+def test_queued_steps_read_the_logprobs_their_rows_asked_for(engines):
+    """A row's logprobs are read with its token when the queued step settles: the synchronous engine's logprobs,
+    greedy, seeded and penalized rows beside rows that asked for none."""
+    sync, queued = engines
+    prompts, params = workload(6)
+    params = [
+        dataclasses.replace(
+            p, logprobs=(2, None, 0, 5)[i % 4], repetition_penalty=1.3 if i % 5 == 1 else 1.0, ignore_eos=True
+        )
+        for i, p in enumerate(params)
+    ]
+    greedy = [dataclasses.replace(p, temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0) for p in params]
+    for batch in (params, greedy):
+        before = queued.async_steps
+        got = queued.generate(prompts, batch)
+        assert queued.async_steps - before >= 5  # the prefill phase ran queued, logprobs and all
+        want = sync.generate(prompts, batch)
+        assert results(got) == results(want)
+        for g, w, p in zip(logprobs_of(got), logprobs_of(want), batch, strict=True):
+            assert (g is None) == (p.logprobs is None)
+            if g is None:
+                continue
+            assert len(g) == len(w) and [sorted(x) for x in g] == [sorted(x) for x in w]  # the same ids
+            np.testing.assert_allclose(
+                [v for x in g for v in x.values()], [v for x in w for v in x.values()], rtol=1e-5, atol=1e-5
+            )
+    queued.engine.pool.check_all_free()
+
+
 def test_preemption_while_a_step_is_queued_gives_the_same_tokens():
     """A pool too small for the batch: sequences with an unread token are preempted and recomputed."""
     prompts, params = workload(3, count=16)

@@ -629,20 +629,20 @@ class LLMEngine:
         """The sampling branches of these chunks' step when it may be queued while the step before runs (vLLM's
         async scheduling), else None. Only steps with prompt tokens (the prefill phase; decodes alone go multi-step)
         and whose rows need no token of their own on the host before the next step is built: no grammar, DRY,
-        logprobs, prompt logprobs or choices still to fork (penalties read the unread tokens on the device)."""
+        prompt logprobs or choices still to fork (penalties read the unread tokens on the device; a row's logprobs
+        are read with its token when the step settles)."""
         if not (self.async_steps and chunks and self.warming is None and self.builder.small_step(chunks) is None):
             return None
         if not any(c.num_tokens > 1 for c in chunks):
             return None
         if self.builder.bucket_for(sum(c.num_step_tokens for c in chunks)) < self.builder.queued_buckets[0]:
             return None  # (not small, so never below them; a program compiled on a request's path if it were)
-        plain, penalties = True, False
+        plain, penalties, logprobs = True, False, False
         for c in chunks:
             seq, p = c.seq, c.seq.params
             if (
                 seq.constraint is not None
                 or p.uses_dry
-                or p.logprobs is not None
                 or p.prompt_logprobs is not None
                 or seq.pending_forks
                 or c.draft
@@ -651,7 +651,10 @@ class LLMEngine:
             filters = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
             plain &= p.temperature == 0.0 and not p.logit_bias and not filters and seq.num_output >= p.min_tokens
             penalties |= p.uses_penalties
-        return ASYNC_PENALIZED if penalties else ASYNC_GREEDY if plain else ASYNC_SAMPLED
+            logprobs |= p.logprobs is not None
+        if plain and not (penalties or logprobs):
+            return ASYNC_GREEDY
+        return (ASYNC_PENALIZED if penalties else ASYNC_SAMPLED)[logprobs]
 
     def _step_async(self, chunks: list[ScheduledChunk], bucket: int | None, branches: Branches) -> list[RequestOutput]:
         """Queues this step (its PENDING tokens taken from the pending step's samples on the device), then reads and

@@ -29,11 +29,12 @@ SAMPLED_SCANS = {
 }
 PENALTY_SCANS = {w: b._replace(any_penalty=True, any_dry=False) for w, b in SAMPLED_SCANS.items()}
 DRY_SCANS = {w: b._replace(any_dry=True) for w, b in PENALTY_SCANS.items()}  # (DRY is decided on the host too)
-# an asynchronous single step's programs (engine.py): its rows ask for no logprobs, DRY or grammars, so each branch
-# is decided on the host and the step's call returns at once (plain greedy batches: the argmax; a batch with
-# penalties reads its unread tokens into the rows' histories on the device, engine/step.py)
-ASYNC_GREEDY, ASYNC_SAMPLED, ASYNC_PENALIZED = GREEDY_SCAN, SAMPLED_SCANS[False], PENALTY_SCANS[False]
-ASYNC_BRANCHES = (ASYNC_GREEDY, ASYNC_SAMPLED, ASYNC_PENALIZED)
+# an asynchronous single step's programs (engine.py): its rows ask for no DRY or grammars, so each branch is decided
+# on the host and the step's call returns at once (plain greedy batches: the argmax; a batch with penalties reads its
+# unread tokens into the rows' histories on the device, engine/step.py; with logprobs, the settled step reads them)
+ASYNC_GREEDY = GREEDY_SCAN
+ASYNC_SAMPLED, ASYNC_PENALIZED = SAMPLED_SCANS, PENALTY_SCANS  # by whether a row asked for logprobs
+ASYNC_BRANCHES = (ASYNC_GREEDY, *ASYNC_SAMPLED.values(), *ASYNC_PENALIZED.values())
 
 
 def scans(backend: str) -> tuple[Branches, ...]:

@@ -60,11 +60,14 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
-def ask(url: str, question: str, **params) -> str:
+def ask(url: str, question: str, **params) -> tuple[str, list]:
+    """The answer, and its tokens' logprobs where asked: (token, logprob, the top alternatives' tokens)."""
     r = client(url).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24, **params
     )
-    return r.choices[0].message.content
+    choice = r.choices[0]
+    positions = choice.logprobs.content if choice.logprobs else []
+    return choice.message.content, [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in positions]
 
 
 @pytest.mark.parametrize(
@@ -73,13 +76,18 @@ def ask(url: str, question: str, **params) -> str:
         {"temperature": 0},
         {"temperature": 0.8, "top_p": 0.9, "seed": 7},
         {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5},  # the penalized program
+        {"temperature": 0.8, "seed": 3, "logprobs": True, "top_logprobs": 2},  # read when the step settles
     ],
 )
 def test_each_answer_is_the_synchronous_servers(queued, server, params):
     url, count = queued
     before = len(count)
     for q in QUESTIONS:
-        assert ask(url, q, **params) == ask(server, q, **params)
+        (text, logprobs), (want_text, want_logprobs) = ask(url, q, **params), ask(server, q, **params)
+        assert text == want_text
+        assert [(t, top) for t, _, top in logprobs] == [(t, top) for t, _, top in want_logprobs]
+        assert [lp for _, lp, _ in logprobs] == pytest.approx([lp for _, lp, _ in want_logprobs], abs=1e-5)
+        assert bool(logprobs) == bool(params.get("logprobs"))
     assert len(count) > before, "no step was queued while the one before ran"
 
 
