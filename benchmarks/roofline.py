@@ -171,6 +171,9 @@ def report_lines(device: Device, report: dict) -> list[str]:
             f"{report['shape']} batch: {report['output_tokens_per_s']:.0f} output tok/s, bound "
             f"{report['output_tokens'] / b_all:.0f} (fraction {b_all / whole:.2f})"
         )
+        for kind in ("single", "multi-step"):  # the host's share (throughput.py --timeline): where the rest goes
+            if f"timeline_{kind}" in report:
+                out.append(f"    host, {kind} steps: {report[f'timeline_{kind}']}")
     if report.get("single_stream_ms_per_token"):
         context = P + report.get("single_stream_tokens", 256) / 2
         nbytes, flops = decode_step(cfg, 1, context, kv)
