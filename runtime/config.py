@@ -134,7 +134,8 @@ class EngineConfig:
 
     def uses_async_scheduling(self) -> bool:
         """Whether steps with prompt tokens are queued while the step before runs: the flag, else off CPU (on CPU
-        the host and XLA share the cores, so it gained nothing, and its five programs a queued bucket lengthen warm-up)."""
+        the host and XLA share the cores, so it gained nothing, and its five programs a queued bucket lengthen
+        warm-up)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         import jax
