@@ -16,6 +16,11 @@ expanded=""; for p in $parts; do [ "$p" = fp8kv ] && p="fp8kvparity fp8kvspeed f
 parts=$expanded
 for part in $parts; do
   echo "=== $part"
+  # a part's timings are its own only on an idle machine: a process left by an earlier call cut at its limit shares
+  # the GPU and the host (the forty-ninth session's slow prefill phase may have been one)
+  others=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader)
+  [ -n "$others" ] && echo "WARNING: the GPU is in use already: $others"
+  echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
   case $part in
     apitests) python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py tests/test_offline_api.py 2>&1 | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30 ;;
     # float32: a verify chunk rounds as a decode step does, so greedy outputs stay identical (the machinery's bound)
