@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["fp8", "int8", "q8_0"], default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="what K/V pages store: auto (bf16), bfloat16, fp8")
     ap.add_argument("--quick", action="store_true", help="time the multi-step decode only (flag comparisons)")
+    ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="tokens per KV page")
     a = ap.parse_args()
     cfg = shape_config(a.shape)
     model = random_model(cfg, "bfloat16", quantization=a.quantization)
@@ -71,6 +72,7 @@ def main() -> None:
                 enable_prefix_caching=False,
                 warmup=False,
                 kv_cache_dtype=a.kv_cache_dtype,
+                page_size=a.page_size,
             ),
             model=model,
         )
@@ -122,7 +124,7 @@ def main() -> None:
             with jax.profiler.trace(f"{a.trace}/rows{rows}", create_perfetto_trace=True):
                 jax.block_until_ready(multi(None))
         print(
-            f"rows={rows} context={a.context} kv={a.kv_cache_dtype} "
+            f"rows={rows} context={a.context} kv={a.kv_cache_dtype} page={a.page_size} "
             + " ".join(f"{k}={v:.3f}" for k, v in results.items()),
             flush=True,
         )
