@@ -73,6 +73,7 @@ def main() -> None:
                 warmup=False,
                 kv_cache_dtype=a.kv_cache_dtype,
                 page_size=a.page_size,
+                async_scheduling=False,  # the step below is built from the scheduler's chunks: no token left unread
             ),
             model=model,
         )

@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_suite.sh [parity pagesize warmuptests asyncsched asyncpenalty hostprofile roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# everything this script prints also goes to $OUT/gpu_suite.log as it is printed: a call cut at its limit brings
+# $OUT back, where its output piped through tail would be lost whole (the fiftieth session's first call)
+exec > >(tee -a "$OUT/gpu_suite.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 mkdir -p /tmp/site/capstan && ln -sfn "$PWD/capstan/__init__.py" /tmp/site/capstan/__init__.py
 ln -sfn "$PWD/runtime" /tmp/site/capstan/runtime && ln -sfn "$PWD/operator" /tmp/site/capstan/operator
@@ -16,8 +19,7 @@ expanded=""; for p in $parts; do [ "$p" = fp8kv ] && p="fp8kvparity fp8kvspeed f
 parts=$expanded
 for part in $parts; do
   echo "=== $part"
-  # a part's timings are its own only on an idle machine: a process left by an earlier call cut at its limit shares
-  # the GPU and the host (the forty-ninth session's slow prefill phase may have been one)
+  # a part's timings are its own only on an idle machine: another process on the GPU, or a busy host, is named here
   others=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader)
   [ -n "$others" ] && echo "WARNING: the GPU is in use already: $others"
   echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
