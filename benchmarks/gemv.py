@@ -2,6 +2,7 @@
 
 python benchmarks/gemv.py --shapes llama-3.2-1b llama-3-8b --weights bf16 fp8 int8 --rows 1 8
 python benchmarks/gemv.py --shapes llama-3-8b --weights fp8 --sweep      # Triton tunings, best first
+python benchmarks/gemv.py --weights bf16 --mgpu   # also JAX's own Hopper matmul (Pallas Mosaic GPU: TMA, wgmma)
 Each layer's projection (fused QKV, o, fused gate-up, down) as the model holds it ([out, in], per-channel scales
 for fp8 and int8, a scale per 32 inputs for GGUF's q8_0), a stack of distinct copies big enough to miss the L2
 cache, called back to back (the host's dispatch overlaps the device); prints microseconds per matmul and the
@@ -60,12 +61,47 @@ def per_call_us(matmul, x, ws, scale, calls: int = 20) -> float:
     return 1e6 * (time.perf_counter() - t0) / calls / len(ws)
 
 
+def mgpu_configs():
+    """Tunings of JAX's Hopper matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu) for one row padded to
+    64: its weight tiles stream through shared memory by TMA, max_concurrent_steps deep. It has no split-K, so a
+    matmul with few output tiles (o, down: 2,048 or 4,096 outputs) leaves most SMs idle; the question it answers
+    is whether TMA streaming beats XLA's Triton GEMV (57-85% of the bandwidth) where there are tiles enough."""
+    for tile_n, tile_k, steps in itertools.product((64, 128), (64, 128), (4, 8)):
+        yield (
+            f"mgpu n={tile_n} k={tile_k} steps={steps}",
+            dict(tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps),
+        )
+
+
+def mgpu_linear(tuning: dict):
+    """x [rows, K] @ wt [K, N] (the weight stored transposed, as a TMA tile wants it) by JAX's Hopper matmul, x padded
+    to its 64-row tile (the other rows' products are computed and dropped: the weights' bytes bound it anyway)."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    config = hm.TuningConfig(
+        tile_m=64,
+        epi_tile_n=64,
+        epi_tile_m=64,
+        grid_minor_dim=hm.MatmulDimension.N,
+        grid_tile_width=1,
+        wg_dimension=hm.MatmulDimension.N,
+        **tuning,
+    )
+
+    def linear(x, wt, scale):
+        padded = jnp.zeros((64, x.shape[1]), x.dtype).at[: x.shape[0]].set(x)
+        return hm.matmul(padded, wt, None, config)[: x.shape[0]]
+
+    return linear
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3-8b"])
     ap.add_argument("--weights", nargs="+", choices=list(STORED), default=["bf16", "fp8"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--sweep", action="store_true", help="also try Triton tunings (block_n, block_k, warps, stages)")
+    ap.add_argument("--mgpu", action="store_true", help="also JAX's Hopper matmul kernel (bf16 only), tunings swept")
     a = ap.parse_args()
     print(
         f"device: {jax.devices()[0].device_kind}; kernel default tuning (block_n, warps, stages, reduce) {gpu_gemv.TUNING}"
@@ -102,6 +138,17 @@ def main() -> None:
                         results.append((per_call_us(tuned, x, ws, scale, calls=10), label))
                     except Exception as e:  # a tuning Triton cannot compile (shared memory) is skipped, named
                         print(f"   skipped {label}: {type(e).__name__}")
+            if a.mgpu and stored == "bf16":
+                wts = [jnp.asarray(w.T) for w in ws]  # [K, N]: a copy, laid out as the kernel reads it
+                for label, tuning in mgpu_configs():
+                    try:
+                        linear = mgpu_linear(tuning)
+                        mg_err = float(np.abs(np.asarray(linear(x, wts[0], None), np.float32) - ref).max())
+                        us = per_call_us(linear, x, wts, None, calls=10)
+                    except Exception as e:  # a tiling the kernel refuses (divisibility, shared memory): named, skipped
+                        print(f"   skipped {label}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}")
+                        continue
+                    results.append((us, f"{label} err {mg_err / max(np.abs(ref).max(), 1e-9):.1e}"))
             results.sort()
             best_us, best = results[0]
             print(
@@ -110,7 +157,7 @@ def main() -> None:
                 f"{gb / best_us * 1e6:6.0f} GB/s ({best}) | max rel err {err:.1e}",
                 flush=True,
             )
-            if a.sweep:
+            if a.sweep or a.mgpu:
                 print("      top:", "; ".join(f"{u:.1f} {b}" for u, b in results[:5]), flush=True)
 
 

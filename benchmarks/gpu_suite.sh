@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity pagesize warmuptests asyncsched asyncpenalty hostprofile roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
+#   bash benchmarks/gpu_suite.sh [parity pagesize warmuptests asyncsched asyncpenalty hostprofile roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvmgpu gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # everything this script prints also goes to $OUT/gpu_suite.log as it is printed: a call cut at its limit brings
@@ -284,6 +284,10 @@ for part in $parts; do
     # one stream's linear layers: the GEMV kernel compiled by Triton against numpy, then timed against XLA's dot
     gemv) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemv.py 2>&1 | grep --line-buffered -E "passed|failed|FAILED|Error" | tail -30
       python3 benchmarks/gemv.py --shapes llama-3.2-1b llama-3-8b --weights ${WEIGHTS:-bf16 fp8 int8 q8_0} 2>&1 | grep --line-buffered -v Warning ;;
+    # issue 64, item 3: does TMA streaming (JAX's own Pallas Mosaic GPU Hopper matmul, one row padded to 64) read one
+    # stream's weights faster than XLA's Triton GEMV? Where it does, a split-K kernel of that kind is worth writing
+    gemvmgpu) python3 benchmarks/gemv.py --shapes ${SHAPES:-llama-3.2-1b llama-3-8b} --weights bf16 --mgpu 2>&1 \
+        | grep --line-buffered -v Warning ;;
     gemvsweep) python3 benchmarks/gemv.py --shapes ${SHAPES:-llama-3.2-1b llama-3-8b} --weights ${WEIGHTS:-bf16 fp8} --sweep 2>&1 \
         | grep --line-buffered -v Warning ;;
     # one stream's whole decode step (ms, multi-step) with the GEMV kernel on every weight and with XLA's dots
