@@ -62,35 +62,57 @@ def per_call_us(matmul, x, ws, scale, calls: int = 20) -> float:
 
 
 def mgpu_configs():
-    """Tunings of JAX's Hopper matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu) for one row padded to
-    64: its weight tiles stream through shared memory by TMA, max_concurrent_steps deep. It has no split-K, so a
-    matmul with few output tiles (o, down: 2,048 or 4,096 outputs) leaves most SMs idle; the question it answers
-    is whether TMA streaming beats XLA's Triton GEMV (57-85% of the bandwidth) where there are tiles enough."""
+    """Tunings of JAX's Hopper matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu) for one row: its tiles
+    stream through shared memory by TMA, max_concurrent_steps deep, into wgmma. It has no split-K, so a matmul with
+    few output tiles leaves SMs idle; what it answers is whether TMA streaming reads the weights faster than XLA's
+    Triton GEMV (57-85% of the bandwidth) where there are tiles enough. Two forms: "rows", x padded to 64 rows times
+    the weight transposed ([K, N], a copy), N split into tiles; "cols", the weight as stored ([N, K]) times x as a
+    column padded to 64 or 128, N split into 64-row tiles (twice the tiles of the first form's 128-wide ones)."""
     for tile_n, tile_k, steps in itertools.product((64, 128), (64, 128), (4, 8)):
         yield (
-            f"mgpu n={tile_n} k={tile_k} steps={steps}",
+            f"mgpu rows n={tile_n} k={tile_k} steps={steps}",
+            "rows",
             dict(tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps),
+        )
+    for wg, tile_k, steps in itertools.product(("N", "M"), (64, 128), (4, 8)):
+        yield (
+            f"mgpu cols wg={wg} k={tile_k} steps={steps}",
+            "cols",
+            dict(wg=wg, tile_k=tile_k, max_concurrent_steps=steps),
         )
 
 
-def mgpu_linear(tuning: dict):
-    """x [rows, K] @ wt [K, N] (the weight stored transposed, as a TMA tile wants it) by JAX's Hopper matmul, x padded
-    to its 64-row tile (the other rows' products are computed and dropped: the weights' bytes bound it anyway)."""
+def mgpu_linear(form: str, tuning: dict):
+    """x [rows, K] times the weight by JAX's Hopper matmul, in one of mgpu_configs' forms; the padding's products are
+    computed and dropped (the weights' bytes bound it anyway). "rows" takes the weight as [K, N], "cols" as [N, K]."""
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
+    dims = hm.MatmulDimension
+    tuning = dict(tuning)
+    wg = dims[tuning.pop("wg", "N")]
+    tile_n = tuning.pop("tile_n", 64)
     config = hm.TuningConfig(
         tile_m=64,
+        tile_n=tile_n,
         epi_tile_n=64,
         epi_tile_m=64,
-        grid_minor_dim=hm.MatmulDimension.N,
+        grid_minor_dim=dims.N,
         grid_tile_width=1,
-        wg_dimension=hm.MatmulDimension.N,
+        wg_dimension=wg,
         **tuning,
     )
+    if form == "rows":
 
-    def linear(x, wt, scale):
-        padded = jnp.zeros((64, x.shape[1]), x.dtype).at[: x.shape[0]].set(x)
-        return hm.matmul(padded, wt, None, config)[: x.shape[0]]
+        def linear(x, wt, scale):
+            padded = jnp.zeros((64, x.shape[1]), x.dtype).at[: x.shape[0]].set(x)
+            return hm.matmul(padded, wt, None, config)[: x.shape[0]]
+
+        return linear
+    cols = 2 * tile_n if wg == dims.N else tile_n  # the kernel's tile of x's columns
+
+    def linear(x, w, scale):
+        padded = jnp.zeros((x.shape[1], cols), x.dtype).at[:, : x.shape[0]].set(x.T)
+        return hm.matmul(w, padded, None, config)[:, : x.shape[0]].T
 
     return linear
 
@@ -139,12 +161,13 @@ def main() -> None:
                     except Exception as e:  # a tuning Triton cannot compile (shared memory) is skipped, named
                         print(f"   skipped {label}: {type(e).__name__}")
             if a.mgpu and stored == "bf16":
-                wts = [jnp.asarray(w.T) for w in ws]  # [K, N]: a copy, laid out as the kernel reads it
-                for label, tuning in mgpu_configs():
+                wts = [jnp.asarray(w.T) for w in ws]  # [K, N]: a copy, laid out as the "rows" form reads it
+                for label, form, tuning in mgpu_configs():
+                    stack = wts if form == "rows" else ws
                     try:
-                        linear = mgpu_linear(tuning)
-                        mg_err = float(np.abs(np.asarray(linear(x, wts[0], None), np.float32) - ref).max())
-                        us = per_call_us(linear, x, wts, None, calls=10)
+                        linear = mgpu_linear(form, tuning)
+                        mg_err = float(np.abs(np.asarray(linear(x, stack[0], None), np.float32) - ref).max())
+                        us = per_call_us(linear, x, stack, None, calls=10)
                     except Exception as e:  # a tiling the kernel refuses (divisibility, shared memory): named, skipped
                         print(f"   skipped {label}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}")
                         continue
