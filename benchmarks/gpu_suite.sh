@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity pagesize warmuptests asyncsched asyncpenalty hostprofile roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvmgpu gemvstep throughput8b quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
+#   bash benchmarks/gpu_suite.sh [parity pagesize warmuptests asyncsched asyncpenalty hostprofile roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvmgpu gemvstep throughput8b onestreampeer quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # everything this script prints also goes to $OUT/gpu_suite.log as it is printed: a call cut at its limit brings
@@ -83,6 +83,15 @@ for part in $parts; do
     throughput8b) python3 benchmarks/throughput.py --shape llama-3-8b --requests 1 --prompt-len 256 --output-len 16 \
         --max-num-seqs 1 --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 \
         --json "$OUT/capstan-llama-3-8b.json" 2>&1 | grep --line-buffered -v Warning ;;
+    # issue 64, item 3: one stream, greedy and sampled (top-p 0.95 at T 1), beside gpt-fast (torch.compile, CUDA graphs)
+    # in the same call; carry .peer (a gpt-fast checkout at .peer/gpt-fast: benchmarks/peer_gpt_fast.py); FP8 weights
+    # with ONESTREAM_ARGS="--quantization fp8"
+    onestreampeer) for shape in ${ONESTREAM_SHAPES:-llama-3.2-1b llama-3-8b}; do echo "--- $shape"
+        python3 benchmarks/throughput.py --shape $shape --requests 1 --prompt-len 256 --output-len 16 --max-num-seqs 1 \
+          --max-num-batched-tokens 256 --smallest-bucket 256 --single-stream-tokens 256 --single-stream-top-p 0.95 \
+          ${ONESTREAM_ARGS:-} --json "$OUT/onestream-$shape.json" 2>&1 | grep --line-buffered -E "single_stream|Error"
+        python3 benchmarks/peer_gpt_fast.py --gpt-fast .peer/gpt-fast --shape $shape 2>&1 \
+          | grep --line-buffered -E "^device|^gpt-fast|Error|error"; done ;;
     # Llama-3-8B shape, bf16 vs FP8 vs INT8 vs GGUF Q8_0 blocks: one stream (ms/token) and a batch of 64 (tokens/s)
     quant) for q in ${QUANTS:-none fp8 int8 q8_0}; do flag=$([ $q = none ] || echo "--quantization $q"); echo "--- $q"
         python3 benchmarks/throughput.py --shape llama-3-8b $flag --requests 64 --prompt-len 256 --output-len 128 \

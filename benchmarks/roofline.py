@@ -178,8 +178,10 @@ def report_lines(device: Device, report: dict) -> list[str]:
         context = P + report.get("single_stream_tokens", 256) / 2
         nbytes, flops = decode_step(cfg, 1, context, kv)
         b, limit = bound(device, nbytes, flops)
-        ms = report["single_stream_ms_per_token"]
-        out.append(line(f"{report['shape']} one stream (context {context:.0f})", ms / 1000, b, limit, nbytes, flops))
+        for key, how in (("single_stream_ms_per_token", ""), ("single_stream_sampled_ms_per_token", ", sampled")):
+            if report.get(key):  # (sampled: throughput.py --single-stream-top-p)
+                name = f"{report['shape']} one stream{how} (context {context:.0f})"
+                out.append(line(name, report[key] / 1000, b, limit, nbytes, flops))
     return out
 
 
