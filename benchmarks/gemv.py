@@ -101,20 +101,17 @@ def mgpu_linear(form: str, tuning: dict):
         wg_dimension=wg,
         **tuning,
     )
-    if form == "rows":
+    cols = 2 * tile_n if wg == dims.N else tile_n  # the "cols" form: the kernel's tile of x's columns
 
-        def linear(x, wt, scale):
-            padded = jnp.zeros((64, x.shape[1]), x.dtype).at[: x.shape[0]].set(x)
-            return hm.matmul(padded, wt, None, config)[: x.shape[0]]
+    def rows_form(x, wt, scale):
+        padded = jnp.zeros((64, x.shape[1]), x.dtype).at[: x.shape[0]].set(x)
+        return hm.matmul(padded, wt, None, config)[: x.shape[0]]
 
-        return linear
-    cols = 2 * tile_n if wg == dims.N else tile_n  # the kernel's tile of x's columns
-
-    def linear(x, w, scale):
+    def cols_form(x, w, scale):
         padded = jnp.zeros((x.shape[1], cols), x.dtype).at[:, : x.shape[0]].set(x.T)
         return hm.matmul(w, padded, None, config)[:, : x.shape[0]].T
 
-    return linear
+    return rows_form if form == "rows" else cols_form
 
 
 def main() -> None:
