@@ -272,12 +272,12 @@ for part in $parts; do
     # one Llama-3.2-1B stream's decode step kernel by kernel, with one layer's chain in order (issue 14's 1.3 ms)
     layertrace) rm -rf /tmp/trace-1b; python3 benchmarks/decode_profile.py --shape llama-3.2-1b --rows 1 --context 384 \
         --trace /tmp/trace-1b 2>&1 | grep --line-buffered rows=; python3 benchmarks/trace_summary.py /tmp/trace-1b/rows1 --top 20 --sequence 40 ;;
-    # issue 14: norms, rope and the K/V write inside the decode kernel (gpu_fused_decode) against separate kernels
     # issue 64: KV pages of 16 (the default), 32 and 64 tokens under the decode step (the fused kernel loads 4 pages a
     # block by default: 64, 128 or 256 keys; "w,s,p" PAGE_TUNINGS entries pin warps, stages and pages a block)
     pagesize) for ps in ${PAGE_SIZES:-16 32 64}; do for tuning in - ${PAGE_TUNINGS:-}; do echo "--- page $ps tuning $tuning"
         CAPSTAN_FUSED_DECODE_TUNING=${tuning#-} python3 benchmarks/decode_profile.py --shape ${PAGE_SHAPE:-llama-3.2-1b} \
           --rows ${PAGE_ROWS:-1 256} --context ${PAGE_CONTEXT:-384} --page-size $ps --quick 2>&1 | grep --line-buffered -E "rows=|Error"; done; done ;;
+    # issue 14: norms, rope and the K/V write inside the decode kernel (gpu_fused_decode) against separate kernels
     fused) for shape in ${FUSED_SHAPES:-llama-3.2-1b llama-3-8b qwen3-0.6b}; do for fused in 1 0; do
         echo "--- CAPSTAN_FUSED_DECODE=$fused $shape"
         CAPSTAN_FUSED_DECODE=$fused python3 benchmarks/decode_profile.py --shape $shape --rows ${FUSED_ROWS:-1 256} \
