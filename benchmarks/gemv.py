@@ -67,7 +67,10 @@ def mgpu_configs():
     few output tiles leaves SMs idle; what it answers is whether TMA streaming reads the weights faster than XLA's
     Triton GEMV (57-85% of the bandwidth) where there are tiles enough. Two forms: "rows", x padded to 64 rows times
     the weight transposed ([K, N], a copy), N split into tiles; "cols", the weight as stored ([N, K]) times x as a
-    column padded to 64 or 128, N split into 64-row tiles (twice the tiles of the first form's 128-wide ones)."""
+    column padded to 64 or 128, N split into 64-row tiles (twice the tiles of the first form's 128-wide ones);
+    "split", split-K as more rows: the weight laid out once as [S * N, K / S] (split s's rows after split s - 1's),
+    times x's S slices as S columns of the padding, each split's partial taken from its own column and the S summed
+    (S times the output tiles: enough for o and down)."""
     for tile_n, tile_k, steps in itertools.product((64, 128), (64, 128), (4, 8)):
         yield (
             f"mgpu rows n={tile_n} k={tile_k} steps={steps}",
@@ -80,6 +83,18 @@ def mgpu_configs():
             "cols",
             dict(wg=wg, tile_k=tile_k, max_concurrent_steps=steps),
         )
+    for splits, steps in itertools.product((2, 4, 8), (4, 8)):
+        yield (
+            f"mgpu split S={splits} k=64 steps={steps}",
+            "split",
+            dict(splits=splits, tile_k=64, max_concurrent_steps=steps),
+        )
+
+
+def split_layout(w: jax.Array, splits: int) -> jax.Array:
+    """[N, K] -> [S * N, K / S]: row s * N + n holds w[n, s * K / S : (s + 1) * K / S] (a load-time layout)."""
+    n, k = w.shape
+    return w.reshape(n, splits, k // splits).transpose(1, 0, 2).reshape(splits * n, k // splits)
 
 
 def mgpu_linear(form: str, tuning: dict):
@@ -89,6 +104,7 @@ def mgpu_linear(form: str, tuning: dict):
 
     dims = hm.MatmulDimension
     tuning = dict(tuning)
+    splits = tuning.pop("splits", 1)
     wg = dims[tuning.pop("wg", "N")]
     tile_n = tuning.pop("tile_n", 64)
     config = hm.TuningConfig(
@@ -111,7 +127,17 @@ def mgpu_linear(form: str, tuning: dict):
         padded = jnp.zeros((x.shape[1], cols), x.dtype).at[:, : x.shape[0]].set(x.T)
         return hm.matmul(w, padded, None, config)[:, : x.shape[0]].T
 
-    return rows_form if form == "rows" else cols_form
+    def split_form(x, w_split, scale):  # w_split: split_layout(w, splits)
+        rows, k = x.shape
+        slices = x.reshape(rows, splits, k // splits).transpose(1, 0, 2).reshape(splits * rows, k // splits)
+        padded = jnp.zeros((k // splits, cols), x.dtype).at[:, : splits * rows].set(slices.T)
+        out = hm.matmul(w_split, padded, None, config)  # [S * N, cols]: split s's rows against every split's x
+        n = w_split.shape[0] // splits
+        parts = out.reshape(splits, n, cols)[:, :, : splits * rows].reshape(splits, n, splits, rows)
+        diagonal = parts[jnp.arange(splits), :, jnp.arange(splits)]  # [S, N, rows]: each split against its own x
+        return jnp.sum(diagonal.astype(jnp.float32), axis=0).T.astype(x.dtype)
+
+    return {"rows": rows_form, "cols": cols_form, "split": split_form}[form]
 
 
 def main() -> None:
@@ -160,7 +186,7 @@ def main() -> None:
             if a.mgpu and stored == "bf16":
                 wts = [jnp.asarray(w.T) for w in ws]  # [K, N]: a copy, laid out as the "rows" form reads it
                 for label, form, tuning in mgpu_configs():
-                    stack = wts if form == "rows" else ws
+                    stack = {"rows": wts, "cols": ws}.get(form) or [split_layout(w, tuning["splits"]) for w in ws]
                     try:
                         linear = mgpu_linear(form, tuning)
                         mg_err = float(np.abs(np.asarray(linear(x, stack[0], None), np.float32) - ref).max())
