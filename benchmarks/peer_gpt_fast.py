@@ -88,7 +88,9 @@ def main() -> None:
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.02)
     model = model.to(dtype=torch.bfloat16).eval()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the bytes a token reads: every weight but the embedding table, of which it reads one row (gpt-fast unties the
+    # 1B's output projection from it, so the 1B's table is not the head's weight here, as it is in Capstan)
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("tok_"))
     # as its generate.py main does with --compile
     gen.decode_one_token = torch.compile(gen.decode_one_token, mode="reduce-overhead", fullgraph=True)
     prompt = torch.randint(0, c.vocab_size, (a.prompt_len,), device="cuda", dtype=torch.int)
@@ -111,7 +113,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     print(
-        f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.shape}: {weights / 1e9:.2f} GB of weights"
+        f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.shape}: {weights / 1e9:.2f} GB of weights a token"
     )
     for sampling in a.samplings:
         t, k = sampling.split(":")
