@@ -99,7 +99,8 @@ def split_layout(w: jax.Array, splits: int) -> jax.Array:
 
 def mgpu_linear(form: str, tuning: dict):
     """x [rows, K] times the weight by JAX's Hopper matmul, in one of mgpu_configs' forms; the padding's products are
-    computed and dropped (the weights' bytes bound it anyway). "rows" takes the weight as [K, N], "cols" as [N, K]."""
+    computed and dropped (the weights' bytes bound it anyway). "rows" takes the weight as [K, N], "cols" as [N, K],
+    "split" as split_layout(w, splits)."""
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
     dims = hm.MatmulDimension
@@ -127,7 +128,7 @@ def mgpu_linear(form: str, tuning: dict):
         padded = jnp.zeros((x.shape[1], cols), x.dtype).at[:, : x.shape[0]].set(x.T)
         return hm.matmul(w, padded, None, config)[:, : x.shape[0]].T
 
-    def split_form(x, w_split, scale):  # w_split: split_layout(w, splits)
+    def split_form(x, w_split, scale):
         rows, k = x.shape
         slices = x.reshape(rows, splits, k // splits).transpose(1, 0, 2).reshape(splits * rows, k // splits)
         padded = jnp.zeros((k // splits, cols), x.dtype).at[:, : splits * rows].set(slices.T)
@@ -186,7 +187,10 @@ def main() -> None:
             if a.mgpu and stored == "bf16":
                 wts = [jnp.asarray(w.T) for w in ws]  # [K, N]: a copy, laid out as the "rows" form reads it
                 for label, form, tuning in mgpu_configs():
-                    stack = {"rows": wts, "cols": ws}.get(form) or [split_layout(w, tuning["splits"]) for w in ws]
+                    if form == "split":
+                        stack = [split_layout(w, tuning["splits"]) for w in ws]
+                    else:
+                        stack = wts if form == "rows" else ws
                     try:
                         linear = mgpu_linear(form, tuning)
                         mg_err = float(np.abs(np.asarray(linear(x, stack[0], None), np.float32) - ref).max())
