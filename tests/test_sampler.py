@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from capstan.runtime.sampling.programs import GREEDY_SCAN, SAMPLED_SCANS
 from capstan.runtime.sampling.sampler import (
     SamplingBatch,
     _apply_penalties,
@@ -15,7 +16,7 @@ from capstan.runtime.sampling.sampler import (
 from capstan.runtime.sampling.sampler import sample as sample_eager
 from capstan.runtime.scheduling.batch import row_key_data
 
-sample = jax.jit(sample_eager)  # one compile per shape instead of op-by-op dispatch
+sample = jax.jit(sample_eager, static_argnums=2)  # one compile per shape instead of op-by-op dispatch
 
 V = 8  # the hand-made logits below
 
@@ -212,6 +213,32 @@ def test_plain_greedy_fast_path_matches_the_processed_path():
     assert np.asarray(fast.tokens).tolist() == np.asarray(jnp.argmax(logits, -1)).tolist()
     for a, b in zip(jax.tree_util.tree_leaves(slow), jax.tree_util.tree_leaves(fast), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_host_decided_branches_without_logprobs_leave_out_the_normaliser():
+    """The decode scans' greedy and sampled programs: the same tokens, and no exp over the logits (logsumexp's) where
+    the host knows no row asked for logprobs (the chosen tokens' logprob is then 0 and never read)."""
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(size=(4, V)).astype(np.float32) * 3)
+    keys = np.array([row_key_data(i, 0) for i in range(4)], np.uint32)
+    for branches in (GREEDY_SCAN, SAMPLED_SCANS[False]):
+        greedy = branches.all_greedy
+        b = batch(
+            S=4,
+            temperature=np.full(4, 0.0 if greedy else 0.7, np.float32),
+            top_p=np.full(4, 0.9, np.float32),
+            key_data=keys,
+            plain_greedy=np.bool_(greedy),
+            any_filter=np.bool_(not greedy),
+            want_logprobs=np.bool_(False),
+        )
+        with_lp = branches._replace(want_logprobs=True)
+        want, got = sample(logits, b, with_lp), sample(logits, b, branches)
+        assert np.asarray(got.tokens).tolist() == np.asarray(want.tokens).tolist()
+        assert np.asarray(got.logprob).tolist() == [0.0] * 4
+        assert "exp" in str(jax.make_jaxpr(sample_eager, static_argnums=2)(logits, b, with_lp))
+        if greedy:  # the sampled draw has exps of its own (the candidates' masses); the greedy program none
+            assert "exp" not in str(jax.make_jaxpr(sample_eager, static_argnums=2)(logits, b, branches))
 
 
 def test_a_grammar_mask_allows_only_its_tokens_and_logprobs_stay_raw():
