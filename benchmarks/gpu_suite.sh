@@ -252,11 +252,13 @@ for part in $parts; do
     pagewrites) python3 benchmarks/page_writes.py 2>&1 | grep --line-buffered -v Warning ;;
     kernelsweep) python3 benchmarks/attention_kernels.py --sweep 2>&1 | grep --line-buffered -v Warning ;;
     grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep --line-buffered -v Warning ;;
-    sampling) for shape in ${SHAPES:-llama-3.2-1b qwen3-0.6b}; do for greedy in "" --all-greedy; do
-        echo "--- $shape mixed $greedy"
-        python3 benchmarks/throughput.py --shape $shape --workload mixed $greedy --requests 256 --prompt-len 256 \
-          --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
-          --timeline --json "$OUT/mixed-$shape$greedy.json" 2>&1 | grep --line-buffered -E "output_tokens|phase|timeline|Error"; done; done ;;
+    # SAMPLING_PEAKED="0 4": also with the LM head's rows of 512 tokens scaled by 4 (peaked rows, top-1 ~0.1-0.4 as a
+    # trained model's: top-p decided among the candidates) beside random weights' flat rows (0, the default)
+    sampling) for shape in ${SHAPES:-llama-3.2-1b qwen3-0.6b}; do for gain in ${SAMPLING_PEAKED:-0}; do
+        for greedy in "" --all-greedy; do peak=$([ "$gain" = 0 ] || echo "-peaked$gain"); echo "--- $shape$peak mixed $greedy"
+        python3 benchmarks/throughput.py --shape $shape --workload mixed $greedy --peaked $gain --requests 256 \
+          --prompt-len 256 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 2048 --smallest-bucket 256 \
+          --timeline --json "$OUT/mixed-$shape$peak$greedy.json" 2>&1 | grep --line-buffered -E "output_tokens|phase|timeline|Error"; done; done; done ;;
     # issue 67: DRY's cost on the mixed workload (every request: the repetition penalty, then it and DRY 0.8)
     drycost) for fields in '{"repetition_penalty": 1.1}' '{"repetition_penalty": 1.1, "dry_multiplier": 0.8}'; do
         echo "--- llama-3.2-1b mixed --sampling '$fields'"

@@ -24,15 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-import equinox as eqx
-import haliax as hax
 import jax
 import numpy as np
-from haliax import NamedArray
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
-from throughput import Timeline  # noqa: E402
+from throughput import Timeline, peaked  # noqa: E402
 
 from capstan.runtime.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from capstan.runtime.engine.engine import LLMEngine  # noqa: E402
@@ -89,10 +86,7 @@ def main(argv=None) -> None:
     cfg = shape_config(a.shape)
     model = random_model(cfg, dtype)
     if a.peaked:
-        ids = np.random.default_rng(2).choice(cfg.vocab_size, 512, replace=False)
-        assert isinstance(model.lm_head, NamedArray), "random weights: a dense LM head"
-        head = model.lm_head.array.at[ids].multiply(a.peaked)
-        model = eqx.tree_at(lambda m: m.lm_head, model, hax.named(head, model.lm_head.axes))
+        model = peaked(model, a.peaked, cfg.vocab_size)
     a.draft_shape = a.draft_shape or ("llama-3.2-1b" if a.shape == "llama-3-8b" else "tiny")
     draft_cfg = dataclasses.replace(shape_config(a.draft_shape), vocab_size=cfg.vocab_size)
     drafts = {"draft-target": model}

@@ -17,8 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
+import haliax as hax
 import jax
 import numpy as np
+from haliax import NamedArray
 
 sys.path.insert(0, str(Path(__file__).parent))
 from processes import JOINED, join, run_joined  # noqa: E402
@@ -34,6 +37,16 @@ from capstan.runtime.sampling.sampling_params import SamplingParams  # noqa: E40
 from capstan.runtime.sampling_keys import SamplingDefaults  # noqa: E402
 
 UNBOUNDED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}  # cannot end early
+
+
+def peaked(model, gain: float, vocab_size: int):
+    """The model with its LM head's output rows of 512 random tokens scaled by gain (e.g. 8): it then picks among them
+    with clear margins, as a trained model's confident tokens are. Random weights alone give nearly flat rows, where
+    top-p 0.9 keeps most of the vocabulary (the sampler's hardest case, and bf16 rounding flips near-ties)."""
+    ids = np.random.default_rng(2).choice(vocab_size, 512, replace=False)
+    assert isinstance(model.lm_head, NamedArray), "random weights: a dense LM head"
+    head = model.lm_head.array.at[ids].multiply(gain)
+    return eqx.tree_at(lambda m: m.lm_head, model, hax.named(head, model.lm_head.axes))
 
 
 def mixed_workload(rng, vocab_size: int, a) -> tuple[list, list]:
@@ -248,6 +261,14 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--all-greedy", action="store_true", help="the mixed workload's lengths, every request greedy")
     ap.add_argument(
+        "--peaked",
+        type=float,
+        default=0.0,
+        metavar="GAIN",
+        help="scale the LM head's rows of 512 random tokens by GAIN (e.g. 8): peaked rows, as a trained model gives, "
+        "instead of random weights' flat ones (top-p then keeps a few tokens, not most of the vocabulary)",
+    )
+    ap.add_argument(
         "--sampling",
         type=json.loads,
         default={},
@@ -357,6 +378,8 @@ def main(argv=None) -> dict:
     # under tensor parallelism made in parts on the mesh the engine uses (a 70B shape fits no one device)
     split = TensorParallel.create(a.tensor_parallel_size, cfg).checkpoint_sharding
     model = random_model(cfg, dtype, quantization=a.quantization, split=split)
+    if a.peaked:
+        model = peaked(model, a.peaked, cfg.vocab_size)
     jax.block_until_ready(model)
     load_s = time.perf_counter() - t0
     mixed = a.workload == "mixed"
@@ -419,6 +442,7 @@ def main(argv=None) -> dict:
         "shape": a.shape,
         "dtype": dtype,
         "quantization": a.quantization or "none",
+        "peaked": a.peaked,
         "device": str(jax.devices()[0].device_kind),
         "tensor_parallel_size": a.tensor_parallel_size,
         "processes": jax.process_count(),
