@@ -21,6 +21,7 @@ from capstan.runtime.sampling.sampler import (
     _draw_kept,
     best_by_blocks,
     best_by_top_k,
+    block_maxima,
     draw_by_candidates,
     draw_by_kernels,
     draw_by_top,
@@ -337,6 +338,39 @@ def test_the_exact_kernel_draws_the_rows_the_candidates_leave_open():
     assert [r for r in range(S) if got[r] != want[r] and not {(r, got[r]), (r, want[r])} & unsure] == []
 
 
+@pytest.mark.parametrize("V", [V_LARGE, V_EVEN])
+def test_the_kernels_scaling_as_they_load_give_the_scaled_logits_tokens(V):
+    """Issue 64: the kernels reading the raw logits and dividing by each row's temperature as they load (no scaled
+    copy) draw what they draw from the scaled copy, in every stage: peaked rows decided among the candidates, flat
+    top-p rows through `drawn` and the mass test, top-k beyond the candidates through `exact`, greedy rows (t 1)."""
+    from capstan.runtime.kernels.gpu_sampler import draw
+
+    rng = np.random.default_rng(11)
+    S = 16
+    x = (rng.standard_normal((S, V)) * 1.5).astype(np.float32)
+    x[::3] = peaked(rng, len(x[::3]), V)
+    top_k = np.array([0, 50, 0, 0, 3000, 0, 1, 0] * 2, np.int32)
+    top_p = np.array([0.9, 1, 0.95, 0.5, 1, 0.8, 1, 1] * 2, np.float32)
+    min_p = np.array([0, 0.05, 0, 0, 0, 0, 0, 0.1] * 2, np.float32)
+    t = np.array([0.7, 1.3, 0.8, 1.0, 1.7, 2.0, 0.3, 1.0] * 2, np.float32)  # 1.0 at greedy rows, as the sampler's t
+    greedy = np.arange(S) % 8 == 3
+    keys = rng.integers(0, 2**32, (S, 2), dtype=np.uint32)
+    scaled = jnp.asarray(x) / jnp.asarray(t)[:, None]
+
+    def tokens(x, temperature):
+        return np.asarray(
+            jax.jit(draw, static_argnames=("exact", "interpret"))(
+                x, block_maxima(scaled), top_k, top_p, min_p, jnp.asarray(greedy), keys,
+                interpret=jax.default_backend() != "gpu", temperature=temperature,
+            )[0]
+        )  # fmt: skip
+
+    want = tokens(scaled, None)
+    assert tokens(jnp.asarray(x), jnp.asarray(t)).tolist() == want.tolist()
+    assert (want[greedy] == np.argmax(x[greedy], axis=-1)).all()
+    assert tokens(jnp.asarray(x), None).tolist() != want.tolist()  # the temperature matters to these rows
+
+
 @pytest.mark.parametrize("V", [V_LARGE, 4096, 1000])  # a ragged end, whole chunks, a row shorter than a chunk
 def test_the_one_pass_mass_kernel_gives_each_values_mass_above(V):
     from capstan.runtime.kernels.gpu_mass_above import mass_above as one_pass
@@ -372,12 +406,12 @@ def test_the_kernels_threefry_is_jaxs():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("how", ["scaled", "raw"])
+@pytest.mark.parametrize("how", ["scaled", "raw", "load"])
 def test_the_kernels_block_maxima_before_the_bias_give_the_same_tokens(how, monkeypatch):
     """Issue 64: with the branches decided on the host, the kernels' block maxima are taken as the temperature
     scales the logits, before the bias and bans (the blocks they touch taken again): the same tokens as maxima of
     the final logits, with a bias lowering a block's maximum, one raising a token above every other, and bans."""
-    from capstan.runtime.sampling.sampler import Branches, block_maxima, refresh_maxima, sample
+    from capstan.runtime.sampling.sampler import Branches, refresh_maxima, sample
 
     rng = np.random.default_rng(7)
     S, V = 12, V_LARGE

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .gpu_division import over
+
 CHUNK = 2048  # values a program takes at a time
 CHUNKS_PER_PROGRAM = 4  # a row's programs: one alone was latency-bound (0.16 ms for 85 rows of 128,256 on an H100)
 TUNING = (8, 3)  # num_warps, num_stages: a first choice
@@ -24,7 +26,7 @@ if os.environ.get("CAPSTAN_MASS_ABOVE_TUNING"):  # "num_warps,num_stages,chunks_
     TUNING = (_warps, _stages)
 
 
-def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_program: int):
+def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_program: int, asm: bool | None):
     cut, top = row_ref[0], row_ref[1]
     values = values_ref[...]  # [D]
     first = pl.program_id(1) * per_program  # interpreted kernels read program ids only outside conditions
@@ -40,6 +42,8 @@ def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_
         def add(i, acc):  # chunk first + i; the row's last is its last `chunk` values, less those before it took
             start = jnp.minimum((first + i) * chunk, vocab - chunk)
             x = x_ref[pl.ds(start, chunk)]
+            if asm is not None:  # unscaled logits: divided by the row's temperature as loaded
+                x = over(x, row_ref[3], asm)
             valid = start + lanes >= (first + i) * chunk
             w = jnp.where(valid & (x >= cut), jnp.exp(x - top), 0.0)  # the kept set's unnormalised probabilities
             return acc + jnp.sum(jnp.where(x[None, :] > values[:, None], w[None, :], 0.0), axis=1)
@@ -56,10 +60,12 @@ def mass_above(
     *,
     rows: jax.Array | None = None,
     interpret: bool = False,
+    temperature: jax.Array | None = None,
 ) -> jax.Array:
     """[S, D]: per row of x [S, V], the sum of exp(x - top) over x >= cut and x > each of its D values [S, D] (D a
     power of two); sampler.mass_above with weights where(x >= cut, exp(x - top), 0). rows [S] bool: the rows to
-    sum (others read nothing and give 0); all by default."""
+    sum (others read nothing and give 0); all by default. temperature [S]: x unscaled, the sums those of
+    x / temperature (divided as loaded)."""
     S, V = x.shape
     D = values.shape[1]
     chunk = min(CHUNK, 1 << (V.bit_length() - 1))  # a power of two no longer than the row
@@ -68,7 +74,13 @@ def mass_above(
     warps, stages = TUNING
     wanted = jnp.ones((S,), jnp.float32) if rows is None else rows.astype(jnp.float32)
     parts = pl.pallas_call(
-        functools.partial(_kernel, vocab=V, chunk=chunk, per_program=CHUNKS_PER_PROGRAM),
+        functools.partial(
+            _kernel,
+            vocab=V,
+            chunk=chunk,
+            per_program=CHUNKS_PER_PROGRAM,
+            asm=None if temperature is None else not interpret,
+        ),
         grid=(S, programs),
         in_specs=[
             pl.BlockSpec((None, V), lambda s, p: (s, 0)),
@@ -82,7 +94,7 @@ def mass_above(
         name="mass_above",
     )(
         x.astype(jnp.float32),
-        jnp.stack([cut, top, wanted, wanted], axis=1).astype(jnp.float32),
+        jnp.stack([cut, top, wanted, wanted if temperature is None else temperature], axis=1).astype(jnp.float32),
         values.astype(jnp.float32),
     )
     return jnp.sum(parts, axis=1)

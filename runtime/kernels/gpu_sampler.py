@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..sampling.candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, pair_counts, pair_half
 from ..sampling.candidates import ordered_keys as _ordered
+from .gpu_division import over
 from .gpu_mass_above import mass_above
 
 PART = 2048  # values a `drawn` program perturbs
@@ -47,6 +49,12 @@ MASSES = int(os.environ.get("CAPSTAN_SAMPLER_MASSES", str(DRAWN)))
 OPEN, UNDECIDED = -1, -2  # choose's token for rows `drawn` takes, and rows only the fallback decides
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 NO_ID = jnp.iinfo(jnp.int32).max
+_Scale = Callable[[jax.Array, jax.Array], jax.Array]  # (loaded values, the row's temperature) -> the values drawn over
+
+
+def _as_is(x: jax.Array, t: jax.Array) -> jax.Array:
+    """The kernels' logits as loaded: the caller scaled them already."""
+    return x
 
 
 def threefry2x32(k0, k1, x0, x1):
@@ -108,12 +116,12 @@ def _select(bm_ref, which_ref, t0_ref):
     t0_ref[...] = jnp.full(t0_ref.shape, _value(t0_key), jnp.float32)
 
 
-def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int):
+def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int, scale: _Scale):
     top_p, min_p, greedy, z_row, t0 = f_ref[0], f_ref[1], f_ref[2] > 0, f_ref[3], f_ref[4]
     k, k0, k1 = k_ref[0], key_ref[0], key_ref[1]
     C = BLOCKS * BLOCK
     ids = which_ref[...][:, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]  # [BLOCKS, BLOCK] token ids
-    c = jnp.where(ids < vocab, x_ref[jnp.minimum(ids, vocab - 1)], -jnp.inf)
+    c = jnp.where(ids < vocab, scale(x_ref[jnp.minimum(ids, vocab - 1)], f_ref[5]), -jnp.inf)
     top_c = jnp.max(c)  # the row's largest value: its block is a candidate
     top = jnp.where(jnp.isfinite(top_c), top_c, 0.0)
     keys = _ordered(c)
@@ -162,7 +170,7 @@ def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vo
     out_i_ref[...] = jnp.where(slot2 == 0, token, (p_on & ~p_decided).astype(jnp.int32))
 
 
-def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, part: int):
+def _drawn(x_ref, f_ref, i_ref, key_ref, rowf_ref, y_ref, xs_ref, ids_ref, *, vocab: int, part: int, scale: _Scale):
     """A part's PER_PART best perturbed values (with their logits and ids) of a row `choose` left open. With an even
     vocabulary a part is `part` / 2 ids from the row's first half and their pair partners from the second, so one
     threefry call gives both ids' noise (candidates.pair_half); otherwise `part` consecutive ids, a call each."""
@@ -179,7 +187,8 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
             start = jnp.minimum(first, half - n)  # the last part is the half's last n ids, those before first masked
             lo = start + jnp.arange(n, dtype=jnp.int32)
             b0, b1 = threefry2x32(k0, k1, *pair_counts(lo, vocab)[:2])  # (lo, lo + half): both words used
-            x_lo, x_hi = x_ref[pl.ds(start, n)], x_ref[pl.ds(start + half, n)]
+            t = rowf_ref[5]
+            x_lo, x_hi = scale(x_ref[pl.ds(start, n)], t), scale(x_ref[pl.ds(start + half, n)], t)
             ids: tuple[jax.Array, ...] = (lo, lo + half)
             xv: tuple[jax.Array, ...] = (x_lo, x_hi)
             ys: tuple[jax.Array, ...] = tuple(
@@ -190,7 +199,7 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
             first = index * part
             start = jnp.minimum(first, vocab - part)  # the last part is the row's last `part` values, masked
             one = start + jnp.arange(part, dtype=jnp.int32)
-            x = x_ref[pl.ds(start, part)]
+            x = scale(x_ref[pl.ds(start, part)], rowf_ref[5])
             ids, xv = (one,), (x,)
             ys = (jnp.where((one >= first) & (x >= threshold), x + gumbel(k0, k1, one, vocab), -jnp.inf),)
         slot = jnp.arange(D)
@@ -222,19 +231,19 @@ def _drawn(x_ref, f_ref, i_ref, key_ref, y_ref, xs_ref, ids_ref, *, vocab: int, 
         ids_ref[...] = jnp.zeros((D,), jnp.int32)
 
 
-def _fold(x_ref, vocab: int, chunk: int, add, acc):
-    """acc through add(x, ids, acc) over a row ref in chunks of `chunk` values; the ragged end's values that a
-    whole chunk took are -inf."""
+def _fold(x_ref, vocab: int, chunk: int, load, add, acc):
+    """acc through add(x, ids, acc) over a row ref in chunks of `chunk` values, each as load(values) gives it; the
+    ragged end's values that a whole chunk took are -inf."""
 
     def step(i, acc):
         start = jnp.minimum(i * chunk, vocab - chunk)
         ids = start + jnp.arange(chunk, dtype=jnp.int32)
-        return add(jnp.where(ids >= i * chunk, x_ref[pl.ds(start, chunk)], -jnp.inf), ids, acc)
+        return add(jnp.where(ids >= i * chunk, load(x_ref[pl.ds(start, chunk)]), -jnp.inf), ids, acc)
 
     return jax.lax.fori_loop(0, -(-vocab // chunk), step, acc)
 
 
-def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chunk: int):
+def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chunk: int, scale: _Scale):
     """The sorted definition for a row the other kernels left undecided, by passes over the whole row: its top-k
     value and top-p threshold by bisection (a pass a step), then the Gumbel-max draw over what they keep. Slow
     (tens of passes), and rare: top-k beyond the candidates, ties across all of them, or top-p open past the 16
@@ -248,7 +257,7 @@ def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chun
     @pl.when(token < 0)
     def _():
         top_p, min_p, greedy, k = f_ref[0], f_ref[1], f_ref[2] > 0, k_ref[0]
-        fold = functools.partial(_fold, x_ref, vocab, chunk)
+        fold = functools.partial(_fold, x_ref, vocab, chunk, lambda x: scale(x, f_ref[5]))
         top = fold(lambda x, ids, m: jnp.maximum(m, jnp.max(x)), top_p * 0.0 - jnp.inf)
         floor_key = _ordered(top_p * 0.0 - jnp.inf)  # the key of -inf: every value is at or above it
         kk = jnp.where(k > 0, jnp.minimum(k, vocab), vocab)
@@ -257,10 +266,10 @@ def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chun
         )
         kth = _value(_largest_holding(floor_key, _ordered(top) + 1, lambda t: count_at_least(t) >= kk))
         kth = jnp.where(kk < vocab, kth, -jnp.inf)
-        scale = jnp.where(jnp.isfinite(top), top, 0.0)
-        z = fold(lambda x, ids, z: z + jnp.sum(jnp.where(x >= kth, jnp.exp(x - scale), 0.0)), top_p * 0.0)
+        shift = jnp.where(jnp.isfinite(top), top, 0.0)
+        z = fold(lambda x, ids, z: z + jnp.sum(jnp.where(x >= kth, jnp.exp(x - shift), 0.0)), top_p * 0.0)
         above = lambda t: fold(  # noqa: E731
-            lambda x, ids, m: m + jnp.sum(jnp.where((x >= kth) & (_ordered(x) > t), jnp.exp(x - scale), 0.0)),
+            lambda x, ids, m: m + jnp.sum(jnp.where((x >= kth) & (_ordered(x) > t), jnp.exp(x - shift), 0.0)),
             top_p * 0.0,
         )
         pth = _value(_largest_holding(floor_key - 1, _ordered(top), lambda t: above(t) / z >= top_p) + 1)
@@ -292,13 +301,17 @@ def draw(
     *,
     exact: bool = True,
     interpret: bool = False,
+    temperature: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Tokens [S] and whether each is decided, for rows x [S, V] whose blocks of BLOCK values have the maxima
     [S, ceil(V / BLOCK)] (more than BLOCKS); keys [S, 2] the rows' threefry key data. A row the candidates leave
     undecided (top-k beyond them, a tie across all of them, top-p open past the parts' best values) is decided
-    by the `_exact` kernel, or with exact=False left to the caller's fallback."""
+    by the `_exact` kernel, or with exact=False left to the caller's fallback. temperature [S]: x is the rows'
+    unscaled logits, each kernel dividing what it loads by it (no scaled copy of the logits is written), and
+    the maxima are those of x / temperature."""
     S, V = x.shape
     x = x.astype(jnp.float32)
+    scale: _Scale = _as_is if temperature is None else functools.partial(over, asm=not interpret)
     part = min(PART, 1 << (V.bit_length() - 1))  # a power of two no longer than the row
     width = 1 << (maxima.shape[1] - 1).bit_length()  # the maxima padded to a power of two
     maxima = jnp.pad(maxima.astype(jnp.float32), ((0, 0), (0, width - maxima.shape[1])), constant_values=-jnp.inf)
@@ -307,9 +320,15 @@ def draw(
     top = jnp.max(maxima, axis=1)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     whole = (top_p < 1.0) & ((top_k <= 0) | (top_k >= V))
-    z_row = mass_above(x, jnp.full((S,), -jnp.inf), top, jnp.full((S, 2), -jnp.inf), rows=whole, interpret=interpret)[
-        :, 0
-    ]
+    z_row = mass_above(
+        x,
+        jnp.full((S,), -jnp.inf),
+        top,
+        jnp.full((S, 2), -jnp.inf),
+        rows=whole,
+        interpret=interpret,
+        temperature=temperature,
+    )[:, 0]
     which, t0 = pl.pallas_call(
         _select,
         grid=(S,),
@@ -321,12 +340,13 @@ def draw(
         name="sampler_select",
     )(maxima)
     zero = jnp.zeros_like(top_p)
-    rowf = jnp.stack([top_p, min_p, greedy.astype(jnp.float32), z_row, t0[:, 0], zero, zero, zero], axis=1)
+    t = zero + 1.0 if temperature is None else temperature.astype(jnp.float32)
+    rowf = jnp.stack([top_p, min_p, greedy.astype(jnp.float32), z_row, t0[:, 0], t, zero, zero], axis=1)
     rowk = jnp.stack([top_k, jnp.zeros_like(top_k)], axis=1).astype(jnp.int32)
     keys = keys.astype(jnp.uint32)
     warps, stages = CHOOSE_TUNING
     out_f, out_i = pl.pallas_call(
-        functools.partial(_choose, vocab=V),
+        functools.partial(_choose, vocab=V, scale=scale),
         grid=(S,),
         in_specs=[row(V), row(BLOCKS), row(8), row(2), row(2)],
         out_specs=[row(4), row(2)],
@@ -341,16 +361,16 @@ def draw(
     warps, stages = DRAWN_TUNING
     part_spec = pl.BlockSpec((None, None, PER_PART), lambda s, p: (s, p, 0))
     ys, xs, js = pl.pallas_call(
-        functools.partial(_drawn, vocab=V, part=part),
+        functools.partial(_drawn, vocab=V, part=part, scale=scale),
         grid=(S, parts),
-        in_specs=[row(V), row(4), row(2), row(2)],
+        in_specs=[row(V), row(4), row(2), row(2), row(8)],
         out_specs=[part_spec] * 3,
         out_shape=[jax.ShapeDtypeStruct((S, parts, PER_PART), jnp.float32)] * 2
         + [jax.ShapeDtypeStruct((S, parts, PER_PART), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="sampler_drawn",
-    )(x, out_f, out_i, keys)
+    )(x, out_f, out_i, keys, rowf)
     # the row's best perturbed values in order, exact down to the largest of the parts' last reported values
     boundary = jnp.max(ys[:, :, -1], axis=1)
     n = min(MASSES, DRAWN, parts * PER_PART)
@@ -358,7 +378,7 @@ def draw(
     ids = jnp.take_along_axis(js.reshape(S, -1), order, axis=-1)
     xd = jnp.take_along_axis(xs.reshape(S, -1), order, axis=-1)
     in_order = (drawn > boundary[:, None]) | (jnp.arange(n) == 0)[None, :]
-    above = mass_above(x, kth, top, xd, rows=p_open, interpret=interpret) / z[:, None]
+    above = mass_above(x, kth, top, xd, rows=p_open, interpret=interpret, temperature=temperature) / z[:, None]
     kept = (drawn > -jnp.inf) & in_order & (~p_open[:, None] | (above < top_p[:, None]))
     opened = jnp.take_along_axis(ids, jnp.argmax(kept, axis=-1)[:, None], axis=-1)[:, 0]
     tokens = jnp.where(token >= 0, token, opened)
@@ -366,7 +386,7 @@ def draw(
     if not exact:
         return tokens, decided
     tokens = pl.pallas_call(  # the undecided rows by the definition, in a kernel: no lax.cond, no host round trip
-        functools.partial(_exact, vocab=V, chunk=part),
+        functools.partial(_exact, vocab=V, chunk=part, scale=scale),
         grid=(S,),
         in_specs=[row(V), row(8), row(2), row(2), row(2)],
         out_specs=row(2),

@@ -200,9 +200,17 @@ def _processed_sample(
     # temperature comes first, so the scaled copy is the buffer the bias is added into (the scatters would
     # otherwise copy the logits, which the log-probabilities still read: 82 us for 256 x 128k on an H100)
     name = filters_name(jax.default_backend())
-    maxima = None  # the kernels' block maxima, taken before the bias scatters where the host decided the branches
+    kernels: dict[str, jax.Array] = {}  # draw_by_kernels' block maxima (and temperature), where taken here
     how = premaxima()
-    if name == "kernels" and how and branches and branches.any_penalty is False and branches.any_constrained is False:
+    host_plain = name == "kernels" and branches and branches.any_penalty is False and branches.any_constrained is False
+    if host_plain and how == "load" and branches and branches.any_filter is True:
+        # the kernels read the raw logits with the bias and bans (vLLM's order: before the temperature; the scatters
+        # write into the logits' own buffer where no logprobs read them) and divide by the temperature as they
+        # load: no scaled copy written and read back. Division by t > 0 is monotone: x's block maxima over t are
+        # x / t's. (Only for a program that always filters: greedy rows' t is 1, and every row draws in a kernel.)
+        x = biased(logits, 1.0)
+        kernels = {"maxima": block_maxima(x) / t, "temperature": t[:, 0]}
+    elif host_plain and how in ("scaled", "raw"):
         # the block maxima of the scaled logits from the pass that scales them (so that XLA can fuse the reduction
         # into the divide, and the maxima need not read the scaled copy again: unmeasured), then the blocks the
         # bias and bans touched read again: exact, so the kernels' candidates are those of the final logits
@@ -210,7 +218,7 @@ def _processed_sample(
         maxima = block_maxima(y) if how == "scaled" else block_maxima(logits) / t  # monotone: the same maxima
         x = biased(y, t)
         maxima = refresh_maxima(maxima, x, b.bias_ids)
-        maxima = refresh_maxima(maxima, x, b.banned_ids)
+        kernels = {"maxima": refresh_maxima(maxima, x, b.banned_ids)}
     else:
         x = _branch(
             branches and branches.any_penalty,
@@ -221,7 +229,7 @@ def _processed_sample(
         )
     noise = RowNoise(row_keys(b), V)
     filtered = (
-        (lambda x: DRAWS[name](x, b, greedy, noise, **({} if maxima is None else {"maxima": maxima})))
+        (lambda x: DRAWS[name](x, b, greedy, noise, **kernels))
         if name in DRAWS
         else (lambda x: _draw_kept(FILTERS[name](x, b), greedy, noise))
     )
@@ -239,11 +247,14 @@ def premaxima() -> str:
     """How the kernels' block maxima are taken where the host decided a sampled batch without penalties or
     grammars: "" (the default) after the bias scatters, from the final logits; "scaled" from the scaled logits in
     the pass that scales them, "raw" from the raw logits over the temperature (both exact: the blocks the bias and
-    bans touched are taken again). Issue 64's item 2: not yet timed on a GPU, so off until
-    benchmarks/sampled_at_greedy_cost.sh has compared them. CAPSTAN_SAMPLER_PREMAXIMA picks one."""
+    bans touched are taken again); "load": no scaled copy at all, the kernels reading the raw logits with the bias
+    and bans and dividing by the temperature as they load (gpu_division.py), the maxima the raw ones over the
+    temperature. "scaled" and "raw" were timed on an H100 (benchmarks/RESULTS.md, thirty-eighth session: under 1%)
+    and stay off; "load" is not yet timed or run on a GPU (issue 64's item 2: the scaled copy is ~83 us of a 256-row
+    step), so off until benchmarks/sampled_at_greedy_cost.sh has compared it. CAPSTAN_SAMPLER_PREMAXIMA picks one."""
     how = os.environ.get("CAPSTAN_SAMPLER_PREMAXIMA", "")
-    if how not in ("scaled", "raw", ""):
-        raise ValueError(f"CAPSTAN_SAMPLER_PREMAXIMA={how!r}: not one of scaled, raw or empty")
+    if how not in ("scaled", "raw", "load", ""):
+        raise ValueError(f"CAPSTAN_SAMPLER_PREMAXIMA={how!r}: not one of scaled, raw, load or empty")
     return how
 
 
@@ -535,22 +546,26 @@ def draw_by_kernels(
     noise: RowNoise,
     fallback=None,
     maxima: jax.Array | None = None,
+    temperature: jax.Array | None = None,
 ) -> jax.Array:
     """draw_by_candidates' tokens from gpu_sampler's Pallas kernels, where each row does only the stages it needs
     (the candidate blocks and thresholds by bisection in registers, the vocabulary's noise only for rows whose
     kept set reaches past the candidates). The block maxima are XLA's. A row the candidates leave undecided is
     drawn by the definition in a kernel too, so the program has no lax.cond (whose predicate XLA:GPU copies to
     the host: see Branches); with `fallback` given (tests), a batch with such a row takes it instead. Off GPUs the
-    kernels are interpreted (tests only). maxima: x's block_maxima, where the caller took them already."""
+    kernels are interpreted (tests only). maxima: the block_maxima of the logits drawn over, where the caller took
+    them already. temperature [S]: x is unscaled, the logits drawn over x / temperature (divided as the kernels
+    load them: no scaled copy)."""
     from ..kernels.gpu_sampler import draw
 
     S, V = x.shape
     nb = -(-V // BLOCK)
+    scaled = x if temperature is None else x / temperature[:, None]  # written only where an XLA way reads it
     if nb <= BLOCKS:  # a small vocabulary: sorting it is the cheap way
-        return _draw((fallback or filters_by_sort)(x, b), greedy, noise)
+        return _draw((fallback or filters_by_sort)(scaled, b), greedy, noise)
     tokens, decided = draw(
         x,
-        block_maxima(x) if maxima is None else maxima,
+        block_maxima(scaled) if maxima is None else maxima,
         b.top_k,
         b.top_p,
         b.min_p,
@@ -558,10 +573,11 @@ def draw_by_kernels(
         noise.keys,
         exact=fallback is None,
         interpret=jax.default_backend() != "gpu",
+        temperature=temperature,
     )
     if fallback is None:  # the kernels decided every row (the undecided by the definition, in a kernel)
         return tokens
-    return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(x, b), greedy, noise))
+    return jax.lax.cond(jnp.all(decided), lambda: tokens, lambda: _draw(fallback(scaled, b), greedy, noise))
 
 
 def block_candidates(x: jax.Array) -> tuple[jax.Array, jax.Array]:
