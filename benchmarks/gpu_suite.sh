@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (see benchmarks/RESULTS.md): golden parity, bf16 prefill, throughput vs transformers.
 # Run from the repo root with the haliax wheels in .whl/ (`make gpu-wheels` here, then carry .whl):
-#   bash benchmarks/gpu_suite.sh [parity pagesize warmuptests asyncsched asyncpenalty hostprofile roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvmgpu gemvstep throughput8b onestreampeer quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
+#   bash benchmarks/gpu_suite.sh [parity pagesize warmuptests asyncsched asyncpenalty hostprofile roofline drycost samplertests kernels prefill throughput decodetrace sampledtrace layertrace fused onestream hlodump gemv gemvsweep gemvmgpu gemvstep xlaflags throughput8b onestreampeer quant kernelsweep specpeaked spec8b fp8profile profile peer peer8b structured grammar sampling sampler apitests speculative speculative32 tp tp70b tptrace serve dp multiturn tierpreempt tiercalls copyoverlap hosttransfer lora loragather loratrace lorafold loraslots lorahlo loraqkv lorafoldlayers loraserve lorapeft fp8kvparity fp8kvspeed fp8kv8b fp8kvcap fp8kvmixed (fp8kv: all five) pagewrites allreduce tpprocs hoststep]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # everything this script prints also goes to $OUT/gpu_suite.log as it is printed: a call cut at its limit brings
@@ -284,6 +284,18 @@ for part in $parts; do
         echo "--- CAPSTAN_FUSED_DECODE=$fused $shape"
         CAPSTAN_FUSED_DECODE=$fused python3 benchmarks/decode_profile.py --shape $shape --rows ${FUSED_ROWS:-1 256} \
           --context 384 --quick 2>&1 | grep --line-buffered -E "rows=|Error"; done; done ;;
+    # issue 64: the decode step (ms, multi-step; one row and 256) under XLA fusion options the `onestream` part did not
+    # try: more of the small kernels into Triton fusions, or the GEMMs' epilogues into cuDNN's. "|"-separated sets in
+    # XLAFLAG_SETS; a set naming a flag this build's XLA does not know (XLA_FLAGS=--help) is skipped, not fatal
+    xlaflags) known=$(XLA_FLAGS=--help python3 -c "import jax; jax.numpy.zeros(1)" 2>&1 | grep -oE -- '--xla_gpu[a-z0-9_]+' | sort -u)
+      sets=${XLAFLAG_SETS:-"|--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true|--xla_gpu_experimental_enable_fusion_block_level_rewriter=true|--xla_gpu_cudnn_gemm_fusion_level=2|--xla_gpu_enable_dynamic_slice_fusion=true"}
+      IFS='|' read -r -a flagsets <<< "$sets"
+      for flags in "${flagsets[@]}"; do missing=""
+        for f in $flags; do grep -qx -- "${f%%=*}" <<< "$known" || missing="$missing ${f%%=*}"; done
+        [ -n "$missing" ] && { echo "--- XLA_FLAGS='$flags' skipped: unknown to this XLA:$missing"; continue; }
+        for shape in ${XLAFLAG_SHAPES:-llama-3.2-1b}; do echo "--- $shape XLA_FLAGS='$flags'"
+          XLA_FLAGS="$flags" python3 benchmarks/decode_profile.py --shape $shape --rows ${XLAFLAG_ROWS:-1 256} --context 384 \
+            --quick 2>&1 | grep --line-buffered -E "rows=|Error"; done; done ;;
     # one stream's decode step (ms, multi-step) under XLA's GEMM and CUDA-graph options, and FP8's two small-batch paths
     onestream) for flags in "" "--xla_gpu_enable_triton_gemm=false" \
           "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
