@@ -7,9 +7,14 @@ GPUs the division is div.rn.f32 in inline assembly; interpreted (CPU tests), XLA
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
+
+Scale = Callable[[jax.Array, jax.Array], jax.Array]  # (loaded values, the row's temperature) -> the values drawn over
 
 
 def over(x: jax.Array, t: jax.Array, asm: bool) -> jax.Array:
@@ -24,3 +29,14 @@ def over(x: jax.Array, t: jax.Array, asm: bool) -> jax.Array:
         pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
     )[0]
+
+
+def as_loaded(x: jax.Array, t: jax.Array) -> jax.Array:
+    """The logits as loaded: the caller scaled them already."""
+    return x
+
+
+def scaling(temperature: jax.Array | None, interpret: bool) -> Scale:
+    """What a kernel applies to the logits it loads: nothing where the caller passes them scaled (no temperature),
+    else the division by the row's temperature."""
+    return as_loaded if temperature is None else functools.partial(over, asm=not interpret)

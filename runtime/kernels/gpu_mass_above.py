@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .gpu_division import over
+from .gpu_division import Scale, scaling
 
 CHUNK = 2048  # values a program takes at a time
 CHUNKS_PER_PROGRAM = 4  # a row's programs: one alone was latency-bound (0.16 ms for 85 rows of 128,256 on an H100)
@@ -26,7 +26,7 @@ if os.environ.get("CAPSTAN_MASS_ABOVE_TUNING"):  # "num_warps,num_stages,chunks_
     TUNING = (_warps, _stages)
 
 
-def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_program: int, asm: bool | None):
+def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_program: int, scale: Scale):
     cut, top = row_ref[0], row_ref[1]
     values = values_ref[...]  # [D]
     first = pl.program_id(1) * per_program  # interpreted kernels read program ids only outside conditions
@@ -41,9 +41,7 @@ def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_
 
         def add(i, acc):  # chunk first + i; the row's last is its last `chunk` values, less those before it took
             start = jnp.minimum((first + i) * chunk, vocab - chunk)
-            x = x_ref[pl.ds(start, chunk)]
-            if asm is not None:  # unscaled logits: divided by the row's temperature as loaded
-                x = over(x, row_ref[3], asm)
+            x = scale(x_ref[pl.ds(start, chunk)], row_ref[3])  # unscaled logits: divided by the temperature
             valid = start + lanes >= (first + i) * chunk
             w = jnp.where(valid & (x >= cut), jnp.exp(x - top), 0.0)  # the kept set's unnormalised probabilities
             return acc + jnp.sum(jnp.where(x[None, :] > values[:, None], w[None, :], 0.0), axis=1)
@@ -79,7 +77,7 @@ def mass_above(
             vocab=V,
             chunk=chunk,
             per_program=CHUNKS_PER_PROGRAM,
-            asm=None if temperature is None else not interpret,
+            scale=scaling(temperature, interpret),
         ),
         grid=(S, programs),
         in_specs=[

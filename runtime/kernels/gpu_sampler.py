@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..sampling.candidates import BLOCK, BLOCKS, DRAWN, gumbel_of_bits, pair_counts, pair_half
 from ..sampling.candidates import ordered_keys as _ordered
-from .gpu_division import over
+from .gpu_division import Scale, scaling
 from .gpu_mass_above import mass_above
 
 PART = 2048  # values a `drawn` program perturbs
@@ -49,12 +48,6 @@ MASSES = int(os.environ.get("CAPSTAN_SAMPLER_MASSES", str(DRAWN)))
 OPEN, UNDECIDED = -1, -2  # choose's token for rows `drawn` takes, and rows only the fallback decides
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 NO_ID = jnp.iinfo(jnp.int32).max
-_Scale = Callable[[jax.Array, jax.Array], jax.Array]  # (loaded values, the row's temperature) -> the values drawn over
-
-
-def _as_is(x: jax.Array, t: jax.Array) -> jax.Array:
-    """The kernels' logits as loaded: the caller scaled them already."""
-    return x
 
 
 def threefry2x32(k0, k1, x0, x1):
@@ -116,7 +109,7 @@ def _select(bm_ref, which_ref, t0_ref):
     t0_ref[...] = jnp.full(t0_ref.shape, _value(t0_key), jnp.float32)
 
 
-def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int, scale: _Scale):
+def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vocab: int, scale: Scale):
     top_p, min_p, greedy, z_row, t0 = f_ref[0], f_ref[1], f_ref[2] > 0, f_ref[3], f_ref[4]
     k, k0, k1 = k_ref[0], key_ref[0], key_ref[1]
     C = BLOCKS * BLOCK
@@ -170,7 +163,7 @@ def _choose(x_ref, which_ref, f_ref, k_ref, key_ref, out_f_ref, out_i_ref, *, vo
     out_i_ref[...] = jnp.where(slot2 == 0, token, (p_on & ~p_decided).astype(jnp.int32))
 
 
-def _drawn(x_ref, f_ref, i_ref, key_ref, rowf_ref, y_ref, xs_ref, ids_ref, *, vocab: int, part: int, scale: _Scale):
+def _drawn(x_ref, f_ref, i_ref, key_ref, rowf_ref, y_ref, xs_ref, ids_ref, *, vocab: int, part: int, scale: Scale):
     """A part's PER_PART best perturbed values (with their logits and ids) of a row `choose` left open. With an even
     vocabulary a part is `part` / 2 ids from the row's first half and their pair partners from the second, so one
     threefry call gives both ids' noise (candidates.pair_half); otherwise `part` consecutive ids, a call each."""
@@ -243,7 +236,7 @@ def _fold(x_ref, vocab: int, chunk: int, load, add, acc):
     return jax.lax.fori_loop(0, -(-vocab // chunk), step, acc)
 
 
-def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chunk: int, scale: _Scale):
+def _exact(x_ref, f_ref, k_ref, key_ref, token_ref, out_ref, *, vocab: int, chunk: int, scale: Scale):
     """The sorted definition for a row the other kernels left undecided, by passes over the whole row: its top-k
     value and top-p threshold by bisection (a pass a step), then the Gumbel-max draw over what they keep. Slow
     (tens of passes), and rare: top-k beyond the candidates, ties across all of them, or top-p open past the 16
@@ -311,7 +304,7 @@ def draw(
     the maxima are those of x / temperature."""
     S, V = x.shape
     x = x.astype(jnp.float32)
-    scale: _Scale = _as_is if temperature is None else functools.partial(over, asm=not interpret)
+    scale = scaling(temperature, interpret)
     part = min(PART, 1 << (V.bit_length() - 1))  # a power of two no longer than the row
     width = 1 << (maxima.shape[1] - 1).bit_length()  # the maxima padded to a power of two
     maxima = jnp.pad(maxima.astype(jnp.float32), ((0, 0), (0, width - maxima.shape[1])), constant_values=-jnp.inf)
