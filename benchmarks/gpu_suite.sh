@@ -252,7 +252,7 @@ for part in $parts; do
     pagewrites) python3 benchmarks/page_writes.py 2>&1 | grep --line-buffered -v Warning ;;
     kernelsweep) python3 benchmarks/attention_kernels.py --sweep 2>&1 | grep --line-buffered -v Warning ;;
     grammar) python3 benchmarks/grammar_mask.py 2>&1 | grep --line-buffered -v Warning ;;
-    # SAMPLING_PEAKED="0 4": also with the LM head's rows of 512 tokens scaled by 4 (peaked rows, top-1 ~0.1-0.4 as a
+    # SAMPLING_PEAKED="0 4": also with the LM head's rows of 512 tokens scaled by 4 (peaked rows, top-1 ~0.07-0.5 as a
     # trained model's: top-p decided among the candidates) beside random weights' flat rows (0, the default)
     sampling) for shape in ${SHAPES:-llama-3.2-1b qwen3-0.6b}; do for gain in ${SAMPLING_PEAKED:-0}; do
         for greedy in "" --all-greedy; do peak=$([ "$gain" = 0 ] || echo "-peaked$gain"); echo "--- $shape$peak mixed $greedy"

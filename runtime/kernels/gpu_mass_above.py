@@ -41,7 +41,7 @@ def _kernel(x_ref, row_ref, values_ref, out_ref, *, vocab: int, chunk: int, per_
 
         def add(i, acc):  # chunk first + i; the row's last is its last `chunk` values, less those before it took
             start = jnp.minimum((first + i) * chunk, vocab - chunk)
-            x = scale(x_ref[pl.ds(start, chunk)], row_ref[3])  # unscaled logits: divided by the temperature
+            x = scale(x_ref[pl.ds(start, chunk)], row_ref[3])  # (divided by the temperature where unscaled)
             valid = start + lanes >= (first + i) * chunk
             w = jnp.where(valid & (x >= cut), jnp.exp(x - top), 0.0)  # the kept set's unnormalised probabilities
             return acc + jnp.sum(jnp.where(x[None, :] > values[:, None], w[None, :], 0.0), axis=1)
